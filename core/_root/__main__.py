@@ -1,0 +1,3 @@
+from poolrunner.core.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,23 @@
+"""Core's own default hook implementations, registered as the plugin named ``core``.
+
+They are ``trylast``: any other plugin that answers ``pool`` or ``process_output`` wins.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from poolrunner.core.hookspec import hookimpl
+from poolrunner.core.output import OutputHandle, SyncOutputHandle
+from poolrunner.core.pooler import Pooler, PoolerOutput
+from poolrunner.core.types import PoolingMetadata
+
+
+@hookimpl(trylast=True)
+def pool(pooler: Pooler, hidden_states: torch.Tensor, metadata: PoolingMetadata) -> PoolerOutput:
+    return pooler(hidden_states, metadata)
+
+
+@hookimpl(trylast=True)
+def process_output(output: PoolerOutput) -> OutputHandle:
+    return SyncOutputHandle(output)

@@ -1,0 +1,118 @@
+"""The engine: admits requests, steps the scheduler and the runner, and hands back results."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from poolrunner.core.engine.batch import InputBatch
+from poolrunner.core.engine.request import RequestState
+from poolrunner.core.engine.runner import ModelRunner
+from poolrunner.core.engine.scheduler import Scheduler
+from poolrunner.core.errors import InvalidRequestError
+from poolrunner.core.hooks import Hooks
+from poolrunner.core.types import ModelConfig, PoolingRequest
+
+
+class Engine:
+    """Request lifecycle around a :class:`ModelRunner`.
+
+    ``add_request`` validates and admits; ``step`` runs one batch and returns the requests it
+    finished; every request that leaves (finished, aborted or failed) goes through the
+    ``remove_request`` hook exactly once.
+    """
+
+    def __init__(
+        self, runner: ModelRunner, scheduler: Scheduler, hooks: Hooks, model_config: ModelConfig,
+        device: torch.device,
+    ) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.hooks = hooks
+        self.model_config = model_config
+        self.device = device
+        self.requests: dict[str, RequestState] = {}
+
+    def add_request(self, request: PoolingRequest) -> None:
+        """Admit ``request``.
+
+        :raises InvalidRequestError: for a duplicate id, a prompt over ``max_model_len``, or
+            parameters the pooler rejects. Nothing is admitted then.
+        """
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in flight")
+        limit = self.model_config.max_model_len
+        if request.num_tokens > limit:
+            raise InvalidRequestError(
+                f"request {request.request_id!r} has {request.num_tokens} tokens, more than the "
+                f"maximum of {limit} (max_model_len of {self.model_config.name})"
+            )
+        if request.params.task not in self.runner.pooler.get_supported_tasks():
+            raise InvalidRequestError(
+                f"request {request.request_id!r} asks for task {request.params.task!r}, but this "
+                f"runtime serves {sorted(self.runner.pooler.get_supported_tasks())}"
+            )
+        self.runner.pooler.check_params(request.params)
+        state = RequestState(request=request)
+        self.requests[request.request_id] = state
+        try:
+            self.hooks.add_request(state=state)
+        except BaseException:
+            self._release(state)
+            raise
+        self.scheduler.add(state)
+
+    def abort_request(self, request_id: str) -> None:
+        """Remove a request wherever it is; unknown or already removed ids are ignored."""
+        state = self.requests.get(request_id)
+        if state is not None:
+            self.scheduler.remove(state)
+            self._release(state)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_waiting()
+
+    def step(self) -> list[tuple[str, torch.Tensor]]:
+        """Run one batch; return ``(request_id, output)`` for each request it finished.
+
+        If the step fails, its requests are removed (their ``remove_request`` hooks run) and
+        the error propagates; waiting requests stay queued.
+        """
+        scheduled = self.scheduler.schedule()
+        if not scheduled.requests:
+            return []
+        try:
+            batch = InputBatch.build(scheduled.requests, scheduled.num_scheduled_tokens, self.device)
+            outputs = self.runner.execute(batch).get_output()
+        except BaseException:
+            for state in scheduled.requests:
+                self._release(state)
+            raise
+        finished = []
+        for state, count, output in zip(scheduled.requests, scheduled.num_scheduled_tokens, outputs, strict=True):
+            state.num_computed_tokens += count
+            finished.append((state.request_id, output))
+            self._release(state)
+        return finished
+
+    def run(self, requests: Sequence[PoolingRequest]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Admit ``requests`` and yield ``(request_id, output)`` as each finishes.
+
+        All requests are validated before any runs. If the caller stops early or a step fails,
+        every remaining request of this call is aborted.
+        """
+        admitted: list[str] = []
+        try:
+            for request in requests:
+                self.add_request(request)
+                admitted.append(request.request_id)
+            while self.has_unfinished_requests():
+                yield from self.step()
+        finally:
+            for request_id in admitted:
+                self.abort_request(request_id)
+
+    def _release(self, state: RequestState) -> None:
+        if self.requests.pop(state.request_id, None) is not None:
+            self.hooks.remove_request(state=state)

@@ -1,0 +1,82 @@
+"""Typed facade over ``pm.hook``: the only code that calls hooks.
+
+``pm.hook.<name>()`` returns ``Any``; each method here gives the runner a typed, keyword-only
+call and merges collect-all results by the rule the spec documents.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from poolrunner.core.errors import PluginConflictError
+
+if TYPE_CHECKING:
+    import pluggy
+    import torch
+
+    from poolrunner.core.engine.batch import InputBatch
+    from poolrunner.core.engine.request import RequestState
+    from poolrunner.core.output import OutputHandle
+    from poolrunner.core.pooler import Pooler, PoolerOutput
+    from poolrunner.core.types import ModelConfig, PoolingMetadata, PoolingTask
+
+# Forward keyword arguments the runner sets itself; no plugin may return them.
+RUNNER_INPUT_KEYS = frozenset({"input_ids", "position_ids"})
+
+
+class Hooks:
+    """Calls the hooks of one plugin manager."""
+
+    def __init__(self, pm: pluggy.PluginManager) -> None:
+        self._pm = pm
+        self._hook = pm.hook
+
+    def supported_tasks(self, *, model_config: ModelConfig) -> frozenset[PoolingTask]:
+        results = self._hook.supported_tasks(model_config=model_config)
+        return frozenset(task for tasks in results for task in tasks)
+
+    def tasks_by_plugin(self, *, model_config: ModelConfig) -> dict[str, frozenset[PoolingTask]]:
+        """Each plugin's own answer to ``supported_tasks``, for error messages and listings."""
+        answers = {}
+        for impl in self._hook.supported_tasks.get_hookimpls():
+            kwargs = {"model_config": model_config} if impl.argnames else {}
+            answers[impl.plugin_name] = frozenset(impl.function(**kwargs) or ())
+        return answers
+
+    def _implementers(self, hook_name: str) -> list[str]:
+        return [impl.plugin_name for impl in getattr(self._hook, hook_name).get_hookimpls()]
+
+    def get_pooler(self, *, model_config: ModelConfig, task: PoolingTask) -> Pooler | None:
+        return self._hook.get_pooler(model_config=model_config, task=task)
+
+    def add_request(self, *, state: RequestState) -> None:
+        self._hook.add_request(state=state)
+
+    def remove_request(self, *, state: RequestState) -> None:
+        self._hook.remove_request(state=state)
+
+    def prepare_inputs(
+        self, *, batch: InputBatch, model_config: ModelConfig
+    ) -> dict[str, torch.Tensor]:
+        merged: dict[str, torch.Tensor] = {}
+        for result in self._hook.prepare_inputs(batch=batch, model_config=model_config):
+            if not isinstance(result, Mapping):
+                raise TypeError(f"prepare_inputs returned {type(result).__name__}, not a mapping")
+            for key, value in result.items():
+                if key in RUNNER_INPUT_KEYS or key in merged:
+                    raise PluginConflictError(
+                        f"prepare_inputs: two sources set the model input {key!r} (the runner "
+                        f"sets {sorted(RUNNER_INPUT_KEYS)}; plugins implementing this hook: "
+                        f"{self._implementers('prepare_inputs')}); disable one of them"
+                    )
+                merged[key] = value
+        return merged
+
+    def pool(
+        self, *, pooler: Pooler, hidden_states: torch.Tensor, metadata: PoolingMetadata
+    ) -> PoolerOutput:
+        return self._hook.pool(pooler=pooler, hidden_states=hidden_states, metadata=metadata)
+
+    def process_output(self, *, output: PoolerOutput, batch: InputBatch) -> OutputHandle:
+        return self._hook.process_output(output=output, batch=batch)

@@ -1,0 +1,159 @@
+"""Hook specifications for poolrunner plugins.
+
+The runner (:mod:`poolrunner.core.engine`) calls these through the typed facade in
+:mod:`poolrunner.core.hooks`, always with keyword arguments. Implement them with
+:data:`poolrunner.core.hookimpl`; request only the arguments you use.
+
+A request's life::
+
+    load        supported_tasks -> get_pooler              once per runtime
+    admit       add_request                                 once per request
+    each step   prepare_inputs -> model -> pool -> process_output
+    leave       remove_request                              finished or aborted
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:  # keep this module import-cheap: `poolrunner plugins` must not import torch
+    import torch
+
+    from poolrunner.core.engine.batch import InputBatch
+    from poolrunner.core.engine.request import RequestState
+    from poolrunner.core.output import OutputHandle
+    from poolrunner.core.pooler import Pooler, PoolerOutput
+    from poolrunner.core.types import ModelConfig, PoolingMetadata, PoolingTask
+
+PROJECT_NAME = "poolrunner"
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+"""Marks a plugin's hook implementations; re-exported as ``poolrunner.core.hookimpl``."""
+
+# ---- Load-time hooks: called once per runtime, before any request is accepted. ----
+
+
+@hookspec
+def supported_tasks(model_config: ModelConfig) -> Iterable[PoolingTask]:
+    """Name the tasks this plugin can serve for ``model_config``.
+
+    Called once at load. Results are collected from every plugin and joined; the runtime then
+    intersects that union with ``model_config.model_tasks`` (what the model itself can do).
+    A requested task outside the intersection fails the load with
+    :class:`~poolrunner.core.errors.UnsupportedTaskError`.
+
+    :param model_config: Frozen description of the loaded model.
+    :returns: The tasks served, possibly empty.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def get_pooler(model_config: ModelConfig, task: PoolingTask) -> Pooler | None:
+    """Return the pooler that computes ``task`` for ``model_config``.
+
+    Called once at load for the runtime's task. Stops at the first non-``None`` result
+    (pluggy ``firstresult``). Built-in implementations are ``trylast``, so an installed plugin
+    that returns a pooler takes precedence. Return ``None``, and do not raise, for tasks or
+    models you do not handle.
+
+    :param model_config: Frozen description of the loaded model.
+    :param task: The task the runtime serves.
+    :returns: A :class:`~poolrunner.core.pooler.Pooler`, or ``None`` to let the next plugin answer.
+
+    .. versionadded:: 0.1
+    """
+
+
+# ---- Request hooks: called as a request enters and leaves the engine. ----
+
+
+@hookspec
+def add_request(state: RequestState) -> None:
+    """Set up per-request state when a request is admitted.
+
+    Called once per request, after its parameters were checked and before it is first
+    scheduled. Results are ignored; every implementation is called. Keep per-request data in
+    ``state.plugin_data[<your plugin name>]``. Raising rejects the request: the engine then
+    calls ``remove_request`` for it and re-raises.
+
+    :param state: The request and its runner-owned state.
+    :returns: Nothing.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def remove_request(state: RequestState) -> None:
+    """Drop every per-request state when a request leaves the engine.
+
+    Called once per request when it finished **or** was aborted or rejected, so a request id
+    reused later never sees stale data. Implementations must be idempotent: calling twice
+    is harmless. Every implementation is called.
+
+    :param state: The request and its runner-owned state.
+    :returns: Nothing.
+
+    .. versionadded:: 0.1
+    """
+
+
+# ---- Step hooks: called for every forward pass. ----
+
+
+@hookspec
+def prepare_inputs(batch: InputBatch, model_config: ModelConfig) -> Mapping[str, torch.Tensor] | None:
+    """Contribute extra keyword arguments to this step's model forward.
+
+    Called every step, before the forward pass. Results are collected from every plugin and
+    merged; a key returned by two plugins (or one the runner sets itself: ``input_ids``,
+    ``position_ids``) raises :class:`~poolrunner.core.errors.PluginConflictError`. Tensors are
+    packed like ``batch.input_ids``: shape ``[num_tokens]``, on ``batch.device``; the runner adds
+    the leading batch dimension.
+
+    :param batch: The packed requests of this step.
+    :param model_config: Frozen description of the loaded model.
+    :returns: A mapping of forward keyword arguments, or ``None``.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def pool(
+    pooler: Pooler, hidden_states: torch.Tensor, metadata: PoolingMetadata
+) -> PoolerOutput | None:
+    """Turn one step's hidden states into per-request results.
+
+    Called every step, after the forward pass. Stops at the first non-``None`` result. Core's
+    default is ``trylast`` and calls ``pooler(hidden_states, metadata)``; implement this hook to
+    override pooling or, with ``wrapper=True``, to wrap it (timing, post-processing).
+
+    :param pooler: The runtime's pooler, as chosen by ``get_pooler``.
+    :param hidden_states: ``[num_tokens, hidden_size]`` in the model's dtype, packed.
+    :param metadata: Which rows belong to which request, and each request's params.
+    :returns: One result per request in packing order, or ``None``.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def process_output(output: PoolerOutput, batch: InputBatch) -> OutputHandle | None:
+    """Start moving a step's results to the CPU.
+
+    Called every step, after ``pool``. Stops at the first non-``None`` result. Core's default is
+    ``trylast`` and copies synchronously; a plugin may start non-blocking copies and return a
+    handle whose ``get_output()`` waits for them. ``get_output()`` is called exactly once.
+
+    :param output: The step's pooled results, on the model's device.
+    :param batch: The packed requests of this step.
+    :returns: An :class:`~poolrunner.core.output.OutputHandle`, or ``None``.
+
+    .. versionadded:: 0.1
+    """

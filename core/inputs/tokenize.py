@@ -1,0 +1,141 @@
+"""Turns user inputs (text or token ids) into validated ``prompt_token_ids``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+from poolrunner.core.errors import InvalidRequestError
+from poolrunner.core.types import ModelConfig, TruncationSide
+
+PromptInput = str | Sequence[int]
+"""A text, or an already tokenized prompt (special tokens included)."""
+
+
+class InputProcessor:
+    """Applies prompts, tokenization and truncation with sentence-transformers' and vLLM's rules.
+
+    * Text is tokenized as the model's tokenizer does, special tokens included; it is not
+      stripped (sentence-transformers strips, so compare against it with stripped text).
+    * A prompt is a literal prefix of the text: ``prompt``, or the model's named prompt
+      ``prompt_name`` (``config_sentence_transformers.json``), else its ``default_prompt_name``.
+    * ``truncate_prompt_tokens``: ``None`` never truncates (a longer input is an error naming
+      both lengths); ``k`` keeps ``k`` tokens, special tokens included; ``-1`` keeps the model
+      maximum. ``truncation_side`` picks which end is kept.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, model_config: ModelConfig) -> None:
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.vocab_size = int(model_config.hf_config.get("vocab_size") or len(tokenizer))
+
+    def resolve_prompt(self, prompt: str | None, prompt_name: str | None) -> str:
+        """The literal prefix to prepend to every text.
+
+        :raises InvalidRequestError: if both are given or ``prompt_name`` is unknown.
+        """
+        if prompt is not None and prompt_name is not None:
+            raise InvalidRequestError("pass either prompt or prompt_name, not both")
+        if prompt is not None:
+            return prompt
+        name = prompt_name or self.model_config.default_prompt_name
+        if name is None:
+            return ""
+        prompts = self.model_config.prompts
+        if name not in prompts:
+            raise InvalidRequestError(
+                f"prompt_name {name!r} is not defined by model {self.model_config.name}; "
+                f"defined: {sorted(prompts)}"
+            )
+        return prompts[name]
+
+    def check_truncation(self, truncate_prompt_tokens: int | None) -> int | None:
+        """The number of tokens to keep, or ``None`` for no truncation.
+
+        :raises InvalidRequestError: for 0, values below -1, or values above ``max_model_len``.
+        """
+        limit = self.model_config.max_model_len
+        if truncate_prompt_tokens is None:
+            return None
+        if isinstance(truncate_prompt_tokens, bool) or not isinstance(truncate_prompt_tokens, int):
+            raise InvalidRequestError(f"truncate_prompt_tokens must be an integer, got {truncate_prompt_tokens!r}")
+        if truncate_prompt_tokens == -1:
+            return limit
+        if not 1 <= truncate_prompt_tokens <= limit:
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens={truncate_prompt_tokens} is out of range: use -1 (the model "
+                f"maximum) or 1..{limit} (max_model_len of {self.model_config.name})"
+            )
+        return truncate_prompt_tokens
+
+    def encode(
+        self,
+        inputs: Sequence[PromptInput],
+        *,
+        prompt: str | None = None,
+        prompt_name: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: TruncationSide = "right",
+    ) -> list[tuple[int, ...]]:
+        """Tokenize ``inputs`` and check each against the model's limits.
+
+        :returns: One ``prompt_token_ids`` tuple per input, in order.
+        :raises InvalidRequestError: naming the input's index and the limit it breaks.
+        """
+        if truncation_side not in ("left", "right"):
+            raise InvalidRequestError(f"truncation_side must be 'left' or 'right', got {truncation_side!r}")
+        keep = self.check_truncation(truncate_prompt_tokens)
+        prefix = self.resolve_prompt(prompt, prompt_name)
+        texts = {i: item for i, item in enumerate(inputs) if isinstance(item, str)}
+        encoded = self._tokenize([prefix + text for text in texts.values()], keep, truncation_side)
+        by_index = dict(zip(texts, encoded, strict=True))
+        results = []
+        for index, item in enumerate(inputs):
+            if index in by_index:
+                ids = by_index[index]
+            elif prefix:
+                raise InvalidRequestError(f"input {index}: a prompt applies to text, not to token ids")
+            else:
+                ids = self._check_token_ids(index, item, keep, truncation_side)
+            results.append(self._check_length(index, ids))
+        return results
+
+    def _tokenize(self, texts: list[str], keep: int | None, side: TruncationSide) -> list[tuple[int, ...]]:
+        if not texts:
+            return []
+        self.tokenizer.truncation_side = side
+        encoded = self.tokenizer(
+            texts, add_special_tokens=True, truncation=keep is not None, max_length=keep,
+            return_attention_mask=False, return_token_type_ids=False,
+        )
+        return [tuple(ids) for ids in encoded["input_ids"]]
+
+    def _check_token_ids(
+        self, index: int, item: object, keep: int | None, side: TruncationSide
+    ) -> tuple[int, ...]:
+        if not isinstance(item, Sequence) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in item
+        ):
+            raise InvalidRequestError(f"input {index}: expected a string or a list of token ids, got {item!r:.80}")
+        bad = [t for t in item if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"input {index}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        ids = tuple(item)
+        if keep is not None and len(ids) > keep:
+            ids = ids[-keep:] if side == "left" else ids[:keep]
+        return ids
+
+    def _check_length(self, index: int, ids: tuple[int, ...]) -> tuple[int, ...]:
+        limit = self.model_config.max_model_len
+        if not ids:
+            raise InvalidRequestError(f"input {index} is empty: it has no tokens to pool")
+        if len(ids) > limit:
+            raise InvalidRequestError(
+                f"input {index} has {len(ids)} tokens, more than the maximum of {limit} "
+                f"(max_model_len of {self.model_config.name}); shorten it or pass "
+                "truncate_prompt_tokens (-1 keeps the maximum)"
+            )
+        return ids

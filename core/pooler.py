@@ -1,0 +1,44 @@
+"""The interface every pooler implements, whichever plugin provides it."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TypeAlias
+
+import torch
+from torch import nn
+
+from poolrunner.core.types import PoolingMetadata, PoolingParams, PoolingTask
+
+PoolerOutput: TypeAlias = torch.Tensor | list[torch.Tensor]
+"""One result per scheduled request, in packing order: either one tensor ``[num_reqs, ...]``
+when every result has the same shape, or a list with one tensor per request (heterogeneous
+shapes, such as mixed Matryoshka ``dimensions`` or per-token outputs)."""
+
+
+class Pooler(nn.Module, ABC):
+    """Turns a step's packed hidden states into per-request results.
+
+    A pooler is an ``nn.Module`` so that its weights (a Dense projection, a classifier head)
+    move with the model to its device and dtype. Plugins hand poolers to the runner from the
+    ``get_pooler`` hook.
+    """
+
+    @abstractmethod
+    def get_supported_tasks(self) -> frozenset[PoolingTask]:
+        """The tasks this pooler can compute."""
+
+    def check_params(self, params: PoolingParams) -> None:
+        """Reject parameters this pooler cannot honour, before the request is admitted.
+
+        :raises ValueError: naming the value and the allowed range.
+        """
+
+    @abstractmethod
+    def forward(self, hidden_states: torch.Tensor, metadata: PoolingMetadata) -> PoolerOutput:
+        """Pool one step.
+
+        :param hidden_states: ``[num_tokens, hidden_size]`` in the model's dtype, packed.
+        :param metadata: Which rows belong to which request, and each request's params.
+        :returns: One result per request, in packing order (see :data:`PoolerOutput`).
+        """

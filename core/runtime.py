@@ -1,0 +1,195 @@
+"""The Python API: load a model once, then embed (and, later, classify, score, encode)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from poolrunner.core.config import ModelOverrides, RuntimeConfig
+from poolrunner.core.engine.engine import Engine
+from poolrunner.core.engine.runner import ModelRunner
+from poolrunner.core.engine.scheduler import Scheduler
+from poolrunner.core.errors import InvalidRequestError, UnsupportedTaskError
+from poolrunner.core.hooks import Hooks
+from poolrunner.core.inputs.tokenize import InputProcessor, PromptInput
+from poolrunner.core.manager import PoolrunnerPluginManager, build_plugin_manager
+from poolrunner.core.model import loader, metadata
+from poolrunner.core.model.tasks import default_task
+from poolrunner.core.types import ModelConfig, PoolingParams, PoolingRequest, PoolingTask, TruncationSide
+
+logger = logging.getLogger(__name__)
+
+
+class Runtime:
+    """A loaded pooling model with its plugins, ready to serve requests.
+
+    Example::
+
+        from poolrunner import Runtime
+        runtime = Runtime()  # all-MiniLM-L6-v2, shipped with poolrunner
+        vectors = runtime.embed(["A cat sat.", "A dog ran."])  # float32 [2, 384]
+
+    :param model: Local model folder; ``None`` loads the default model (all-MiniLM-L6-v2).
+    :param task: Task to serve; ``None`` picks the model's default (vLLM's order).
+    :param dtype: ``auto``, ``float32``, ``bfloat16`` or ``float16``.
+    :param device: ``auto`` (CUDA when present, else CPU) or a torch device string.
+    :param plugins: Extra plugin objects to register, beside built-ins and entry points.
+    :param load_entrypoints: Load the ``poolrunner.plugins`` entry-point group.
+    :param disable_plugins: Names of plugins to leave out (built-ins too).
+    :param max_num_batched_tokens: Token budget of one forward pass.
+    :param max_num_seqs: Most requests in one forward pass.
+    :param pooling_type: Override the model's sequence pooling (``CLS``, ``MEAN``, ``LAST``).
+    :param normalize: Override the model's default normalization.
+    :param max_model_len: Lower the longest accepted prompt, in tokens.
+    :param is_matryoshka: Accept ``dimensions`` although the model's config does not declare it.
+    :param matryoshka_dimensions: The allowed ``dimensions`` (implies ``is_matryoshka``).
+    :raises ModelLoadError: if the folder cannot be loaded.
+    :raises UnsupportedTaskError: if ``task`` is not served for this model by the plugins.
+    :raises PluginLoadError: if a plugin fails to import or names an unknown hook.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        task: PoolingTask | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        plugins: Sequence[object] = (),
+        load_entrypoints: bool = True,
+        disable_plugins: Collection[str] = (),
+        max_num_batched_tokens: int = 8192,
+        max_num_seqs: int = 256,
+        pooling_type: str | None = None,
+        normalize: bool | None = None,
+        max_model_len: int | None = None,
+        is_matryoshka: bool | None = None,
+        matryoshka_dimensions: Sequence[int] | None = None,
+    ) -> None:
+        self.config = RuntimeConfig(
+            model=None if model is None else os.fspath(model), task=task, dtype=dtype,
+            device=device, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            overrides=ModelOverrides(
+                pooling_type=pooling_type, normalize=normalize, max_model_len=max_model_len,
+                is_matryoshka=is_matryoshka, matryoshka_dimensions=matryoshka_dimensions,
+            ),
+        )
+        self.plugin_manager: PoolrunnerPluginManager = build_plugin_manager(
+            plugins=plugins, load_entrypoints=load_entrypoints, disable=disable_plugins
+        )
+        hooks = Hooks(self.plugin_manager)
+        path = metadata.resolve_model_path(self.config.model)
+        hf_config = metadata.load_hf_config(path)
+        tokenizer = loader.load_tokenizer(path)
+        self.model_config: ModelConfig = metadata.load_model_config(
+            path, hf_config, tokenizer.model_max_length, self.config.overrides
+        )
+        self.task: PoolingTask = self._check_task(hooks, self.config.task)
+        self.device = loader.resolve_device(self.config.device)
+        self.dtype = loader.resolve_dtype(self.config.dtype, hf_config, self.device)
+        pooler = hooks.get_pooler(model_config=self.model_config, task=self.task)
+        if pooler is None:
+            raise UnsupportedTaskError(
+                f"no plugin returned a pooler for task {self.task!r} of model {self.model_config.name}"
+            )
+        model_module = loader.load_model(path, hf_config, self.dtype, self.device)
+        self.inputs = InputProcessor(tokenizer, self.model_config)
+        self.engine = Engine(
+            ModelRunner(model_module, pooler.to(self.device), hooks, self.model_config),
+            Scheduler(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
+            hooks, self.model_config, self.device,
+        )
+        self._request_ids = itertools.count()
+        logger.info("loaded %s (%s) for task %r on %s as %s", path, self.model_config.architecture,
+                    self.task, self.device, self.dtype)
+
+    def embed(
+        self,
+        texts: PromptInput | Sequence[PromptInput],
+        *,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: TruncationSide = "right",
+        prompt: str | None = None,
+        prompt_name: str | None = None,
+        show_progress_bar: bool = False,
+    ) -> np.ndarray:
+        """Embed texts (or token-id lists) into one float32 vector each.
+
+        :param texts: One input or a sequence of them; a text is tokenized with the model's
+            tokenizer (special tokens added), a list of ints is used as ``prompt_token_ids``.
+        :param dimensions: Matryoshka size ``d``: keep ``[:d]``, then normalize. Only for
+            Matryoshka models; ``1 <= d <= embedding_size``.
+        :param normalize: L2-normalize; ``None`` keeps the model's default.
+        :param truncate_prompt_tokens: ``None``: no truncation (longer input is an error);
+            ``k``: keep ``k`` tokens; ``-1``: keep the model maximum.
+        :param truncation_side: ``right`` keeps the start, ``left`` keeps the end.
+        :param prompt: Literal prefix for every text.
+        :param prompt_name: Name of one of the model's prompts.
+        :param show_progress_bar: Show a tqdm bar over finished inputs.
+        :returns: ``[num_inputs, d]`` float32 for a sequence of inputs, ``[d]`` for a single text.
+        :raises InvalidRequestError: naming the input and the limit it breaks; nothing runs then.
+        """
+        single = isinstance(texts, str)
+        inputs: list[PromptInput] = [texts] if single else list(texts)  # type: ignore[list-item]
+        if not inputs:
+            return np.zeros((0, self.model_config.embedding_size), dtype=np.float32)
+        params = PoolingParams(task="embed", dimensions=dimensions, normalize=normalize)
+        outputs = self._run(inputs, params, truncate_prompt_tokens, truncation_side, prompt,
+                            prompt_name, show_progress_bar)
+        vectors = np.stack([output.numpy() for output in outputs]).astype(np.float32, copy=False)
+        return vectors[0] if single else vectors
+
+    def _run(
+        self, inputs: list[PromptInput], params: PoolingParams, truncate_prompt_tokens: int | None,
+        truncation_side: TruncationSide, prompt: str | None, prompt_name: str | None,
+        show_progress_bar: bool,
+    ) -> list[torch.Tensor]:
+        if params.task != self.task:
+            raise InvalidRequestError(f"this runtime serves task {self.task!r}, not {params.task!r}")
+        token_ids = self.inputs.encode(
+            inputs, prompt=prompt, prompt_name=prompt_name,
+            truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side,
+        )
+        requests = [
+            PoolingRequest(request_id=f"{params.task}-{next(self._request_ids)}", prompt_token_ids=ids, params=params)
+            for ids in token_ids
+        ]
+        position = {request.request_id: i for i, request in enumerate(requests)}
+        results: list[Any] = [None] * len(requests)
+        with tqdm(total=len(requests), disable=not show_progress_bar, unit="input") as bar:
+            for request_id, output in self.engine.run(requests):
+                results[position[request_id]] = output
+                bar.update()
+        return results
+
+    def _check_task(self, hooks: Hooks, requested: PoolingTask | None) -> PoolingTask:
+        served = hooks.supported_tasks(model_config=self.model_config)
+        supported = self.model_config.model_tasks & served
+        task = requested or default_task(self.model_config.architecture, supported)
+        if task is not None and task in supported:
+            return task
+        by_plugin = hooks.tasks_by_plugin(model_config=self.model_config)
+        plugins = ", ".join(
+            f"{self.plugin_manager.plugin_info(name).describe()} serves {sorted(tasks)}"
+            for name, tasks in by_plugin.items()
+        )
+        asked = f"task {requested!r}" if requested else "any task"
+        raise UnsupportedTaskError(
+            f"model {self.model_config.name!r} ({self.model_config.architecture}) does not support "
+            f"{asked}. Supported: {sorted(supported)}. The model itself can do "
+            f"{sorted(self.model_config.model_tasks)}; pooling plugins: {plugins or 'none'}. "
+            "Pick a supported task, or install a plugin that serves it (see `poolrunner plugins`)."
+        )
+
+    def plugin_infos(self) -> list:
+        return self.plugin_manager.plugin_infos()

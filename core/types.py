@@ -1,0 +1,212 @@
+"""Frozen value objects that cross the hook boundary.
+
+Everything a plugin receives is immutable (attrs ``@frozen``), so no plugin can change another
+plugin's input; derive variants with :func:`attrs.evolve`. Runner-owned mutable state lives in
+:mod:`poolrunner.core.engine.request`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+from attrs import converters, field, frozen, validators
+
+if TYPE_CHECKING:
+    import torch
+
+PoolingTask = Literal["embed", "classify", "token_embed", "token_classify", "embed&token_classify"]
+"""What a request asks of a model: one vector, one label distribution, per-token vectors,
+per-token distributions, or a dense vector plus per-token weights (BGE-M3 style)."""
+
+POOLING_TASKS: tuple[PoolingTask, ...] = get_args(PoolingTask)
+
+# vLLM's order of preference when the user names no task (see ModelConfig.default_task).
+TASK_PREFERENCE: tuple[PoolingTask, ...] = (
+    "embed&token_classify", "embed", "classify", "token_embed", "token_classify",
+)
+
+PoolingType = Literal["CLS", "MEAN", "LAST", "ALL", "STEP"]
+"""How hidden states become an output: first token, masked mean (fp32), last real token,
+every token, or only step-tag tokens (process-reward models)."""
+
+POOLING_TYPES: tuple[PoolingType, ...] = get_args(PoolingType)
+
+TruncationSide = Literal["left", "right"]
+
+
+def _frozen_mapping(value: Mapping[Any, Any] | None) -> Mapping[Any, Any]:
+    return MappingProxyType(dict(value or {}))
+
+
+@frozen(kw_only=True)
+class PoolingParams:
+    """Per-request pooling options.
+
+    :ivar task: The pooling task this request asks for.
+    :ivar dimensions: Matryoshka output size ``d``: the pooled vector is sliced to ``[:d]`` and
+        then normalized (when normalization is on). Only Matryoshka models accept it; checked
+        against the model when the request is admitted. ``None`` keeps the full size.
+    :ivar normalize: L2-normalize the output. ``None`` uses the model's default (on for
+        ``embed``, unless a sentence-transformers folder has no ``Normalize`` module).
+    """
+
+    task: PoolingTask = field(validator=validators.in_(POOLING_TASKS))
+    dimensions: int | None = field(
+        default=None, validator=validators.optional([validators.instance_of(int), validators.gt(0)])
+    )
+    normalize: bool | None = field(
+        default=None, validator=validators.optional(validators.instance_of(bool))
+    )
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    return tuple(int(token) for token in value)
+
+
+@frozen(kw_only=True)
+class PoolingRequest:
+    """One tokenized input and what to compute from it.
+
+    :ivar request_id: Unique among the requests in flight.
+    :ivar prompt_token_ids: Token ids, ``[num_tokens]``, special tokens included; at least one.
+    :ivar token_type_ids: Optional segment ids of the same length (paired inputs of encoders).
+    :ivar params: The pooling options.
+    :raises ValueError: On an empty prompt or mismatched ``token_type_ids`` length.
+    """
+
+    request_id: str = field(validator=validators.min_len(1))
+    prompt_token_ids: tuple[int, ...] = field(converter=_token_ids, validator=validators.min_len(1))
+    token_type_ids: tuple[int, ...] | None = field(
+        default=None, converter=converters.optional(_token_ids)
+    )
+    params: PoolingParams = field(validator=validators.instance_of(PoolingParams))
+
+    @token_type_ids.validator
+    def _same_length(self, _attribute: Any, value: tuple[int, ...] | None) -> None:
+        if value is not None and len(value) != len(self.prompt_token_ids):
+            raise ValueError(
+                f"request {self.request_id!r}: token_type_ids has {len(value)} entries but "
+                f"prompt_token_ids has {len(self.prompt_token_ids)}"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@frozen(kw_only=True)
+class DenseLayerSpec:
+    """A sentence-transformers ``Dense`` module applied after pooling: ``y = act(W x + b)``.
+
+    :ivar path: Folder holding the layer's weights (``model.safetensors`` or ``pytorch_model.bin``).
+    :ivar activation: Name of an activation class under ``torch.nn`` (``"Identity"``, ``"Tanh"``...).
+    """
+
+    path: str
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: str
+
+
+@frozen(kw_only=True)
+class ModelConfig:
+    """What poolrunner knows about the loaded model, without any transformers object.
+
+    Built once at load by :func:`poolrunner.core.model.metadata.load_model_config` from the
+    folder's ``config.json`` and, when present, its sentence-transformers files; explicit user
+    settings override both.
+
+    :ivar name: How the model is shown to users (its folder path).
+    :ivar architecture: ``config.architectures[0]``, e.g. ``"BertModel"``.
+    :ivar hidden_size: Width of the backbone's hidden states.
+    :ivar embedding_size: Width of the ``embed`` output before any Matryoshka slice (after Dense).
+    :ivar max_model_len: Longest accepted prompt, in tokens.
+    :ivar is_causal: Decoder (causal attention) rather than encoder (bidirectional).
+    :ivar model_tasks: Tasks the model itself can do (from its head); plugins decide which are served.
+    :ivar pooling_type: Default sequence pooling for ``embed``.
+    :ivar normalize: Default of :attr:`PoolingParams.normalize` for ``embed``.
+    :ivar matryoshka_dimensions: Allowed ``dimensions`` when the model declares a list.
+    :ivar is_matryoshka: Whether ``dimensions`` is accepted at all.
+    :ivar dense_layers: sentence-transformers Dense projections, applied in order after pooling.
+    :ivar prompts: Named prompt prefixes (``config_sentence_transformers.json``).
+    :ivar default_prompt_name: Prompt used when the caller names none.
+    :ivar hf_config: The raw ``config.json`` contents, read-only, for plugins that need more.
+    """
+
+    name: str
+    path: str
+    architecture: str
+    model_type: str
+    hidden_size: int
+    embedding_size: int
+    max_model_len: int
+    is_causal: bool
+    model_tasks: frozenset[PoolingTask] = field(converter=frozenset)
+    pooling_type: PoolingType = field(validator=validators.in_(POOLING_TYPES))
+    normalize: bool = True
+    matryoshka_dimensions: tuple[int, ...] | None = field(
+        default=None, converter=converters.optional(tuple)
+    )
+    is_matryoshka: bool = False
+    dense_layers: tuple[DenseLayerSpec, ...] = field(default=(), converter=tuple)
+    prompts: Mapping[str, str] = field(
+        factory=dict, converter=_frozen_mapping, eq=False, hash=False
+    )
+    default_prompt_name: str | None = None
+    hf_config: Mapping[str, Any] = field(
+        factory=dict, converter=_frozen_mapping, eq=False, hash=False, repr=False
+    )
+
+
+@frozen(kw_only=True, eq=False)
+class PoolingMetadata:
+    """The scheduled requests of one step, as a pooler sees them.
+
+    Tokens of all requests are packed in one flat tensor without padding; request ``i`` owns
+    rows ``query_start_loc[i]:query_start_loc[i + 1]`` of the hidden states.
+
+    :ivar request_ids: One per scheduled request, in packing order.
+    :ivar pooling_params: One per scheduled request, in packing order.
+    :ivar prompt_lens: ``[num_reqs]`` int64 on the CPU: each request's token count.
+    :ivar query_start_loc: ``[num_reqs + 1]`` int64 on the model's device: row offsets.
+    :ivar prompt_token_ids: ``[num_tokens]`` int64 on the model's device: the packed ids.
+    """
+
+    request_ids: tuple[str, ...]
+    pooling_params: tuple[PoolingParams, ...]
+    prompt_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    prompt_token_ids: torch.Tensor
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.request_ids)
+
+
+PluginSource = Literal["builtin", "entrypoint", "programmatic"]
+
+
+@frozen(kw_only=True)
+class PluginInfo:
+    """A registered plugin as ``poolrunner plugins`` lists it.
+
+    :ivar name: Registration name; also the name used to disable it.
+    :ivar source: ``builtin`` (ships with poolrunner), ``entrypoint`` (``poolrunner.plugins``
+        group) or ``programmatic`` (passed in code).
+    :ivar dist: Distribution that provides it, when known.
+    :ivar version: That distribution's version, when known.
+    :ivar hooks: Names of the hooks it implements, sorted.
+    """
+
+    name: str
+    source: PluginSource
+    dist: str | None = None
+    version: str | None = None
+    hooks: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        origin = f"{self.dist} {self.version}" if self.dist else self.source
+        return f"{self.name} ({origin})"

@@ -1,0 +1,125 @@
+"""The pooler of the ``embed`` task: pool -> Dense -> Matryoshka slice -> L2 normalize."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from poolrunner.core import (
+    DenseLayerSpec,
+    InvalidRequestError,
+    ModelConfig,
+    ModelLoadError,
+    Pooler,
+    PoolerOutput,
+    PoolingMetadata,
+    PoolingParams,
+    PoolingTask,
+)
+
+from .methods import POOLING_METHODS
+
+
+class EmbeddingPooler(Pooler):
+    """One embedding per request, in the order sentence-transformers applies its modules.
+
+    Pooling (CLS, MEAN or LAST, per ``model_config.pooling_type``) is followed by the folder's
+    Dense projections, then the Matryoshka slice ``[:dimensions]``, then L2 normalization when
+    it is on: a sliced vector has norm 1 and equals ``normalize(full[:dimensions])``.
+    """
+
+    def __init__(self, model_config: ModelConfig, dense_layers: list[nn.Module]) -> None:
+        super().__init__()
+        if model_config.pooling_type not in POOLING_METHODS:
+            raise ModelLoadError(
+                f"pooling_type {model_config.pooling_type!r} cannot pool a sequence; "
+                f"use one of {sorted(POOLING_METHODS)}"
+            )
+        self.model_config = model_config
+        self.method = POOLING_METHODS[model_config.pooling_type]
+        self.dense = nn.Sequential(*dense_layers)
+
+    @classmethod
+    def from_model_config(cls, model_config: ModelConfig) -> EmbeddingPooler:
+        return cls(model_config, [_load_dense(spec) for spec in model_config.dense_layers])
+
+    def get_supported_tasks(self) -> frozenset[PoolingTask]:
+        return frozenset({"embed"})
+
+    def check_params(self, params: PoolingParams) -> None:
+        """Accept ``dimensions`` only for Matryoshka models, within ``1..embedding_size`` and
+        the declared list.
+
+        :raises InvalidRequestError: naming the model, the value and what is allowed.
+        """
+        dims = params.dimensions
+        if dims is None:
+            return
+        config = self.model_config
+        if not config.is_matryoshka:
+            raise InvalidRequestError(
+                f"model {config.name} does not support Matryoshka dimensions (got dimensions={dims}): "
+                "its config declares neither is_matryoshka nor matryoshka_dimensions; load it "
+                "with is_matryoshka=True to allow it"
+            )
+        if not 1 <= dims <= config.embedding_size:
+            raise InvalidRequestError(
+                f"dimensions={dims} is out of range for model {config.name}: 1..{config.embedding_size}"
+            )
+        allowed = config.matryoshka_dimensions
+        if allowed and dims not in allowed:
+            raise InvalidRequestError(
+                f"dimensions={dims} is not one of the Matryoshka dimensions of model {config.name}: "
+                f"{list(allowed)}"
+            )
+
+    def forward(self, hidden_states: torch.Tensor, metadata: PoolingMetadata) -> PoolerOutput:
+        pooled = self.dense(self.method(hidden_states, metadata.query_start_loc))
+        settings = [self._settings(p) for p in metadata.pooling_params]
+        if len(set(settings)) == 1:  # the common case: one tensor op for the whole step
+            return _finish(pooled, *settings[0])
+        return [_finish(row, *s) for row, s in zip(pooled, settings, strict=True)]
+
+    def _settings(self, params: PoolingParams) -> tuple[int | None, bool]:
+        normalize = self.model_config.normalize if params.normalize is None else params.normalize
+        return params.dimensions, normalize
+
+
+def _finish(pooled: torch.Tensor, dimensions: int | None, normalize: bool) -> torch.Tensor:
+    """Slice first, then normalize (infinity once normalized before slicing: wrong norms)."""
+    if dimensions is not None:
+        pooled = pooled[..., :dimensions]
+    return F.normalize(pooled, p=2, dim=-1) if normalize else pooled
+
+
+class _Dense(nn.Module):
+    """A sentence-transformers Dense module: ``activation(linear(x))``, in float32."""
+
+    def __init__(self, spec: DenseLayerSpec) -> None:
+        super().__init__()
+        self.linear = nn.Linear(spec.in_features, spec.out_features, bias=spec.bias)
+        activation = getattr(nn, spec.activation, None)
+        if not (isinstance(activation, type) and issubclass(activation, nn.Module)):
+            raise ModelLoadError(f"{spec.path}: activation {spec.activation!r} is not a torch.nn module")
+        self.activation = activation()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.activation(self.linear(x))
+
+
+def _load_dense(spec: DenseLayerSpec) -> nn.Module:
+    layer = _Dense(spec)
+    folder = Path(spec.path)
+    if (folder / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        state = load_file(folder / "model.safetensors")
+    elif (folder / "pytorch_model.bin").is_file():
+        state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise ModelLoadError(f"{folder}: Dense module has no model.safetensors or pytorch_model.bin")
+    layer.load_state_dict({k: v.float() for k, v in state.items()})
+    return layer
