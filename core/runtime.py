@@ -16,7 +16,7 @@ from poolrunner.core.config import ModelOverrides, RuntimeConfig
 from poolrunner.core.engine.engine import Engine
 from poolrunner.core.engine.runner import ModelRunner
 from poolrunner.core.engine.scheduler import Scheduler
-from poolrunner.core.errors import InvalidRequestError, UnsupportedTaskError
+from poolrunner.core.errors import UnsupportedTaskError
 from poolrunner.core.hooks import Hooks
 from poolrunner.core.inputs.tokenize import InputProcessor, PromptInput
 from poolrunner.core.manager import PoolrunnerPluginManager, build_plugin_manager
@@ -154,8 +154,6 @@ class Runtime:
         truncation_side: TruncationSide, prompt: str | None, prompt_name: str | None,
         show_progress_bar: bool,
     ) -> list[torch.Tensor]:
-        if params.task != self.task:
-            raise InvalidRequestError(f"this runtime serves task {self.task!r}, not {params.task!r}")
         token_ids = self.inputs.encode(
             inputs, prompt=prompt, prompt_name=prompt_name,
             truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side,
@@ -190,6 +188,3 @@ class Runtime:
             f"{sorted(self.model_config.model_tasks)}; pooling plugins: {plugins or 'none'}. "
             "Pick a supported task, or install a plugin that serves it (see `poolrunner plugins`)."
         )
-
-    def plugin_infos(self) -> list:
-        return self.plugin_manager.plugin_infos()

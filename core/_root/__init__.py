@@ -7,4 +7,6 @@ The package root re-exports the public API of :mod:`poolrunner.core`; built-in p
 from poolrunner.core import *  # noqa: F403
 from poolrunner.core import __all__ as __all__
 
-__version__ = "0.1.0"
+import importlib_metadata
+
+__version__ = importlib_metadata.version("poolrunner")

@@ -7,7 +7,7 @@ from torch import nn
 
 from poolrunner.core.engine.batch import InputBatch
 from poolrunner.core.hooks import Hooks
-from poolrunner.core.model.attention import SPANS_KWARG
+from poolrunner.core.model.attention import LAYOUT_KWARG, PackedLayout
 from poolrunner.core.output import OutputHandle
 from poolrunner.core.pooler import Pooler
 from poolrunner.core.types import ModelConfig, PoolingMetadata
@@ -39,12 +39,12 @@ class ModelRunner:
     def forward(self, batch: InputBatch) -> torch.Tensor:
         """The backbone's last hidden states, ``[num_tokens, hidden_size]``."""
         extra = self.hooks.prepare_inputs(batch=batch, model_config=self.model_config)
-        offsets = batch.query_start_loc_cpu.tolist()
+        layout = PackedLayout.build(batch.num_scheduled_tokens, batch.device)
         outputs = self.backbone(
             input_ids=batch.input_ids.unsqueeze(0),
             position_ids=batch.positions.unsqueeze(0),
             use_cache=False,
-            **{SPANS_KWARG: list(zip(offsets[:-1], offsets[1:]))},
+            **{LAYOUT_KWARG: layout},
             **{key: value.unsqueeze(0) for key, value in extra.items()},
         )
         return outputs[0][0]

@@ -2,9 +2,13 @@
 
 Registered in transformers' attention-interface registry under :data:`ATTENTION_NAME`, so any
 architecture whose transformers modelling code dispatches through ``ALL_ATTENTION_FUNCTIONS``
-runs on packed inputs: the tokens of all requests form one sequence ``[1, num_tokens]`` and this
-function keeps each request's attention inside its own span (causal or bidirectional, as the
-layer says). No padding is computed and no ``[num_tokens, num_tokens]`` mask is built.
+runs on packed inputs: the tokens of all requests form one sequence ``[1, num_tokens]``, and
+attention stays inside each request's span (causal or bidirectional, as the layer says).
+
+Linear layers see only real tokens. Attention itself is computed in a few fused calls: requests
+of similar length are grouped, padded to the group's longest and masked, which is far faster on
+the CPU than one small kernel call per request while bounding the padded work (see
+:func:`PackedLayout.build`). The layout is built once per step and shared by every layer.
 """
 
 from __future__ import annotations
@@ -14,13 +18,78 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from attrs import frozen
 from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 ATTENTION_NAME = "poolrunner_packed"
-SPANS_KWARG = "poolrunner_spans"
-"""Forward keyword that carries the per-request ``(start, end)`` token spans (host ints)."""
+LAYOUT_KWARG = "poolrunner_layout"
+"""Forward keyword that carries the step's :class:`PackedLayout`."""
+
+# A group grows while its padded size stays within this factor of its real tokens.
+MAX_PADDING_RATIO = 1.25
+
+
+@frozen(eq=False)
+class _Group:
+    """Requests attended in one call: ``count`` rows padded to ``length`` tokens."""
+
+    count: int
+    length: int
+    gather: torch.Tensor  # [count * length] flat token index of each padded slot (pads -> 0)
+    valid: torch.Tensor  # [num_real] padded slots that hold real tokens
+    dest: torch.Tensor  # [num_real] flat token index of each of those slots
+    key_mask: torch.Tensor | None  # [count, 1, 1, length] True where a key is real; None if unpadded
+
+
+@frozen(eq=False)
+class PackedLayout:
+    """How the packed tokens of one step split into attention groups."""
+
+    num_tokens: int
+    groups: tuple[_Group, ...]
+
+    @classmethod
+    def build(cls, lengths: Sequence[int], device: torch.device) -> PackedLayout:
+        """Group requests of similar length; ``lengths[i]`` tokens belong to request ``i``.
+
+        Requests are sorted by length and a group is closed when padding it to its longest
+        member would exceed :data:`MAX_PADDING_RATIO` times its real tokens.
+        """
+        starts = [0]
+        for length in lengths:
+            starts.append(starts[-1] + length)
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        groups, members = [], []
+        for i in order:
+            candidate = members + [i]
+            if members and lengths[i] * len(candidate) > MAX_PADDING_RATIO * sum(lengths[j] for j in candidate):
+                groups.append(_make_group(members, lengths, starts, device))
+                candidate = [i]
+            members = candidate
+        if members:
+            groups.append(_make_group(members, lengths, starts, device))
+        return cls(num_tokens=starts[-1], groups=tuple(groups))
+
+
+def _make_group(members: list[int], lengths: Sequence[int], starts: list[int], device: torch.device) -> _Group:
+    longest = max(lengths[i] for i in members)
+    gather, valid, dest = [], [], []
+    for row, i in enumerate(members):
+        tokens = list(range(starts[i], starts[i] + lengths[i]))
+        gather.extend(tokens + [0] * (longest - lengths[i]))
+        valid.extend(range(row * longest, row * longest + lengths[i]))
+        dest.extend(tokens)
+    key_mask = None
+    if any(lengths[i] != longest for i in members):
+        real = torch.tensor([lengths[i] for i in members])
+        key_mask = (torch.arange(longest)[None, :] < real[:, None])[:, None, None, :].to(device)
+
+    def to_device(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+    return _Group(len(members), longest, to_device(gather), to_device(valid), to_device(dest), key_mask)
 
 
 def packed_attention(
@@ -38,27 +107,43 @@ def packed_attention(
     :param query: ``[1, num_heads, num_tokens, head_dim]``.
     :param key: ``[1, num_kv_heads, num_tokens, head_dim]`` (grouped-query heads allowed).
     :param value: Same shape as ``key``.
-    :param attention_mask: Ignored: spans replace the mask (the mask builder returns ``None``).
+    :param attention_mask: Ignored: the layout replaces the mask (the mask builder returns ``None``).
     :param scaling: Softmax scale; ``head_dim ** -0.5`` when ``None``.
     :returns: ``([1, num_tokens, num_heads, head_dim], None)``, the layout transformers expects.
-    :raises ValueError: if the forward call did not pass the spans.
+    :raises ValueError: if the forward call did not pass the layout.
     """
-    spans: Sequence[tuple[int, int]] | None = kwargs.get(SPANS_KWARG)
-    if spans is None:
-        raise ValueError(f"{ATTENTION_NAME} attention needs the {SPANS_KWARG!r} forward argument")
+    layout: PackedLayout | None = kwargs.get(LAYOUT_KWARG)
+    if layout is None:
+        raise ValueError(f"{ATTENTION_NAME} attention needs the {LAYOUT_KWARG!r} forward argument")
     causal = bool(getattr(module, "is_causal", False))
-    gqa = key.shape[1] != query.shape[1]
-    output = torch.empty_like(query)
-    for start, end in spans:
-        output[:, :, start:end] = F.scaled_dot_product_attention(
-            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-            is_causal=causal, scale=scaling, enable_gqa=gqa,
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [num_tokens, heads, head_dim]
+    output = q.new_empty(q.shape)
+    for group in layout.groups:
+        padded = [_pad(t, group) for t in (q, k, v)]
+        attended = F.scaled_dot_product_attention(
+            *padded, attn_mask=_mask(group, causal), is_causal=causal and group.key_mask is None,
+            scale=scaling, enable_gqa=k.shape[1] != q.shape[1],
         )
-    return output.transpose(1, 2), None
+        rows = attended.transpose(1, 2).reshape(group.count * group.length, *q.shape[1:])
+        output.index_copy_(0, group.dest, rows.index_select(0, group.valid))
+    return output.unsqueeze(0), None
+
+
+def _pad(tokens: torch.Tensor, group: _Group) -> torch.Tensor:
+    """``[num_tokens, heads, head_dim]`` -> ``[count, heads, length, head_dim]``."""
+    rows = tokens.index_select(0, group.gather)
+    return rows.view(group.count, group.length, *tokens.shape[1:]).transpose(1, 2)
+
+
+def _mask(group: _Group, causal: bool) -> torch.Tensor | None:
+    if group.key_mask is None or not causal:
+        return group.key_mask
+    lower = torch.ones(group.length, group.length, dtype=torch.bool, device=group.key_mask.device).tril()
+    return group.key_mask & lower
 
 
 def _no_mask(*_args: Any, **_kwargs: Any) -> None:
-    # Spans carry the structure; transformers must not build a dense mask for us.
+    # The layout carries the structure; transformers must not build a dense mask for us.
     return None
 
 

@@ -1,0 +1,122 @@
+"""``poolrunner``: the top-level parser, ``--version`` and the error handling of every subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+import importlib_metadata
+
+from poolrunner.core.cli import embed, plugins
+from poolrunner.core.cli.common import DISABLE_ENV, EXIT_USAGE, CliError, HelpFormatter, build_plugin_manager
+from poolrunner.core.errors import InvalidRequestError, PluginLoadError, PoolrunnerError
+
+PROG = "poolrunner"
+
+DESCRIPTION = """\
+poolrunner: run pooling models (embeddings, ...) from local folders, with plugins.
+
+Without --model, the default model (all-MiniLM-L6-v2, shipped with poolrunner) is used.
+No command ever downloads from a model hub."""
+
+EPILOG = f"""\
+examples:
+  poolrunner embed "A cat sat." "A dog ran."            JSONL to stdout
+  poolrunner embed --input texts.txt --output out.npy   float32 array [n, d]
+  poolrunner plugins --all                              list plugins, built-ins too
+  poolrunner --version                                  version and registered plugins
+
+environment:
+  {DISABLE_ENV}   comma-separated plugin names to leave out (command line only)
+
+Run `poolrunner COMMAND --help` for a command's options. Errors you can fix exit with status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter
+    )
+    parser.add_argument(
+        "--version", action="store_true",
+        help="print poolrunner's version and the registered plugins, then exit",
+    )
+    subparsers = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+    embed.add_parser(subparsers)
+    plugins.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line with ``argv`` (default: ``sys.argv[1:]``); return the exit status.
+
+    0 on success, 2 for errors the user can fix (bad options, unreadable input, a rejected
+    request, a model or plugin that fails to load), printed without a traceback.
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2), already printed by argparse
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
+    try:
+        if args.version:
+            return print_version()
+        if args.command is None:
+            parser.print_help(sys.stderr)
+            raise CliError("a command is required: " + ", ".join(sorted(_commands(parser))))
+        return int(args.run(args))
+    except (CliError, PoolrunnerError) as exc:
+        _report(exc)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `poolrunner embed ... | head -1`
+        _silence_stdout()
+        return 1
+
+
+def print_version() -> int:
+    """``poolrunner <version>``, then ``registered plugins:`` and one ``name (dist version)`` a line."""
+    print(f"{PROG} {importlib_metadata.version('poolrunner')}", flush=True)
+    manager = build_plugin_manager()
+    print("registered plugins:")
+    for info in manager.plugin_infos():
+        print(f"  {info.describe()}")
+    return 0
+
+
+def _report(exc: Exception) -> None:
+    print(f"{PROG}: error: {exc}", file=sys.stderr)
+    hint = exc.hint if isinstance(exc, CliError) else _hint(exc)
+    if hint:
+        print(f"{PROG}: hint: {hint}", file=sys.stderr)
+
+
+def _hint(exc: PoolrunnerError) -> str | None:
+    """Translate the Python API's advice into command-line options."""
+    message = str(exc)
+    if isinstance(exc, PluginLoadError):
+        return f"leave a plugin out with --disable-plugin NAME or {DISABLE_ENV}=NAME"
+    if isinstance(exc, InvalidRequestError) and "truncate_prompt_tokens" in message:
+        return "pass --truncate -1 to keep the model maximum, or --truncate N to keep N tokens"
+    if isinstance(exc, InvalidRequestError) and "is_matryoshka" in message:
+        return "pass --is-matryoshka if the model was trained for Matryoshka dimensions"
+    return None
+
+
+def _commands(parser: argparse.ArgumentParser) -> list[str]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return list(action.choices)
+    return []
+
+
+def _silence_stdout() -> None:
+    # Python flushes stdout at exit; point it at devnull so that flush cannot fail again.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
