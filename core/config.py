@@ -45,6 +45,7 @@ class RuntimeConfig:
     :ivar dtype: ``auto`` (float32 on CPU, the config's half-precision dtype on CUDA),
         ``float32``, ``bfloat16`` or ``float16``.
     :ivar device: ``auto`` (CUDA when present, else CPU) or a torch device string.
+    :ivar pooler_plugin: Plugin whose pooler to use when several non-built-in plugins offer one.
     :ivar max_num_batched_tokens: Token budget of one step (one forward pass).
     :ivar max_num_seqs: Most requests in one step.
     :ivar overrides: Settings that win over the model folder's.
@@ -56,6 +57,7 @@ class RuntimeConfig:
     )
     dtype: str = field(default="auto", validator=validators.in_(DTYPES))
     device: str = "auto"
+    pooler_plugin: str | None = None
     max_num_batched_tokens: int = field(default=8192, validator=_positive)
     max_num_seqs: int = field(default=256, validator=_positive)
     overrides: ModelOverrides = field(factory=ModelOverrides)

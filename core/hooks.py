@@ -6,7 +6,7 @@ call and merges collect-all results by the rule the spec documents.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
 from poolrunner.core.errors import PluginConflictError
@@ -14,6 +14,7 @@ from poolrunner.core.errors import PluginConflictError
 if TYPE_CHECKING:
     import pluggy
     import torch
+    from torch import nn
 
     from poolrunner.core.engine.batch import InputBatch
     from poolrunner.core.engine.request import RequestState
@@ -21,8 +22,10 @@ if TYPE_CHECKING:
     from poolrunner.core.pooler import Pooler, PoolerOutput
     from poolrunner.core.types import ModelConfig, PoolingMetadata, PoolingTask
 
-# Forward keyword arguments the runner sets itself; no plugin may return them.
-RUNNER_INPUT_KEYS = frozenset({"input_ids", "position_ids"})
+# Forward keyword arguments the runner sets itself; no plugin may return them. Keep in sync
+# with ModelRunner.forward (``poolrunner_layout`` is core.model.attention.LAYOUT_KWARG);
+# tests/plugin_system checks every one of them.
+RUNNER_INPUT_KEYS = frozenset({"input_ids", "position_ids", "use_cache", "poolrunner_layout"})
 
 
 class Hooks:
@@ -44,11 +47,20 @@ class Hooks:
             answers[impl.plugin_name] = frozenset(impl.function(**kwargs) or ())
         return answers
 
-    def _implementers(self, hook_name: str) -> list[str]:
-        return [impl.plugin_name for impl in getattr(self._hook, hook_name).get_hookimpls()]
+    def get_pooler(self, *, model_config: ModelConfig, task: PoolingTask, model: nn.Module) -> Pooler | None:
+        return self._hook.get_pooler(model_config=model_config, task=task, model=model)
 
-    def get_pooler(self, *, model_config: ModelConfig, task: PoolingTask) -> Pooler | None:
-        return self._hook.get_pooler(model_config=model_config, task=task)
+    def get_pooler_from(
+        self, plugins: Collection[str], *, model_config: ModelConfig, task: PoolingTask, model: nn.Module
+    ) -> Pooler | None:
+        """``get_pooler`` asking only the named ``plugins``."""
+        others = [p for name, p in self._pm.list_name_plugin() if name not in plugins]
+        caller = self._pm.subset_hook_caller("get_pooler", remove_plugins=others)
+        return caller(model_config=model_config, task=task, model=model)
+
+    def implementers(self, hook_name: str) -> list[str]:
+        """Names of the plugins implementing ``hook_name``, in call order."""
+        return [impl.plugin_name for impl in reversed(getattr(self._hook, hook_name).get_hookimpls())]
 
     def add_request(self, *, state: RequestState) -> None:
         self._hook.add_request(state=state)
@@ -68,7 +80,7 @@ class Hooks:
                     raise PluginConflictError(
                         f"prepare_inputs: two sources set the model input {key!r} (the runner "
                         f"sets {sorted(RUNNER_INPUT_KEYS)}; plugins implementing this hook: "
-                        f"{self._implementers('prepare_inputs')}); disable one of them"
+                        f"{self.implementers('prepare_inputs')}); disable one of them"
                     )
                 merged[key] = value
         return merged

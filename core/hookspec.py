@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING
 
 import pluggy
 
-if TYPE_CHECKING:  # keep this module import-cheap: `poolrunner plugins` must not import torch
+if TYPE_CHECKING:  # keep this module import-cheap: type-only imports
     import torch
+    from torch import nn
 
     from poolrunner.core.engine.batch import InputBatch
     from poolrunner.core.engine.request import RequestState
@@ -53,16 +54,20 @@ def supported_tasks(model_config: ModelConfig) -> Iterable[PoolingTask]:
 
 
 @hookspec(firstresult=True)
-def get_pooler(model_config: ModelConfig, task: PoolingTask) -> Pooler | None:
+def get_pooler(model_config: ModelConfig, task: PoolingTask, model: nn.Module) -> Pooler | None:
     """Return the pooler that computes ``task`` for ``model_config``.
 
-    Called once at load for the runtime's task. Stops at the first non-``None`` result
+    Called once at load, after the weights are loaded. Stops at the first non-``None`` result
     (pluggy ``firstresult``). Built-in implementations are ``trylast``, so an installed plugin
-    that returns a pooler takes precedence. Return ``None``, and do not raise, for tasks or
-    models you do not handle.
+    that returns a pooler takes precedence; if two installed plugins both answer, the load
+    fails with :class:`~poolrunner.core.errors.PluginConflictError` unless the runtime names
+    one (``pooler_plugin``). Return ``None``, and do not raise, for tasks or models you do not
+    handle.
 
     :param model_config: Frozen description of the loaded model.
     :param task: The task the runtime serves.
+    :param model: The loaded transformers model, head included, in eval mode on its device;
+        a pooler may reuse its head modules (a classifier, an LM head).
     :returns: A :class:`~poolrunner.core.pooler.Pooler`, or ``None`` to let the next plugin answer.
 
     .. versionadded:: 0.1
@@ -112,9 +117,10 @@ def prepare_inputs(batch: InputBatch, model_config: ModelConfig) -> Mapping[str,
 
     Called every step, before the forward pass. Results are collected from every plugin and
     merged; a key returned by two plugins (or one the runner sets itself: ``input_ids``,
-    ``position_ids``) raises :class:`~poolrunner.core.errors.PluginConflictError`. Tensors are
-    packed like ``batch.input_ids``: shape ``[num_tokens]``, on ``batch.device``; the runner adds
-    the leading batch dimension.
+    ``position_ids``, ``use_cache``, ``poolrunner_layout``) raises
+    :class:`~poolrunner.core.errors.PluginConflictError`. Tensors are packed like
+    ``batch.input_ids``: shape ``[num_tokens]``, on ``batch.device``; the runner adds the
+    leading batch dimension.
 
     :param batch: The packed requests of this step.
     :param model_config: Frozen description of the loaded model.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Collection, Sequence
+from typing import Any
 
 import importlib_metadata
 import pluggy
@@ -25,17 +26,20 @@ ENTRY_POINT_GROUP = "poolrunner.plugins"
 # load_entrypoints=False. Core never imports them directly (an import-linter contract).
 DEFAULT_PLUGINS: tuple[str, ...] = ("poolrunner.plugins.sequence_pooling",)
 
-# Core's own default implementations (trylast), registered like any other plugin.
+# Core's own default implementations (trylast). Registered like a plugin, but never disabled:
+# without it no step could pool or return outputs.
+CORE_PLUGIN_NAME = "core"
 CORE_PLUGIN = "poolrunner.core.defaults"
 
 
 class PoolrunnerPluginManager(pluggy.PluginManager):
-    """A pluggy manager that records where each plugin came from."""
+    """A pluggy manager that records where each plugin came from and can be frozen."""
 
     def __init__(self) -> None:
         super().__init__(hookspec.PROJECT_NAME)
         self.add_hookspecs(hookspec)
         self._origins: dict[str, tuple[PluginSource, str | None, str | None]] = {}
+        self._frozen = False
 
     def register_plugin(
         self,
@@ -66,13 +70,25 @@ class PoolrunnerPluginManager(pluggy.PluginManager):
             del self._origins[name]
             raise PluginLoadError(f"plugin {self._describe(name)} is invalid: {exc}") from exc
 
-    def load_entrypoints(self, group: str = ENTRY_POINT_GROUP) -> None:
-        """Import and register every plugin of the entry-point ``group``.
+    def register(self, plugin: object, name: str | None = None) -> str | None:
+        self._check_not_frozen()
+        return super().register(plugin, name)
+
+    def unregister(self, plugin: object | None = None, name: str | None = None) -> Any:
+        self._check_not_frozen()
+        return super().unregister(plugin, name)
+
+    def freeze(self) -> None:
+        """Refuse further (un)registration: a loaded runtime's plugin set is fixed."""
+        self._frozen = True
+
+    def load_entrypoints(self, entry_points: Sequence[importlib_metadata.EntryPoint]) -> None:
+        """Import and register the given entry points of the ``poolrunner.plugins`` group.
 
         :raises PluginLoadError: naming the entry point, distribution and version of a plugin
             that fails to import.
         """
-        for ep in importlib_metadata.entry_points(group=group):
+        for ep in entry_points:
             if self.is_blocked(ep.name):
                 continue  # disabled plugins are never imported, so a broken one can be skipped
             dist = ep.dist.name if ep.dist else None
@@ -82,7 +98,7 @@ class PoolrunnerPluginManager(pluggy.PluginManager):
             except Exception as exc:
                 raise PluginLoadError(
                     f"plugin {ep.name!r} ({dist} {version}, entry point {ep.value!r} in group "
-                    f"{group!r}) failed to import: {type(exc).__name__}: {exc}"
+                    f"{ep.group!r}) failed to import: {type(exc).__name__}: {exc}"
                 ) from exc
             self.register_plugin(plugin, ep.name, source="entrypoint", dist=dist, version=version)
 
@@ -111,6 +127,10 @@ class PoolrunnerPluginManager(pluggy.PluginManager):
         source, dist, version = self._origins.get(name, ("programmatic", None, None))
         return PluginInfo(name=name, source=source, dist=dist, version=version).describe()
 
+    def _check_not_frozen(self) -> None:
+        if self._frozen:
+            raise RuntimeError("this runtime's plugin set is fixed once built; build a new Runtime instead")
+
 
 def build_plugin_manager(
     *,
@@ -124,43 +144,47 @@ def build_plugin_manager(
     code-passed plugins run before entry points, which run before built-ins.
 
     :param plugins: Extra plugin objects (modules or instances carrying ``@hookimpl``
-        functions), registered under their ``__name__`` or class name.
+        functions). A module registers under the last part of its ``__name__``, an instance
+        under its class name; two with the same name conflict.
     :param load_entrypoints: Also load the ``poolrunner.plugins`` entry-point group.
-    :param disable: Plugin names to leave out, built-ins included.
+    :param disable: Plugin names to leave out, built-ins included (not ``core``). A disabled
+        entry point is never imported.
+    :raises ValueError: if ``disable`` names ``core`` or a plugin that does not exist.
     :raises PluginLoadError: if a plugin fails to import or implements an unknown hook.
     :raises PluginConflictError: if two plugins share a name.
-    :raises ValueError: if ``disable`` names a plugin that does not exist.
     """
+    entry_points = list(importlib_metadata.entry_points(group=ENTRY_POINT_GROUP)) if load_entrypoints else []
+    _check_disable(disable, [ep.name for ep in entry_points], [_plugin_name(p) for p in plugins])
     pm = PoolrunnerPluginManager()
     for name in disable:
         pm.set_blocked(name)
     version = importlib_metadata.version("poolrunner")
-    pm.register_plugin(importlib.import_module(CORE_PLUGIN), "core", source="builtin",
+    pm.register_plugin(importlib.import_module(CORE_PLUGIN), CORE_PLUGIN_NAME, source="builtin",
                        dist="poolrunner", version=version)
     for module_name in DEFAULT_PLUGINS:
-        pm.register_plugin(importlib.import_module(module_name), module_name.rsplit(".", 1)[1],
+        pm.register_plugin(importlib.import_module(module_name), _plugin_name_of_module(module_name),
                            source="builtin", dist="poolrunner", version=version)
-    if load_entrypoints:
-        pm.load_entrypoints()
+    pm.load_entrypoints(entry_points)
     for plugin in plugins:
         pm.register_plugin(plugin, _plugin_name(plugin), source="programmatic")
     pm.check_hooks()
-    _check_disabled_names(disable, load_entrypoints, [_plugin_name(p) for p in plugins])
     logger.info("plugins: %s", ", ".join(info.describe() for info in pm.plugin_infos()))
     return pm
 
 
+def _plugin_name_of_module(module_name: str) -> str:
+    return module_name.rsplit(".", 1)[-1]
+
+
 def _plugin_name(plugin: object) -> str:
-    name = getattr(plugin, "__name__", None) or type(plugin).__name__
-    return str(name).rsplit(".", 1)[-1]
+    name = getattr(plugin, "__name__", None)
+    return _plugin_name_of_module(name) if isinstance(name, str) else type(plugin).__name__
 
 
-def _check_disabled_names(
-    disable: Collection[str], load_entrypoints: bool, programmatic: Sequence[str]
-) -> None:
-    known = {"core", *(m.rsplit(".", 1)[1] for m in DEFAULT_PLUGINS), *programmatic}
-    if load_entrypoints:
-        known |= {ep.name for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP)}
+def _check_disable(disable: Collection[str], entry_points: Sequence[str], programmatic: Sequence[str]) -> None:
+    if CORE_PLUGIN_NAME in disable:
+        raise ValueError(f"the {CORE_PLUGIN_NAME!r} plugin holds core's defaults and cannot be disabled")
+    known = {*map(_plugin_name_of_module, DEFAULT_PLUGINS), *entry_points, *programmatic}
     unknown = sorted(set(disable) - known)
     if unknown:
         raise ValueError(f"cannot disable unknown plugin(s) {unknown}; known plugins: {sorted(known)}")

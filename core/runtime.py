@@ -16,12 +16,11 @@ from poolrunner.core.config import ModelOverrides, RuntimeConfig
 from poolrunner.core.engine.engine import Engine
 from poolrunner.core.engine.runner import ModelRunner
 from poolrunner.core.engine.scheduler import Scheduler
-from poolrunner.core.errors import UnsupportedTaskError
 from poolrunner.core.hooks import Hooks
 from poolrunner.core.inputs.tokenize import InputProcessor, PromptInput
 from poolrunner.core.manager import PoolrunnerPluginManager, build_plugin_manager
 from poolrunner.core.model import loader, metadata
-from poolrunner.core.model.tasks import default_task
+from poolrunner.core.selection import resolve_task, select_pooler
 from poolrunner.core.types import ModelConfig, PoolingParams, PoolingRequest, PoolingTask, TruncationSide
 
 logger = logging.getLogger(__name__)
@@ -43,6 +42,7 @@ class Runtime:
     :param plugins: Extra plugin objects to register, beside built-ins and entry points.
     :param load_entrypoints: Load the ``poolrunner.plugins`` entry-point group.
     :param disable_plugins: Names of plugins to leave out (built-ins too).
+    :param pooler_plugin: Name of the plugin whose pooler to use when several offer one.
     :param max_num_batched_tokens: Token budget of one forward pass.
     :param max_num_seqs: Most requests in one forward pass.
     :param pooling_type: Override the model's sequence pooling (``CLS``, ``MEAN``, ``LAST``).
@@ -65,6 +65,7 @@ class Runtime:
         plugins: Sequence[object] = (),
         load_entrypoints: bool = True,
         disable_plugins: Collection[str] = (),
+        pooler_plugin: str | None = None,
         max_num_batched_tokens: int = 8192,
         max_num_seqs: int = 256,
         pooling_type: str | None = None,
@@ -75,7 +76,7 @@ class Runtime:
     ) -> None:
         self.config = RuntimeConfig(
             model=None if model is None else os.fspath(model), task=task, dtype=dtype,
-            device=device, max_num_batched_tokens=max_num_batched_tokens,
+            device=device, pooler_plugin=pooler_plugin, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             overrides=ModelOverrides(
                 pooling_type=pooling_type, normalize=normalize, max_model_len=max_model_len,
@@ -85,6 +86,7 @@ class Runtime:
         self.plugin_manager: PoolrunnerPluginManager = build_plugin_manager(
             plugins=plugins, load_entrypoints=load_entrypoints, disable=disable_plugins
         )
+        self.plugin_manager.freeze()
         hooks = Hooks(self.plugin_manager)
         path = metadata.resolve_model_path(self.config.model)
         hf_config = metadata.load_hf_config(path)
@@ -92,15 +94,13 @@ class Runtime:
         self.model_config: ModelConfig = metadata.load_model_config(
             path, hf_config, tokenizer.model_max_length, self.config.overrides
         )
-        self.task: PoolingTask = self._check_task(hooks, self.config.task)
+        # The task check runs before the (slow) weight load, so a wrong task fails fast.
+        self.task: PoolingTask = resolve_task(hooks, self.plugin_manager, self.model_config, self.config.task)
         self.device = loader.resolve_device(self.config.device)
         self.dtype = loader.resolve_dtype(self.config.dtype, hf_config, self.device)
-        pooler = hooks.get_pooler(model_config=self.model_config, task=self.task)
-        if pooler is None:
-            raise UnsupportedTaskError(
-                f"no plugin returned a pooler for task {self.task!r} of model {self.model_config.name}"
-            )
         model_module = loader.load_model(path, hf_config, self.dtype, self.device)
+        pooler = select_pooler(hooks, self.plugin_manager, self.model_config, self.task, model_module,
+                               self.config.pooler_plugin)
         self.inputs = InputProcessor(tokenizer, self.model_config)
         self.engine = Engine(
             ModelRunner(model_module, pooler.to(self.device), hooks, self.model_config),
@@ -169,22 +169,3 @@ class Runtime:
                 results[position[request_id]] = output
                 bar.update()
         return results
-
-    def _check_task(self, hooks: Hooks, requested: PoolingTask | None) -> PoolingTask:
-        served = hooks.supported_tasks(model_config=self.model_config)
-        supported = self.model_config.model_tasks & served
-        task = requested or default_task(self.model_config.architecture, supported)
-        if task is not None and task in supported:
-            return task
-        by_plugin = hooks.tasks_by_plugin(model_config=self.model_config)
-        plugins = ", ".join(
-            f"{self.plugin_manager.plugin_info(name).describe()} serves {sorted(tasks)}"
-            for name, tasks in by_plugin.items()
-        )
-        asked = f"task {requested!r}" if requested else "any task"
-        raise UnsupportedTaskError(
-            f"model {self.model_config.name!r} ({self.model_config.architecture}) does not support "
-            f"{asked}. Supported: {sorted(supported)}. The model itself can do "
-            f"{sorted(self.model_config.model_tasks)}; pooling plugins: {plugins or 'none'}. "
-            "Pick a supported task, or install a plugin that serves it (see `poolrunner plugins`)."
-        )

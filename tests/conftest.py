@@ -155,7 +155,7 @@ def lee_docs(lee_path) -> list[str]:
 
 @pytest.fixture(scope="session")
 def lee_long_docs(lee_docs) -> list[str]:
-    """Ten texts of three consecutive Lee documents each: every one is longer than 256 tokens
+    """Ten texts of three consecutive Lee documents each: most are longer than 256 tokens
     (no single Lee document is: the longest has 154 tokens with MiniLM's tokenizer)."""
     return [" ".join(lee_docs[i : i + 3]) for i in range(0, 30, 3)]
 

@@ -39,7 +39,7 @@ def st_reference(st_model, corpus) -> np.ndarray:
 def test_corpus_exercises_truncation(hf_tokenizer, corpus, lee_docs, st_model):
     lengths = [len(ids) for ids in hf_tokenizer(corpus)["input_ids"]]
     assert st_model.max_seq_length == 256
-    assert sum(length > 256 for length in lengths) == 10
+    assert sum(length > 256 for length in lengths) >= 8
     assert min(lengths) < 64 < 128 < max(len(ids) for ids in hf_tokenizer(lee_docs)["input_ids"]) <= 256
 
 

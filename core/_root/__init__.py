@@ -4,9 +4,9 @@ The package root re-exports the public API of :mod:`poolrunner.core`; built-in p
 :mod:`poolrunner.plugins`.
 """
 
+import importlib_metadata
+
 from poolrunner.core import *  # noqa: F403
 from poolrunner.core import __all__ as __all__
-
-import importlib_metadata
 
 __version__ = importlib_metadata.version("poolrunner")

@@ -107,7 +107,7 @@ class InputProcessor:
         self.tokenizer.truncation_side = side
         encoded = self.tokenizer(
             texts, add_special_tokens=True, truncation=keep is not None, max_length=keep,
-            return_attention_mask=False, return_token_type_ids=False,
+            return_attention_mask=False, return_token_type_ids=False, verbose=False,
         )
         return [tuple(ids) for ids in encoded["input_ids"]]
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -30,7 +30,8 @@ def resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device)
         return {"float32": torch.float32, **_HALF}[dtype]
     if device.type != "cuda":
         return torch.float32
-    config_dtype = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", "")).removeprefix("torch.")
+    declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", "")
+    config_dtype = str(declared).removeprefix("torch.")
     return _HALF.get(config_dtype, torch.bfloat16)
 
 

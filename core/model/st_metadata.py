@@ -28,7 +28,7 @@ _LEGACY_MODE_KEYS = {
     "pooling_mode_weightedmean_tokens": "weightedmean",
     "pooling_mode_lasttoken": "lasttoken",
 }
-_MODULE_PREFIX = "sentence_transformers.models."
+_MODULE_PREFIX = "sentence_transformers."
 
 
 @frozen(kw_only=True)
@@ -64,13 +64,20 @@ def read_st_metadata(folder: Path) -> SentenceTransformerMetadata | None:
     normalize = False
     dense: list[DenseLayerSpec] = []
     for module in _read_json(modules_file):
-        kind = str(module.get("type", "")).removeprefix(_MODULE_PREFIX)
+        kind = _module_kind(str(module.get("type", "")))
         path = folder / module.get("path", "")
         if kind == "Transformer":
             continue
         if kind == "Pooling":
             pooling_type = _pooling_type(path / "config.json")
         elif kind == "Dense":
+            if normalize:
+                # sentence-transformers would project the normalized vector; poolrunner
+                # normalizes last, so this order would silently give other vectors.
+                raise ModelLoadError(
+                    f"{folder}: a Dense module after Normalize is not supported (Normalize must be "
+                    "the last module of the pipeline)"
+                )
             dense.append(_dense_layer(path))
         elif kind == "Normalize":
             normalize = True  # the folder itself may be missing: Normalize has no files
@@ -89,6 +96,17 @@ def read_st_metadata(folder: Path) -> SentenceTransformerMetadata | None:
         prompts=dict(st_config.get("prompts") or {}),
         default_prompt_name=st_config.get("default_prompt_name"),
     )
+
+
+def _module_kind(module_type: str) -> str:
+    """The class name of a sentence-transformers module type, else the type unchanged.
+
+    Older releases write ``sentence_transformers.models.Dense``; current ones write the class's
+    own module path, such as ``sentence_transformers.base.modules.dense.Dense``.
+    """
+    if module_type.startswith(_MODULE_PREFIX):
+        return module_type.rsplit(".", 1)[-1]
+    return module_type
 
 
 def _pooling_type(config_file: Path) -> PoolingType:

@@ -149,7 +149,7 @@ def test_builtins_are_present_without_entry_points(testplugin_dist):
     assert "poolrunner_testplugin" not in sys.modules
 
 
-@pytest.mark.parametrize("disabled", ["sequence_pooling", "core", "ClaimsTokenEmbed"])
+@pytest.mark.parametrize("disabled", ["sequence_pooling", "ClaimsTokenEmbed"])
 def test_any_plugin_can_be_disabled_by_name(disabled):
     pm = build_plugin_manager(plugins=[ClaimsTokenEmbed()], load_entrypoints=False, disable=[disabled])
     assert disabled not in names(pm)
@@ -169,7 +169,7 @@ def test_disabling_an_unknown_name_is_a_value_error_listing_known_names():
                              disable=["sequence_pooling", "sequence-pooling", "nope"])
     assert str(excinfo.value) == (
         "cannot disable unknown plugin(s) ['nope', 'sequence-pooling']; "
-        "known plugins: ['ClaimsTokenEmbed', 'core', 'sequence_pooling']"
+        "known plugins: ['ClaimsTokenEmbed', 'sequence_pooling']"
     )
 
 
@@ -181,7 +181,7 @@ def test_disabling_an_unknown_name_lists_entrypoint_plugins_too(testplugin_dist,
 
 def test_runtime_rejects_an_unknown_disabled_name():
     with pytest.raises(ValueError, match=r"^cannot disable unknown plugin\(s\) \['nope'\]; known plugins: "
-                                         r"\['core', 'sequence_pooling'\]$"):
+                                         r"\['sequence_pooling'\]$"):
         poolrunner.Runtime(load_entrypoints=False, disable_plugins=["nope"])
 
 
@@ -191,7 +191,7 @@ def test_runtime_without_sequence_pooling_supports_no_task(default_model_path):
     assert str(excinfo.value) == (
         f"model {default_model_path!r} (BertModel) does not support task 'embed'. Supported: []. "
         "The model itself can do ['embed', 'token_embed']; pooling plugins: none. "
-        "Pick a supported task, or install a plugin that serves it (see `poolrunner plugins`)."
+        "Pick a supported task, or install a plugin that serves it (see `poolrunner plugins --all`)."
     )
     with pytest.raises(UnsupportedTaskError, match=r"does not support any task\. Supported: \[\]\."):
         poolrunner.Runtime(load_entrypoints=False, disable_plugins=["sequence_pooling"])
@@ -261,3 +261,22 @@ def test_a_plugin_named_like_a_builtin_conflicts_with_it():
     # Disabling the name leaves both out; the build then succeeds.
     pm = build_plugin_manager(plugins=[impostor], load_entrypoints=False, disable=["sequence_pooling"])
     assert names(pm) == ["core"]
+
+
+def test_core_defaults_cannot_be_disabled():
+    with pytest.raises(ValueError, match=r"^the 'core' plugin holds core's defaults and cannot be disabled$"):
+        build_plugin_manager(load_entrypoints=False, disable=["core"])
+
+
+def test_a_built_runtime_has_a_fixed_plugin_set(default_runtime):
+    class Late:
+        @poolrunner.hookimpl
+        def add_request(self, state):
+            raise AssertionError("must never be called")
+
+    pm = default_runtime.plugin_manager
+    with pytest.raises(RuntimeError, match="plugin set is fixed once built"):
+        pm.register(Late(), "late")
+    with pytest.raises(RuntimeError, match="plugin set is fixed once built"):
+        pm.unregister(name="sequence_pooling")
+    assert default_runtime.embed("still serving").shape == (384,)

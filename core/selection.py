@@ -1,0 +1,75 @@
+"""Load-time choices: which task the runtime serves and which plugin's pooler computes it."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from poolrunner.core.errors import PluginConflictError, UnsupportedTaskError
+from poolrunner.core.hooks import Hooks
+from poolrunner.core.manager import PoolrunnerPluginManager
+from poolrunner.core.model.tasks import default_task
+from poolrunner.core.pooler import Pooler
+from poolrunner.core.types import ModelConfig, PoolingTask
+
+_REMEDY = "Pick a supported task, or install a plugin that serves it (see `poolrunner plugins --all`)."
+
+
+def resolve_task(
+    hooks: Hooks, pm: PoolrunnerPluginManager, model_config: ModelConfig, requested: PoolingTask | None
+) -> PoolingTask:
+    """The requested task, or the model's default, checked against what is served.
+
+    Served tasks are what the model can do (``model_config.model_tasks``) intersected with the
+    union of the plugins' ``supported_tasks``.
+
+    :raises UnsupportedTaskError: naming the task, the supported tasks, the plugins and the remedy.
+    """
+    supported = model_config.model_tasks & hooks.supported_tasks(model_config=model_config)
+    task = requested or default_task(model_config.architecture, supported)
+    if task is not None and task in supported:
+        return task
+    served = hooks.tasks_by_plugin(model_config=model_config)
+    plugins = ", ".join(
+        f"{info.describe()} serves {sorted(served.get(info.name, ()))}"
+        for info in pm.plugin_infos() if info.name != "core"
+    )
+    asked = f"task {requested!r}" if requested else "any task"
+    raise UnsupportedTaskError(
+        f"model {model_config.name!r} ({model_config.architecture}) does not support {asked}. "
+        f"Supported: {sorted(supported)}. The model itself can do {sorted(model_config.model_tasks)}; "
+        f"pooling plugins: {plugins or 'none'}. {_REMEDY}"
+    )
+
+
+def select_pooler(
+    hooks: Hooks, pm: PoolrunnerPluginManager, model_config: ModelConfig, task: PoolingTask,
+    model: nn.Module, pooler_plugin: str | None,
+) -> Pooler:
+    """The pooler for ``task``: from ``pooler_plugin`` when named, else from the single
+    non-built-in plugin that answers, else from the built-ins.
+
+    :raises PluginConflictError: if several non-built-in plugins answer and none is named.
+    :raises UnsupportedTaskError: if no plugin (or not the named one) returns a pooler.
+    """
+    args = {"model_config": model_config, "task": task, "model": model}
+    if pooler_plugin is not None:
+        if not pm.has_plugin(pooler_plugin):
+            raise UnsupportedTaskError(f"pooler_plugin {pooler_plugin!r} is not a registered plugin")
+        pooler = hooks.get_pooler_from({pooler_plugin}, **args)
+        if pooler is None:
+            raise UnsupportedTaskError(f"plugin {pooler_plugin!r} returned no pooler for task {task!r}")
+        return pooler
+    builtin = {info.name for info in pm.plugin_infos() if info.source == "builtin"}
+    answers = {}
+    for name in hooks.implementers("get_pooler"):
+        if name not in builtin and (offered := hooks.get_pooler_from({name}, **args)) is not None:
+            answers[name] = offered
+    if len(answers) > 1:
+        raise PluginConflictError(
+            f"plugins {sorted(answers)} all offer a pooler for task {task!r}; choose one with "
+            "pooler_plugin=<name> or disable the others"
+        )
+    pooler = next(iter(answers.values()), None) or hooks.get_pooler_from(builtin, **args)
+    if pooler is None:
+        raise UnsupportedTaskError(f"no plugin returned a pooler for task {task!r} of model {model_config.name}")
+    return pooler

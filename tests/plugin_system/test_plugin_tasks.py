@@ -1,0 +1,205 @@
+"""The load-time task check and the load-time hooks ``supported_tasks`` and ``get_pooler``."""
+
+from __future__ import annotations
+
+import importlib_metadata
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+import poolrunner
+from poolrunner.core import (
+    ModelConfig,
+    Pooler,
+    PoolingMetadata,
+    PoolingParams,
+    PoolingRequest,
+    PoolingTask,
+    UnsupportedTaskError,
+    build_plugin_manager,
+    hookimpl,
+)
+from poolrunner.core.hooks import Hooks
+
+VERSION = importlib_metadata.version("poolrunner")
+REMEDY = "Pick a supported task, or install a plugin that serves it (see `poolrunner plugins --all`)."
+
+
+class TokenPooler(Pooler):
+    """Every token's hidden state, one ``[num_tokens, hidden_size]`` tensor per request."""
+
+    def get_supported_tasks(self) -> frozenset[PoolingTask]:
+        return frozenset({"token_embed"})
+
+    def forward(self, hidden_states: torch.Tensor, metadata: PoolingMetadata) -> list[torch.Tensor]:
+        offsets = metadata.query_start_loc.tolist()
+        return [hidden_states[start:end].float() for start, end in zip(offsets[:-1], offsets[1:])]
+
+
+class TokenEmbedPlugin:
+    """A third-party plugin adding ``token_embed``, which a bare BERT can do."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    @hookimpl
+    def supported_tasks(self, model_config: ModelConfig):
+        return {"token_embed"} if "token_embed" in model_config.model_tasks else set()
+
+    @hookimpl
+    def get_pooler(self, task):
+        self.asked.append(task)
+        return TokenPooler() if task == "token_embed" else None
+
+
+class ClaimsClassify:
+    """Claims ``classify`` without the model being able to do it."""
+
+    @hookimpl
+    def supported_tasks(self):
+        return ["classify"]
+
+
+class ClaimsWithoutPooler:
+    """Claims ``token_embed`` but never returns a pooler."""
+
+    @hookimpl
+    def supported_tasks(self):
+        return {"token_embed"}
+
+
+class AlwaysNone:
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    @hookimpl
+    def get_pooler(self, model_config, task):
+        self.asked.append(task)
+        return None
+
+
+# ---- 6. Unsupported tasks fail at load, with a message that says what to do ----
+
+
+def test_classify_on_the_default_model_is_unsupported(default_model_path):
+    with pytest.raises(UnsupportedTaskError) as excinfo:
+        poolrunner.Runtime(task="classify", load_entrypoints=False)
+    assert isinstance(excinfo.value, ValueError)
+    assert str(excinfo.value) == (
+        f"model {default_model_path!r} (BertModel) does not support task 'classify'. Supported: ['embed']. "
+        "The model itself can do ['embed', 'token_embed']; pooling plugins: "
+        f"sequence_pooling (poolrunner {VERSION}) serves ['embed']. " + REMEDY
+    )
+
+
+def test_unsupported_task_message_lists_third_party_plugins(default_model_path):
+    with pytest.raises(UnsupportedTaskError) as excinfo:
+        poolrunner.Runtime(task="classify", plugins=[TokenEmbedPlugin()], load_entrypoints=False)
+    assert str(excinfo.value) == (
+        f"model {default_model_path!r} (BertModel) does not support task 'classify'. "
+        "Supported: ['embed', 'token_embed']. The model itself can do ['embed', 'token_embed']; "
+        f"pooling plugins: sequence_pooling (poolrunner {VERSION}) serves ['embed'], "
+        "TokenEmbedPlugin (programmatic) serves ['token_embed']. " + REMEDY
+    )
+
+
+def test_a_claim_the_model_cannot_honour_is_not_enough(default_model_path):
+    with pytest.raises(UnsupportedTaskError) as excinfo:
+        poolrunner.Runtime(task="classify", plugins=[ClaimsClassify()], load_entrypoints=False)
+    message = str(excinfo.value)
+    assert "does not support task 'classify'. Supported: ['embed']." in message
+    assert "ClaimsClassify (programmatic) serves ['classify']" in message
+
+
+def test_a_claimed_task_without_a_pooler_fails_at_load(default_model_path):
+    with pytest.raises(UnsupportedTaskError) as excinfo:
+        poolrunner.Runtime(task="token_embed", plugins=[ClaimsWithoutPooler()], load_entrypoints=False)
+    assert str(excinfo.value) == (
+        f"no plugin returned a pooler for task 'token_embed' of model {default_model_path}"
+    )
+
+
+# ---- the load-time hooks ----
+
+
+def test_hook_supported_tasks(default_runtime):
+    model_config = default_runtime.model_config
+    builtin_only = Hooks(build_plugin_manager(load_entrypoints=False))
+    assert builtin_only.supported_tasks(model_config=model_config) == {"embed"}
+    hooks = Hooks(build_plugin_manager(plugins=[TokenEmbedPlugin(), ClaimsClassify()], load_entrypoints=False))
+    assert hooks.supported_tasks(model_config=model_config) == {"embed", "token_embed", "classify"}  # union
+    assert hooks.tasks_by_plugin(model_config=model_config) == {
+        "sequence_pooling": {"embed"}, "TokenEmbedPlugin": {"token_embed"}, "ClaimsClassify": {"classify"},
+    }
+
+
+def test_hook_get_pooler(default_runtime):
+    """A third-party get_pooler is asked first; returning None hands over to the built-in."""
+    none = AlwaysNone()
+    runtime = poolrunner.Runtime(plugins=[none], load_entrypoints=False)
+    assert none.asked == ["embed"]  # once per runtime, for the runtime's task
+    assert type(runtime.engine.runner.pooler).__name__ == "EmbeddingPooler"
+    np.testing.assert_allclose(runtime.embed("text"), default_runtime.embed("text"), atol=1e-6)
+
+    impls = runtime.plugin_manager.hook.get_pooler.get_hookimpls()
+    assert [(impl.plugin_name, impl.trylast) for impl in impls] == [("sequence_pooling", True), ("AlwaysNone", False)]
+
+
+def test_third_party_task_and_pooler_serve_requests(default_model_path):
+    plugin = TokenEmbedPlugin()
+    runtime = poolrunner.Runtime(task="token_embed", plugins=[plugin], load_entrypoints=False)
+    assert runtime.task == "token_embed" and plugin.asked == ["token_embed"]
+    assert isinstance(runtime.engine.runner.pooler, TokenPooler)
+
+    texts = ["Per-token vectors from a plugin.", "Short"]
+    ids = runtime.inputs.encode(texts)
+    requests = [PoolingRequest(request_id=f"t{i}", prompt_token_ids=tokens, params=PoolingParams(task="token_embed"))
+                for i, tokens in enumerate(ids)]
+    outputs = dict(runtime.engine.run(requests))
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path)
+    model = AutoModel.from_pretrained(default_model_path).eval()
+    for i, text in enumerate(texts):
+        encoded = tokenizer(text, return_tensors="pt")
+        assert encoded["input_ids"][0].tolist() == list(ids[i])
+        with torch.inference_mode():
+            reference = model(**encoded).last_hidden_state[0]
+        assert outputs[f"t{i}"].shape == (len(ids[i]), 384)
+        torch.testing.assert_close(outputs[f"t{i}"], reference, rtol=1e-5, atol=1e-5)
+    # The runtime serves only its task: an embed request is refused before admission.
+    refused = r"^request 'e' asks for task 'embed', but this runtime serves \['token_embed'\]$"
+    with pytest.raises(poolrunner.InvalidRequestError, match=refused):
+        runtime.engine.add_request(PoolingRequest(request_id="e", prompt_token_ids=ids[0],
+                                                  params=PoolingParams(task="embed")))
+    assert runtime.engine.requests == {}
+
+
+# ---- Ambiguity: two third-party poolers for one task ----
+
+
+class NamedTokenEmbed(TokenEmbedPlugin):
+    """A second, distinctly named plugin offering the same task."""
+
+
+def test_two_third_party_poolers_conflict_unless_one_is_named():
+    with pytest.raises(poolrunner.PluginConflictError) as excinfo:
+        poolrunner.Runtime(task="token_embed", load_entrypoints=False,
+                           plugins=[TokenEmbedPlugin(), NamedTokenEmbed()])
+    assert str(excinfo.value) == (
+        "plugins ['NamedTokenEmbed', 'TokenEmbedPlugin'] all offer a pooler for task 'token_embed'; "
+        "choose one with pooler_plugin=<name> or disable the others"
+    )
+    chosen, other = NamedTokenEmbed(), TokenEmbedPlugin()
+    runtime = poolrunner.Runtime(task="token_embed", load_entrypoints=False, plugins=[other, chosen],
+                                 pooler_plugin="NamedTokenEmbed")
+    assert chosen.asked == ["token_embed"] and other.asked == []
+    assert isinstance(runtime.engine.runner.pooler, TokenPooler)
+
+
+def test_a_named_pooler_plugin_must_exist_and_answer():
+    with pytest.raises(UnsupportedTaskError, match=r"^pooler_plugin 'nope' is not a registered plugin$"):
+        poolrunner.Runtime(load_entrypoints=False, pooler_plugin="nope")
+    with pytest.raises(UnsupportedTaskError,
+                       match=r"^plugin 'AlwaysNone' returned no pooler for task 'embed'$"):
+        poolrunner.Runtime(load_entrypoints=False, plugins=[AlwaysNone()], pooler_plugin="AlwaysNone")

