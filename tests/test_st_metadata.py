@@ -96,7 +96,8 @@ def test_lasttoken_pooling_module(make_minilm_folder, texts):
 
 @pytest.mark.parametrize(("pooling", "shown"), [
     ({"pooling_mode": "max"}, r"\['max'\]"),
-    ({"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": True}, r"\['max'\]"),
+    ({"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": True},
+     r"\['max'\]"),
     ({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True}, r"\['cls', 'mean'\]"),
     ({"pooling_mode": "weightedmean"}, r"\['weightedmean'\]"),
 ])
@@ -172,7 +173,8 @@ def test_untrusted_activation_path(make_minilm_folder, activation):
     folder = make_minilm_folder("evil", modules=[TRANSFORMER, POOLING, ("Dense", "2_Dense")], pooling=MEAN,
                                 dense={"out_features": 16, "activation": activation})
     with pytest.raises(ModelLoadError,
-                       match=rf"2_Dense: Dense activation '{activation}' is not a torch\.nn class; refusing to load it$"):
+                       match=rf"2_Dense: Dense activation '{activation}' is not a torch\.nn class; "
+                             r"refusing to load it$"):
         poolrunner.Runtime(folder)
 
 
@@ -238,7 +240,8 @@ def test_unknown_default_prompt_name(make_minilm_folder):
     folder = make_minilm_folder("bad_default", modules=[TRANSFORMER, POOLING], pooling=MEAN,
                                 st_config={"prompts": {"query": "q: "}, "default_prompt_name": "passage"})
     rt = poolrunner.Runtime(folder)
-    with pytest.raises(InvalidRequestError, match=r"^prompt_name 'passage' is not defined by model .*; defined: \['query'\]$"):
+    with pytest.raises(InvalidRequestError,
+                       match=r"^prompt_name 'passage' is not defined by model .*; defined: \['query'\]$"):
         rt.embed(["text"])
     vector = rt.embed(["text"], prompt_name="query")  # an explicit, defined prompt still works
     assert vector.shape == (1, 384)

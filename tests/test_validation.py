@@ -18,7 +18,7 @@ import poolrunner
 from poolrunner import InvalidRequestError, ModelLoadError, PoolingParams, PoolingRequest, UnsupportedTaskError
 
 MIN_COSINE = 0.9999
-HANG_TIMEOUT_S = 120
+HANG_TIMEOUT_S = 60
 
 
 def cosine_rows(a, b) -> np.ndarray:
@@ -325,7 +325,8 @@ def test_pooling_request_validators():
         PoolingRequest(request_id="", prompt_token_ids=[1], params=params)
     with pytest.raises(TypeError, match=r"'params' must be <class .*PoolingParams'>"):
         PoolingRequest(request_id="r3", prompt_token_ids=[1], params={"task": "embed"})
-    request = PoolingRequest(request_id="r4", prompt_token_ids=[101, 7592, 102], token_type_ids=[0, 0, 1], params=params)
+    request = PoolingRequest(request_id="r4", prompt_token_ids=[101, 7592, 102], token_type_ids=[0, 0, 1],
+                             params=params)
     assert request.prompt_token_ids == (101, 7592, 102) and request.num_tokens == 3
 
 
@@ -335,11 +336,13 @@ def test_pooling_request_validators():
 @pytest.mark.parametrize(("kwargs", "error", "pattern"), [
     ({"max_num_seqs": 0}, ValueError, r"^max_num_seqs must be a positive integer, got 0$"),
     ({"max_num_batched_tokens": -5}, ValueError, r"^max_num_batched_tokens must be a positive integer, got -5$"),
-    ({"dtype": "float64"}, ValueError, r"^'dtype' must be in .*'auto', 'float32', 'bfloat16', 'float16'.*\(got 'float64'\)$"),
+    ({"dtype": "float64"}, ValueError,
+     r"^'dtype' must be in .*'auto', 'float32', 'bfloat16', 'float16'.*\(got 'float64'\)$"),
     ({"pooling_type": "MAX"}, ValueError, r"^'pooling_type' must be in .*\(got 'MAX'\)$"),
     ({"task": "classify"}, UnsupportedTaskError,
      r"does not support task 'classify'\. Supported: \['embed'\]"),
-    ({"max_model_len": 600}, ModelLoadError, r"^max_model_len=600 exceeds the 512 positions the model .* was built with$"),
+    ({"max_model_len": 600}, ModelLoadError,
+     r"^max_model_len=600 exceeds the 512 positions the model .* was built with$"),
     ({"model": "/nonexistent/poolrunner-model"}, ModelLoadError,
      r"^model '/nonexistent/poolrunner-model' is not a local model folder with a config\.json; poolrunner loads "
      r"only local folders and never downloads from a model hub$"),
