@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from attrs import converters, field, frozen, validators
+from attrs import converters, field, frozen
 
 from poolrunner.core.types import POOLING_TASKS, POOLING_TYPES, PoolingTask, PoolingType
+from poolrunner.core.validators import one_of, optional_bool, positive_int
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-def _positive(_instance: object, attribute: object, value: int | None) -> None:
-    if value is not None and (not isinstance(value, int) or value < 1):
-        raise ValueError(f"{attribute.name} must be a positive integer, got {value!r}")  # type: ignore[attr-defined]
 
 
 @frozen(kw_only=True)
@@ -25,11 +21,9 @@ class ModelOverrides:
     :ivar matryoshka_dimensions: The allowed ``dimensions`` (implies ``is_matryoshka``).
     """
 
-    pooling_type: PoolingType | None = field(
-        default=None, validator=validators.optional(validators.in_(POOLING_TYPES))
-    )
-    normalize: bool | None = None
-    max_model_len: int | None = field(default=None, validator=_positive)
+    pooling_type: PoolingType | None = field(default=None, validator=one_of(POOLING_TYPES, optional=True))
+    normalize: bool | None = field(default=None, validator=optional_bool)
+    max_model_len: int | None = field(default=None, validator=positive_int)
     is_matryoshka: bool | None = None
     matryoshka_dimensions: tuple[int, ...] | None = field(
         default=None, converter=converters.optional(tuple)
@@ -52,12 +46,10 @@ class RuntimeConfig:
     """
 
     model: str | None = None
-    task: PoolingTask | None = field(
-        default=None, validator=validators.optional(validators.in_(POOLING_TASKS))
-    )
-    dtype: str = field(default="auto", validator=validators.in_(DTYPES))
+    task: PoolingTask | None = field(default=None, validator=one_of(POOLING_TASKS, optional=True))
+    dtype: str = field(default="auto", validator=one_of(DTYPES))
     device: str = "auto"
     pooler_plugin: str | None = None
-    max_num_batched_tokens: int = field(default=8192, validator=_positive)
-    max_num_seqs: int = field(default=256, validator=_positive)
+    max_num_batched_tokens: int = field(default=8192, validator=positive_int)
+    max_num_seqs: int = field(default=256, validator=positive_int)
     overrides: ModelOverrides = field(factory=ModelOverrides)

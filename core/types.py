@@ -7,11 +7,14 @@ plugin's input; derive variants with :func:`attrs.evolve`. Runner-owned mutable 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from attrs import converters, field, frozen, validators
+
+from poolrunner.core.validators import one_of, optional_bool, positive_int
 
 if TYPE_CHECKING:
     import torch
@@ -52,17 +55,14 @@ class PoolingParams:
         ``embed``, unless a sentence-transformers folder has no ``Normalize`` module).
     """
 
-    task: PoolingTask = field(validator=validators.in_(POOLING_TASKS))
-    dimensions: int | None = field(
-        default=None, validator=validators.optional([validators.instance_of(int), validators.gt(0)])
-    )
-    normalize: bool | None = field(
-        default=None, validator=validators.optional(validators.instance_of(bool))
-    )
+    task: PoolingTask = field(validator=one_of(POOLING_TASKS))
+    dimensions: int | None = field(default=None, validator=positive_int)
+    normalize: bool | None = field(default=None, validator=optional_bool)
 
 
 def _token_ids(value: Any) -> tuple[int, ...]:
-    return tuple(int(token) for token in value)
+    # operator.index accepts any integer (numpy's too) and rejects floats and strings.
+    return tuple(operator.index(token) for token in value)
 
 
 @frozen(kw_only=True)
@@ -145,7 +145,7 @@ class ModelConfig:
     max_model_len: int
     is_causal: bool
     model_tasks: frozenset[PoolingTask] = field(converter=frozenset)
-    pooling_type: PoolingType = field(validator=validators.in_(POOLING_TYPES))
+    pooling_type: PoolingType = field(validator=one_of(POOLING_TYPES))
     normalize: bool = True
     matryoshka_dimensions: tuple[int, ...] | None = field(
         default=None, converter=converters.optional(tuple)

@@ -129,7 +129,7 @@ def test_dimensions_on_a_non_matryoshka_model(runtime, assert_serves):
 
 @pytest.mark.parametrize("d", [0, -3])
 def test_dimensions_not_positive(matryoshka_runtime, assert_serves, d):
-    with pytest.raises(ValueError, match=rf"'dimensions' must be > 0: {d}$"):
+    with pytest.raises(ValueError, match=rf"^dimensions must be a positive integer, got {d}$"):
         matryoshka_runtime.embed(["hello"], dimensions=d)
     assert_serves(matryoshka_runtime)
 

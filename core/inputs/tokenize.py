@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from numbers import Integral
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from poolrunner.core.errors import InvalidRequestError
@@ -29,6 +32,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.vocab_size = int(model_config.hf_config.get("vocab_size") or len(tokenizer))
+        self._lock = threading.Lock()
 
     def resolve_prompt(self, prompt: str | None, prompt_name: str | None) -> str:
         """The literal prefix to prepend to every text.
@@ -104,18 +108,21 @@ class InputProcessor:
     def _tokenize(self, texts: list[str], keep: int | None, side: TruncationSide) -> list[tuple[int, ...]]:
         if not texts:
             return []
-        self.tokenizer.truncation_side = side
-        encoded = self.tokenizer(
-            texts, add_special_tokens=True, truncation=keep is not None, max_length=keep,
-            return_attention_mask=False, return_token_type_ids=False, verbose=False,
-        )
+        with self._lock:  # truncation_side is tokenizer state (the call argument is ignored)
+            self.tokenizer.truncation_side = side
+            encoded = self.tokenizer(
+                texts, add_special_tokens=True, truncation=keep is not None, max_length=keep,
+                return_attention_mask=False, return_token_type_ids=False, verbose=False,
+            )
         return [tuple(ids) for ids in encoded["input_ids"]]
 
     def _check_token_ids(
         self, index: int, item: object, keep: int | None, side: TruncationSide
     ) -> tuple[int, ...]:
+        if isinstance(item, np.ndarray) and item.ndim == 1:
+            item = item.tolist()
         if not isinstance(item, Sequence) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in item
+            isinstance(t, Integral) and not isinstance(t, bool) for t in item
         ):
             raise InvalidRequestError(f"input {index}: expected a string or a list of token ids, got {item!r:.80}")
         bad = [t for t in item if not 0 <= t < self.vocab_size]
@@ -123,7 +130,7 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"input {index}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
-        ids = tuple(item)
+        ids = tuple(int(t) for t in item)
         if keep is not None and len(ids) > keep:
             ids = ids[-keep:] if side == "left" else ids[:keep]
         return ids

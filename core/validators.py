@@ -1,0 +1,31 @@
+"""attrs validators whose errors read well in an API response: one plain sentence each."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+from attrs import Attribute
+
+
+def one_of(choices: Collection[Any], *, optional: bool = False):
+    """The value must be one of ``choices`` (or ``None`` when ``optional``)."""
+
+    def check(_instance: object, attribute: Attribute, value: Any) -> None:
+        if value is None and optional:
+            return
+        if value not in choices:
+            raise ValueError(f"{attribute.name} must be one of {list(choices)}, got {value!r}")
+
+    return check
+
+
+def positive_int(_instance: object, attribute: Attribute, value: Any) -> None:
+    """``None`` or an integer >= 1 (booleans are not integers here)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{attribute.name} must be a positive integer, got {value!r}")
+
+
+def optional_bool(_instance: object, attribute: Attribute, value: Any) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{attribute.name} must be true, false or None, got {value!r}")
