@@ -62,8 +62,8 @@ class Hooks:
         """Names of the plugins implementing ``hook_name``, in call order."""
         return [impl.plugin_name for impl in reversed(getattr(self._hook, hook_name).get_hookimpls())]
 
-    def add_request(self, *, state: RequestState) -> None:
-        self._hook.add_request(state=state)
+    def add_request(self, *, state: RequestState, model_config: ModelConfig) -> None:
+        self._hook.add_request(state=state, model_config=model_config)
 
     def remove_request(self, *, state: RequestState) -> None:
         self._hook.remove_request(state=state)

@@ -78,15 +78,17 @@ def get_pooler(model_config: ModelConfig, task: PoolingTask, model: nn.Module) -
 
 
 @hookspec
-def add_request(state: RequestState) -> None:
+def add_request(state: RequestState, model_config: ModelConfig) -> None:
     """Set up per-request state when a request is admitted.
 
     Called once per request, after its parameters were checked and before it is first
     scheduled. Results are ignored; every implementation is called. Keep per-request data in
     ``state.plugin_data[<your plugin name>]``. Raising rejects the request: the engine then
-    calls ``remove_request`` for it and re-raises.
+    calls ``remove_request`` for it and re-raises (raise
+    :class:`~poolrunner.core.errors.InvalidRequestError` for bad input).
 
     :param state: The request and its runner-owned state.
+    :param model_config: Frozen description of the loaded model.
     :returns: Nothing.
 
     .. versionadded:: 0.1

@@ -24,7 +24,10 @@ ENTRY_POINT_GROUP = "poolrunner.plugins"
 
 # Built-ins are found by module name, not by entry point, so they are present even with
 # load_entrypoints=False. Core never imports them directly (an import-linter contract).
-DEFAULT_PLUGINS: tuple[str, ...] = ("poolrunner.plugins.sequence_pooling",)
+DEFAULT_PLUGINS: tuple[str, ...] = (
+    "poolrunner.plugins.token_type_ids",
+    "poolrunner.plugins.sequence_pooling",
+)
 
 # Core's own default implementations (trylast). Registered like a plugin, but never disabled:
 # without it no step could pool or return outputs.

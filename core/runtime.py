@@ -16,12 +16,18 @@ from poolrunner.core.config import ModelOverrides, RuntimeConfig
 from poolrunner.core.engine.engine import Engine
 from poolrunner.core.engine.runner import ModelRunner
 from poolrunner.core.engine.scheduler import Scheduler
+from poolrunner.core.errors import InvalidRequestError, UnsupportedTaskError
 from poolrunner.core.hooks import Hooks
 from poolrunner.core.inputs.tokenize import InputProcessor, PromptInput
 from poolrunner.core.manager import PoolrunnerPluginManager, build_plugin_manager
 from poolrunner.core.model import loader, metadata
+from poolrunner.core.results import ClassificationResult, RerankResult
+from poolrunner.core.scoring import cosine, pair_up
 from poolrunner.core.selection import resolve_task, select_pooler
 from poolrunner.core.types import ModelConfig, PoolingParams, PoolingRequest, PoolingTask, TruncationSide
+
+ClassifyInput = PromptInput | tuple[str, str]
+"""A text, token ids, or a ``(text, text_pair)`` pair."""
 
 logger = logging.getLogger(__name__)
 
@@ -141,26 +147,136 @@ class Runtime:
         """
         single = isinstance(texts, str)
         inputs: list[PromptInput] = [texts] if single else list(texts)  # type: ignore[list-item]
-        if not inputs:
-            return np.zeros((0, self.model_config.embedding_size), dtype=np.float32)
         params = PoolingParams(task="embed", dimensions=dimensions, normalize=normalize)
-        outputs = self._run(inputs, params, truncate_prompt_tokens, truncation_side, prompt,
-                            prompt_name, show_progress_bar)
-        vectors = np.stack([output.numpy() for output in outputs]).astype(np.float32, copy=False)
-        return vectors[0] if single else vectors
-
-    def _run(
-        self, inputs: list[PromptInput], params: PoolingParams, truncate_prompt_tokens: int | None,
-        truncation_side: TruncationSide, prompt: str | None, prompt_name: str | None,
-        show_progress_bar: bool,
-    ) -> list[torch.Tensor]:
+        if not inputs:
+            return np.zeros((0, dimensions or self.model_config.embedding_size), dtype=np.float32)
         token_ids = self.inputs.encode(
             inputs, prompt=prompt, prompt_name=prompt_name,
             truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side,
         )
+        outputs = self._run([(ids, None) for ids in token_ids], params, show_progress_bar)
+        vectors = np.stack([output.numpy() for output in outputs]).astype(np.float32, copy=False)
+        return vectors[0] if single else vectors
+
+    def classify(
+        self,
+        inputs: ClassifyInput | Sequence[ClassifyInput],
+        *,
+        use_activation: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: TruncationSide = "right",
+        show_progress_bar: bool = False,
+    ) -> list[ClassificationResult]:
+        """Score each input over the model's labels (a ``*ForSequenceClassification`` model).
+
+        :param inputs: Texts, token-id lists, or ``(text, text_pair)`` tuples for pair
+            classifiers (tokenized as the model's tokenizer pairs them, with token types).
+        :param use_activation: ``False`` returns raw logits instead of probabilities.
+        :param truncate_prompt_tokens: As for :meth:`embed`.
+        :param truncation_side: As for :meth:`embed`.
+        :param show_progress_bar: Show a tqdm bar over finished inputs.
+        :returns: One :class:`ClassificationResult` per input, in order.
+        :raises InvalidRequestError: for bad input, or if this runtime's task is not ``classify``.
+        """
+        items = [inputs] if isinstance(inputs, str | tuple) else list(inputs)
+        params = PoolingParams(task="classify", use_activation=use_activation)
+        outputs = self._run(self._encode_mixed(items, truncate_prompt_tokens, truncation_side), params,
+                            show_progress_bar)
+        labels = self.model_config.labels
+        return [ClassificationResult(probs=output.numpy().astype(np.float32), labels=labels) for output in outputs]
+
+    def score(
+        self,
+        queries: str | Sequence[str],
+        documents: str | Sequence[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: TruncationSide = "right",
+        use_activation: bool | None = None,
+    ) -> np.ndarray:
+        """Relevance of each (query, document) pair: 1:1, 1:N or N:N.
+
+        A ``classify`` model with one label scores pairs as a cross-encoder (sigmoid of its
+        logit, or the logit with ``use_activation=False``); an ``embed`` model scores the cosine
+        similarity of the two embeddings, in float32 (a bi-encoder).
+
+        :returns: ``[num_pairs]`` float32, in pair order.
+        :raises InvalidRequestError: for an empty side, or shapes other than 1:1, 1:N, N:N.
+        :raises UnsupportedTaskError: for a runtime whose task cannot score pairs.
+        """
+        pairs = pair_up(queries, documents)
+        if self.task == "embed":
+            texts = sorted({text for pair in pairs for text in pair})
+            vectors = dict(zip(texts, self.embed(texts, truncate_prompt_tokens=truncate_prompt_tokens,
+                                                 truncation_side=truncation_side), strict=True))
+            return cosine(np.stack([vectors[q] for q, _ in pairs]), np.stack([vectors[d] for _, d in pairs]))
+        if self.task == "classify" and len(self.model_config.labels) == 1:
+            results = self.classify(pairs, use_activation=use_activation,
+                                    truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side)
+            return np.array([result.probs[0] for result in results], dtype=np.float32)
+        raise UnsupportedTaskError(
+            f"score needs an embed model (bi-encoder) or a classify model with one label "
+            f"(cross-encoder); this runtime serves {self.task!r} with "
+            f"{len(self.model_config.labels)} labels. Late interaction (token_embed) is not "
+            "supported yet."
+        )
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        top_n: int | None = None,
+        return_documents: bool = False,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: TruncationSide = "right",
+    ) -> list[RerankResult]:
+        """Rank ``documents`` by relevance to ``query``, best first.
+
+        :param top_n: Keep the best ``top_n`` (all when ``None`` or larger than the list).
+        :param return_documents: Include each document's text in its result.
+        :returns: :class:`RerankResult` objects sorted by descending score (ties keep input order).
+        :raises InvalidRequestError: for a non-text query, no documents, or ``top_n < 1``.
+        """
+        if not isinstance(query, str):
+            raise InvalidRequestError(f"query must be a string, got {query!r:.80}")
+        if isinstance(documents, str):
+            raise InvalidRequestError("documents must be a list of strings, not one string")
+        if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
+            raise InvalidRequestError(f"top_n must be a positive integer, got {top_n!r}")
+        scores = self.score(query, documents, truncate_prompt_tokens=truncate_prompt_tokens,
+                            truncation_side=truncation_side)
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])[:top_n]
+        return [
+            RerankResult(index=i, score=float(scores[i]), document=documents[i] if return_documents else None)
+            for i in order
+        ]
+
+    def _encode_mixed(
+        self, items: list[ClassifyInput], truncate_prompt_tokens: int | None, truncation_side: TruncationSide
+    ) -> list[tuple[tuple[int, ...], tuple[int, ...] | None]]:
+        """Tokenize single inputs and (text, text_pair) tuples, keeping input order."""
+        pair_at = [i for i, item in enumerate(items) if isinstance(item, tuple)]
+        single_at = [i for i, item in enumerate(items) if not isinstance(item, tuple)]
+        encoded: dict[int, tuple[tuple[int, ...], tuple[int, ...] | None]] = {}
+        options = {"truncate_prompt_tokens": truncate_prompt_tokens, "truncation_side": truncation_side}
+        if pair_at:
+            encoded.update(zip(pair_at, self.inputs.encode_pairs([items[i] for i in pair_at], **options),
+                               strict=True))
+        if single_at:
+            singles = self.inputs.encode([items[i] for i in single_at], **options)  # type: ignore[misc]
+            encoded.update((i, (ids, None)) for i, ids in zip(single_at, singles, strict=True))
+        return [encoded[i] for i in range(len(items))]
+
+    def _run(
+        self, inputs: list[tuple[tuple[int, ...], tuple[int, ...] | None]], params: PoolingParams,
+        show_progress_bar: bool,
+    ) -> list[torch.Tensor]:
+        """Run tokenized ``(prompt_token_ids, token_type_ids)`` inputs; outputs in input order."""
         requests = [
-            PoolingRequest(request_id=f"{params.task}-{next(self._request_ids)}", prompt_token_ids=ids, params=params)
-            for ids in token_ids
+            PoolingRequest(request_id=f"{params.task}-{next(self._request_ids)}", prompt_token_ids=ids,
+                           token_type_ids=types, params=params)
+            for ids, types in inputs
         ]
         position = {request.request_id: i for i, request in enumerate(requests)}
         results: list[Any] = [None] * len(requests)

@@ -31,7 +31,7 @@ def resolve_task(
     served = hooks.tasks_by_plugin(model_config=model_config)
     plugins = ", ".join(
         f"{info.describe()} serves {sorted(served.get(info.name, ()))}"
-        for info in pm.plugin_infos() if info.name != "core"
+        for info in pm.plugin_infos() if {"supported_tasks", "get_pooler"} & set(info.hooks)
     )
     asked = f"task {requested!r}" if requested else "any task"
     raise UnsupportedTaskError(

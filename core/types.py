@@ -53,11 +53,14 @@ class PoolingParams:
         against the model when the request is admitted. ``None`` keeps the full size.
     :ivar normalize: L2-normalize the output. ``None`` uses the model's default (on for
         ``embed``, unless a sentence-transformers folder has no ``Normalize`` module).
+    :ivar use_activation: Apply the classification activation (sigmoid or softmax, by the
+        model's head). ``None`` and ``True`` apply it; ``False`` returns raw logits.
     """
 
     task: PoolingTask = field(validator=one_of(POOLING_TASKS))
     dimensions: int | None = field(default=None, validator=positive_int)
     normalize: bool | None = field(default=None, validator=optional_bool)
+    use_activation: bool | None = field(default=None, validator=optional_bool)
 
 
 def _token_ids(value: Any) -> tuple[int, ...]:
@@ -133,6 +136,13 @@ class ModelConfig:
     :ivar dense_layers: sentence-transformers Dense projections, applied in order after pooling.
     :ivar prompts: Named prompt prefixes (``config_sentence_transformers.json``).
     :ivar default_prompt_name: Prompt used when the caller names none.
+    :ivar labels: Label names of a classification head, by class index (``id2label``).
+    :ivar problem_type: Hugging Face ``problem_type`` of the head (``single_label_classification``,
+        ``multi_label_classification``, ``regression``), when the config sets it.
+    :ivar classifier_activation: Activation a sentence-transformers cross-encoder names in its
+        config (a ``torch.nn`` class name), overriding the rule from ``labels``/``problem_type``.
+    :ivar type_vocab_size: Number of token types the model embeds (0 when it has none); paired
+        inputs carry ``token_type_ids`` only when this is at least 2.
     :ivar hf_config: The raw ``config.json`` contents, read-only, for plugins that need more.
     """
 
@@ -156,6 +166,10 @@ class ModelConfig:
         factory=dict, converter=_frozen_mapping, eq=False, hash=False
     )
     default_prompt_name: str | None = None
+    labels: tuple[str, ...] = field(default=(), converter=tuple)
+    problem_type: str | None = None
+    classifier_activation: str | None = None
+    type_vocab_size: int = 0
     hf_config: Mapping[str, Any] = field(
         factory=dict, converter=_frozen_mapping, eq=False, hash=False, repr=False
     )

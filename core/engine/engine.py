@@ -57,7 +57,7 @@ class Engine:
         state = RequestState(request=request)
         self.requests[request.request_id] = state
         try:
-            self.hooks.add_request(state=state)
+            self.hooks.add_request(state=state, model_config=self.model_config)
         except BaseException:
             self._release(state)
             raise

@@ -105,6 +105,42 @@ class InputProcessor:
             results.append(self._check_length(index, ids))
         return results
 
+    def encode_pairs(
+        self,
+        pairs: Sequence[tuple[str, str]],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: TruncationSide = "right",
+    ) -> list[tuple[tuple[int, ...], tuple[int, ...] | None]]:
+        """Tokenize (query, document) pairs as the model's tokenizer pairs them.
+
+        Truncation uses the tokenizer's pair strategy (``longest_first``, special tokens kept),
+        as sentence-transformers' CrossEncoder does.
+
+        :returns: ``(prompt_token_ids, token_type_ids)`` per pair; ``token_type_ids`` is ``None``
+            for models without token types (``type_vocab_size < 2``, e.g. RoBERTa).
+        :raises InvalidRequestError: naming the pair's index and the limit it breaks.
+        """
+        if truncation_side not in ("left", "right"):
+            raise InvalidRequestError(f"truncation_side must be 'left' or 'right', got {truncation_side!r}")
+        keep = self.check_truncation(truncate_prompt_tokens)
+        for index, pair in enumerate(pairs):
+            if not (isinstance(pair, tuple | list) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
+                raise InvalidRequestError(f"pair {index}: expected two texts (query, document), got {pair!r:.80}")
+        with self._lock:  # truncation_side is tokenizer state (the call argument is ignored)
+            self.tokenizer.truncation_side = truncation_side
+            encoded = self.tokenizer(
+                [query for query, _ in pairs], [document for _, document in pairs],
+                add_special_tokens=True, truncation=keep is not None, max_length=keep,
+                return_attention_mask=False, return_token_type_ids=True, verbose=False,
+            )
+        with_types = self.model_config.type_vocab_size >= 2 and "token_type_ids" in encoded
+        results = []
+        for index, ids in enumerate(encoded["input_ids"]):
+            types = tuple(encoded["token_type_ids"][index]) if with_types else None
+            results.append((self._check_length(index, tuple(ids)), types))
+        return results
+
     def _tokenize(self, texts: list[str], keep: int | None, side: TruncationSide) -> list[tuple[int, ...]]:
         if not texts:
             return []

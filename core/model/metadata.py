@@ -80,6 +80,10 @@ def load_model_config(
         dense_layers=dense,
         prompts=st.prompts if st else {},
         default_prompt_name=st.default_prompt_name if st else None,
+        labels=_labels(hf_config) if model_tasks(architecture) & {"classify", "token_classify"} else (),
+        problem_type=getattr(hf_config, "problem_type", None),
+        classifier_activation=_classifier_activation(path, hf_config),
+        type_vocab_size=int(getattr(hf_config, "type_vocab_size", 0) or 0),
         hf_config=hf_config.to_dict(),
     )
 
@@ -125,6 +129,24 @@ def _max_model_len(
             f"model {path} was built with"
         )
     return overrides.max_model_len
+
+
+def _labels(hf_config: PretrainedConfig) -> tuple[str, ...]:
+    id2label = {int(k): str(v) for k, v in (getattr(hf_config, "id2label", None) or {}).items()}
+    count = int(getattr(hf_config, "num_labels", len(id2label)) or len(id2label))
+    return tuple(id2label.get(i, f"LABEL_{i}") for i in range(count))
+
+
+def _classifier_activation(path: Path, hf_config: PretrainedConfig) -> str | None:
+    """The activation a sentence-transformers cross-encoder names, when it is a torch.nn class."""
+    st_settings = getattr(hf_config, "sentence_transformers", None) or {}
+    name = st_settings.get("activation_fn") if isinstance(st_settings, dict) else None
+    if name is None:
+        return None
+    if not name.startswith("torch.nn."):
+        # Never import an arbitrary path named by a config file.
+        raise ModelLoadError(f"{path}: cross-encoder activation {name!r} is not a torch.nn class; refusing it")
+    return name.rsplit(".", 1)[-1]
 
 
 def _config_value(hf_config: PretrainedConfig, *names: str) -> Any:

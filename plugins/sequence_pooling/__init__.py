@@ -1,12 +1,15 @@
-"""Built-in plugin: sequence pooling (CLS, MEAN, LAST) for the ``embed`` task."""
+"""Built-in plugin: sequence pooling (CLS, MEAN, LAST) for the tasks ``embed`` and ``classify``."""
 
 from __future__ import annotations
 
-from poolrunner.core import ModelConfig, PoolingTask, hookimpl
+from torch import nn
 
-from .pooler import EmbeddingPooler
+from poolrunner.core import ModelConfig, Pooler, PoolingTask, hookimpl
 
-TASKS: frozenset[PoolingTask] = frozenset({"embed"})
+from .classify import ClassifierPooler
+from .embed import EmbeddingPooler
+
+TASKS: frozenset[PoolingTask] = frozenset({"embed", "classify"})
 
 
 @hookimpl
@@ -15,7 +18,9 @@ def supported_tasks() -> frozenset[PoolingTask]:
 
 
 @hookimpl(trylast=True)  # a built-in default: any third-party pooler wins
-def get_pooler(model_config: ModelConfig, task: PoolingTask) -> EmbeddingPooler | None:
-    if task != "embed":
-        return None
-    return EmbeddingPooler.from_model_config(model_config)
+def get_pooler(model_config: ModelConfig, task: PoolingTask, model: nn.Module) -> Pooler | None:
+    if task == "embed":
+        return EmbeddingPooler.from_model_config(model_config)
+    if task == "classify":
+        return ClassifierPooler(model_config, model)
+    return None

@@ -130,7 +130,7 @@ def test_broken_entrypoint_plugin_fails_the_build(brokenplugin_dist, installed_e
 def test_disabling_the_broken_plugin_lets_the_build_succeed(brokenplugin_dist, installed_entry_points,
                                                             default_runtime):
     pm = build_plugin_manager(disable=["broken", *installed_entry_points])
-    assert [info.name for info in pm.plugin_infos()] == ["core", "sequence_pooling"]
+    assert [info.name for info in pm.plugin_infos()] == ["core", "token_type_ids", "sequence_pooling"]
     assert "poolrunner_brokenplugin" not in sys.modules  # disabled plugins are never imported
     runtime = poolrunner.Runtime(disable_plugins=["broken", *installed_entry_points])
     np.testing.assert_allclose(runtime.embed("still works"), default_runtime.embed("still works"), atol=1e-6)

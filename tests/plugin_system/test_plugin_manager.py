@@ -59,8 +59,8 @@ def test_each_build_returns_an_independent_manager():
     pm_b = build_plugin_manager(plugins=[b], load_entrypoints=False)
 
     assert pm_a is not pm_b and pm_a.hook is not pm_b.hook
-    assert names(pm_a) == ["core", "sequence_pooling", "ClaimsTokenEmbed"]
-    assert names(pm_b) == ["core", "sequence_pooling", "ClaimsClassify"]
+    assert names(pm_a) == ["core", "token_type_ids", "sequence_pooling", "ClaimsTokenEmbed"]
+    assert names(pm_b) == ["core", "token_type_ids", "sequence_pooling", "ClaimsClassify"]
     assert pm_a.get_plugin("ClaimsTokenEmbed") is a and not pm_a.is_registered(b)
     assert pm_b.get_plugin("ClaimsClassify") is b and not pm_b.is_registered(a)
     # The built-in module object is shared, but each manager has its own registration of it.
@@ -129,11 +129,13 @@ def test_builtins_entrypoints_and_code_plugins_share_one_registration_path(
     extra = ClaimsTokenEmbed()
     pm = build_plugin_manager(plugins=[extra], disable=installed_entry_points)
 
-    assert registered == [("core", "builtin"), ("sequence_pooling", "builtin"),
+    assert registered == [("core", "builtin"), ("token_type_ids", "builtin"), ("sequence_pooling", "builtin"),
                           ("testplugin", "entrypoint"), ("ClaimsTokenEmbed", "programmatic")]
     assert pm.plugin_infos() == [
         PluginInfo(name="core", source="builtin", dist="poolrunner", version=POOLRUNNER_VERSION,
                    hooks=("pool", "process_output")),
+        PluginInfo(name="token_type_ids", source="builtin", dist="poolrunner", version=POOLRUNNER_VERSION,
+                   hooks=("add_request", "prepare_inputs", "remove_request")),
         PluginInfo(name="sequence_pooling", source="builtin", dist="poolrunner",
                    version=POOLRUNNER_VERSION, hooks=("get_pooler", "supported_tasks")),
         PluginInfo(name="testplugin", source="entrypoint", dist="poolrunner-testplugin",
@@ -144,7 +146,7 @@ def test_builtins_entrypoints_and_code_plugins_share_one_registration_path(
 
 def test_builtins_are_present_without_entry_points(testplugin_dist):
     pm = build_plugin_manager(load_entrypoints=False)
-    assert names(pm) == ["core", "sequence_pooling"]
+    assert names(pm) == ["core", "token_type_ids", "sequence_pooling"]
     assert not pm.has_plugin("testplugin")
     assert "poolrunner_testplugin" not in sys.modules
 
@@ -159,7 +161,7 @@ def test_any_plugin_can_be_disabled_by_name(disabled):
 
 def test_disabled_entrypoint_plugin_is_never_imported(testplugin_dist, installed_entry_points):
     pm = build_plugin_manager(disable=["testplugin", *installed_entry_points])
-    assert names(pm) == ["core", "sequence_pooling"]
+    assert names(pm) == ["core", "token_type_ids", "sequence_pooling"]
     assert "poolrunner_testplugin" not in sys.modules
 
 
@@ -169,7 +171,7 @@ def test_disabling_an_unknown_name_is_a_value_error_listing_known_names():
                              disable=["sequence_pooling", "sequence-pooling", "nope"])
     assert str(excinfo.value) == (
         "cannot disable unknown plugin(s) ['nope', 'sequence-pooling']; "
-        "known plugins: ['ClaimsTokenEmbed', 'sequence_pooling']"
+        "known plugins: ['ClaimsTokenEmbed', 'sequence_pooling', 'token_type_ids']"
     )
 
 
@@ -235,7 +237,7 @@ def test_hookimpl_argument_missing_from_the_spec_fails_the_build():
 def test_disabling_an_invalid_plugin_lets_the_build_succeed():
     pm = build_plugin_manager(plugins=[MisspelledHook(), UnknownArgument()], load_entrypoints=False,
                               disable=["MisspelledHook", "UnknownArgument"])
-    assert names(pm) == ["core", "sequence_pooling"]
+    assert names(pm) == ["core", "token_type_ids", "sequence_pooling"]
 
 
 # ---- 5. Name conflicts ----
@@ -260,7 +262,7 @@ def test_a_plugin_named_like_a_builtin_conflicts_with_it():
     )
     # Disabling the name leaves both out; the build then succeeds.
     pm = build_plugin_manager(plugins=[impostor], load_entrypoints=False, disable=["sequence_pooling"])
-    assert names(pm) == ["core"]
+    assert names(pm) == ["core", "token_type_ids"]
 
 
 def test_core_defaults_cannot_be_disabled():

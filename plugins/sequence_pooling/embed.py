@@ -84,8 +84,11 @@ class EmbeddingPooler(Pooler):
         return [_finish(row, *s) for row, s in zip(pooled, settings, strict=True)]
 
     def _settings(self, params: PoolingParams) -> tuple[int | None, bool]:
-        normalize = self.model_config.normalize if params.normalize is None else params.normalize
-        return params.dimensions, normalize
+        # vLLM folds normalization into use_activation for embed; an explicit normalize wins.
+        for choice in (params.normalize, params.use_activation, self.model_config.normalize):
+            if choice is not None:
+                return params.dimensions, choice
+        raise AssertionError("unreachable: model_config.normalize is always set")
 
 
 def _finish(pooled: torch.Tensor, dimensions: int | None, normalize: bool) -> torch.Tensor:

@@ -1,0 +1,63 @@
+"""The pooler of the ``classify`` task: pool -> the model's head -> activation.
+
+Activation, as in vLLM and sentence-transformers (see REFERENCE): one label -> sigmoid (a
+cross-encoder's relevance score); two or more -> softmax; ``problem_type``
+``multi_label_classification`` -> independent sigmoids; ``regression`` -> identity; an
+activation named by a sentence-transformers cross-encoder config wins over these.
+``use_activation=False`` returns the raw logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from poolrunner.core import (
+    InvalidRequestError,
+    ModelConfig,
+    ModelLoadError,
+    Pooler,
+    PoolerOutput,
+    PoolingMetadata,
+    PoolingParams,
+    PoolingTask,
+)
+
+from .heads import classifier_activation, classifier_head
+from .methods import POOLING_METHODS
+
+
+class ClassifierPooler(Pooler):
+    """One score per label and request: ``[num_reqs, num_labels]`` float32."""
+
+    def __init__(self, model_config: ModelConfig, model: nn.Module) -> None:
+        super().__init__()
+        if model_config.pooling_type not in POOLING_METHODS:
+            raise ModelLoadError(
+                f"pooling_type {model_config.pooling_type!r} cannot pool a sequence; "
+                f"use one of {sorted(POOLING_METHODS)}"
+            )
+        self.model_config = model_config
+        self.method = POOLING_METHODS[model_config.pooling_type]
+        self.head = classifier_head(model, model_config)
+        self.activation = classifier_activation(model_config)
+        self.head_dtype = next(model.parameters()).dtype
+
+    def get_supported_tasks(self) -> frozenset[PoolingTask]:
+        return frozenset({"classify"})
+
+    def check_params(self, params: PoolingParams) -> None:
+        """:raises InvalidRequestError: for ``dimensions`` or ``normalize``, which mean nothing here."""
+        for name in ("dimensions", "normalize"):
+            if getattr(params, name) is not None:
+                raise InvalidRequestError(f"{name} does not apply to task 'classify' (got {getattr(params, name)!r})")
+
+    def forward(self, hidden_states: torch.Tensor, metadata: PoolingMetadata) -> PoolerOutput:
+        pooled = self.method(hidden_states, metadata.query_start_loc)
+        logits = self.head(pooled.to(self.head_dtype)).float()
+        activate = [p.use_activation is not False for p in metadata.pooling_params]
+        if all(activate):
+            return self.activation(logits)
+        if not any(activate):
+            return logits
+        return [self.activation(row) if on else row for row, on in zip(logits, activate, strict=True)]

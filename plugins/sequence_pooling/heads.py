@@ -1,0 +1,63 @@
+"""The model's own classification head, applied to pooled vectors.
+
+transformers' ``*ForSequenceClassification`` classes run their head on padded batches and pick
+the pooled token themselves. poolrunner pools the packed hidden states first (CLS or LAST, as
+the family does) and then calls the same head modules on ``[num_reqs, hidden_size]``, so the
+weights and their arrangement stay exactly the model's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from poolrunner.core import ModelConfig, ModelLoadError
+
+Head = Callable[[torch.Tensor], torch.Tensor]
+
+
+def classifier_head(model: nn.Module, model_config: ModelConfig) -> Head:
+    """``[num_reqs, hidden_size]`` pooled vectors -> ``[num_reqs, num_labels]`` logits.
+
+    Families: ``score`` linear layers (Llama, Qwen2, Qwen3, GPT-2: LAST pooling); BERT's
+    ``pooler`` + ``classifier``; DistilBERT's ``pre_classifier`` + ReLU + ``classifier``; and
+    RoBERTa / XLM-RoBERTa heads that read the first position of a sequence.
+
+    :raises ModelLoadError: for a head layout none of these match.
+    """
+    score = getattr(model, "score", None)
+    if isinstance(score, nn.Linear):
+        return score
+    classifier = getattr(model, "classifier", None)
+    if not isinstance(classifier, nn.Module):
+        raise ModelLoadError(
+            f"model {model_config.name} ({model_config.architecture}) has a classification head "
+            "poolrunner does not know how to apply (no `score` or `classifier` module)"
+        )
+    pre_classifier = getattr(model, "pre_classifier", None)
+    if isinstance(pre_classifier, nn.Linear):  # DistilBERT
+        return lambda pooled: classifier(torch.relu(pre_classifier(pooled)))
+    if isinstance(classifier, nn.Linear):
+        pooler = getattr(model.base_model, "pooler", None)
+        if pooler is None:
+            return classifier
+        return lambda pooled: classifier(pooler(pooled.unsqueeze(1)))  # BERT: dense + tanh on CLS
+    return lambda pooled: classifier(pooled.unsqueeze(1))  # RoBERTa family: reads features[:, 0]
+
+
+def classifier_activation(model_config: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """How logits become scores, per the field's rules (see the module docs of ``classify``)."""
+    if model_config.classifier_activation is not None:
+        activation = getattr(nn, model_config.classifier_activation, None)
+        if not (isinstance(activation, type) and issubclass(activation, nn.Module)):
+            raise ModelLoadError(
+                f"model {model_config.name}: activation {model_config.classifier_activation!r} is not a torch.nn module"
+            )
+        return activation()
+    if model_config.problem_type == "regression":
+        return lambda logits: logits
+    if model_config.problem_type == "multi_label_classification" or len(model_config.labels) == 1:
+        return torch.sigmoid  # softmax over one logit is always 1.0
+    return lambda logits: torch.softmax(logits, dim=-1)  # subtracts the max: stable for any logits
