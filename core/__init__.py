@@ -1,16 +1,18 @@
 """poolrunner's core: the plugin system, the engine and the public API plugins build on.
 
-Plugins import only from here (an import-linter contract checks it).
+Plugins import only from here (an import-linter contract checks it). Names that need torch or
+transformers load on first use, so ``poolrunner --help`` and ``poolrunner plugins`` start fast.
 """
 
+import importlib
 import os
+from typing import TYPE_CHECKING, Any
 
 # No code path may reach a model hub: every model is a local folder.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 from poolrunner.core.config import ModelOverrides, RuntimeConfig  # noqa: E402
-from poolrunner.core.engine.batch import InputBatch  # noqa: E402
 from poolrunner.core.engine.request import RequestState  # noqa: E402
 from poolrunner.core.errors import (  # noqa: E402
     InvalidRequestError,
@@ -22,9 +24,6 @@ from poolrunner.core.errors import (  # noqa: E402
 )
 from poolrunner.core.hookspec import hookimpl  # noqa: E402
 from poolrunner.core.manager import ENTRY_POINT_GROUP, build_plugin_manager  # noqa: E402
-from poolrunner.core.output import OutputHandle  # noqa: E402
-from poolrunner.core.pooler import Pooler, PoolerOutput  # noqa: E402
-from poolrunner.core.runtime import Runtime  # noqa: E402
 from poolrunner.core.types import (  # noqa: E402
     POOLING_TASKS,
     DenseLayerSpec,
@@ -37,9 +36,34 @@ from poolrunner.core.types import (  # noqa: E402
     PoolingType,
 )
 
+_LAZY = {
+    "InputBatch": "poolrunner.core.engine.batch",
+    "OutputHandle": "poolrunner.core.output",
+    "Pooler": "poolrunner.core.pooler",
+    "PoolerOutput": "poolrunner.core.pooler",
+    "Runtime": "poolrunner.core.runtime",
+    "ClassificationResult": "poolrunner.core.results",
+    "RerankResult": "poolrunner.core.results",
+}
+
+if TYPE_CHECKING:
+    from poolrunner.core.engine.batch import InputBatch
+    from poolrunner.core.output import OutputHandle
+    from poolrunner.core.pooler import Pooler, PoolerOutput
+    from poolrunner.core.results import ClassificationResult, RerankResult
+    from poolrunner.core.runtime import Runtime
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "ENTRY_POINT_GROUP",
     "POOLING_TASKS",
+    "ClassificationResult",
     "DenseLayerSpec",
     "InputBatch",
     "InvalidRequestError",
@@ -59,6 +83,7 @@ __all__ = [
     "PoolingType",
     "PoolrunnerError",
     "RequestState",
+    "RerankResult",
     "Runtime",
     "RuntimeConfig",
     "UnsupportedTaskError",

@@ -28,7 +28,7 @@ class ModelLoadError(PoolrunnerError, ValueError):
 
 
 class InvalidRequestError(PoolrunnerError, ValueError):
-    """A request or its parameters were rejected before reaching the engine.
+    """A request, its parameters or a runtime argument were rejected before reaching the engine.
 
     Raised before the request is admitted, so other requests are never affected.
     """

@@ -170,7 +170,8 @@ class Runtime:
         """Score each input over the model's labels (a ``*ForSequenceClassification`` model).
 
         :param inputs: Texts, token-id lists, or ``(text, text_pair)`` tuples for pair
-            classifiers (tokenized as the model's tokenizer pairs them, with token types).
+            classifiers (tokenized as the model's tokenizer pairs them, with token types). A
+            tuple of two strings is one pair; pass several inputs as a list.
         :param use_activation: ``False`` returns raw logits instead of probabilities.
         :param truncate_prompt_tokens: As for :meth:`embed`.
         :param truncation_side: As for :meth:`embed`.
@@ -178,7 +179,7 @@ class Runtime:
         :returns: One :class:`ClassificationResult` per input, in order.
         :raises InvalidRequestError: for bad input, or if this runtime's task is not ``classify``.
         """
-        items = [inputs] if isinstance(inputs, str | tuple) else list(inputs)
+        items = [inputs] if isinstance(inputs, str) or _is_pair(inputs) else list(inputs)
         params = PoolingParams(task="classify", use_activation=use_activation)
         outputs = self._run(self._encode_mixed(items, truncate_prompt_tokens, truncation_side), params,
                             show_progress_bar)
@@ -256,8 +257,8 @@ class Runtime:
         self, items: list[ClassifyInput], truncate_prompt_tokens: int | None, truncation_side: TruncationSide
     ) -> list[tuple[tuple[int, ...], tuple[int, ...] | None]]:
         """Tokenize single inputs and (text, text_pair) tuples, keeping input order."""
-        pair_at = [i for i, item in enumerate(items) if isinstance(item, tuple)]
-        single_at = [i for i, item in enumerate(items) if not isinstance(item, tuple)]
+        pair_at = [i for i, item in enumerate(items) if _is_pair(item)]
+        single_at = [i for i, item in enumerate(items) if not _is_pair(item)]
         encoded: dict[int, tuple[tuple[int, ...], tuple[int, ...] | None]] = {}
         options = {"truncate_prompt_tokens": truncate_prompt_tokens, "truncation_side": truncation_side}
         if pair_at:
@@ -285,3 +286,7 @@ class Runtime:
                 results[position[request_id]] = output
                 bar.update()
         return results
+
+
+def _is_pair(item: object) -> bool:
+    return isinstance(item, tuple) and len(item) == 2 and all(isinstance(text, str) for text in item)

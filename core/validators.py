@@ -1,4 +1,7 @@
-"""attrs validators whose errors read well in an API response: one plain sentence each."""
+"""attrs validators whose errors read well in an API response: one plain sentence each.
+
+They raise :class:`~poolrunner.core.errors.InvalidRequestError` (a ``ValueError``).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,8 @@ from collections.abc import Collection
 from typing import Any
 
 from attrs import Attribute
+
+from poolrunner.core.errors import InvalidRequestError
 
 
 def one_of(choices: Collection[Any], *, optional: bool = False):
@@ -15,7 +20,7 @@ def one_of(choices: Collection[Any], *, optional: bool = False):
         if value is None and optional:
             return
         if value not in choices:
-            raise ValueError(f"{attribute.name} must be one of {list(choices)}, got {value!r}")
+            raise InvalidRequestError(f"{attribute.name} must be one of {list(choices)}, got {value!r}")
 
     return check
 
@@ -23,9 +28,9 @@ def one_of(choices: Collection[Any], *, optional: bool = False):
 def positive_int(_instance: object, attribute: Attribute, value: Any) -> None:
     """``None`` or an integer >= 1 (booleans are not integers here)."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"{attribute.name} must be a positive integer, got {value!r}")
+        raise InvalidRequestError(f"{attribute.name} must be a positive integer, got {value!r}")
 
 
 def optional_bool(_instance: object, attribute: Attribute, value: Any) -> None:
     if value is not None and not isinstance(value, bool):
-        raise ValueError(f"{attribute.name} must be true, false or None, got {value!r}")
+        raise InvalidRequestError(f"{attribute.name} must be true, false or None, got {value!r}")

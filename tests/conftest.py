@@ -311,3 +311,386 @@ def llama_reference(llama_folder) -> Callable[[Sequence[Sequence[int]]], np.ndar
         return states[torch.arange(len(token_ids)), last].double().numpy()
 
     return last_hidden
+
+
+# --------------------------------------------------------------------------- tiny classifiers
+
+CLASSIFIER_FAMILIES = ("bert", "roberta", "xlm-roberta", "llama", "qwen2", "qwen3")
+ENCODER_FAMILIES = ("bert", "roberta", "xlm-roberta")
+CLASSIFIER_VOCAB_SIZE = 1000
+# Head variants: HF problem types and the activation each implies (see REFERENCE.md).
+CLASSIFIER_VARIANTS: dict[str, dict[str, Any]] = {
+    "single": {"num_labels": 1},  # sigmoid
+    "multiclass": {"id2label": {0: "negative", 1: "neutral", 2: "positive"}},  # softmax
+    "multilabel": {"id2label": {0: "sports", 1: "politics", 2: "tech"},
+                   "problem_type": "multi_label_classification"},  # independent sigmoids
+    "regression": {"num_labels": 1, "problem_type": "regression"},  # identity
+}
+
+
+def _tiny_tokenizer(family: str) -> Any:
+    """A WordLevel tokenizer over ``w0 w1 ...`` words with the family's special tokens and pair
+    template: BERT ``[CLS] A [SEP] B [SEP]`` with types 0/1; RoBERTa ``<s> A </s> </s> B </s>``
+    without types; decoders ``<s> A`` (no EOS, so the last real token is never the pad id)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    if family == "bert":
+        specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    elif family in ENCODER_FAMILIES:
+        specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    else:
+        specials = ["<unk>", "<s>", "</s>"]
+    vocab = {token: i for i, token in enumerate(specials)}
+    vocab.update({f"w{i}": i + len(specials) for i in range(CLASSIFIER_VOCAB_SIZE - len(specials))})
+    unk = "[UNK]" if family == "bert" else "<unk>"
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unk))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if family == "bert":
+        backend.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+            special_tokens=[("[CLS]", 2), ("[SEP]", 3)],
+        )
+        return PreTrainedTokenizerFast(
+            tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
+            sep_token="[SEP]", mask_token="[MASK]",
+            model_input_names=["input_ids", "token_type_ids", "attention_mask"],
+        )
+    if family in ENCODER_FAMILIES:
+        backend.post_processor = processors.TemplateProcessing(
+            single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)],
+        )
+        return PreTrainedTokenizerFast(
+            tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
+            cls_token="<s>", sep_token="</s>", mask_token="<mask>", model_input_names=["input_ids", "attention_mask"],
+        )
+    if family == "qwen2":
+        backend = _qwen2_style_bpe(specials)
+    else:
+        backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>",
+        model_input_names=["input_ids", "attention_mask"],
+    )
+
+
+def _qwen2_style_bpe(specials: list[str]) -> Any:
+    """A byte-level BPE trained on the tiny vocabulary with Qwen2's pre-tokenization.
+
+    transformers loads any ``model_type: qwen2`` tokenizer as ``Qwen2Tokenizer``, which rebuilds
+    its own pipeline from the vocabulary and merges (a WordLevel model would turn every text into
+    one unknown token), so the qwen2 folder gets a tokenizer that pipeline reproduces.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    backend = Tokenizer(models.BPE())
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=CLASSIFIER_VOCAB_SIZE, special_tokens=specials, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    words = [f"w{i}" for i in range(CLASSIFIER_VOCAB_SIZE)]
+    backend.train_from_iterator([" ".join(words[i : i + 10]) for i in range(0, len(words), 10)] * 3, trainer)
+    assert backend.get_vocab_size() <= CLASSIFIER_VOCAB_SIZE
+    return backend
+
+
+def _tiny_classifier_config(family: str, head: dict[str, Any]) -> Any:
+    import transformers
+
+    common = {"vocab_size": CLASSIFIER_VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, **head}
+    if family == "bert":
+        return transformers.BertConfig(
+            type_vocab_size=2, pad_token_id=0, max_position_embeddings=256,
+            architectures=["BertForSequenceClassification"], **common,
+        )
+    if family in ("roberta", "xlm-roberta"):
+        config_class, arch = {
+            "roberta": (transformers.RobertaConfig, "RobertaForSequenceClassification"),
+            "xlm-roberta": (transformers.XLMRobertaConfig, "XLMRobertaForSequenceClassification"),
+        }[family]
+        # 258 positions hold 256 tokens: positions start after the padding index (1).
+        return config_class(
+            type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2, max_position_embeddings=258,
+            architectures=[arch], **common,
+        )
+    config_class, arch = {
+        "llama": (transformers.LlamaConfig, "LlamaForSequenceClassification"),
+        "qwen2": (transformers.Qwen2Config, "Qwen2ForSequenceClassification"),
+        "qwen3": (transformers.Qwen3Config, "Qwen3ForSequenceClassification"),
+    }[family]
+    # pad_token_id lets transformers' *ForSequenceClassification find the last real token of
+    # a right-padded row; pad == eos as in most decoders.
+    extra = {"head_dim": 16} if family == "qwen3" else {}
+    return config_class(
+        num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=2, max_position_embeddings=512,
+        tie_word_embeddings=False, architectures=[arch], **extra, **common,
+    )
+
+
+@pytest.fixture(scope="session")
+def make_classifier_folder(tmp_path_factory) -> Callable[..., Path]:
+    """``make(family, variant="multiclass", *, seed=0, head_bias=None, head_scale=None,
+    st_config=None)``: a seeded random ``*ForSequenceClassification`` folder (hidden 64,
+    2 layers, vocab 1000) with its tokenizer; one folder per distinct argument set.
+
+    ``head_bias``/``head_scale`` (BERT only) set the classifier's bias and scale its weights,
+    to reach extreme logits; ``st_config`` is written into ``config.json`` as
+    ``sentence_transformers`` (a cross-encoder's settings).
+    """
+    import transformers
+
+    cache: dict[str, Path] = {}
+
+    def make(
+        family: str, variant: str = "multiclass", *, seed: int = 0, head_bias: Sequence[float] | None = None,
+        head_scale: float | None = None, st_config: dict[str, Any] | None = None,
+    ) -> Path:
+        key = repr((family, variant, seed, head_bias, head_scale, st_config))
+        if key in cache:
+            return cache[key]
+        folder = tmp_path_factory.mktemp(f"cls_{family}_{variant}")
+        _tiny_tokenizer(family).save_pretrained(folder)
+        config = _tiny_classifier_config(family, CLASSIFIER_VARIANTS[variant])
+        torch.manual_seed(seed)
+        model = getattr(transformers, config.architectures[0])(config).eval()
+        # The default init (std 0.02) makes every input score alike; widen it so that a wrong
+        # token, position, type or pooled row visibly changes the result.
+        with torch.no_grad():
+            for parameter in model.parameters():
+                if parameter.dim() > 1:
+                    parameter.normal_(0.0, 0.2)
+            if head_scale is not None:
+                model.classifier.weight.mul_(head_scale)
+            if head_bias is not None:
+                model.classifier.bias.copy_(torch.tensor(head_bias))
+        model.save_pretrained(folder)
+        # The tokenizer transformers loads from the folder must tokenize as built (see qwen2).
+        loaded = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        assert len(set(loaded("w1 w22 w333 w44")["input_ids"])) >= 4, (family, type(loaded))
+        if st_config is not None:
+            data = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+            data["sentence_transformers"] = st_config
+            _write_json(folder / "config.json", data)
+        cache[key] = folder
+        return folder
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def minilm_classifier_folder(tmp_path_factory, model_path) -> Callable[[int], Path]:
+    """``make(num_labels)``: real all-MiniLM-L6-v2 weights as ``BertForSequenceClassification``
+    with a seeded random head (``num_labels == 1``: a cross-encoder; 3: labels a/b/c)."""
+    from transformers import BertForSequenceClassification
+
+    cache: dict[int, Path] = {}
+
+    def make(num_labels: int) -> Path:
+        if num_labels in cache:
+            return cache[num_labels]
+        folder = tmp_path_factory.mktemp(f"minilm_cls{num_labels}")
+        labels = {"num_labels": 1} if num_labels == 1 else {
+            "id2label": {i: name for i, name in enumerate(["alpha", "beta", "gamma"][:num_labels])}}
+        model = BertForSequenceClassification.from_pretrained(model_path, local_files_only=True, **labels).eval()
+        generator = torch.Generator().manual_seed(7 + num_labels)
+        with torch.no_grad():
+            model.classifier.weight.copy_(torch.randn(model.classifier.weight.shape, generator=generator) * 0.3)
+            model.classifier.bias.copy_(torch.randn(model.classifier.bias.shape, generator=generator) * 0.1)
+        model.save_pretrained(folder)
+        for file in MINILM_BASE_FILES:
+            if file != "config.json":
+                shutil.copyfile(model_path / file, folder / file)
+        cache[num_labels] = folder
+        return folder
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def classifier_runtime() -> Callable[[Path], Any]:
+    """``get(folder)``: one shared :class:`poolrunner.Runtime` per folder (default task), in
+    float32 so that it compares with the fp32 reference on any device."""
+    import poolrunner
+
+    cache: dict[Path, Any] = {}
+
+    def get(folder: Path) -> Any:
+        if folder not in cache:
+            cache[folder] = poolrunner.Runtime(folder, dtype="float32")
+        return cache[folder]
+
+    return get
+
+
+def reference_activation(logits: Any, hf_config: Any) -> np.ndarray:
+    """The expected scores of ``logits`` in float64, written independently of poolrunner:
+    a cross-encoder's named activation, else regression -> identity, multi-label or one label
+    -> sigmoid, else softmax. Overflow-free for any finite logit."""
+    x = np.asarray(logits, dtype=np.float64)
+
+    def sigmoid(v: np.ndarray) -> np.ndarray:
+        return 0.5 * (1.0 + np.tanh(v / 2))  # == 1 / (1 + exp(-v)), without exp overflow
+
+    def softmax(v: np.ndarray) -> np.ndarray:
+        e = np.exp(v - v.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
+
+    named = (getattr(hf_config, "sentence_transformers", None) or {}).get("activation_fn")
+    if named is not None:
+        activations = {"Identity": lambda v: v, "Tanh": np.tanh, "Sigmoid": sigmoid, "Softmax": softmax}
+        return activations[named.rsplit(".", 1)[-1]](x)
+    if hf_config.problem_type == "regression":
+        return x
+    if hf_config.problem_type == "multi_label_classification" or hf_config.num_labels == 1:
+        return sigmoid(x)
+    return softmax(x)
+
+
+class ClassifierReference:
+    """transformers' own ``AutoModelForSequenceClassification`` and tokenizer on a folder,
+    over right-padded batches with an attention mask."""
+
+    def __init__(self, folder: Path) -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        self.tokenizer.padding_side = "right"
+        self.model = AutoModelForSequenceClassification.from_pretrained(folder, local_files_only=True).eval()
+        self.config = self.model.config
+
+    def encode(self, items: Sequence[Any], *, max_length: int | None = None, side: str = "right") -> Any:
+        """Tokenize texts, or ``(text, text_pair)`` tuples (all items of one kind)."""
+        self.tokenizer.truncation_side = side
+        options = {"padding": True, "return_tensors": "pt", "truncation": max_length is not None,
+                   "max_length": max_length}
+        if isinstance(items[0], tuple):
+            return self.tokenizer([q for q, _ in items], [d for _, d in items], **options)
+        return self.tokenizer(list(items), **options)
+
+    def logits(self, items: Sequence[Any], *, zero_types: bool = False, **encode_options: Any) -> np.ndarray:
+        """``[n, num_labels]`` float64 logits; ``zero_types`` forces every token type to 0."""
+        encoded = self.encode(items, **encode_options)
+        if zero_types:
+            encoded["token_type_ids"] = torch.zeros_like(encoded["token_type_ids"])
+        with torch.inference_mode():
+            return self.model(**encoded).logits.double().numpy()
+
+    def scores(self, items: Sequence[Any], **options: Any) -> np.ndarray:
+        """Expected ``classify`` output: the activation applied to :meth:`logits` in float64."""
+        return reference_activation(self.logits(items, **options), self.config)
+
+    def mixed_scores(self, items: Sequence[Any], **options: Any) -> np.ndarray:
+        """:meth:`scores` for a list mixing texts and pairs: each kind in its own batch."""
+        out: list[Any] = [None] * len(items)
+        for kind in (tuple, str):
+            at = [i for i, item in enumerate(items) if isinstance(item, kind)]
+            if at:
+                for i, row in zip(at, self.scores([items[i] for i in at], **options), strict=True):
+                    out[i] = row
+        return np.stack(out)
+
+
+@pytest.fixture(scope="session")
+def classifier_reference() -> Callable[[Path], ClassifierReference]:
+    """``get(folder)``: one shared :class:`ClassifierReference` per folder."""
+    cache: dict[Path, ClassifierReference] = {}
+
+    def get(folder: Path) -> ClassifierReference:
+        if folder not in cache:
+            cache[folder] = ClassifierReference(folder)
+        return cache[folder]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def word_texts() -> Callable[[int, int, int, int], list[str]]:
+    """``make(n, seed, lo, hi)``: ``n`` texts of ``lo..hi`` tiny-vocabulary words (w0..w994)."""
+
+    def make(n: int, seed: int = 0, lo: int = 1, hi: int = 60) -> list[str]:
+        rng = random.Random(seed)
+        return [" ".join(f"w{rng.randrange(995)}" for _ in range(rng.randint(lo, hi))) for _ in range(n)]
+
+    return make
+
+
+# --------------------------------------------------------------------------- Lee cross-encoder
+
+# The fitted cross-encoder sees at most this many tokens per pair, in poolrunner and in every
+# reference alike (poolrunner truncate_prompt_tokens, tokenizer max_length, CrossEncoder max_length).
+CROSS_ENCODER_MAX_LENGTH = 256
+
+
+@pytest.fixture(scope="session")
+def lee_similarities(lee_path) -> np.ndarray:
+    """The 50x50 human similarity matrix of the Lee documents: 0.2..1, symmetric, diagonal 1.
+
+    ``similarities0-1.txt`` holds only the upper triangle (zeros below the diagonal)."""
+    upper = np.loadtxt(os.path.join(os.path.dirname(lee_path), "similarities0-1.txt"))
+    assert upper.shape == (50, 50) and not np.tril(upper, -1).any()
+    return np.triu(upper) + np.triu(upper, 1).T
+
+
+class LeeCrossEncoder:
+    """A ``BertForSequenceClassification`` (``num_labels=1``) folder over all-MiniLM-L6-v2 whose
+    head was fitted on human similarities of Lee document pairs.
+
+    :ivar folder: Saved with ``save_pretrained`` (model and tokenizer; no sentence-transformers files).
+    :ivar train_pairs: ``(i, j)`` document indices the head was fitted on (every third pair among
+        documents 0..34).
+    :ivar heldout_pairs: All 105 pairs among documents 35..49, none of which the fit saw.
+    """
+
+    def __init__(self, folder: Path, train_pairs: list[tuple[int, int]], heldout_pairs: list[tuple[int, int]]):
+        self.folder = folder
+        self.train_pairs = train_pairs
+        self.heldout_pairs = heldout_pairs
+
+
+@pytest.fixture(scope="session")
+def lee_cross_encoder(tmp_path_factory, model_path, lee_docs, lee_similarities) -> LeeCrossEncoder:
+    """Fit a cross-encoder head in closed form (about 25 s on 2 cores).
+
+    Features are transformers' own BERT pooler output (CLS -> dense -> tanh, what
+    ``BertForSequenceClassification`` feeds its classifier) of each paired input, truncated to
+    ``CROSS_ENCODER_MAX_LENGTH`` tokens; the head is a ridge regression (numpy, closed form) of the
+    logit of the human similarity, so the model's sigmoid output estimates the similarity itself.
+    """
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    def among(lo: int, hi: int) -> list[tuple[int, int]]:
+        return [(i, j) for i in range(lo, hi) for j in range(i + 1, hi)]
+
+    train, heldout = among(0, 35)[::3], among(35, 50)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    model = BertForSequenceClassification.from_pretrained(model_path, local_files_only=True, num_labels=1).eval()
+    encode = {"truncation": True, "max_length": CROSS_ENCODER_MAX_LENGTH}
+    lengths = [len(tokenizer(lee_docs[i], lee_docs[j], **encode)["input_ids"]) for i, j in train]
+    order = sorted(range(len(train)), key=lambda k: lengths[k])  # similar lengths: little padding
+    features = np.zeros((len(train), model.config.hidden_size))
+    for start in range(0, len(order), 16):
+        rows = order[start : start + 16]
+        batch = tokenizer([lee_docs[train[k][0]] for k in rows], [lee_docs[train[k][1]] for k in rows],
+                          padding=True, return_tensors="pt", **encode)
+        with torch.inference_mode():
+            features[rows] = model.bert(**batch).pooler_output.double().numpy()
+    human = np.clip([lee_similarities[i, j] for i, j in train], 0.01, 0.99)
+    target = np.log(human / (1.0 - human))
+    mean_x, mean_y = features.mean(0), target.mean()
+    centered = features - mean_x
+    weight = np.linalg.solve(centered.T @ centered + 0.3 * np.eye(centered.shape[1]), centered.T @ (target - mean_y))
+    with torch.no_grad():
+        model.classifier.weight.copy_(torch.from_numpy(weight).float().unsqueeze(0))
+        model.classifier.bias.fill_(float(mean_y - mean_x @ weight))
+    folder = tmp_path_factory.mktemp("lee_cross_encoder")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return LeeCrossEncoder(folder, train, heldout)

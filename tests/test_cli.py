@@ -1,7 +1,10 @@
-"""The ``poolrunner`` command line: ``embed``, ``plugins`` and ``--version``.
+"""The ``poolrunner`` command line: ``embed``, ``classify``, ``score``, ``rerank``, ``plugins`` and
+``--version``.
 
 Most tests call :func:`poolrunner.core.cli.main.main` in-process; one runs the installed console
-script. Embedding values are checked against sentence-transformers on the same model folder.
+script. Embedding values (and bi-encoder scores) are checked against sentence-transformers on the
+same model folder; classifier and cross-encoder outputs against transformers on tiny
+``BertForSequenceClassification`` folders built from the default model with seeded heads.
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ def test_version_lists_registered_plugins(capsys: pytest.CaptureFixture[str]) ->
     assert lines[1] == "registered plugins:"
     assert [line.strip() for line in lines[2:]] == [
         f"core (poolrunner {VERSION})",
+        f"token_type_ids (poolrunner {VERSION})",
         f"sequence_pooling (poolrunner {VERSION})",
     ]
 
@@ -101,15 +105,27 @@ def test_version_lists_registered_plugins(capsys: pytest.CaptureFixture[str]) ->
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        ([], ["usage: poolrunner", "embed", "plugins", "--version", "POOLRUNNER_DISABLE_PLUGINS"]),
+        ([], ["usage: poolrunner", "embed", "classify", "score", "rerank", "plugins", "--version",
+              "POOLRUNNER_DISABLE_PLUGINS"]),
         (["embed"], ["usage: poolrunner embed", "--input FILE", "--text-field FIELD", "--output FILE",
                      ".npy", "--truncate N", "--dimensions N", "--no-normalize", "--prompt-name NAME",
                      "--batch-size N", "--max-num-seqs N", "--disable-plugin NAME",
                      "--no-entrypoints", "examples:"]),
         (["plugins"], ["usage: poolrunner plugins", "--all", "--hook NAME", "--json", "builtin",
                        "entrypoint", "examples:"]),
+        (["classify"], ["usage: poolrunner classify", "[TEXT ...]", "--input FILE", "--text-field FIELD",
+                        "--pair-field FIELD", "--raw-logits", "--output FILE", '"probs": {"neg": 0.02',
+                        '"logits"', "--model PATH", "--truncate N", "--batch-size N", "--disable-plugin NAME",
+                        "examples:", "POOLRUNNER_DISABLE_PLUGINS"]),
+        (["score"], ["usage: poolrunner score", "--query Q", "[DOC ...]", "--input FILE", "--query-field FIELD",
+                     "--document-field FIELD", "--output FILE", "1:N", "N:N",
+                     '{"index": i, "query": ..., "document": ..., "score": s}', "cross-encoder", "bi-encoder",
+                     "--model PATH", "--truncate N", "--no-entrypoints", "examples:"]),
+        (["rerank"], ["usage: poolrunner rerank", "--query Q", "[DOC ...]", "--input FILE", "--text-field FIELD",
+                      "--top-n N", "--return-documents", "--output FILE", '{"rank": r, "index": i, "score": s}',
+                      "best first", "--model PATH", "--truncate N", "--disable-plugin NAME", "examples:"]),
     ],
-    ids=["top", "embed", "plugins"],
+    ids=["top", "embed", "plugins", "classify", "score", "rerank"],
 )
 def test_help(capsys: pytest.CaptureFixture[str], argv: list[str], expected: list[str]) -> None:
     code, out, err = run_cli(capsys, *argv, "--help")
@@ -121,7 +137,7 @@ def test_help(capsys: pytest.CaptureFixture[str], argv: list[str], expected: lis
 
 def test_no_command_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys)
-    assert_user_error(code, out, err, "a command is required: embed, plugins")
+    assert_user_error(code, out, err, "a command is required: classify, embed, plugins, rerank, score")
     assert "usage: poolrunner" in err
 
 
@@ -346,6 +362,8 @@ def test_embed_disabled_plugins(capsys: pytest.CaptureFixture[str], monkeypatch:
 BUILTINS = [
     {"name": "core", "source": "builtin", "dist": "poolrunner", "version": VERSION,
      "hooks": ["pool", "process_output"]},
+    {"name": "token_type_ids", "source": "builtin", "dist": "poolrunner", "version": VERSION,
+     "hooks": ["add_request", "prepare_inputs", "remove_request"]},
     {"name": "sequence_pooling", "source": "builtin", "dist": "poolrunner", "version": VERSION,
      "hooks": ["get_pooler", "supported_tasks"]},
 ]
@@ -364,6 +382,7 @@ def test_plugins_all_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert rows == [
         ["NAME", "SOURCE", "DIST", "VERSION", "HOOKS"],
         ["core", "builtin", "poolrunner", VERSION, "pool, process_output"],
+        ["token_type_ids", "builtin", "poolrunner", VERSION, "add_request, prepare_inputs, remove_request"],
         ["sequence_pooling", "builtin", "poolrunner", VERSION, "get_pooler, supported_tasks"],
     ]
 
@@ -376,17 +395,23 @@ def test_plugins_all_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert json.loads(out) == []
 
 
-def test_plugins_hook_filter(capsys: pytest.CaptureFixture[str]) -> None:
+def test_plugins_hook_filter(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     code, out, err = run_cli(capsys, "plugins", "--all", "--hook", "get_pooler", "--json")
     assert code == 0
+    assert json.loads(out) == [BUILTINS[2]]
+    code, out, err = run_cli(capsys, "plugins", "--all", "--hook", "prepare_inputs", "--json")
     assert json.loads(out) == [BUILTINS[1]]
     code, out, err = run_cli(capsys, "plugins", "--hook", "get_pooler")
     assert code == 0
     assert out == "no third-party plugin implements hook 'get_pooler'; use --all to include built-ins\n"
-    code, out, err = run_cli(capsys, "plugins", "--all", "--hook", "add_request")
-    assert out == "no plugin implements hook 'add_request'\n"
     code, out, err = run_cli(capsys, "plugins", "--hook", "get_poolr")
-    assert_user_error(code, out, err, "unknown hook 'get_poolr'; hooks: add_request, get_pooler, pool")
+    assert_user_error(code, out, err, "unknown hook 'get_poolr'; hooks: add_request, get_pooler, pool, "
+                                      "prepare_inputs, process_output, remove_request, supported_tasks\n")
+    # every hook has a built-in implementer: leave token_type_ids out to see an empty answer
+    monkeypatch.setenv("POOLRUNNER_DISABLE_PLUGINS", "token_type_ids")
+    code, out, err = run_cli(capsys, "plugins", "--all", "--hook", "add_request")
+    assert code == 0
+    assert out == "no plugin implements hook 'add_request' (POOLRUNNER_DISABLE_PLUGINS leaves out: token_type_ids)\n"
 
 
 @pytest.fixture
@@ -432,6 +457,8 @@ def test_plugins_entry_points(capsys: pytest.CaptureFixture[str], monkeypatch: p
     assert code == 0, err
     assert json.loads(out) == [demo]
     code, out, err = run_cli(capsys, "plugins", "--all", "--json", "--hook", "add_request")
+    assert json.loads(out) == [BUILTINS[1], demo]
+    code, out, err = run_cli(capsys, "plugins", "--json", "--hook", "add_request")
     assert json.loads(out) == [demo]
     code, out, err = run_cli(capsys, "plugins")
     assert [line.split(None, 4) for line in out.splitlines()] == [
@@ -440,6 +467,282 @@ def test_plugins_entry_points(capsys: pytest.CaptureFixture[str], monkeypatch: p
     ]
     code, out, err = run_cli(capsys, "--version")
     assert out.splitlines()[-1].strip() == "demo (cli-demo-plugin 1.2.3)"
+
+
+# --- classify, score, rerank: tiny sequence-classification folders ------------------------------
+
+QUERIES = ["what is a cat?", "where is Paris?", "how do plants grow?"]
+DOCUMENTS = ["A cat is a small domesticated feline.", "Paris is the capital of France.",
+             "Plants grow from seeds with water and light.", "Café au lait ☕ is coffee with milk."]
+LABELS = {0: "neg", 1: "neu", 2: "pos"}
+RTOL = 2e-3
+
+
+class HfClassifier:
+    """transformers' ``BertForSequenceClassification`` on a folder: the independent reference."""
+
+    def __init__(self, folder: Path) -> None:
+        from transformers import AutoTokenizer, BertForSequenceClassification
+
+        self.folder = folder
+        self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        self.model = BertForSequenceClassification.from_pretrained(folder, local_files_only=True).eval()
+
+    def logits(self, texts: list[str], pairs: list[str] | None = None) -> np.ndarray:
+        import torch
+
+        batch = self.tokenizer(texts, pairs, padding=True, return_tensors="pt")
+        with torch.inference_mode():
+            return self.model(**batch).logits.double().numpy()
+
+    def sigmoid(self, queries: list[str], documents: list[str]) -> np.ndarray:
+        return 1.0 / (1.0 + np.exp(-self.logits(queries, documents)[:, 0]))
+
+    def softmax(self, texts: list[str], pairs: list[str] | None = None) -> np.ndarray:
+        logits = self.logits(texts, pairs)
+        exp = np.exp(logits - logits.max(axis=1, keepdims=True))
+        return exp / exp.sum(axis=1, keepdims=True)
+
+
+def build_classifier(folder: Path, num_labels: int, id2label: dict[int, str] | None = None) -> Path:
+    """The default model with a new seeded classification head (weights ``normal(0, 0.5)``, bias 0),
+    saved with its tokenizer. (The seed gives the three-label head varied labels on the test texts.)"""
+    import torch
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    labels = {} if id2label is None else {"id2label": id2label, "label2id": {v: k for k, v in id2label.items()}}
+    model = BertForSequenceClassification.from_pretrained(MODEL_PATH, num_labels=num_labels, **labels)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        model.classifier.weight.normal_(0.0, 0.5, generator=generator)
+        model.classifier.bias.zero_()
+    model.config.architectures = ["BertForSequenceClassification"]
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(MODEL_PATH).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory: pytest.TempPathFactory) -> HfClassifier:
+    """A one-label BertForSequenceClassification folder (a cross-encoder) and its reference."""
+    return HfClassifier(build_classifier(tmp_path_factory.mktemp("cross_encoder"), 1))
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory: pytest.TempPathFactory) -> HfClassifier:
+    """A three-label BertForSequenceClassification folder (neg, neu, pos) and its reference."""
+    return HfClassifier(build_classifier(tmp_path_factory.mktemp("classifier"), 3, LABELS))
+
+
+def parse_records(text: str, keys: set[str]) -> list[dict]:
+    records = [json.loads(line) for line in text.splitlines()]
+    assert records, "no output"
+    assert all(set(record) == keys for record in records), records
+    return records
+
+
+def check_classify(out: str, expected: np.ndarray, key: str = "probs") -> None:
+    records = parse_records(out, {"index", "label", "score", key})
+    assert [record["index"] for record in records] == list(range(len(expected)))
+    assert all(list(record[key]) == ["neg", "neu", "pos"] for record in records)  # label order
+    actual = np.array([list(record[key].values()) for record in records])
+    np.testing.assert_allclose(actual, expected, rtol=RTOL, atol=1e-6)
+    assert [record["label"] for record in records] == [LABELS[i] for i in actual.argmax(axis=1)]
+    assert [record["score"] for record in records] == list(actual.max(axis=1))
+
+
+def test_classify_texts(capsys: pytest.CaptureFixture[str], classifier: HfClassifier) -> None:
+    code, out, err = run_cli(capsys, "classify", "--model", str(classifier.folder), *TEXTS, DOCUMENTS[-1])
+    assert code == 0, err
+    expected = classifier.softmax([*TEXTS, DOCUMENTS[-1]])
+    check_classify(out, expected)
+    assert len(set(expected.argmax(axis=1))) > 1  # the seeded head does not pick one label for everything
+
+
+def test_classify_raw_logits_from_jsonl_to_file(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, classifier: HfClassifier
+) -> None:
+    source = tmp_path / "reviews.jsonl"
+    source.write_text("\n".join(json.dumps({"body": text, "id": i}) for i, text in enumerate(TEXTS)) + "\n",
+                      encoding="utf-8")
+    target = tmp_path / "labels.jsonl"
+    code, out, err = run_cli(capsys, "classify", "--model", str(classifier.folder), "--input", str(source),
+                             "--text-field", "body", "--raw-logits", "--output", str(target))
+    assert code == 0, err
+    assert out == ""
+    expected = classifier.logits(TEXTS)
+    check_classify(target.read_text(encoding="utf-8"), expected, key="logits")
+    assert (expected < 0).any()  # raw, not probabilities
+
+
+def test_classify_pairs(capsys: pytest.CaptureFixture[str], tmp_path: Path, classifier: HfClassifier) -> None:
+    source = tmp_path / "pairs.jsonl"
+    rows = [{"premise": q, "hypothesis": d} for q, d in zip(QUERIES, DOCUMENTS, strict=False)]
+    source.write_text("\n".join(json.dumps(row) for row in rows) + "\n\n", encoding="utf-8")
+    code, out, err = run_cli(capsys, "classify", "--model", str(classifier.folder), "--input", str(source),
+                             "--text-field", "premise", "--pair-field", "hypothesis")
+    assert code == 0, err
+    expected = classifier.softmax(QUERIES, DOCUMENTS[:3])
+    check_classify(out, expected)
+    assert not np.allclose(expected, classifier.softmax(QUERIES), atol=1e-3)  # the pair really counts
+
+    code, out, err = run_cli(capsys, "classify", "--model", str(classifier.folder), "--input", str(source),
+                             "--pair-field", "hypothesis")
+    assert_user_error(code, out, err, f"{source}:1: no field 'text' (fields: 'premise', 'hypothesis'); "
+                                      "pick one with --text-field")
+    code, out, err = run_cli(capsys, "classify", "--model", str(classifier.folder), "--input", str(source),
+                             "--text-field", "premise", "--pair-field", "claim")
+    assert_user_error(code, out, err, f"{source}:1: no field 'claim' (fields: 'premise', 'hypothesis'); "
+                                      "pick one with --pair-field")
+    code, out, err = run_cli(capsys, "classify", "a text", "--pair-field", "hypothesis")
+    assert_user_error(code, out, err, "--pair-field needs --input FILE")
+
+
+def test_classify_default_model_is_unsupported(capsys: pytest.CaptureFixture[str]) -> None:
+    from poolrunner.core import UnsupportedTaskError
+
+    with pytest.raises(UnsupportedTaskError) as raised:
+        Runtime(task="classify", load_entrypoints=False)
+    code, out, err = run_cli(capsys, "classify", "I loved it.")
+    assert_user_error(code, out, err, f"{raised.value}\n")
+    assert f"model {MODEL_PATH!r} (BertModel) does not support task 'classify'" in err
+    assert "poolrunner: hint: classify needs a sequence-classification model: pass its folder with --model" in err
+    code, out, err = run_cli(capsys, "classify")
+    assert_user_error(code, out, err, "no texts to classify; pass TEXT arguments or --input FILE")
+
+
+def check_scores(out: str, queries: list[str], documents: list[str], expected: np.ndarray) -> None:
+    records = parse_records(out, {"index", "query", "document", "score"})
+    assert [(r["index"], r["query"], r["document"]) for r in records] == [
+        (i, q, d) for i, (q, d) in enumerate(zip(queries, documents, strict=True))
+    ]
+    np.testing.assert_allclose([r["score"] for r in records], expected, rtol=RTOL, atol=1e-6)
+
+
+def test_score_cross_encoder_one_to_many(capsys: pytest.CaptureFixture[str], cross_encoder: HfClassifier) -> None:
+    code, out, err = run_cli(capsys, "score", "--model", str(cross_encoder.folder), "--query", QUERIES[0],
+                             *DOCUMENTS)
+    assert code == 0, err
+    expected = cross_encoder.sigmoid([QUERIES[0]] * len(DOCUMENTS), DOCUMENTS)
+    check_scores(out, [QUERIES[0]] * len(DOCUMENTS), DOCUMENTS, expected)
+    assert np.ptp(expected) > 0.05  # the seeded head tells documents apart
+
+
+def test_score_cross_encoder_many_to_many(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, cross_encoder: HfClassifier
+) -> None:
+    documents = DOCUMENTS[:3]
+    argv = ["score", "--model", str(cross_encoder.folder)]
+    code, out, err = run_cli(capsys, *argv, *(arg for q in QUERIES for arg in ("-q", q)), *documents)
+    assert code == 0, err
+    expected = cross_encoder.sigmoid(QUERIES, documents)
+    check_scores(out, QUERIES, documents, expected)
+
+    source = tmp_path / "pairs.txt"  # read as JSONL whatever its name
+    rows = [{"q": q, "doc": d, "id": i} for i, (q, d) in enumerate(zip(QUERIES, documents, strict=True))]
+    source.write_text("\n".join(json.dumps(row) for row in rows) + "\n", encoding="utf-8")
+    target = tmp_path / "scores.jsonl"
+    code, out, err = run_cli(capsys, *argv, "--input", str(source), "--query-field", "q", "--document-field",
+                             "doc", "--output", str(target))
+    assert code == 0, err
+    assert out == ""
+    check_scores(target.read_text(encoding="utf-8"), QUERIES, documents, expected)
+
+
+def test_score_bi_encoder_default_model(capsys: pytest.CaptureFixture[str], reference: Reference) -> None:
+    code, out, err = run_cli(capsys, "score", "--query", QUERIES[0], *DOCUMENTS)
+    assert code == 0, err
+    queries = reference([QUERIES[0]] * len(DOCUMENTS)).astype(np.float64)
+    documents = reference(DOCUMENTS).astype(np.float64)
+    expected = (queries * documents).sum(1) / (np.linalg.norm(queries, axis=1) * np.linalg.norm(documents, axis=1))
+    records = parse_records(out, {"index", "query", "document", "score"})
+    assert [r["document"] for r in records] == DOCUMENTS  # non-ASCII text survives the round trip
+    np.testing.assert_allclose([r["score"] for r in records], expected, rtol=0, atol=1e-4)
+
+
+def test_score_errors(capsys: pytest.CaptureFixture[str], runtime: Runtime, classifier: HfClassifier) -> None:
+    with pytest.raises(InvalidRequestError) as raised:
+        runtime.score(QUERIES[:2], DOCUMENTS[:3])
+    code, out, err = run_cli(capsys, "score", "-q", QUERIES[0], "-q", QUERIES[1], *DOCUMENTS[:3])
+    assert_user_error(code, out, err, f"{raised.value}\n")
+    assert "cannot score 2 queries against 3 documents: use 1:1, 1:N (one query) or N:N" in err
+    code, out, err = run_cli(capsys, "score", "--query", "q")
+    assert_user_error(code, out, err, "no documents to score; pass DOC arguments or --input FILE")
+    code, out, err = run_cli(capsys, "score", "a document")
+    assert_user_error(code, out, err, "pass --query Q with DOC arguments, or --input FILE (JSONL pairs)")
+    code, out, err = run_cli(capsys, "score", "--query", "q", "d", "--input", "pairs.jsonl")
+    assert_user_error(code, out, err, "pass pairs either as --query and DOC arguments or with --input, not both")
+    # a classifier with three labels cannot score pairs: the runtime says so after loading
+    code, out, err = run_cli(capsys, "score", "--model", str(classifier.folder), "--query", "q", "d")
+    assert_user_error(code, out, err, "score needs an embed model (bi-encoder) or a classify model with one "
+                                      "label (cross-encoder); this runtime serves 'classify' with 3 labels")
+
+
+def test_score_empty_input_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    source = tmp_path / "pairs.jsonl"
+    source.write_text("\n\n", encoding="utf-8")
+    code, out, err = run_cli(capsys, "score", "--input", str(source))
+    assert_user_error(code, out, err, f"no pairs to score ({source} has no records)")
+
+
+def check_ranking(out: str, expected: np.ndarray, documents: list[str] | None = None, top_n: int | None = None) -> None:
+    keys = {"rank", "index", "score"} | ({"document"} if documents else set())
+    records = parse_records(out, keys)
+    order = sorted(range(len(expected)), key=lambda i: -expected[i])[:top_n]
+    assert [(r["rank"], r["index"]) for r in records] == list(enumerate(order, start=1))
+    np.testing.assert_allclose([r["score"] for r in records], expected[order], rtol=RTOL, atol=1e-6)
+    if documents:
+        assert [r["document"] for r in records] == [documents[i] for i in order]
+
+
+def test_rerank_cross_encoder(capsys: pytest.CaptureFixture[str], tmp_path: Path, cross_encoder: HfClassifier) -> None:
+    expected = cross_encoder.sigmoid([QUERIES[0]] * len(DOCUMENTS), DOCUMENTS)
+    assert np.diff(np.sort(expected)).min() > 1e-3  # an order that float noise cannot flip
+    assert list(np.argsort(-expected)) != list(range(len(DOCUMENTS)))  # ranking really reorders
+    argv = ["rerank", "--model", str(cross_encoder.folder), "--query", QUERIES[0]]
+    code, out, err = run_cli(capsys, *argv, *DOCUMENTS)
+    assert code == 0, err
+    check_ranking(out, expected)
+
+    source = tmp_path / "docs.txt"
+    source.write_text("\n".join(DOCUMENTS) + "\n", encoding="utf-8")
+    target = tmp_path / "ranked.jsonl"
+    code, out, err = run_cli(capsys, *argv, "--input", str(source), "--top-n", "2", "--return-documents",
+                             "--output", str(target))
+    assert code == 0, err
+    assert out == ""
+    check_ranking(target.read_text(encoding="utf-8"), expected, DOCUMENTS, top_n=2)
+
+
+def test_rerank_bi_encoder_jsonl(capsys: pytest.CaptureFixture[str], tmp_path: Path, reference: Reference) -> None:
+    source = tmp_path / "docs.jsonl"
+    source.write_text("\n".join(json.dumps({"body": d}) for d in DOCUMENTS) + "\n", encoding="utf-8")
+    code, out, err = run_cli(capsys, "rerank", "--query", QUERIES[1], "--input", str(source), "--text-field",
+                             "body", "--top-n", "10", "--return-documents")
+    assert code == 0, err
+    query, documents = reference([QUERIES[1]])[0].astype(np.float64), reference(DOCUMENTS).astype(np.float64)
+    expected = documents @ query / (np.linalg.norm(documents, axis=1) * np.linalg.norm(query))
+    assert np.diff(np.sort(expected)).min() > 1e-3
+    check_ranking(out, expected, DOCUMENTS)  # --top-n beyond the list keeps all
+
+
+def test_rerank_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, err = run_cli(capsys, "rerank", "--query", "q")
+    assert_user_error(code, out, err, "no documents to rerank; pass DOC arguments or --input FILE")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("", encoding="utf-8")
+    code, out, err = run_cli(capsys, "rerank", "--query", "q", "--input", str(empty))
+    assert_user_error(code, out, err, f"no documents to rerank ({empty} has no lines)")
+    code, out, err = run_cli(capsys, "rerank", "--query", "q", "--top-n", "0", "d")
+    assert code == 2
+    assert out == ""
+    assert "argument --top-n: expected a positive integer, got '0'" in err
+    code, out, err = run_cli(capsys, "rerank", "d1", "d2")
+    assert_user_error(code, out, err, "--query Q is required")
+    code, out, err = run_cli(capsys, "rerank", "-q", "q1", "-q", "q2", "d1", "d2")
+    assert_user_error(code, out, err, "rerank takes one --query, got 2; use `poolrunner score`")
+    code, out, err = run_cli(capsys, "rerank", "-q", "q", "d", "--input", str(empty))
+    assert_user_error(code, out, err, "pass documents either as arguments or with --input, not both")
 
 
 # --- the installed console script -------------------------------------------------------------

@@ -1,11 +1,18 @@
-"""Helpers shared by the subcommands: the user-error type and plugin-selection options."""
+"""Helpers shared by the subcommands: the user-error type, the options every model command takes
+(model, plugins, truncation, input and output), input reading, JSONL writing and model loading."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
-from collections.abc import Iterable
+import sys
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
 
+from poolrunner.core.config import DTYPES
 from poolrunner.core.manager import PoolrunnerPluginManager
 from poolrunner.core.manager import build_plugin_manager as _build_plugin_manager
 
@@ -14,6 +21,12 @@ DISABLE_ENV = "POOLRUNNER_DISABLE_PLUGINS"
 
 EXIT_USAGE = 2
 """Exit status of every error the user can fix (argparse uses it too)."""
+
+PROGRESS_THRESHOLD = 100
+"""A progress bar (stderr) is shown for more inputs than this, where the API offers one."""
+
+DISABLE_NOTE = f"Plugins named in ${DISABLE_ENV} (comma-separated) are left out as with --disable-plugin."
+"""Last line of the epilog of every command that loads a model."""
 
 
 class CliError(Exception):
@@ -69,3 +82,230 @@ def build_plugin_manager(
         return _build_plugin_manager(load_entrypoints=load_entrypoints, disable=disabled_plugins(disable))
     except ValueError as exc:
         raise CliError(str(exc), hint=f"check --disable-plugin and ${DISABLE_ENV}") from exc
+
+
+# --- options shared by the model commands (embed, classify, score, rerank) ---------------------
+
+
+def add_command(
+    subparsers: Any, name: str, *, summary: str, description: str, epilog: str
+) -> argparse.ArgumentParser:
+    """A subcommand parser with the common formatter; its epilog ends with the plugin note."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name, help=summary, description=description, epilog=f"{epilog}\n\n{DISABLE_NOTE}",
+        formatter_class=HelpFormatter,
+    )
+    return parser
+
+
+def add_input_option(group: argparse._ArgumentGroup, what: str, *, text_field: bool = True) -> None:
+    """``-i/--input FILE`` and, with ``text_field``, ``--text-field FIELD`` (read by :func:`read_texts`)."""
+    group.add_argument("-i", "--input", metavar="FILE",
+                       help=f"read {what} from FILE (.jsonl or plain text lines); '-' reads stdin")
+    if text_field:
+        group.add_argument("--text-field", metavar="FIELD", default="text",
+                           help="JSON field holding the text, for .jsonl input")
+
+
+def add_output_option(group: argparse._ArgumentGroup, extra: str = "") -> None:
+    """``-o/--output FILE``."""
+    group.add_argument("-o", "--output", metavar="FILE",
+                       help=f"write to FILE instead of stdout{extra}")
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The ``model`` group (folder, dtype, device, batching); returned for command-specific additions."""
+    model = parser.add_argument_group("model")
+    model.add_argument("-m", "--model", metavar="PATH",
+                       help="local model folder (default: all-MiniLM-L6-v2, shipped with poolrunner)")
+    model.add_argument("--dtype", choices=DTYPES, default="auto",
+                       help="weight dtype; auto is float32 on the CPU, half precision on CUDA")
+    model.add_argument("--device", default="auto",
+                       help="torch device, e.g. cpu, cuda, cuda:1; auto picks CUDA when present")
+    model.add_argument("--max-num-batched-tokens", "--batch-size", metavar="N", type=positive_int,
+                       default=8192, dest="max_num_batched_tokens",
+                       help="token budget of one forward pass")
+    model.add_argument("--max-num-seqs", metavar="N", type=positive_int, default=256,
+                       help="most inputs in one forward pass")
+    return model
+
+
+def add_truncation_options(group: argparse._ArgumentGroup, *, pairs: bool = False) -> None:
+    """``--truncate N`` and ``--truncation-side``; ``pairs`` words the help for (text, pair) inputs."""
+    what = "a (query, document) pair" if pairs else "longer inputs"
+    group.add_argument("--truncate", metavar="N", type=int,
+                       help=f"keep N tokens of {what} (special tokens included); -1 keeps the model "
+                            "maximum; without it a too long input is an error")
+    group.add_argument("--truncation-side", choices=("left", "right"), default="right",
+                       help="right keeps the start of a long input, left keeps its end")
+
+
+def add_plugin_options(parser: argparse.ArgumentParser) -> None:
+    """The ``plugins`` group: ``--disable-plugin NAME`` (repeatable) and ``--no-entrypoints``."""
+    plugins = parser.add_argument_group("plugins")
+    plugins.add_argument("--disable-plugin", metavar="NAME", action="append", default=[],
+                         help=f"leave plugin NAME out, built-ins too (repeatable; adds to ${DISABLE_ENV})")
+    plugins.add_argument("--no-entrypoints", dest="load_entrypoints", action="store_false",
+                         help="do not load installed third-party plugins (entry points)")
+
+
+def load_runtime(args: argparse.Namespace, **options: Any) -> Any:
+    """The :class:`~poolrunner.core.runtime.Runtime` the model, plugin and batching options ask for.
+
+    ``options`` go to ``Runtime`` as they are (``task=``, ``is_matryoshka=``...). Loading errors
+    (``ModelLoadError``, ``UnsupportedTaskError``...) propagate for ``main`` to report; a plain
+    ``ValueError`` from core (an unknown plugin name) becomes a :class:`CliError`.
+    """
+    from poolrunner.core.errors import PoolrunnerError
+    from poolrunner.core.runtime import Runtime
+
+    device = check_device(args.device)
+    try:
+        return Runtime(
+            model=args.model, dtype=args.dtype, device=device,
+            load_entrypoints=args.load_entrypoints, disable_plugins=disabled_plugins(args.disable_plugin),
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            **options,
+        )
+    except PoolrunnerError:
+        raise  # ModelLoadError and friends: main() reports them
+    except ValueError as exc:  # a plain ValueError from core is a bad setting (an unknown plugin name)
+        raise CliError(str(exc)) from exc
+
+
+def check_device(device: str) -> str:
+    """``device`` if torch knows it and it is there; ``auto`` passes as it is."""
+    if device == "auto":
+        return device
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise CliError(f"--device {device!r} is not a torch device (try cpu, cuda or cuda:0)") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise CliError(f"--device {device!r} asks for CUDA, but no CUDA device is available; use cpu")
+    return device
+
+
+# --- input ------------------------------------------------------------------------------------
+
+
+def read_texts(texts: Sequence[str], source: str | None, text_field: str = "text", what: str = "texts") -> list[str]:
+    """The arguments ``texts``, or the texts of ``source``: a ``.jsonl`` file (the string under
+    ``text_field`` of each object; blank lines skipped), ``-`` (stdin, text lines) or any other
+    file (UTF-8 text, one text a line, the trailing newline removed; an empty line is a text too).
+
+    :raises CliError: for both sources at once, an unreadable file, or a bad JSONL line
+        (named as ``FILE:LINE``).
+    """
+    if source is None:
+        return list(texts)
+    if texts:
+        raise CliError(f"pass {what} either as arguments or with --input, not both")
+    with open_input(source) as file:
+        if source != "-" and Path(source).suffix.lower() == ".jsonl":
+            return [record[0] for record in _jsonl_records(file, source, [(text_field, "--text-field")])]
+        return [line.removesuffix("\n") for line in file]
+
+
+def read_jsonl(source: str, fields: Sequence[tuple[str, str]]) -> list[tuple[str, ...]]:
+    """The string values of ``fields`` in each JSON object of ``source`` (``-``: stdin), whatever
+    the file is named; blank lines are skipped.
+
+    :param fields: ``(field name, the option that names it)`` pairs, in the order of the returned
+        tuples; the option is for the error message of a missing field.
+    :raises CliError: for an unreadable file, or a bad line (named as ``FILE:LINE``).
+    """
+    with open_input(source) as file:
+        return list(_jsonl_records(file, source, fields))
+
+
+@contextlib.contextmanager
+def open_input(source: str) -> Iterator[IO[str]]:
+    """``source`` opened as UTF-8 text (a BOM is dropped), or stdin for ``-``; read errors are CliErrors."""
+    try:
+        if source == "-":
+            yield sys.stdin
+            return
+        with open(source, encoding="utf-8-sig") as file:
+            yield file
+    except FileNotFoundError:
+        raise CliError(f"input file {source!r} does not exist") from None
+    except IsADirectoryError:
+        raise CliError(f"input {source!r} is a directory; name a file") from None
+    except UnicodeDecodeError as exc:
+        raise CliError(f"input file {source!r} is not UTF-8 text: {exc}") from None
+    except OSError as exc:
+        raise CliError(f"cannot read input file {source!r}: {exc.strerror or exc}") from None
+
+
+def _jsonl_records(file: IO[str], name: str, fields: Sequence[tuple[str, str]]) -> Iterator[tuple[str, ...]]:
+    name = "<stdin>" if name == "-" else name
+    for number, line in enumerate(file, start=1):
+        if not line.strip():
+            continue
+        where = f"{name}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise CliError(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+        if not isinstance(record, dict):
+            raise CliError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        values = []
+        for field, option in fields:
+            if field not in record:
+                known = ", ".join(repr(key) for key in record) or "none"
+                raise CliError(f"{where}: no field {field!r} (fields: {known}); pick one with {option}")
+            value = record[field]
+            if not isinstance(value, str):
+                raise CliError(f"{where}: field {field!r} is {type(value).__name__}, not a string")
+            values.append(value)
+        yield tuple(values)
+
+
+def no_inputs(what: str, source: str | None, *, arguments: str = "TEXT", empty: str = "lines") -> CliError:
+    """The error for nothing to process: ``no <what>[ (<source> has no <empty>)]; pass <arguments>
+    arguments or --input FILE``."""
+    where = f" ({'stdin' if source == '-' else source} has no {empty})" if source else ""
+    return CliError(f"no {what}{where}; pass {arguments} arguments or --input FILE (--input - reads stdin)")
+
+
+# --- output -----------------------------------------------------------------------------------
+
+
+def check_output(output: str | None) -> None:
+    """Fail before loading the model if ``output`` (a file name; ``None`` or ``-``: stdout) cannot be written."""
+    if output in (None, "-"):
+        return
+    path = Path(output)
+    if path.is_dir():
+        raise CliError(f"output {str(path)!r} is a directory; name a file")
+    if not path.parent.is_dir():
+        raise CliError(f"cannot write output file {str(path)!r}: folder {str(path.parent)!r} does not exist")
+
+
+def write_output(output: str | None, write: Any, *, binary: bool = False) -> None:
+    """Call ``write(file)`` on stdout (``output`` ``None`` or ``-``) or on ``output`` opened for writing.
+
+    A broken pipe on stdout propagates (``main`` handles it); a file that cannot be written is a CliError.
+    """
+    if output in (None, "-"):
+        write(sys.stdout)
+        sys.stdout.flush()
+        return
+    try:
+        with open(output, "wb") if binary else open(output, "w", encoding="utf-8") as file:
+            write(file)
+    except OSError as exc:
+        raise CliError(f"cannot write output file {output!r}: {exc.strerror or exc}") from None
+
+
+def write_jsonl(records: Iterable[Mapping[str, Any]], output: str | None) -> None:
+    """One JSON object a line (non-ASCII escaped, so any terminal encoding works), to stdout or ``output``."""
+
+    def write(file: IO[str]) -> None:
+        for record in records:
+            file.write(json.dumps(record) + "\n")
+
+    write_output(output, write)

@@ -9,14 +9,15 @@ from collections.abc import Sequence
 
 import importlib_metadata
 
-from poolrunner.core.cli import embed, plugins
+from poolrunner.core.cli import classify, embed, plugins, rerank, score
 from poolrunner.core.cli.common import DISABLE_ENV, EXIT_USAGE, CliError, HelpFormatter, build_plugin_manager
-from poolrunner.core.errors import InvalidRequestError, PluginLoadError, PoolrunnerError
+from poolrunner.core.errors import InvalidRequestError, PluginLoadError, PoolrunnerError, UnsupportedTaskError
 
 PROG = "poolrunner"
 
 DESCRIPTION = """\
-poolrunner: run pooling models (embeddings, ...) from local folders, with plugins.
+poolrunner: run pooling models (embeddings, classifiers, cross-encoders) from local
+folders, with plugins.
 
 Without --model, the default model (all-MiniLM-L6-v2, shipped with poolrunner) is used.
 No command ever downloads from a model hub."""
@@ -25,6 +26,9 @@ EPILOG = f"""\
 examples:
   poolrunner embed "A cat sat." "A dog ran."            JSONL to stdout
   poolrunner embed --input texts.txt --output out.npy   float32 array [n, d]
+  poolrunner classify --model ./classifier "Great!"     label scores, JSONL
+  poolrunner score --query "q" "doc 1" "doc 2"          one score per (query, doc) pair
+  poolrunner rerank --query "q" --input docs.txt        documents ranked best first
   poolrunner plugins --all                              list plugins, built-ins too
   poolrunner --version                                  version and registered plugins
 
@@ -43,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="print poolrunner's version and the registered plugins, then exit",
     )
     subparsers = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
-    embed.add_parser(subparsers)
-    plugins.add_parser(subparsers)
+    for command in (embed, classify, score, rerank, plugins):
+        command.add_parser(subparsers)
     return parser
 
 
@@ -101,6 +105,8 @@ def _hint(exc: PoolrunnerError) -> str | None:
         return f"leave a plugin out with --disable-plugin NAME or {DISABLE_ENV}=NAME"
     if isinstance(exc, InvalidRequestError) and "truncate_prompt_tokens" in message:
         return "pass --truncate -1 to keep the model maximum, or --truncate N to keep N tokens"
+    if isinstance(exc, UnsupportedTaskError) and "does not support task 'classify'" in message:
+        return "classify needs a sequence-classification model: pass its folder with --model"
     if isinstance(exc, InvalidRequestError) and "is_matryoshka" in message:
         return "pass --is-matryoshka if the model was trained for Matryoshka dimensions"
     return None

@@ -8,6 +8,7 @@ from torch import nn
 from poolrunner.core.engine.batch import InputBatch
 from poolrunner.core.hooks import Hooks
 from poolrunner.core.model.attention import LAYOUT_KWARG, PackedLayout
+from poolrunner.core.model.metadata import position_offset
 from poolrunner.core.output import OutputHandle
 from poolrunner.core.pooler import Pooler
 from poolrunner.core.types import ModelConfig, PoolingMetadata
@@ -21,6 +22,9 @@ class ModelRunner:
         self.pooler = pooler
         self.hooks = hooks
         self.model_config = model_config
+        # transformers derives RoBERTa-family positions from the ids (starting after the padding
+        # index) only when none are passed; packed position ids must carry the same offset.
+        self.position_offset = position_offset(model_config.model_type, model_config.hf_config.get("pad_token_id"))
 
     @torch.inference_mode()
     def execute(self, batch: InputBatch) -> OutputHandle:
@@ -42,7 +46,7 @@ class ModelRunner:
         layout = PackedLayout.build(batch.num_scheduled_tokens, batch.device)
         outputs = self.backbone(
             input_ids=batch.input_ids.unsqueeze(0),
-            position_ids=batch.positions.unsqueeze(0),
+            position_ids=(batch.positions + self.position_offset).unsqueeze(0),
             use_cache=False,
             **{LAYOUT_KWARG: layout},
             **{key: value.unsqueeze(0) for key, value in extra.items()},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,12 @@ def resolve_model_path(model: str | None) -> Path:
             "only local folders and never downloads from a model hub"
         )
     return path
+
+
+def position_offset(model_type: str, pad_token_id: int | None) -> int:
+    """Where a prompt's positions start: ``pad_token_id + 1`` for the RoBERTa families (their
+    embeddings number positions after the padding index), else 0."""
+    return (pad_token_id or 0) + 1 if model_type in _PADDING_OFFSET_FAMILIES else 0
 
 
 def load_model_config(
@@ -111,8 +118,8 @@ def _max_model_len(
     limits: dict[str, int] = {}
     positions = _config_value(hf_config, "max_position_embeddings", "n_positions", "max_seq_len")
     if positions is not None:
-        offset = hf_config.pad_token_id + 1 if hf_config.model_type in _PADDING_OFFSET_FAMILIES else 0
-        limits["config.json position embeddings"] = positions - offset
+        limits["config.json position embeddings"] = positions - position_offset(hf_config.model_type,
+                                                                                hf_config.pad_token_id)
     if tokenizer_max_length is not None and tokenizer_max_length < _NO_LIMIT:
         limits["tokenizer model_max_length"] = tokenizer_max_length
     if st_max_seq_length:
@@ -138,9 +145,24 @@ def _labels(hf_config: PretrainedConfig) -> tuple[str, ...]:
 
 
 def _classifier_activation(path: Path, hf_config: PretrainedConfig) -> str | None:
-    """The activation a sentence-transformers cross-encoder names, when it is a torch.nn class."""
+    """The activation a sentence-transformers cross-encoder names, when it is a torch.nn class.
+
+    Looked up where sentence-transformers itself looks, first match wins:
+    ``config_sentence_transformers.json`` ``activation_fn`` (written since v6), ``config.json``
+    ``sentence_transformers.activation_fn`` (v4, v5), ``config.json``
+    ``sbert_ce_default_activation_function`` (before v4).
+    """
+    st_file = path / "config_sentence_transformers.json"
+    try:
+        st_config = json.loads(st_file.read_text(encoding="utf-8")) if st_file.is_file() else {}
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {st_file}: {exc}") from exc
     st_settings = getattr(hf_config, "sentence_transformers", None) or {}
-    name = st_settings.get("activation_fn") if isinstance(st_settings, dict) else None
+    name = next((candidate for candidate in (
+        st_config.get("activation_fn") if isinstance(st_config, dict) else None,
+        st_settings.get("activation_fn") if isinstance(st_settings, dict) else None,
+        getattr(hf_config, "sbert_ce_default_activation_function", None),
+    ) if candidate is not None), None)
     if name is None:
         return None
     if not name.startswith("torch.nn."):

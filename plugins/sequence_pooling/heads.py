@@ -55,7 +55,14 @@ def classifier_activation(model_config: ModelConfig) -> Callable[[torch.Tensor],
             raise ModelLoadError(
                 f"model {model_config.name}: activation {model_config.classifier_activation!r} is not a torch.nn module"
             )
-        return activation()
+        try:
+            # Softmax and its kin default to an implicit (deprecated, warning) dim: use the labels.
+            return activation(dim=-1) if activation in (nn.Softmax, nn.LogSoftmax, nn.Softmin) else activation()
+        except (TypeError, NotImplementedError) as exc:
+            raise ModelLoadError(
+                f"model {model_config.name}: activation {model_config.classifier_activation!r} cannot be built "
+                f"without arguments: {exc}"
+            ) from exc
     if model_config.problem_type == "regression":
         return lambda logits: logits
     if model_config.problem_type == "multi_label_classification" or len(model_config.labels) == 1:

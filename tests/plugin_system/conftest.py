@@ -111,7 +111,8 @@ def installed_entry_points() -> frozenset[str]:
 def default_runtime() -> poolrunner.Runtime:
     """The default model with built-in plugins only: the baseline other runtimes compare to."""
     runtime = poolrunner.Runtime(load_entrypoints=False)
-    assert [info.name for info in runtime.plugin_manager.plugin_infos()] == ["core", "token_type_ids", "sequence_pooling"]
+    names = [info.name for info in runtime.plugin_manager.plugin_infos()]
+    assert names == ["core", "token_type_ids", "sequence_pooling"]
     return runtime
 
 

@@ -93,7 +93,8 @@ def test_entrypoint_pooler_wins_over_the_builtin(testplugin_dist, installed_entr
 def test_entrypoint_plugin_alone_serves_embed_without_builtin(testplugin_dist, installed_entry_points,
                                                               reference_cls):
     runtime = poolrunner.Runtime(disable_plugins=["sequence_pooling", *installed_entry_points])
-    assert [info.name for info in runtime.plugin_manager.plugin_infos()] == ["core", "testplugin"]
+    # token_type_ids stays (it pools nothing); the entry point is the only pooling plugin.
+    assert [info.name for info in runtime.plugin_manager.plugin_infos()] == ["core", "token_type_ids", "testplugin"]
     assert runtime.task == "embed"
     np.testing.assert_allclose(runtime.embed(TEXTS), reference_cls, rtol=1e-5, atol=1e-5)
 

@@ -187,6 +187,7 @@ def test_hook_add_request(runtime, recorder, calls):
     runtime.embed(TEXTS)
     added = [kwargs["state"].request_id for kwargs in kwargs_of(calls, "add_request")]
     assert len(added) == 5 and len(set(added)) == 5  # once per request
+    assert all(kwargs["model_config"] is runtime.model_config for kwargs in kwargs_of(calls, "add_request"))
     assert list(recorder.data) == added
     # add_request of every request runs before the first step (run() admits all first).
     first_step = next(i for i, (name, _) in enumerate(calls) if name == "prepare_inputs")
@@ -257,7 +258,7 @@ def test_hook_remove_request(runtime, recorder, calls):
                           if name == "remove_request" and kw["state"].request_id == request_id)
         assert removed_at > pooled_at
     assert all(data and not kwargs["state"].plugin_data for kwargs, data in
-               zip(kwargs_of(calls, "remove_request"), recorder.data.values()))  # plugin_data cleared
+               zip(kwargs_of(calls, "remove_request"), recorder.data.values(), strict=True))  # plugin_data cleared
     assert_engine_empty(runtime)
 
 
@@ -319,10 +320,12 @@ def test_two_plugins_returning_one_key_conflict_at_the_first_step(runtime, recor
     conflicter.key = "token_type_ids"
     with pytest.raises(PluginConflictError) as excinfo:
         runtime.embed(TEXTS)
+    # Every implementer is named, in call order: the built-in token_type_ids plugin (which
+    # returned nothing here: no request has types) is listed last, as it was registered first.
     assert str(excinfo.value) == (
         "prepare_inputs: two sources set the model input 'token_type_ids' (the runner sets "
-        f"{sorted(RUNNER_INPUT_KEYS)}; plugins implementing this hook: ['Conflicter', 'Recorder']); "
-        "disable one of them"
+        f"{sorted(RUNNER_INPUT_KEYS)}; plugins implementing this hook: ['Conflicter', 'Recorder', "
+        "'token_type_ids']); disable one of them"
     )
     assert len(kwargs_of(calls, "prepare_inputs")) == 1 and kwargs_of(calls, "pool") == []
     assert len(recorder.removed) == 5

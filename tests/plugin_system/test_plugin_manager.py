@@ -31,10 +31,12 @@ class ClaimsTokenEmbed:
         return {"token_embed"}
 
 
-class ClaimsClassify:
+class ClaimsTokenClassify:
+    """Claims a task no built-in serves (sequence_pooling serves embed and classify)."""
+
     @hookimpl
     def supported_tasks(self):
-        return {"classify"}
+        return {"token_classify"}
 
 
 class CountsRequests:
@@ -54,21 +56,21 @@ def names(pm: PoolrunnerPluginManager) -> list[str]:
 
 
 def test_each_build_returns_an_independent_manager():
-    a, b = ClaimsTokenEmbed(), ClaimsClassify()
+    a, b = ClaimsTokenEmbed(), ClaimsTokenClassify()
     pm_a = build_plugin_manager(plugins=[a], load_entrypoints=False)
     pm_b = build_plugin_manager(plugins=[b], load_entrypoints=False)
 
     assert pm_a is not pm_b and pm_a.hook is not pm_b.hook
     assert names(pm_a) == ["core", "token_type_ids", "sequence_pooling", "ClaimsTokenEmbed"]
-    assert names(pm_b) == ["core", "token_type_ids", "sequence_pooling", "ClaimsClassify"]
+    assert names(pm_b) == ["core", "token_type_ids", "sequence_pooling", "ClaimsTokenClassify"]
     assert pm_a.get_plugin("ClaimsTokenEmbed") is a and not pm_a.is_registered(b)
-    assert pm_b.get_plugin("ClaimsClassify") is b and not pm_b.is_registered(a)
+    assert pm_b.get_plugin("ClaimsTokenClassify") is b and not pm_b.is_registered(a)
     # The built-in module object is shared, but each manager has its own registration of it.
     model_config = None  # supported_tasks of these plugins ignores the argument
     assert sorted(t for ts in pm_a.hook.supported_tasks(model_config=model_config) for t in ts) == [
-        "embed", "token_embed"]
+        "classify", "embed", "token_embed"]
     assert sorted(t for ts in pm_b.hook.supported_tasks(model_config=model_config) for t in ts) == [
-        "classify", "embed"]
+        "classify", "embed", "token_classify"]
     # Unregistering from one manager leaves the other untouched.
     pm_a.unregister(name="sequence_pooling")
     assert pm_b.has_plugin("sequence_pooling")
@@ -151,12 +153,12 @@ def test_builtins_are_present_without_entry_points(testplugin_dist):
     assert "poolrunner_testplugin" not in sys.modules
 
 
-@pytest.mark.parametrize("disabled", ["sequence_pooling", "ClaimsTokenEmbed"])
+@pytest.mark.parametrize("disabled", ["token_type_ids", "sequence_pooling", "ClaimsTokenEmbed"])
 def test_any_plugin_can_be_disabled_by_name(disabled):
     pm = build_plugin_manager(plugins=[ClaimsTokenEmbed()], load_entrypoints=False, disable=[disabled])
-    assert disabled not in names(pm)
     assert pm.is_blocked(disabled)
-    assert len(names(pm)) == 2
+    everything = ["core", "token_type_ids", "sequence_pooling", "ClaimsTokenEmbed"]
+    assert names(pm) == [name for name in everything if name != disabled]  # only that one is left out
 
 
 def test_disabled_entrypoint_plugin_is_never_imported(testplugin_dist, installed_entry_points):
@@ -183,7 +185,7 @@ def test_disabling_an_unknown_name_lists_entrypoint_plugins_too(testplugin_dist,
 
 def test_runtime_rejects_an_unknown_disabled_name():
     with pytest.raises(ValueError, match=r"^cannot disable unknown plugin\(s\) \['nope'\]; known plugins: "
-                                         r"\['sequence_pooling'\]$"):
+                                         r"\['sequence_pooling', 'token_type_ids'\]$"):
         poolrunner.Runtime(load_entrypoints=False, disable_plugins=["nope"])
 
 

@@ -34,7 +34,7 @@ class TokenPooler(Pooler):
 
     def forward(self, hidden_states: torch.Tensor, metadata: PoolingMetadata) -> list[torch.Tensor]:
         offsets = metadata.query_start_loc.tolist()
-        return [hidden_states[start:end].float() for start, end in zip(offsets[:-1], offsets[1:])]
+        return [hidden_states[start:end].float() for start, end in zip(offsets[:-1], offsets[1:], strict=True)]
 
 
 class TokenEmbedPlugin:
@@ -53,12 +53,12 @@ class TokenEmbedPlugin:
         return TokenPooler() if task == "token_embed" else None
 
 
-class ClaimsClassify:
-    """Claims ``classify`` without the model being able to do it."""
+class ClaimsTokenClassify:
+    """Claims ``token_classify`` (no built-in serves it) without the model being able to do it."""
 
     @hookimpl
     def supported_tasks(self):
-        return ["classify"]
+        return ["token_classify"]
 
 
 class ClaimsWithoutPooler:
@@ -83,33 +83,38 @@ class AlwaysNone:
 
 
 def test_classify_on_the_default_model_is_unsupported(default_model_path):
+    """sequence_pooling serves classify, but a bare BertModel has no classification head."""
     with pytest.raises(UnsupportedTaskError) as excinfo:
         poolrunner.Runtime(task="classify", load_entrypoints=False)
     assert isinstance(excinfo.value, ValueError)
+    # Only pooling plugins are listed: token_type_ids (request hooks only) is not.
     assert str(excinfo.value) == (
         f"model {default_model_path!r} (BertModel) does not support task 'classify'. Supported: ['embed']. "
         "The model itself can do ['embed', 'token_embed']; pooling plugins: "
-        f"sequence_pooling (poolrunner {VERSION}) serves ['embed']. " + REMEDY
+        f"sequence_pooling (poolrunner {VERSION}) serves ['classify', 'embed']. " + REMEDY
     )
 
 
 def test_unsupported_task_message_lists_third_party_plugins(default_model_path):
     with pytest.raises(UnsupportedTaskError) as excinfo:
-        poolrunner.Runtime(task="classify", plugins=[TokenEmbedPlugin()], load_entrypoints=False)
+        poolrunner.Runtime(task="token_classify", plugins=[TokenEmbedPlugin()], load_entrypoints=False)
     assert str(excinfo.value) == (
-        f"model {default_model_path!r} (BertModel) does not support task 'classify'. "
+        f"model {default_model_path!r} (BertModel) does not support task 'token_classify'. "
         "Supported: ['embed', 'token_embed']. The model itself can do ['embed', 'token_embed']; "
-        f"pooling plugins: sequence_pooling (poolrunner {VERSION}) serves ['embed'], "
+        f"pooling plugins: sequence_pooling (poolrunner {VERSION}) serves ['classify', 'embed'], "
         "TokenEmbedPlugin (programmatic) serves ['token_embed']. " + REMEDY
     )
 
 
 def test_a_claim_the_model_cannot_honour_is_not_enough(default_model_path):
     with pytest.raises(UnsupportedTaskError) as excinfo:
-        poolrunner.Runtime(task="classify", plugins=[ClaimsClassify()], load_entrypoints=False)
-    message = str(excinfo.value)
-    assert "does not support task 'classify'. Supported: ['embed']." in message
-    assert "ClaimsClassify (programmatic) serves ['classify']" in message
+        poolrunner.Runtime(task="token_classify", plugins=[ClaimsTokenClassify()], load_entrypoints=False)
+    assert str(excinfo.value) == (
+        f"model {default_model_path!r} (BertModel) does not support task 'token_classify'. "
+        "Supported: ['embed']. The model itself can do ['embed', 'token_embed']; "
+        f"pooling plugins: sequence_pooling (poolrunner {VERSION}) serves ['classify', 'embed'], "
+        "ClaimsTokenClassify (programmatic) serves ['token_classify']. " + REMEDY
+    )
 
 
 def test_a_claimed_task_without_a_pooler_fails_at_load(default_model_path):
@@ -126,12 +131,17 @@ def test_a_claimed_task_without_a_pooler_fails_at_load(default_model_path):
 def test_hook_supported_tasks(default_runtime):
     model_config = default_runtime.model_config
     builtin_only = Hooks(build_plugin_manager(load_entrypoints=False))
-    assert builtin_only.supported_tasks(model_config=model_config) == {"embed"}
-    hooks = Hooks(build_plugin_manager(plugins=[TokenEmbedPlugin(), ClaimsClassify()], load_entrypoints=False))
-    assert hooks.supported_tasks(model_config=model_config) == {"embed", "token_embed", "classify"}  # union
+    # What plugins serve, before the intersection with what the model can do.
+    assert builtin_only.supported_tasks(model_config=model_config) == {"embed", "classify"}
+    assert builtin_only.tasks_by_plugin(model_config=model_config) == {"sequence_pooling": {"embed", "classify"}}
+    hooks = Hooks(build_plugin_manager(plugins=[TokenEmbedPlugin(), ClaimsTokenClassify()], load_entrypoints=False))
+    assert hooks.supported_tasks(model_config=model_config) == {  # union
+        "embed", "classify", "token_embed", "token_classify"}
     assert hooks.tasks_by_plugin(model_config=model_config) == {
-        "sequence_pooling": {"embed"}, "TokenEmbedPlugin": {"token_embed"}, "ClaimsClassify": {"classify"},
+        "sequence_pooling": {"embed", "classify"}, "TokenEmbedPlugin": {"token_embed"},
+        "ClaimsTokenClassify": {"token_classify"},
     }
+    assert default_runtime.task == "embed"  # of those, the bare BertModel gets embed by default
 
 
 def test_hook_get_pooler(default_runtime):
