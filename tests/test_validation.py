@@ -12,8 +12,8 @@ import threading
 from typing import Any
 
 import numpy as np
-import torch
 import pytest
+import torch
 
 import poolrunner
 from poolrunner import InvalidRequestError, ModelLoadError, PoolingParams, PoolingRequest, UnsupportedTaskError

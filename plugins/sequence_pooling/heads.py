@@ -51,7 +51,7 @@ def classifier_activation(model_config: ModelConfig) -> Callable[[torch.Tensor],
     """How logits become scores, per the field's rules (see the module docs of ``classify``)."""
     if model_config.classifier_activation is not None:
         activation = getattr(nn, model_config.classifier_activation, None)
-        if not (isinstance(activation, type) and issubclass(activation, nn.Module)):
+        if not (isinstance(activation, type) and issubclass(activation, nn.Module)) or activation is nn.Module:
             raise ModelLoadError(
                 f"model {model_config.name}: activation {model_config.classifier_activation!r} is not a torch.nn module"
             )
