@@ -37,6 +37,8 @@ from poolrunner.core.types import (  # noqa: E402
 )
 
 _LAZY = {
+    "check_dimensions": "poolrunner.core.matryoshka",
+    "classifier_activation": "poolrunner.core.activation",
     "InputBatch": "poolrunner.core.engine.batch",
     "OutputHandle": "poolrunner.core.output",
     "Pooler": "poolrunner.core.pooler",
@@ -47,7 +49,9 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from poolrunner.core.activation import classifier_activation
     from poolrunner.core.engine.batch import InputBatch
+    from poolrunner.core.matryoshka import check_dimensions
     from poolrunner.core.output import OutputHandle
     from poolrunner.core.pooler import Pooler, PoolerOutput
     from poolrunner.core.results import ClassificationResult, RerankResult
@@ -88,5 +92,7 @@ __all__ = [
     "RuntimeConfig",
     "UnsupportedTaskError",
     "build_plugin_manager",
+    "check_dimensions",
+    "classifier_activation",
     "hookimpl",
 ]

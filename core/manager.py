@@ -27,6 +27,7 @@ ENTRY_POINT_GROUP = "poolrunner.plugins"
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "poolrunner.plugins.token_type_ids",
     "poolrunner.plugins.sequence_pooling",
+    "poolrunner.plugins.token_pooling",
 )
 
 # Core's own default implementations (trylast). Registered like a plugin, but never disabled:

@@ -8,12 +8,14 @@ from typing import TypeAlias
 import torch
 from torch import nn
 
+from poolrunner.core.errors import InvalidRequestError
 from poolrunner.core.types import PoolingMetadata, PoolingParams, PoolingTask
 
-PoolerOutput: TypeAlias = torch.Tensor | list[torch.Tensor]
+PoolerOutput: TypeAlias = torch.Tensor | list[torch.Tensor] | list[dict[str, torch.Tensor]]
 """One result per scheduled request, in packing order: either one tensor ``[num_reqs, ...]``
-when every result has the same shape, or a list with one tensor per request (heterogeneous
-shapes, such as mixed Matryoshka ``dimensions`` or per-token outputs)."""
+when every result has the same shape, or a list with one entry per request (heterogeneous
+shapes, such as mixed Matryoshka ``dimensions`` or per-token outputs). An entry may be a dict
+of named tensors when a task has several outputs (``embed&token_classify``)."""
 
 
 class Pooler(nn.Module, ABC):
@@ -28,11 +30,21 @@ class Pooler(nn.Module, ABC):
     def get_supported_tasks(self) -> frozenset[PoolingTask]:
         """The tasks this pooler can compute."""
 
+    accepted_params: frozenset[str] = frozenset()
+    """Names of the :class:`PoolingParams` options this pooler honours; others are rejected."""
+
     def check_params(self, params: PoolingParams) -> None:
         """Reject parameters this pooler cannot honour, before the request is admitted.
 
-        :raises ValueError: naming the value and the allowed range.
+        The default rejects every option set on the request that is not in
+        :attr:`accepted_params`; subclasses extend it with range checks.
+
+        :raises InvalidRequestError: naming the value and what is allowed.
         """
+        for name in sorted(params.given() - self.accepted_params):
+            raise InvalidRequestError(
+                f"{name} does not apply to task {params.task!r} (got {getattr(params, name)!r})"
+            )
 
     @abstractmethod
     def forward(self, hidden_states: torch.Tensor, metadata: PoolingMetadata) -> PoolerOutput:

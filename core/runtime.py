@@ -9,7 +9,6 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 from tqdm.auto import tqdm
 
 from poolrunner.core.config import ModelOverrides, RuntimeConfig
@@ -21,6 +20,7 @@ from poolrunner.core.hooks import Hooks
 from poolrunner.core.inputs.tokenize import InputProcessor, PromptInput
 from poolrunner.core.manager import PoolrunnerPluginManager, build_plugin_manager
 from poolrunner.core.model import loader, metadata
+from poolrunner.core.output import RequestOutput
 from poolrunner.core.results import ClassificationResult, RerankResult
 from poolrunner.core.scoring import cosine, pair_up
 from poolrunner.core.selection import resolve_task, select_pooler
@@ -150,13 +150,53 @@ class Runtime:
         params = PoolingParams(task="embed", dimensions=dimensions, normalize=normalize)
         if not inputs:
             return np.zeros((0, dimensions or self.model_config.embedding_size), dtype=np.float32)
-        token_ids = self.inputs.encode(
-            inputs, prompt=prompt, prompt_name=prompt_name,
-            truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side,
-        )
-        outputs = self._run([(ids, None) for ids in token_ids], params, show_progress_bar)
+        tokenized = self._tokenize(inputs, truncate_prompt_tokens, truncation_side, prompt, prompt_name)
+        outputs = self._run(tokenized, params, show_progress_bar)
         vectors = np.stack([output.numpy() for output in outputs]).astype(np.float32, copy=False)
         return vectors[0] if single else vectors
+
+    def encode(
+        self,
+        inputs: ClassifyInput | Sequence[ClassifyInput],
+        *,
+        task: PoolingTask | None = None,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        use_activation: bool | None = None,
+        step_tag_id: int | None = None,
+        returned_token_ids: Sequence[int] | None = None,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: TruncationSide = "right",
+        prompt: str | None = None,
+        prompt_name: str | None = None,
+        show_progress_bar: bool = False,
+    ) -> list[np.ndarray | dict[str, np.ndarray]]:
+        """Run any task this runtime serves and return each input's raw result.
+
+        Shapes per input: ``embed`` ``[d]``; ``classify`` ``[num_labels]``; ``token_embed``
+        ``[num_tokens, hidden_size]`` (or ``[num_tokens, dimensions]``); ``token_classify``
+        ``[num_tokens, num_labels]``, or with STEP pooling ``[num_step_tags, num_columns]``;
+        ``embed&token_classify`` a dict ``{"embedding": [hidden_size], "token_weights":
+        [num_tokens]}``. Results are ragged and never stacked across inputs. All float32.
+
+        :param inputs: Texts, token-id lists, or ``(text, text_pair)`` pairs.
+        :param task: Must be the runtime's task (the default); a runtime serves one task.
+        :param dimensions: Matryoshka size (``embed``, and per token for ``token_embed``).
+        :param normalize: L2-normalize (``embed``: default on; per token for ``token_embed``:
+            default off).
+        :param use_activation: ``False`` returns raw logits (``classify``, ``token_classify``).
+        :param step_tag_id: STEP pooling: keep only rows whose prompt token is this id.
+        :param returned_token_ids: STEP pooling: keep only these label columns.
+        :returns: One array (or dict of arrays) per input, in order.
+        :raises InvalidRequestError: for bad input or options the task does not take.
+        """
+        items = [inputs] if isinstance(inputs, str) or _is_pair(inputs) else list(inputs)
+        params = PoolingParams(
+            task=task or self.task, dimensions=dimensions, normalize=normalize, use_activation=use_activation,
+            step_tag_id=step_tag_id, returned_token_ids=returned_token_ids,
+        )
+        tokenized = self._tokenize(items, truncate_prompt_tokens, truncation_side, prompt, prompt_name)
+        return [_to_numpy(output) for output in self._run(tokenized, params, show_progress_bar)]
 
     def classify(
         self,
@@ -181,7 +221,7 @@ class Runtime:
         """
         items = [inputs] if isinstance(inputs, str) or _is_pair(inputs) else list(inputs)
         params = PoolingParams(task="classify", use_activation=use_activation)
-        outputs = self._run(self._encode_mixed(items, truncate_prompt_tokens, truncation_side), params,
+        outputs = self._run(self._tokenize(items, truncate_prompt_tokens, truncation_side), params,
                             show_progress_bar)
         labels = self.model_config.labels
         return [ClassificationResult(probs=output.numpy().astype(np.float32), labels=labels) for output in outputs]
@@ -253,26 +293,30 @@ class Runtime:
             for i in order
         ]
 
-    def _encode_mixed(
-        self, items: list[ClassifyInput], truncate_prompt_tokens: int | None, truncation_side: TruncationSide
+    def _tokenize(
+        self, items: Sequence[ClassifyInput], truncate_prompt_tokens: int | None, truncation_side: TruncationSide,
+        prompt: str | None = None, prompt_name: str | None = None,
     ) -> list[tuple[tuple[int, ...], tuple[int, ...] | None]]:
-        """Tokenize single inputs and (text, text_pair) tuples, keeping input order."""
+        """Tokenize single inputs and ``(text, text_pair)`` pairs, keeping input order."""
         pair_at = [i for i, item in enumerate(items) if _is_pair(item)]
         single_at = [i for i, item in enumerate(items) if not _is_pair(item)]
         encoded: dict[int, tuple[tuple[int, ...], tuple[int, ...] | None]] = {}
         options = {"truncate_prompt_tokens": truncate_prompt_tokens, "truncation_side": truncation_side}
         if pair_at:
+            if prompt is not None or prompt_name is not None:
+                raise InvalidRequestError("prompt and prompt_name apply to single texts, not to pairs")
             encoded.update(zip(pair_at, self.inputs.encode_pairs([items[i] for i in pair_at], **options),
                                strict=True))
         if single_at:
-            singles = self.inputs.encode([items[i] for i in single_at], **options)  # type: ignore[misc]
+            singles = self.inputs.encode([items[i] for i in single_at], prompt=prompt,  # type: ignore[misc]
+                                         prompt_name=prompt_name, **options)
             encoded.update((i, (ids, None)) for i, ids in zip(single_at, singles, strict=True))
         return [encoded[i] for i in range(len(items))]
 
     def _run(
         self, inputs: list[tuple[tuple[int, ...], tuple[int, ...] | None]], params: PoolingParams,
         show_progress_bar: bool,
-    ) -> list[torch.Tensor]:
+    ) -> list[RequestOutput]:
         """Run tokenized ``(prompt_token_ids, token_type_ids)`` inputs; outputs in input order."""
         requests = [
             PoolingRequest(request_id=f"{params.task}-{next(self._request_ids)}", prompt_token_ids=ids,
@@ -290,3 +334,9 @@ class Runtime:
 
 def _is_pair(item: object) -> bool:
     return isinstance(item, tuple) and len(item) == 2 and all(isinstance(text, str) for text in item)
+
+
+def _to_numpy(output: RequestOutput) -> np.ndarray | dict[str, np.ndarray]:
+    if isinstance(output, dict):
+        return {name: tensor.numpy() for name, tensor in output.items()}
+    return output.numpy()

@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from attrs import converters, field, frozen, validators
+from attrs import converters, field, fields, frozen, validators
 
-from poolrunner.core.validators import one_of, optional_bool, positive_int
+from poolrunner.core.validators import non_negative_int, non_negative_ints, one_of, optional_bool, positive_int
 
 if TYPE_CHECKING:
     import torch
@@ -55,12 +55,26 @@ class PoolingParams:
         ``embed``, unless a sentence-transformers folder has no ``Normalize`` module).
     :ivar use_activation: Apply the classification activation (sigmoid or softmax, by the
         model's head). ``None`` and ``True`` apply it; ``False`` returns raw logits.
+    :ivar step_tag_id: STEP pooling (``token_classify``, process-reward models): keep only the
+        rows whose prompt token is this id.
+    :ivar returned_token_ids: STEP pooling: keep only these label columns (the activation then
+        runs over them alone).
     """
 
     task: PoolingTask = field(validator=one_of(POOLING_TASKS))
     dimensions: int | None = field(default=None, validator=positive_int)
     normalize: bool | None = field(default=None, validator=optional_bool)
     use_activation: bool | None = field(default=None, validator=optional_bool)
+    step_tag_id: int | None = field(default=None, validator=non_negative_int)
+    returned_token_ids: tuple[int, ...] | None = field(
+        default=None, converter=converters.optional(tuple), validator=non_negative_ints
+    )
+
+    def given(self) -> frozenset[str]:
+        """Names of the options set on this request (everything but ``task`` that is not ``None``)."""
+        return frozenset(
+            f.name for f in fields(PoolingParams) if f.name != "task" and getattr(self, f.name) is not None
+        )
 
 
 def _token_ids(value: Any) -> tuple[int, ...]:
@@ -141,6 +155,8 @@ class ModelConfig:
         ``multi_label_classification``, ``regression``), when the config sets it.
     :ivar classifier_activation: Activation a sentence-transformers cross-encoder names in its
         config (a ``torch.nn`` class name), overriding the rule from ``labels``/``problem_type``.
+    :ivar token_weight_head: File of a BGE-M3 style token-weight head (``sparse_linear.pt``), a
+        ``Linear(hidden_size, 1)`` state dict, when the folder has one.
     :ivar type_vocab_size: Number of token types the model embeds (0 when it has none); paired
         inputs carry ``token_type_ids`` only when this is at least 2.
     :ivar hf_config: The raw ``config.json`` contents, read-only, for plugins that need more.
@@ -170,6 +186,7 @@ class ModelConfig:
     problem_type: str | None = None
     classifier_activation: str | None = None
     type_vocab_size: int = 0
+    token_weight_head: str | None = None
     hf_config: Mapping[str, Any] = field(
         factory=dict, converter=_frozen_mapping, eq=False, hash=False, repr=False
     )

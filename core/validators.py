@@ -34,3 +34,17 @@ def positive_int(_instance: object, attribute: Attribute, value: Any) -> None:
 def optional_bool(_instance: object, attribute: Attribute, value: Any) -> None:
     if value is not None and not isinstance(value, bool):
         raise InvalidRequestError(f"{attribute.name} must be true, false or None, got {value!r}")
+
+
+def non_negative_int(_instance: object, attribute: Attribute, value: Any) -> None:
+    """``None`` or an integer >= 0, such as a token id."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise InvalidRequestError(f"{attribute.name} must be a non-negative integer, got {value!r}")
+
+
+def non_negative_ints(_instance: object, attribute: Attribute, value: Any) -> None:
+    """``None`` or a non-empty tuple of integers >= 0."""
+    if value is None:
+        return
+    if not value or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value):
+        raise InvalidRequestError(f"{attribute.name} must be a non-empty list of non-negative integers, got {value!r}")

@@ -328,10 +328,12 @@ CLASSIFIER_VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _tiny_tokenizer(family: str) -> Any:
+def _tiny_tokenizer(family: str, *, append_eos: bool = False) -> Any:
     """A WordLevel tokenizer over ``w0 w1 ...`` words with the family's special tokens and pair
     template: BERT ``[CLS] A [SEP] B [SEP]`` with types 0/1; RoBERTa ``<s> A </s> </s> B </s>``
-    without types; decoders ``<s> A`` (no EOS, so the last real token is never the pad id)."""
+    without types; decoders ``<s> A`` (no EOS, so the last real token is never the pad id), or
+    with ``append_eos`` ``<s> A </s>`` (a post-processor template; the last token is then the
+    EOS == pad id). qwen2 gets a byte-level BPE (see :func:`_qwen2_style_bpe`), without EOS."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -365,7 +367,12 @@ def _tiny_tokenizer(family: str) -> Any:
             cls_token="<s>", sep_token="</s>", mask_token="<mask>", model_input_names=["input_ids", "attention_mask"],
         )
     if family == "qwen2":
+        assert not append_eos, "the qwen2 tokenizer is rebuilt by transformers: no EOS template"
         backend = _qwen2_style_bpe(specials)
+    elif append_eos:
+        backend.post_processor = processors.TemplateProcessing(
+            single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)]
+        )
     else:
         backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     return PreTrainedTokenizerFast(
@@ -421,32 +428,90 @@ def _tiny_classifier_config(family: str, head: dict[str, Any]) -> Any:
             type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2, max_position_embeddings=258,
             architectures=[arch], **common,
         )
-    config_class, arch = {
-        "llama": (transformers.LlamaConfig, "LlamaForSequenceClassification"),
-        "qwen2": (transformers.Qwen2Config, "Qwen2ForSequenceClassification"),
-        "qwen3": (transformers.Qwen3Config, "Qwen3ForSequenceClassification"),
+    return _tiny_decoder_config(family, decoder_architecture(family, "sequence"), head)
+
+
+DECODER_FAMILIES = ("llama", "qwen2", "qwen3", "gpt2")
+# The transformers class of each decoder family and head.
+_DECODER_CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "gpt2": "GPT2"}
+_DECODER_HEAD_SUFFIX = {"model": "Model", "causal_lm": "ForCausalLM", "sequence": "ForSequenceClassification",
+                        "token": "ForTokenClassification"}
+# Labels of the tiny token classifiers (five, so a wrong column or a softmax over the wrong
+# columns is visible).
+TOKEN_LABELS = {0: "O", 1: "B-PER", 2: "I-PER", 3: "B-LOC", 4: "I-LOC"}
+
+
+def decoder_architecture(family: str, head: str) -> str:
+    """``decoder_architecture("llama", "token") == "LlamaForTokenClassification"``; GPT-2's
+    causal LM is ``GPT2LMHeadModel``."""
+    if family == "gpt2" and head == "causal_lm":
+        return "GPT2LMHeadModel"
+    return _DECODER_CLASS_PREFIX[family] + _DECODER_HEAD_SUFFIX[head]
+
+
+def _tiny_decoder_config(family: str, architecture: str, head: dict[str, Any]) -> Any:
+    """Hidden 64, 2 layers, 4 heads (2 KV heads where the family has GQA), vocab 1000, 512
+    positions; bos 1, eos 2, pad 2 (pad == eos as in most decoders; pad_token_id also lets
+    transformers' ``*ForSequenceClassification`` find the last real token of a right-padded
+    row). All special ids lie inside the vocabulary."""
+    import transformers
+
+    if family == "gpt2":
+        return transformers.GPT2Config(
+            vocab_size=CLASSIFIER_VOCAB_SIZE, n_embd=64, n_inner=128, n_layer=2, n_head=4, n_positions=512,
+            bos_token_id=1, eos_token_id=2, pad_token_id=2, architectures=[architecture], **head,
+        )
+    config_class = {
+        "llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
     }[family]
-    # pad_token_id lets transformers' *ForSequenceClassification find the last real token of
-    # a right-padded row; pad == eos as in most decoders.
     extra = {"head_dim": 16} if family == "qwen3" else {}
     return config_class(
-        num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=2, max_position_embeddings=512,
-        tie_word_embeddings=False, architectures=[arch], **extra, **common,
+        vocab_size=CLASSIFIER_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        max_position_embeddings=512, tie_word_embeddings=False, architectures=[architecture], **extra, **head,
     )
+
+
+def _tiny_model(config: Any, seed: int) -> Any:
+    """A seeded random model of ``config.architectures[0]``, in eval mode.
+
+    The default init (std 0.02) makes every input score alike and leaves hidden states nearly
+    input-independent; matrices are widened to std 0.2 so that a wrong token, position, type
+    or pooled row visibly changes the result.
+    """
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, config.architectures[0])(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, 0.2)
+    return model
+
+
+def _check_saved_tokenizer(folder: Path, family: str, *, append_eos: bool = False) -> None:
+    """The tokenizer transformers loads from the folder must tokenize as built (see qwen2)."""
+    import transformers
+
+    loaded = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    ids = loaded("w1 w22 w333 w44")["input_ids"]
+    assert len(set(ids)) >= 4, (family, type(loaded))
+    if append_eos:
+        assert ids[-1] == loaded.eos_token_id == loaded.pad_token_id, (family, ids)
 
 
 @pytest.fixture(scope="session")
 def make_classifier_folder(tmp_path_factory) -> Callable[..., Path]:
     """``make(family, variant="multiclass", *, seed=0, head_bias=None, head_scale=None,
     st_config=None)``: a seeded random ``*ForSequenceClassification`` folder (hidden 64,
-    2 layers, vocab 1000) with its tokenizer; one folder per distinct argument set.
+    2 layers, vocab 1000) with its tokenizer; one folder per distinct argument set. Families:
+    :data:`CLASSIFIER_FAMILIES` and ``gpt2``.
 
     ``head_bias``/``head_scale`` (BERT only) set the classifier's bias and scale its weights,
     to reach extreme logits; ``st_config`` is written into ``config.json`` as
     ``sentence_transformers`` (a cross-encoder's settings).
     """
-    import transformers
-
     cache: dict[str, Path] = {}
 
     def make(
@@ -458,23 +523,14 @@ def make_classifier_folder(tmp_path_factory) -> Callable[..., Path]:
             return cache[key]
         folder = tmp_path_factory.mktemp(f"cls_{family}_{variant}")
         _tiny_tokenizer(family).save_pretrained(folder)
-        config = _tiny_classifier_config(family, CLASSIFIER_VARIANTS[variant])
-        torch.manual_seed(seed)
-        model = getattr(transformers, config.architectures[0])(config).eval()
-        # The default init (std 0.02) makes every input score alike; widen it so that a wrong
-        # token, position, type or pooled row visibly changes the result.
+        model = _tiny_model(_tiny_classifier_config(family, CLASSIFIER_VARIANTS[variant]), seed)
         with torch.no_grad():
-            for parameter in model.parameters():
-                if parameter.dim() > 1:
-                    parameter.normal_(0.0, 0.2)
             if head_scale is not None:
                 model.classifier.weight.mul_(head_scale)
             if head_bias is not None:
                 model.classifier.bias.copy_(torch.tensor(head_bias))
         model.save_pretrained(folder)
-        # The tokenizer transformers loads from the folder must tokenize as built (see qwen2).
-        loaded = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        assert len(set(loaded("w1 w22 w333 w44")["input_ids"])) >= 4, (family, type(loaded))
+        _check_saved_tokenizer(folder, family)
         if st_config is not None:
             data = json.loads((folder / "config.json").read_text(encoding="utf-8"))
             data["sentence_transformers"] = st_config

@@ -9,15 +9,15 @@ from collections.abc import Sequence
 
 import importlib_metadata
 
-from poolrunner.core.cli import classify, embed, plugins, rerank, score
+from poolrunner.core.cli import classify, embed, encode, plugins, rerank, score
 from poolrunner.core.cli.common import DISABLE_ENV, EXIT_USAGE, CliError, HelpFormatter, build_plugin_manager
 from poolrunner.core.errors import InvalidRequestError, PluginLoadError, PoolrunnerError, UnsupportedTaskError
 
 PROG = "poolrunner"
 
 DESCRIPTION = """\
-poolrunner: run pooling models (embeddings, classifiers, cross-encoders) from local
-folders, with plugins.
+poolrunner: run pooling models (embeddings, classifiers, cross-encoders, token-level
+models) from local folders, with plugins.
 
 Without --model, the default model (all-MiniLM-L6-v2, shipped with poolrunner) is used.
 No command ever downloads from a model hub."""
@@ -29,6 +29,7 @@ examples:
   poolrunner classify --model ./classifier "Great!"     label scores, JSONL
   poolrunner score --query "q" "doc 1" "doc 2"          one score per (query, doc) pair
   poolrunner rerank --query "q" --input docs.txt        documents ranked best first
+  poolrunner encode --task token_embed "A cat sat."     per-token vectors (any task)
   poolrunner plugins --all                              list plugins, built-ins too
   poolrunner --version                                  version and registered plugins
 
@@ -47,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print poolrunner's version and the registered plugins, then exit",
     )
     subparsers = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
-    for command in (embed, classify, score, rerank, plugins):
+    for command in (embed, classify, score, rerank, encode, plugins):
         command.add_parser(subparsers)
     return parser
 

@@ -43,7 +43,7 @@ class ModelRunner:
     def forward(self, batch: InputBatch) -> torch.Tensor:
         """The backbone's last hidden states, ``[num_tokens, hidden_size]``."""
         extra = self.hooks.prepare_inputs(batch=batch, model_config=self.model_config)
-        layout = PackedLayout.build(batch.num_scheduled_tokens, batch.device)
+        layout = PackedLayout.build(batch.num_scheduled_tokens, batch.device, causal=self.model_config.is_causal)
         outputs = self.backbone(
             input_ids=batch.input_ids.unsqueeze(0),
             position_ids=(batch.positions + self.position_offset).unsqueeze(0),

@@ -49,9 +49,10 @@ class PackedLayout:
 
     num_tokens: int
     groups: tuple[_Group, ...]
+    causal: bool  # for layers that do not say themselves (``module.is_causal``)
 
     @classmethod
-    def build(cls, lengths: Sequence[int], device: torch.device) -> PackedLayout:
+    def build(cls, lengths: Sequence[int], device: torch.device, *, causal: bool) -> PackedLayout:
         """Group requests of similar length; ``lengths[i]`` tokens belong to request ``i``.
 
         Requests are sorted by length and a group is closed when padding it to its longest
@@ -70,7 +71,7 @@ class PackedLayout:
             members = candidate
         if members:
             groups.append(_make_group(members, lengths, starts, device))
-        return cls(num_tokens=starts[-1], groups=tuple(groups))
+        return cls(num_tokens=starts[-1], groups=tuple(groups), causal=causal)
 
 
 def _make_group(members: list[int], lengths: Sequence[int], starts: list[int], device: torch.device) -> _Group:
@@ -115,7 +116,7 @@ def packed_attention(
     layout: PackedLayout | None = kwargs.get(LAYOUT_KWARG)
     if layout is None:
         raise ValueError(f"{ATTENTION_NAME} attention needs the {LAYOUT_KWARG!r} forward argument")
-    causal = bool(getattr(module, "is_causal", False))
+    causal = bool(getattr(module, "is_causal", layout.causal))
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [num_tokens, heads, head_dim]
     output = q.new_empty(q.shape)
     for group in layout.groups:

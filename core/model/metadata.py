@@ -15,7 +15,7 @@ from transformers.models.auto.modeling_auto import (
 from poolrunner.core.config import ModelOverrides
 from poolrunner.core.errors import ModelLoadError
 from poolrunner.core.model.st_metadata import read_st_metadata
-from poolrunner.core.model.tasks import model_tasks
+from poolrunner.core.model.tasks import model_tasks, token_weight_head
 from poolrunner.core.types import ModelConfig
 
 # Families whose position ids start after the padding index: 514 positions hold 512 tokens.
@@ -79,7 +79,7 @@ def load_model_config(
         embedding_size=dense[-1].out_features if dense else hidden_size,
         max_model_len=_max_model_len(path, hf_config, tokenizer_max_length, st and st.max_seq_length, overrides),
         is_causal=is_causal,
-        model_tasks=model_tasks(architecture),
+        model_tasks=model_tasks(architecture, path),
         pooling_type=pooling_type or ("LAST" if is_causal else "CLS"),
         normalize=normalize,
         matryoshka_dimensions=tuple(matryoshka_dims) if matryoshka_dims else None,
@@ -87,10 +87,11 @@ def load_model_config(
         dense_layers=dense,
         prompts=st.prompts if st else {},
         default_prompt_name=st.default_prompt_name if st else None,
-        labels=_labels(hf_config) if model_tasks(architecture) & {"classify", "token_classify"} else (),
+        labels=_labels(hf_config) if model_tasks(architecture, path) & {"classify", "token_classify"} else (),
         problem_type=getattr(hf_config, "problem_type", None),
         classifier_activation=_classifier_activation(path, hf_config),
         type_vocab_size=int(getattr(hf_config, "type_vocab_size", 0) or 0),
+        token_weight_head=str(head) if (head := token_weight_head(path)) else None,
         hf_config=hf_config.to_dict(),
     )
 

@@ -13,17 +13,16 @@ import torch
 from torch import nn
 
 from poolrunner.core import (
-    InvalidRequestError,
     ModelConfig,
     ModelLoadError,
     Pooler,
     PoolerOutput,
     PoolingMetadata,
-    PoolingParams,
     PoolingTask,
+    classifier_activation,
 )
 
-from .heads import classifier_activation, classifier_head
+from .heads import classifier_head
 from .methods import POOLING_METHODS
 
 
@@ -43,14 +42,10 @@ class ClassifierPooler(Pooler):
         self.activation = classifier_activation(model_config)
         self.head_dtype = next(model.parameters()).dtype
 
+    accepted_params = frozenset({"use_activation"})
+
     def get_supported_tasks(self) -> frozenset[PoolingTask]:
         return frozenset({"classify"})
-
-    def check_params(self, params: PoolingParams) -> None:
-        """:raises InvalidRequestError: for ``dimensions`` or ``normalize``, which mean nothing here."""
-        for name in ("dimensions", "normalize"):
-            if getattr(params, name) is not None:
-                raise InvalidRequestError(f"{name} does not apply to task 'classify' (got {getattr(params, name)!r})")
 
     def forward(self, hidden_states: torch.Tensor, metadata: PoolingMetadata) -> PoolerOutput:
         pooled = self.method(hidden_states, metadata.query_start_loc)

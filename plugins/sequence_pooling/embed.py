@@ -10,7 +10,6 @@ from torch import nn
 
 from poolrunner.core import (
     DenseLayerSpec,
-    InvalidRequestError,
     ModelConfig,
     ModelLoadError,
     Pooler,
@@ -18,6 +17,7 @@ from poolrunner.core import (
     PoolingMetadata,
     PoolingParams,
     PoolingTask,
+    check_dimensions,
 )
 
 from .methods import POOLING_METHODS
@@ -46,35 +46,18 @@ class EmbeddingPooler(Pooler):
     def from_model_config(cls, model_config: ModelConfig) -> EmbeddingPooler:
         return cls(model_config, [_load_dense(spec) for spec in model_config.dense_layers])
 
+    accepted_params = frozenset({"dimensions", "normalize", "use_activation"})
+
     def get_supported_tasks(self) -> frozenset[PoolingTask]:
         return frozenset({"embed"})
 
     def check_params(self, params: PoolingParams) -> None:
-        """Accept ``dimensions`` only for Matryoshka models, within ``1..embedding_size`` and
-        the declared list.
+        """Reject other tasks' options and ``dimensions`` a non-Matryoshka model cannot honour.
 
         :raises InvalidRequestError: naming the model, the value and what is allowed.
         """
-        dims = params.dimensions
-        if dims is None:
-            return
-        config = self.model_config
-        if not config.is_matryoshka:
-            raise InvalidRequestError(
-                f"model {config.name} does not support Matryoshka dimensions (got dimensions={dims}): "
-                "its config declares neither is_matryoshka nor matryoshka_dimensions; load it "
-                "with is_matryoshka=True to allow it"
-            )
-        if not 1 <= dims <= config.embedding_size:
-            raise InvalidRequestError(
-                f"dimensions={dims} is out of range for model {config.name}: 1..{config.embedding_size}"
-            )
-        allowed = config.matryoshka_dimensions
-        if allowed and dims not in allowed:
-            raise InvalidRequestError(
-                f"dimensions={dims} is not one of the Matryoshka dimensions of model {config.name}: "
-                f"{list(allowed)}"
-            )
+        super().check_params(params)
+        check_dimensions(self.model_config, params.dimensions, self.model_config.embedding_size)
 
     def forward(self, hidden_states: torch.Tensor, metadata: PoolingMetadata) -> PoolerOutput:
         pooled = self.dense(self.method(hidden_states, metadata.query_start_loc))

@@ -45,26 +45,3 @@ def classifier_head(model: nn.Module, model_config: ModelConfig) -> Head:
             return classifier
         return lambda pooled: classifier(pooler(pooled.unsqueeze(1)))  # BERT: dense + tanh on CLS
     return lambda pooled: classifier(pooled.unsqueeze(1))  # RoBERTa family: reads features[:, 0]
-
-
-def classifier_activation(model_config: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
-    """How logits become scores, per the field's rules (see the module docs of ``classify``)."""
-    if model_config.classifier_activation is not None:
-        activation = getattr(nn, model_config.classifier_activation, None)
-        if not (isinstance(activation, type) and issubclass(activation, nn.Module)) or activation is nn.Module:
-            raise ModelLoadError(
-                f"model {model_config.name}: activation {model_config.classifier_activation!r} is not a torch.nn module"
-            )
-        try:
-            # Softmax and its kin default to an implicit (deprecated, warning) dim: use the labels.
-            return activation(dim=-1) if activation in (nn.Softmax, nn.LogSoftmax, nn.Softmin) else activation()
-        except (TypeError, NotImplementedError) as exc:
-            raise ModelLoadError(
-                f"model {model_config.name}: activation {model_config.classifier_activation!r} cannot be built "
-                f"without arguments: {exc}"
-            ) from exc
-    if model_config.problem_type == "regression":
-        return lambda logits: logits
-    if model_config.problem_type == "multi_label_classification" or len(model_config.labels) == 1:
-        return torch.sigmoid  # softmax over one logit is always 1.0
-    return lambda logits: torch.softmax(logits, dim=-1)  # subtracts the max: stable for any logits

@@ -1,0 +1,165 @@
+"""Token-level poolers: ALL (every prompt token) and STEP (only step-tag tokens).
+
+Outputs are ragged: one tensor per request, ``[num_tokens, ...]``, never stacked across
+requests. Request ``i`` owns rows ``query_start_loc[i]:query_start_loc[i + 1]`` of the packed
+hidden states.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from poolrunner.core import (
+    InvalidRequestError,
+    ModelConfig,
+    ModelLoadError,
+    Pooler,
+    PoolerOutput,
+    PoolingMetadata,
+    PoolingParams,
+    PoolingTask,
+    check_dimensions,
+    classifier_activation,
+)
+
+
+def split_requests(rows: torch.Tensor, metadata: PoolingMetadata) -> list[torch.Tensor]:
+    """``[num_tokens, ...]`` -> one ``[request_tokens, ...]`` view per request."""
+    return list(torch.split(rows, metadata.prompt_lens.tolist()))
+
+
+class TokenEmbedPooler(Pooler):
+    """``token_embed``: every token's hidden state, ``[num_tokens, hidden_size]`` float32.
+
+    Per token, in order: Matryoshka slice ``[:dimensions]``, then L2 normalization when the
+    request asks for it (``normalize=True``; off by default: raw hidden states).
+    """
+
+    accepted_params = frozenset({"dimensions", "normalize"})
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        super().__init__()
+        self.model_config = model_config
+
+    def get_supported_tasks(self) -> frozenset[PoolingTask]:
+        return frozenset({"token_embed"})
+
+    def check_params(self, params: PoolingParams) -> None:
+        super().check_params(params)
+        check_dimensions(self.model_config, params.dimensions, self.model_config.hidden_size)
+
+    def forward(self, hidden_states: torch.Tensor, metadata: PoolingMetadata) -> PoolerOutput:
+        outputs = []
+        for rows, params in zip(split_requests(hidden_states, metadata), metadata.pooling_params, strict=True):
+            rows = rows.float()
+            if params.dimensions is not None:
+                rows = rows[:, : params.dimensions]
+            outputs.append(F.normalize(rows, dim=-1) if params.normalize else rows)
+        return outputs
+
+
+class TokenClassifierPooler(Pooler):
+    """``token_classify``: the model's token head on every token, ``[num_tokens, num_labels]``.
+
+    The activation (softmax, sigmoid...) runs per token, by the rules of
+    :func:`poolrunner.core.classifier_activation`. STEP pooling (process-reward models): with
+    ``step_tag_id`` only the rows whose prompt token is that id are kept, and with
+    ``returned_token_ids`` only those label columns, the activation then running over them
+    alone. A request with no step tag gets an empty ``[0, num_columns]`` result.
+    """
+
+    accepted_params = frozenset({"use_activation", "step_tag_id", "returned_token_ids"})
+
+    def __init__(self, model_config: ModelConfig, model: nn.Module) -> None:
+        super().__init__()
+        self.model_config = model_config
+        self.head = token_classifier_head(model, model_config)
+        self.head_dtype = next(model.parameters()).dtype
+        self.activation = classifier_activation(model_config)
+
+    def get_supported_tasks(self) -> frozenset[PoolingTask]:
+        return frozenset({"token_classify"})
+
+    def check_params(self, params: PoolingParams) -> None:
+        super().check_params(params)
+        num_labels = len(self.model_config.labels)
+        bad = [i for i in params.returned_token_ids or () if i >= num_labels]
+        if bad:
+            raise InvalidRequestError(
+                f"returned_token_ids {list(bad)} are out of range for model {self.model_config.name}: "
+                f"it has {num_labels} labels (0..{num_labels - 1})"
+            )
+
+    def forward(self, hidden_states: torch.Tensor, metadata: PoolingMetadata) -> PoolerOutput:
+        logits = self.head(hidden_states.to(self.head_dtype)).float()
+        token_ids = split_requests(metadata.prompt_token_ids, metadata)
+        outputs = []
+        for rows, ids, params in zip(split_requests(logits, metadata), token_ids, metadata.pooling_params,
+                                     strict=True):
+            if params.step_tag_id is not None:
+                rows = rows[ids == params.step_tag_id]
+            if params.returned_token_ids is not None:
+                rows = rows[:, list(params.returned_token_ids)]
+            outputs.append(rows if params.use_activation is False else self.activation(rows))
+        return outputs
+
+
+class EmbedTokenClassifyPooler(Pooler):
+    """``embed&token_classify`` (BGE-M3): a dense vector and a weight per token, in one pass.
+
+    ``embedding``: the CLS hidden state, L2-normalized (unless ``normalize=False``), ``[hidden]``.
+    ``token_weights``: ``relu(sparse_linear(hidden_state))`` per token, ``[num_tokens]``, from
+    the folder's ``sparse_linear.pt``, as BGE-M3's reference implementation computes them.
+    """
+
+    accepted_params = frozenset({"normalize"})
+
+    def __init__(self, sparse_linear: nn.Linear) -> None:
+        super().__init__()
+        self.sparse_linear = sparse_linear
+
+    @classmethod
+    def from_model_config(cls, model_config: ModelConfig) -> EmbedTokenClassifyPooler:
+        path = model_config.token_weight_head
+        if path is None:
+            raise ModelLoadError(f"model {model_config.name} has no token-weight head (sparse_linear.pt)")
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            linear = nn.Linear(model_config.hidden_size, 1)
+            linear.load_state_dict({key: value.float() for key, value in state.items()})
+        except (RuntimeError, AttributeError) as exc:
+            raise ModelLoadError(f"{path}: expected a Linear({model_config.hidden_size}, 1) state dict: {exc}") from exc
+        return cls(linear)
+
+    def get_supported_tasks(self) -> frozenset[PoolingTask]:
+        return frozenset({"embed&token_classify"})
+
+    def forward(self, hidden_states: torch.Tensor, metadata: PoolingMetadata) -> PoolerOutput:
+        hidden = hidden_states.float()
+        dense = hidden[metadata.query_start_loc[:-1]]
+        weights = torch.relu(self.sparse_linear(hidden)).squeeze(-1)
+        return [
+            {"embedding": F.normalize(vector, dim=-1) if params.normalize is not False else vector,
+             "token_weights": token_weights}
+            for vector, token_weights, params in zip(
+                dense, split_requests(weights, metadata), metadata.pooling_params, strict=True
+            )
+        ]
+
+
+def token_classifier_head(model: nn.Module, model_config: ModelConfig) -> nn.Module:
+    """The per-token head of a ``*ForTokenClassification`` model: ``score`` (Llama, Qwen2,
+    Qwen3) or ``classifier`` (BERT, RoBERTa, GPT-2), a Linear applied to every hidden state.
+
+    :raises ModelLoadError: for a head layout that is neither.
+    """
+    for name in ("score", "classifier"):
+        head = getattr(model, name, None)
+        if isinstance(head, nn.Linear):
+            return head
+    raise ModelLoadError(
+        f"model {model_config.name} ({model_config.architecture}) has a token classification head "
+        "poolrunner does not know how to apply (no `score` or `classifier` Linear)"
+    )
