@@ -147,7 +147,7 @@ class Runtime:
         """
         single = isinstance(texts, str)
         inputs: list[PromptInput] = [texts] if single else list(texts)  # type: ignore[list-item]
-        params = PoolingParams(task="embed", dimensions=dimensions, normalize=normalize)
+        params = self._check_task(PoolingParams(task="embed", dimensions=dimensions, normalize=normalize))
         if not inputs:
             return np.zeros((0, dimensions or self.model_config.embedding_size), dtype=np.float32)
         tokenized = self._tokenize(inputs, truncate_prompt_tokens, truncation_side, prompt, prompt_name)
@@ -191,10 +191,10 @@ class Runtime:
         :raises InvalidRequestError: for bad input or options the task does not take.
         """
         items = [inputs] if isinstance(inputs, str) or _is_pair(inputs) else list(inputs)
-        params = PoolingParams(
+        params = self._check_task(PoolingParams(
             task=task or self.task, dimensions=dimensions, normalize=normalize, use_activation=use_activation,
             step_tag_id=step_tag_id, returned_token_ids=returned_token_ids,
-        )
+        ))
         tokenized = self._tokenize(items, truncate_prompt_tokens, truncation_side, prompt, prompt_name)
         return [_to_numpy(output) for output in self._run(tokenized, params, show_progress_bar)]
 
@@ -220,7 +220,7 @@ class Runtime:
         :raises InvalidRequestError: for bad input, or if this runtime's task is not ``classify``.
         """
         items = [inputs] if isinstance(inputs, str) or _is_pair(inputs) else list(inputs)
-        params = PoolingParams(task="classify", use_activation=use_activation)
+        params = self._check_task(PoolingParams(task="classify", use_activation=use_activation))
         outputs = self._run(self._tokenize(items, truncate_prompt_tokens, truncation_side), params,
                             show_progress_bar)
         labels = self.model_config.labels
@@ -292,6 +292,14 @@ class Runtime:
             RerankResult(index=i, score=float(scores[i]), document=documents[i] if return_documents else None)
             for i in order
         ]
+
+    def _check_task(self, params: PoolingParams) -> PoolingParams:
+        if params.task != self.task:
+            raise InvalidRequestError(
+                f"this runtime serves task {self.task!r}, not {params.task!r}; load another with "
+                f"Runtime(..., task={params.task!r}) if the model supports it"
+            )
+        return params
 
     def _tokenize(
         self, items: Sequence[ClassifyInput], truncate_prompt_tokens: int | None, truncation_side: TruncationSide,

@@ -750,3 +750,106 @@ def lee_cross_encoder(tmp_path_factory, model_path, lee_docs, lee_similarities) 
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return LeeCrossEncoder(folder, train, heldout)
+
+
+# --------------------------------------------------------------------------- decoder families, every head
+
+
+@pytest.fixture(scope="session")
+def make_decoder_folder(tmp_path_factory) -> Callable[..., Path]:
+    """``make(family, head="model", *, append_eos=False, seed=0)``: a seeded random decoder folder
+    (:data:`DECODER_FAMILIES`; same sizes and tokenizers as :func:`make_classifier_folder`) with
+    ``architectures`` set to the head's class: ``model`` (``LlamaModel``...), ``causal_lm``
+    (``LlamaForCausalLM``..., ``GPT2LMHeadModel``), ``token`` (``*ForTokenClassification`` with
+    :data:`TOKEN_LABELS`). ``append_eos``: the tokenizer ends every text with ``</s>`` (== pad).
+    For ``*ForSequenceClassification`` use :func:`make_classifier_folder`. Cached per arguments.
+    """
+    cache: dict[tuple[Any, ...], Path] = {}
+
+    def make(family: str, head: str = "model", *, append_eos: bool = False, seed: int = 0) -> Path:
+        key = (family, head, append_eos, seed)
+        if key in cache:
+            return cache[key]
+        folder = tmp_path_factory.mktemp(f"dec_{family}_{head}{'_eos' if append_eos else ''}")
+        _tiny_tokenizer(family, append_eos=append_eos).save_pretrained(folder)
+        labels = {"id2label": TOKEN_LABELS} if head == "token" else {}
+        model = _tiny_model(_tiny_decoder_config(family, decoder_architecture(family, head), labels), seed)
+        model.save_pretrained(folder)
+        _check_saved_tokenizer(folder, family, append_eos=append_eos)
+        cache[key] = folder
+        return folder
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def task_runtime() -> Callable[..., Any]:
+    """``get(folder, task=None, **options)``: one shared float32 :class:`poolrunner.Runtime` per
+    folder, task and options (``folder=None``: the default model)."""
+    import poolrunner
+
+    cache: dict[str, Any] = {}
+
+    def get(folder: Path | None, task: str | None = None, **options: Any) -> Any:
+        key = repr((folder, task, sorted(options.items())))
+        if key not in cache:
+            cache[key] = poolrunner.Runtime(folder, task=task, dtype="float32", **options)
+        return cache[key]
+
+    return get
+
+
+class TokenReference:
+    """transformers on a folder, independent of poolrunner: its own tokenizer and
+    ``model_class`` (``AutoModel`` -> ``last_hidden_state``, ``AutoModelForTokenClassification``
+    -> ``logits``) over right-padded batches with an attention mask; the pad id is the config's
+    (== eos in the tiny decoders), so only the mask tells real tokens from padding."""
+
+    def __init__(self, folder: Path, model_class: str = "AutoModel") -> None:
+        import transformers
+
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        self.model = getattr(transformers, model_class).from_pretrained(folder, local_files_only=True).eval()
+        self.config = self.model.config
+        self.pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else 0
+
+    def token_ids(self, texts: Sequence[str]) -> list[list[int]]:
+        return [list(ids) for ids in self.tokenizer(list(texts))["input_ids"]]
+
+    def padded(self, token_ids: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """``(outputs [n, T, ...] float64, lengths [n])`` of one right-padded batch."""
+        width = max(len(ids) for ids in token_ids)
+        input_ids = torch.full((len(token_ids), width), self.pad_id, dtype=torch.int64)
+        mask = torch.zeros(len(token_ids), width, dtype=torch.int64)
+        for row, ids in enumerate(token_ids):
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            mask[row, : len(ids)] = 1
+        with torch.inference_mode():
+            out = self.model(input_ids=input_ids, attention_mask=mask)
+        states = out.logits if hasattr(out, "logits") else out.last_hidden_state
+        return states.double().numpy(), mask.sum(1).numpy()
+
+    def rows(self, token_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Per input, its real rows ``[len_i, ...]`` of :meth:`padded` (one batch for all)."""
+        states, lengths = self.padded(token_ids)
+        return [states[i, :n] for i, n in enumerate(lengths)]
+
+    def alone(self, token_ids: Sequence[int]) -> np.ndarray:
+        """One input run by itself, without padding or mask: ``[len, ...]``."""
+        with torch.inference_mode():
+            out = self.model(input_ids=torch.tensor([list(token_ids)]))
+        states = out.logits if hasattr(out, "logits") else out.last_hidden_state
+        return states[0].double().numpy()
+
+
+@pytest.fixture(scope="session")
+def token_reference() -> Callable[..., TokenReference]:
+    """``get(folder, model_class="AutoModel")``: one shared :class:`TokenReference` per folder and class."""
+    cache: dict[tuple[Path, str], TokenReference] = {}
+
+    def get(folder: Path, model_class: str = "AutoModel") -> TokenReference:
+        if (folder, model_class) not in cache:
+            cache[(folder, model_class)] = TokenReference(folder, model_class)
+        return cache[(folder, model_class)]
+
+    return get

@@ -23,8 +23,9 @@ import importlib_metadata
 import numpy as np
 import pytest
 
-from poolrunner.core import InvalidRequestError, Runtime
+from poolrunner.core import InvalidRequestError, Runtime, UnsupportedTaskError
 from poolrunner.core.cli.main import main
+from tests.plugin_system.builtin_plugins import BUILTIN_PLUGINS, builtin_infos
 
 pytestmark = pytest.mark.slow
 
@@ -95,11 +96,7 @@ def test_version_lists_registered_plugins(capsys: pytest.CaptureFixture[str]) ->
     lines = out.splitlines()
     assert lines[0] == f"poolrunner {VERSION}"
     assert lines[1] == "registered plugins:"
-    assert [line.strip() for line in lines[2:]] == [
-        f"core (poolrunner {VERSION})",
-        f"token_type_ids (poolrunner {VERSION})",
-        f"sequence_pooling (poolrunner {VERSION})",
-    ]
+    assert [line.strip() for line in lines[2:]] == [f"{name} (poolrunner {VERSION})" for name in BUILTIN_PLUGINS]
 
 
 @pytest.mark.parametrize(
@@ -137,7 +134,7 @@ def test_help(capsys: pytest.CaptureFixture[str], argv: list[str], expected: lis
 
 def test_no_command_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys)
-    assert_user_error(code, out, err, "a command is required: classify, embed, plugins, rerank, score")
+    assert_user_error(code, out, err, "a command is required: classify, embed, encode, plugins, rerank, score")
     assert "usage: poolrunner" in err
 
 
@@ -347,8 +344,15 @@ def test_embed_prompt_and_no_normalize(capsys: pytest.CaptureFixture[str], refer
 def test_embed_disabled_plugins(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("POOLRUNNER_DISABLE_PLUGINS", " sequence_pooling ,")
     code, out, err = run_cli(capsys, "embed", "x")
-    assert_user_error(code, out, err, f"model {MODEL_PATH!r} (BertModel) does not support any task")
-    assert "pooling plugins: none" in err
+    # sequence_pooling is the only plugin serving embed: the Python API's own message, passed on.
+    with pytest.raises(UnsupportedTaskError) as excinfo:
+        Runtime(task="embed", disable_plugins=["sequence_pooling"])
+    message = str(excinfo.value)
+    assert message.startswith(
+        f"model {MODEL_PATH!r} (BertModel) does not support task 'embed'. Supported: ['token_embed']. "
+    )
+    assert_user_error(code, out, err, message)
+    assert "sequence_pooling" not in err
     code, out, err = run_cli(capsys, "--version")
     assert code == 0
     assert "sequence_pooling" not in out
@@ -359,14 +363,14 @@ def test_embed_disabled_plugins(capsys: pytest.CaptureFixture[str], monkeypatch:
 
 # --- plugins ----------------------------------------------------------------------------------
 
-BUILTINS = [
-    {"name": "core", "source": "builtin", "dist": "poolrunner", "version": VERSION,
-     "hooks": ["pool", "process_output"]},
-    {"name": "token_type_ids", "source": "builtin", "dist": "poolrunner", "version": VERSION,
-     "hooks": ["add_request", "prepare_inputs", "remove_request"]},
-    {"name": "sequence_pooling", "source": "builtin", "dist": "poolrunner", "version": VERSION,
-     "hooks": ["get_pooler", "supported_tasks"]},
-]
+
+def builtins_json(hook: str | None = None) -> list[dict[str, object]]:
+    """The built-ins (implementing ``hook``, if given) as ``plugins --json`` lists them, in
+    registration order; tests/plugin_system/test_plugin_manager.py pins what they are."""
+    return [
+        {"name": info.name, "source": "builtin", "dist": "poolrunner", "version": VERSION, "hooks": list(info.hooks)}
+        for info in builtin_infos() if hook is None or hook in info.hooks
+    ]
 
 
 def test_plugins_default_hides_builtins(capsys: pytest.CaptureFixture[str]) -> None:
@@ -381,16 +385,17 @@ def test_plugins_all_table(capsys: pytest.CaptureFixture[str]) -> None:
     rows = [line.split(None, 4) for line in out.splitlines()]
     assert rows == [
         ["NAME", "SOURCE", "DIST", "VERSION", "HOOKS"],
-        ["core", "builtin", "poolrunner", VERSION, "pool, process_output"],
-        ["token_type_ids", "builtin", "poolrunner", VERSION, "add_request, prepare_inputs, remove_request"],
-        ["sequence_pooling", "builtin", "poolrunner", VERSION, "get_pooler, supported_tasks"],
+        *([builtin["name"], "builtin", "poolrunner", VERSION, ", ".join(builtin["hooks"])]
+          for builtin in builtins_json()),
     ]
+    assert [row[0] for row in rows[1:]] == list(BUILTIN_PLUGINS)
 
 
 def test_plugins_all_json(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys, "plugins", "--all", "--json")
     assert code == 0
-    assert json.loads(out) == BUILTINS
+    assert json.loads(out) == builtins_json()
+    assert [plugin["name"] for plugin in json.loads(out)] == list(BUILTIN_PLUGINS)
     code, out, err = run_cli(capsys, "plugins", "--json")
     assert json.loads(out) == []
 
@@ -398,20 +403,26 @@ def test_plugins_all_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_plugins_hook_filter(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     code, out, err = run_cli(capsys, "plugins", "--all", "--hook", "get_pooler", "--json")
     assert code == 0
-    assert json.loads(out) == [BUILTINS[2]]
+    assert json.loads(out) == builtins_json("get_pooler")
+    assert 0 < len(builtins_json("get_pooler")) < len(BUILTIN_PLUGINS)  # the filter leaves some out
     code, out, err = run_cli(capsys, "plugins", "--all", "--hook", "prepare_inputs", "--json")
-    assert json.loads(out) == [BUILTINS[1]]
+    assert json.loads(out) == builtins_json("prepare_inputs")
+    assert 0 < len(builtins_json("prepare_inputs")) < len(BUILTIN_PLUGINS)
     code, out, err = run_cli(capsys, "plugins", "--hook", "get_pooler")
     assert code == 0
     assert out == "no third-party plugin implements hook 'get_pooler'; use --all to include built-ins\n"
     code, out, err = run_cli(capsys, "plugins", "--hook", "get_poolr")
     assert_user_error(code, out, err, "unknown hook 'get_poolr'; hooks: add_request, get_pooler, pool, "
                                       "prepare_inputs, process_output, remove_request, supported_tasks\n")
-    # every hook has a built-in implementer: leave token_type_ids out to see an empty answer
-    monkeypatch.setenv("POOLRUNNER_DISABLE_PLUGINS", "token_type_ids")
+    # every hook has a built-in implementer: leave those of add_request (token_type_ids) out to
+    # see an empty answer
+    disabled = [builtin["name"] for builtin in builtins_json("add_request")]
+    assert "token_type_ids" in disabled
+    monkeypatch.setenv("POOLRUNNER_DISABLE_PLUGINS", ",".join(disabled))
     code, out, err = run_cli(capsys, "plugins", "--all", "--hook", "add_request")
     assert code == 0
-    assert out == "no plugin implements hook 'add_request' (POOLRUNNER_DISABLE_PLUGINS leaves out: token_type_ids)\n"
+    assert out == ("no plugin implements hook 'add_request' "
+                   f"(POOLRUNNER_DISABLE_PLUGINS leaves out: {', '.join(disabled)})\n")
 
 
 @pytest.fixture
@@ -457,7 +468,7 @@ def test_plugins_entry_points(capsys: pytest.CaptureFixture[str], monkeypatch: p
     assert code == 0, err
     assert json.loads(out) == [demo]
     code, out, err = run_cli(capsys, "plugins", "--all", "--json", "--hook", "add_request")
-    assert json.loads(out) == [BUILTINS[1], demo]
+    assert json.loads(out) == [*builtins_json("add_request"), demo]
     code, out, err = run_cli(capsys, "plugins", "--json", "--hook", "add_request")
     assert json.loads(out) == [demo]
     code, out, err = run_cli(capsys, "plugins")

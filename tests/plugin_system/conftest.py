@@ -22,6 +22,7 @@ import pytest
 
 import poolrunner
 from poolrunner.core import ENTRY_POINT_GROUP
+from tests.plugin_system.builtin_plugins import BUILTIN_PLUGINS
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -112,7 +113,7 @@ def default_runtime() -> poolrunner.Runtime:
     """The default model with built-in plugins only: the baseline other runtimes compare to."""
     runtime = poolrunner.Runtime(load_entrypoints=False)
     names = [info.name for info in runtime.plugin_manager.plugin_infos()]
-    assert names == ["core", "token_type_ids", "sequence_pooling"]
+    assert names == list(BUILTIN_PLUGINS)  # no entry point, no code-passed plugin
     return runtime
 
 

@@ -20,6 +20,7 @@ from poolrunner.core import (
     Pooler,
     build_plugin_manager,
 )
+from tests.plugin_system.builtin_plugins import BUILTIN_PLUGINS, pooling_builtins
 
 TEXTS = ["A cat sat on the mat.", "Entry points are discovered through importlib.metadata.", "Hi"]
 
@@ -53,10 +54,12 @@ def test_entrypoint_plugin_is_registered_under_its_entry_point_name(testplugin_d
         name="testplugin", source="entrypoint", dist="poolrunner-testplugin", version="0.1.0",
         hooks=("get_pooler", "supported_tasks"),
     )
-    # The same hooks answer through pluggy: the entry-point plugin's get_pooler is called first.
+    # The same hooks answer through pluggy: the entry-point plugin's get_pooler is called first,
+    # before every built-in one (built-in poolers are trylast defaults).
     impls = pm.hook.get_pooler.get_hookimpls()
-    assert [impl.plugin_name for impl in impls] == ["sequence_pooling", "testplugin"]
-    assert impls[0].trylast and not impls[1].trylast
+    builtin_impls = build_plugin_manager(load_entrypoints=False).hook.get_pooler.get_hookimpls()
+    assert [impl.plugin_name for impl in impls] == [*(impl.plugin_name for impl in builtin_impls), "testplugin"]
+    assert all(impl.trylast for impl in impls[:-1]) and not impls[-1].trylast
 
 
 # ---- 6. A third-party pooler wins over the built-in one ----
@@ -92,9 +95,12 @@ def test_entrypoint_pooler_wins_over_the_builtin(testplugin_dist, installed_entr
 
 def test_entrypoint_plugin_alone_serves_embed_without_builtin(testplugin_dist, installed_entry_points,
                                                               reference_cls):
-    runtime = poolrunner.Runtime(disable_plugins=["sequence_pooling", *installed_entry_points])
-    # token_type_ids stays (it pools nothing); the entry point is the only pooling plugin.
-    assert [info.name for info in runtime.plugin_manager.plugin_infos()] == ["core", "token_type_ids", "testplugin"]
+    disabled = pooling_builtins()
+    runtime = poolrunner.Runtime(disable_plugins=[*disabled, *installed_entry_points])
+    # core and token_type_ids stay (they pool nothing); the entry point is the only pooling plugin.
+    assert [info.name for info in runtime.plugin_manager.plugin_infos()] == [
+        *(name for name in BUILTIN_PLUGINS if name not in disabled), "testplugin"]
+    assert [impl.plugin_name for impl in runtime.plugin_manager.hook.get_pooler.get_hookimpls()] == ["testplugin"]
     assert runtime.task == "embed"
     np.testing.assert_allclose(runtime.embed(TEXTS), reference_cls, rtol=1e-5, atol=1e-5)
 
@@ -131,7 +137,7 @@ def test_broken_entrypoint_plugin_fails_the_build(brokenplugin_dist, installed_e
 def test_disabling_the_broken_plugin_lets_the_build_succeed(brokenplugin_dist, installed_entry_points,
                                                             default_runtime):
     pm = build_plugin_manager(disable=["broken", *installed_entry_points])
-    assert [info.name for info in pm.plugin_infos()] == ["core", "token_type_ids", "sequence_pooling"]
+    assert [info.name for info in pm.plugin_infos()] == list(BUILTIN_PLUGINS)
     assert "poolrunner_brokenplugin" not in sys.modules  # disabled plugins are never imported
     runtime = poolrunner.Runtime(disable_plugins=["broken", *installed_entry_points])
     np.testing.assert_allclose(runtime.embed("still works"), default_runtime.embed("still works"), atol=1e-6)

@@ -23,6 +23,7 @@ from poolrunner.core import (
 )
 from poolrunner.core.hooks import RUNNER_INPUT_KEYS
 from poolrunner.core.output import SyncOutputHandle
+from tests.plugin_system.builtin_plugins import builtins_implementing
 
 TEXTS = ["first request", "the second one is a little longer", "third", "fourth request here", "fifth"]
 
@@ -320,12 +321,14 @@ def test_two_plugins_returning_one_key_conflict_at_the_first_step(runtime, recor
     conflicter.key = "token_type_ids"
     with pytest.raises(PluginConflictError) as excinfo:
         runtime.embed(TEXTS)
-    # Every implementer is named, in call order: the built-in token_type_ids plugin (which
-    # returned nothing here: no request has types) is listed last, as it was registered first.
+    # Every implementer is named, in call order: the built-ins (token_type_ids, which returned
+    # nothing here: no request has types) are listed last, as they were registered first.
+    builtins = builtins_implementing("prepare_inputs")
+    assert "token_type_ids" in builtins
+    implementers = ["Conflicter", "Recorder", *reversed(builtins)]
     assert str(excinfo.value) == (
         "prepare_inputs: two sources set the model input 'token_type_ids' (the runner sets "
-        f"{sorted(RUNNER_INPUT_KEYS)}; plugins implementing this hook: ['Conflicter', 'Recorder', "
-        "'token_type_ids']); disable one of them"
+        f"{sorted(RUNNER_INPUT_KEYS)}; plugins implementing this hook: {implementers}); disable one of them"
     )
     assert len(kwargs_of(calls, "prepare_inputs")) == 1 and kwargs_of(calls, "pool") == []
     assert len(recorder.removed) == 5

@@ -20,7 +20,15 @@ from poolrunner.core import (
     build_plugin_manager,
     hookimpl,
 )
+from poolrunner.core.hooks import Hooks
 from poolrunner.core.manager import PoolrunnerPluginManager
+from tests.plugin_system.builtin_plugins import (
+    BUILTIN_PLUGINS,
+    DISABLEABLE_BUILTINS,
+    builtin_infos,
+    describe_pooling_builtins,
+    pooling_builtins,
+)
 
 POOLRUNNER_VERSION = importlib_metadata.version("poolrunner")
 
@@ -32,7 +40,7 @@ class ClaimsTokenEmbed:
 
 
 class ClaimsTokenClassify:
-    """Claims a task no built-in serves (sequence_pooling serves embed and classify)."""
+    """Claims ``token_classify`` (which the default BertModel cannot do)."""
 
     @hookimpl
     def supported_tasks(self):
@@ -52,6 +60,42 @@ def names(pm: PoolrunnerPluginManager) -> list[str]:
     return [info.name for info in pm.plugin_infos()]
 
 
+# ---- 0. The built-ins, pinned once ----
+
+
+def test_the_builtin_plugins_are_pinned(default_runtime):
+    """The one test that names every built-in, its hooks and its tasks: adding, removing or
+    reordering a built-in must be noticed here. Other tests take them from ``builtin_plugins``."""
+    assert BUILTIN_PLUGINS == ("core", "token_type_ids", "sequence_pooling", "token_pooling")
+    assert DISABLEABLE_BUILTINS == ("token_type_ids", "sequence_pooling", "token_pooling")
+    pm = build_plugin_manager(load_entrypoints=False)
+    assert pm.plugin_infos() == builtin_infos() == [
+        PluginInfo(name="core", source="builtin", dist="poolrunner", version=POOLRUNNER_VERSION,
+                   hooks=("pool", "process_output")),
+        PluginInfo(name="token_type_ids", source="builtin", dist="poolrunner", version=POOLRUNNER_VERSION,
+                   hooks=("add_request", "prepare_inputs", "remove_request")),
+        PluginInfo(name="sequence_pooling", source="builtin", dist="poolrunner",
+                   version=POOLRUNNER_VERSION, hooks=("get_pooler", "supported_tasks")),
+        PluginInfo(name="token_pooling", source="builtin", dist="poolrunner",
+                   version=POOLRUNNER_VERSION, hooks=("get_pooler", "supported_tasks")),
+    ]
+    assert pooling_builtins() == ["sequence_pooling", "token_pooling"]
+    model_config = default_runtime.model_config
+    assert Hooks(pm).tasks_by_plugin(model_config=model_config) == {
+        "sequence_pooling": {"embed", "classify"},
+        "token_pooling": {"token_embed", "token_classify", "embed&token_classify"},
+    }
+    assert describe_pooling_builtins(model_config) == (
+        f"sequence_pooling (poolrunner {POOLRUNNER_VERSION}) serves ['classify', 'embed'], "
+        f"token_pooling (poolrunner {POOLRUNNER_VERSION}) serves "
+        "['embed&token_classify', 'token_classify', 'token_embed']"
+    )
+    # Built-in poolers are defaults (trylast), called in registration order.
+    impls = pm.hook.get_pooler.get_hookimpls()
+    assert [(impl.plugin_name, impl.trylast) for impl in reversed(impls)] == [
+        ("sequence_pooling", True), ("token_pooling", True)]
+
+
 # ---- 1. One manager per runtime, none at import time ----
 
 
@@ -61,16 +105,19 @@ def test_each_build_returns_an_independent_manager():
     pm_b = build_plugin_manager(plugins=[b], load_entrypoints=False)
 
     assert pm_a is not pm_b and pm_a.hook is not pm_b.hook
-    assert names(pm_a) == ["core", "token_type_ids", "sequence_pooling", "ClaimsTokenEmbed"]
-    assert names(pm_b) == ["core", "token_type_ids", "sequence_pooling", "ClaimsTokenClassify"]
+    assert names(pm_a) == [*BUILTIN_PLUGINS, "ClaimsTokenEmbed"]
+    assert names(pm_b) == [*BUILTIN_PLUGINS, "ClaimsTokenClassify"]
     assert pm_a.get_plugin("ClaimsTokenEmbed") is a and not pm_a.is_registered(b)
     assert pm_b.get_plugin("ClaimsTokenClassify") is b and not pm_b.is_registered(a)
     # The built-in module object is shared, but each manager has its own registration of it.
+    assert pm_a.get_plugin("sequence_pooling") is pm_b.get_plugin("sequence_pooling")
     model_config = None  # supported_tasks of these plugins ignores the argument
-    assert sorted(t for ts in pm_a.hook.supported_tasks(model_config=model_config) for t in ts) == [
-        "classify", "embed", "token_embed"]
-    assert sorted(t for ts in pm_b.hook.supported_tasks(model_config=model_config) for t in ts) == [
-        "classify", "embed", "token_classify"]
+    answers_a = Hooks(pm_a).tasks_by_plugin(model_config=model_config)
+    answers_b = Hooks(pm_b).tasks_by_plugin(model_config=model_config)
+    assert answers_a.pop("ClaimsTokenEmbed") == {"token_embed"} and "ClaimsTokenClassify" not in answers_a
+    assert answers_b.pop("ClaimsTokenClassify") == {"token_classify"} and "ClaimsTokenEmbed" not in answers_b
+    builtin_answers = Hooks(build_plugin_manager(load_entrypoints=False)).tasks_by_plugin(model_config=model_config)
+    assert answers_a == answers_b == builtin_answers and set(builtin_answers) == set(pooling_builtins())
     # Unregistering from one manager leaves the other untouched.
     pm_a.unregister(name="sequence_pooling")
     assert pm_b.has_plugin("sequence_pooling")
@@ -127,19 +174,18 @@ def test_builtins_entrypoints_and_code_plugins_share_one_registration_path(
         registered.append((name, source))
         return original(self, plugin, name, source=source, dist=dist, version=version)
 
+    builtins = builtin_infos()  # before the spy: it would record this build too
     monkeypatch.setattr(PoolrunnerPluginManager, "register_plugin", spy)
     extra = ClaimsTokenEmbed()
     pm = build_plugin_manager(plugins=[extra], disable=installed_entry_points)
 
-    assert registered == [("core", "builtin"), ("token_type_ids", "builtin"), ("sequence_pooling", "builtin"),
+    assert registered == [*((name, "builtin") for name in BUILTIN_PLUGINS),
                           ("testplugin", "entrypoint"), ("ClaimsTokenEmbed", "programmatic")]
+    assert [info.name for info in builtins] == list(BUILTIN_PLUGINS)
+    assert all((info.source, info.dist, info.version) == ("builtin", "poolrunner", POOLRUNNER_VERSION)
+               for info in builtins)
     assert pm.plugin_infos() == [
-        PluginInfo(name="core", source="builtin", dist="poolrunner", version=POOLRUNNER_VERSION,
-                   hooks=("pool", "process_output")),
-        PluginInfo(name="token_type_ids", source="builtin", dist="poolrunner", version=POOLRUNNER_VERSION,
-                   hooks=("add_request", "prepare_inputs", "remove_request")),
-        PluginInfo(name="sequence_pooling", source="builtin", dist="poolrunner",
-                   version=POOLRUNNER_VERSION, hooks=("get_pooler", "supported_tasks")),
+        *builtins,
         PluginInfo(name="testplugin", source="entrypoint", dist="poolrunner-testplugin",
                    version="0.1.0", hooks=("get_pooler", "supported_tasks")),
         PluginInfo(name="ClaimsTokenEmbed", source="programmatic", hooks=("supported_tasks",)),
@@ -148,22 +194,22 @@ def test_builtins_entrypoints_and_code_plugins_share_one_registration_path(
 
 def test_builtins_are_present_without_entry_points(testplugin_dist):
     pm = build_plugin_manager(load_entrypoints=False)
-    assert names(pm) == ["core", "token_type_ids", "sequence_pooling"]
+    assert names(pm) == list(BUILTIN_PLUGINS)
     assert not pm.has_plugin("testplugin")
     assert "poolrunner_testplugin" not in sys.modules
 
 
-@pytest.mark.parametrize("disabled", ["token_type_ids", "sequence_pooling", "ClaimsTokenEmbed"])
+@pytest.mark.parametrize("disabled", [*DISABLEABLE_BUILTINS, "ClaimsTokenEmbed"])
 def test_any_plugin_can_be_disabled_by_name(disabled):
     pm = build_plugin_manager(plugins=[ClaimsTokenEmbed()], load_entrypoints=False, disable=[disabled])
     assert pm.is_blocked(disabled)
-    everything = ["core", "token_type_ids", "sequence_pooling", "ClaimsTokenEmbed"]
+    everything = [*BUILTIN_PLUGINS, "ClaimsTokenEmbed"]
     assert names(pm) == [name for name in everything if name != disabled]  # only that one is left out
 
 
 def test_disabled_entrypoint_plugin_is_never_imported(testplugin_dist, installed_entry_points):
     pm = build_plugin_manager(disable=["testplugin", *installed_entry_points])
-    assert names(pm) == ["core", "token_type_ids", "sequence_pooling"]
+    assert names(pm) == list(BUILTIN_PLUGINS)
     assert "poolrunner_testplugin" not in sys.modules
 
 
@@ -171,9 +217,10 @@ def test_disabling_an_unknown_name_is_a_value_error_listing_known_names():
     with pytest.raises(ValueError) as excinfo:
         build_plugin_manager(plugins=[ClaimsTokenEmbed()], load_entrypoints=False,
                              disable=["sequence_pooling", "sequence-pooling", "nope"])
+    # Known: every built-in but core, and the code-passed plugin, sorted.
     assert str(excinfo.value) == (
         "cannot disable unknown plugin(s) ['nope', 'sequence-pooling']; "
-        "known plugins: ['ClaimsTokenEmbed', 'sequence_pooling', 'token_type_ids']"
+        f"known plugins: {sorted([*DISABLEABLE_BUILTINS, 'ClaimsTokenEmbed'])}"
     )
 
 
@@ -184,21 +231,41 @@ def test_disabling_an_unknown_name_lists_entrypoint_plugins_too(testplugin_dist,
 
 
 def test_runtime_rejects_an_unknown_disabled_name():
-    with pytest.raises(ValueError, match=r"^cannot disable unknown plugin\(s\) \['nope'\]; known plugins: "
-                                         r"\['sequence_pooling', 'token_type_ids'\]$"):
+    with pytest.raises(ValueError) as excinfo:
         poolrunner.Runtime(load_entrypoints=False, disable_plugins=["nope"])
+    assert str(excinfo.value) == (
+        f"cannot disable unknown plugin(s) ['nope']; known plugins: {sorted(DISABLEABLE_BUILTINS)}"
+    )
 
 
-def test_runtime_without_sequence_pooling_supports_no_task(default_model_path):
+REMEDY = "Pick a supported task, or install a plugin that serves it (see `poolrunner plugins --all`)."
+
+
+def test_runtime_without_sequence_pooling_does_not_embed(default_runtime, default_model_path):
+    """sequence_pooling is the only built-in serving embed; the other pooling built-ins stay."""
     with pytest.raises(UnsupportedTaskError) as excinfo:
         poolrunner.Runtime(task="embed", load_entrypoints=False, disable_plugins=["sequence_pooling"])
     assert str(excinfo.value) == (
-        f"model {default_model_path!r} (BertModel) does not support task 'embed'. Supported: []. "
-        "The model itself can do ['embed', 'token_embed']; pooling plugins: none. "
-        "Pick a supported task, or install a plugin that serves it (see `poolrunner plugins --all`)."
+        f"model {default_model_path!r} (BertModel) does not support task 'embed'. Supported: ['token_embed']. "
+        "The model itself can do ['embed', 'token_embed']; pooling plugins: "
+        f"{describe_pooling_builtins(default_runtime.model_config, without=['sequence_pooling'])}. " + REMEDY
     )
-    with pytest.raises(UnsupportedTaskError, match=r"does not support any task\. Supported: \[\]\."):
-        poolrunner.Runtime(load_entrypoints=False, disable_plugins=["sequence_pooling"])
+
+
+def test_runtime_without_pooling_builtins_supports_no_task(default_model_path):
+    disabled = pooling_builtins()
+    with pytest.raises(UnsupportedTaskError) as excinfo:
+        poolrunner.Runtime(task="embed", load_entrypoints=False, disable_plugins=disabled)
+    assert str(excinfo.value) == (
+        f"model {default_model_path!r} (BertModel) does not support task 'embed'. Supported: []. "
+        "The model itself can do ['embed', 'token_embed']; pooling plugins: none. " + REMEDY
+    )
+    with pytest.raises(UnsupportedTaskError) as excinfo:
+        poolrunner.Runtime(load_entrypoints=False, disable_plugins=disabled)
+    assert str(excinfo.value) == (
+        f"model {default_model_path!r} (BertModel) does not support any task. Supported: []. "
+        "The model itself can do ['embed', 'token_embed']; pooling plugins: none. " + REMEDY
+    )
 
 
 # ---- 4. Hook validation at build time ----
@@ -239,7 +306,7 @@ def test_hookimpl_argument_missing_from_the_spec_fails_the_build():
 def test_disabling_an_invalid_plugin_lets_the_build_succeed():
     pm = build_plugin_manager(plugins=[MisspelledHook(), UnknownArgument()], load_entrypoints=False,
                               disable=["MisspelledHook", "UnknownArgument"])
-    assert names(pm) == ["core", "token_type_ids", "sequence_pooling"]
+    assert names(pm) == list(BUILTIN_PLUGINS)
 
 
 # ---- 5. Name conflicts ----
@@ -264,7 +331,8 @@ def test_a_plugin_named_like_a_builtin_conflicts_with_it():
     )
     # Disabling the name leaves both out; the build then succeeds.
     pm = build_plugin_manager(plugins=[impostor], load_entrypoints=False, disable=["sequence_pooling"])
-    assert names(pm) == ["core", "token_type_ids"]
+    assert names(pm) == [name for name in BUILTIN_PLUGINS if name != "sequence_pooling"]
+    assert not pm.is_registered(impostor)
 
 
 def test_core_defaults_cannot_be_disabled():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib_metadata
 import numpy as np
 import pytest
 import torch
@@ -21,8 +20,12 @@ from poolrunner.core import (
     hookimpl,
 )
 from poolrunner.core.hooks import Hooks
+from tests.plugin_system.builtin_plugins import (
+    builtins_implementing,
+    describe_pooling_builtins,
+    pooling_builtins,
+)
 
-VERSION = importlib_metadata.version("poolrunner")
 REMEDY = "Pick a supported task, or install a plugin that serves it (see `poolrunner plugins --all`)."
 
 
@@ -54,7 +57,7 @@ class TokenEmbedPlugin:
 
 
 class ClaimsTokenClassify:
-    """Claims ``token_classify`` (no built-in serves it) without the model being able to do it."""
+    """Claims ``token_classify`` without the model (a bare BertModel) being able to do it."""
 
     @hookimpl
     def supported_tasks(self):
@@ -82,44 +85,60 @@ class AlwaysNone:
 # ---- 6. Unsupported tasks fail at load, with a message that says what to do ----
 
 
-def test_classify_on_the_default_model_is_unsupported(default_model_path):
+def test_classify_on_the_default_model_is_unsupported(default_runtime, default_model_path):
     """sequence_pooling serves classify, but a bare BertModel has no classification head."""
     with pytest.raises(UnsupportedTaskError) as excinfo:
         poolrunner.Runtime(task="classify", load_entrypoints=False)
     assert isinstance(excinfo.value, ValueError)
     # Only pooling plugins are listed: token_type_ids (request hooks only) is not.
+    builtins = describe_pooling_builtins(default_runtime.model_config)
+    assert "token_type_ids" not in builtins
     assert str(excinfo.value) == (
-        f"model {default_model_path!r} (BertModel) does not support task 'classify'. Supported: ['embed']. "
-        "The model itself can do ['embed', 'token_embed']; pooling plugins: "
-        f"sequence_pooling (poolrunner {VERSION}) serves ['classify', 'embed']. " + REMEDY
+        f"model {default_model_path!r} (BertModel) does not support task 'classify'. "
+        "Supported: ['embed', 'token_embed']. The model itself can do ['embed', 'token_embed']; "
+        f"pooling plugins: {builtins}. " + REMEDY
     )
 
 
-def test_unsupported_task_message_lists_third_party_plugins(default_model_path):
+def test_token_classify_on_the_default_model_is_unsupported(default_runtime, default_model_path):
+    """token_pooling serves token_classify, but only a *ForTokenClassification model can do it."""
     with pytest.raises(UnsupportedTaskError) as excinfo:
-        poolrunner.Runtime(task="token_classify", plugins=[TokenEmbedPlugin()], load_entrypoints=False)
+        poolrunner.Runtime(task="token_classify", load_entrypoints=False)
     assert str(excinfo.value) == (
         f"model {default_model_path!r} (BertModel) does not support task 'token_classify'. "
         "Supported: ['embed', 'token_embed']. The model itself can do ['embed', 'token_embed']; "
-        f"pooling plugins: sequence_pooling (poolrunner {VERSION}) serves ['classify', 'embed'], "
+        f"pooling plugins: {describe_pooling_builtins(default_runtime.model_config)}. " + REMEDY
+    )
+
+
+def test_unsupported_task_message_lists_third_party_plugins(default_runtime, default_model_path):
+    with pytest.raises(UnsupportedTaskError) as excinfo:
+        poolrunner.Runtime(task="token_classify", plugins=[TokenEmbedPlugin()], load_entrypoints=False)
+    # Third-party plugins come after the built-ins, in registration order.
+    assert str(excinfo.value) == (
+        f"model {default_model_path!r} (BertModel) does not support task 'token_classify'. "
+        "Supported: ['embed', 'token_embed']. The model itself can do ['embed', 'token_embed']; "
+        f"pooling plugins: {describe_pooling_builtins(default_runtime.model_config)}, "
         "TokenEmbedPlugin (programmatic) serves ['token_embed']. " + REMEDY
     )
 
 
-def test_a_claim_the_model_cannot_honour_is_not_enough(default_model_path):
+def test_a_claim_the_model_cannot_honour_is_not_enough(default_runtime, default_model_path):
     with pytest.raises(UnsupportedTaskError) as excinfo:
         poolrunner.Runtime(task="token_classify", plugins=[ClaimsTokenClassify()], load_entrypoints=False)
     assert str(excinfo.value) == (
         f"model {default_model_path!r} (BertModel) does not support task 'token_classify'. "
-        "Supported: ['embed']. The model itself can do ['embed', 'token_embed']; "
-        f"pooling plugins: sequence_pooling (poolrunner {VERSION}) serves ['classify', 'embed'], "
+        "Supported: ['embed', 'token_embed']. The model itself can do ['embed', 'token_embed']; "
+        f"pooling plugins: {describe_pooling_builtins(default_runtime.model_config)}, "
         "ClaimsTokenClassify (programmatic) serves ['token_classify']. " + REMEDY
     )
 
 
 def test_a_claimed_task_without_a_pooler_fails_at_load(default_model_path):
+    # With the pooling built-ins left out, only the claim remains: no plugin gives a pooler.
     with pytest.raises(UnsupportedTaskError) as excinfo:
-        poolrunner.Runtime(task="token_embed", plugins=[ClaimsWithoutPooler()], load_entrypoints=False)
+        poolrunner.Runtime(task="token_embed", plugins=[ClaimsWithoutPooler()], load_entrypoints=False,
+                           disable_plugins=pooling_builtins())
     assert str(excinfo.value) == (
         f"no plugin returned a pooler for task 'token_embed' of model {default_model_path}"
     )
@@ -130,17 +149,23 @@ def test_a_claimed_task_without_a_pooler_fails_at_load(default_model_path):
 
 def test_hook_supported_tasks(default_runtime):
     model_config = default_runtime.model_config
+    third_party = [TokenEmbedPlugin(), ClaimsTokenClassify()]
+    # What plugins serve, before the intersection with what the model can do: the union of the
+    # plugins' answers. Third-party plugins alone (no pooling built-in):
+    alone = Hooks(build_plugin_manager(plugins=third_party, load_entrypoints=False, disable=pooling_builtins()))
+    assert alone.supported_tasks(model_config=model_config) == {"token_embed", "token_classify"}
+    assert alone.tasks_by_plugin(model_config=model_config) == {
+        "TokenEmbedPlugin": {"token_embed"}, "ClaimsTokenClassify": {"token_classify"}}
+    # Beside the built-ins (whose own answers test_plugin_manager.py pins), each plugin keeps its own answer.
     builtin_only = Hooks(build_plugin_manager(load_entrypoints=False))
-    # What plugins serve, before the intersection with what the model can do.
-    assert builtin_only.supported_tasks(model_config=model_config) == {"embed", "classify"}
-    assert builtin_only.tasks_by_plugin(model_config=model_config) == {"sequence_pooling": {"embed", "classify"}}
-    hooks = Hooks(build_plugin_manager(plugins=[TokenEmbedPlugin(), ClaimsTokenClassify()], load_entrypoints=False))
-    assert hooks.supported_tasks(model_config=model_config) == {  # union
-        "embed", "classify", "token_embed", "token_classify"}
+    builtin_tasks = builtin_only.tasks_by_plugin(model_config=model_config)
+    assert list(builtin_tasks) == builtins_implementing("supported_tasks")
+    assert builtin_only.supported_tasks(model_config=model_config) == frozenset().union(*builtin_tasks.values())
+    hooks = Hooks(build_plugin_manager(plugins=third_party, load_entrypoints=False))
     assert hooks.tasks_by_plugin(model_config=model_config) == {
-        "sequence_pooling": {"embed", "classify"}, "TokenEmbedPlugin": {"token_embed"},
-        "ClaimsTokenClassify": {"token_classify"},
-    }
+        **builtin_tasks, "TokenEmbedPlugin": {"token_embed"}, "ClaimsTokenClassify": {"token_classify"}}
+    assert hooks.supported_tasks(model_config=model_config) == (
+        builtin_only.supported_tasks(model_config=model_config) | {"token_embed", "token_classify"})
     assert default_runtime.task == "embed"  # of those, the bare BertModel gets embed by default
 
 
@@ -152,8 +177,11 @@ def test_hook_get_pooler(default_runtime):
     assert type(runtime.engine.runner.pooler).__name__ == "EmbeddingPooler"
     np.testing.assert_allclose(runtime.embed("text"), default_runtime.embed("text"), atol=1e-6)
 
+    # Built-in poolers are trylast defaults: AlwaysNone (called first) comes after them all.
     impls = runtime.plugin_manager.hook.get_pooler.get_hookimpls()
-    assert [(impl.plugin_name, impl.trylast) for impl in impls] == [("sequence_pooling", True), ("AlwaysNone", False)]
+    builtin_impls = build_plugin_manager(load_entrypoints=False).hook.get_pooler.get_hookimpls()
+    assert [(impl.plugin_name, impl.trylast) for impl in impls] == [
+        *((impl.plugin_name, True) for impl in builtin_impls), ("AlwaysNone", False)]
 
 
 def test_third_party_task_and_pooler_serve_requests(default_model_path):
