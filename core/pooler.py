@@ -42,9 +42,9 @@ class Pooler(nn.Module, ABC):
         :raises InvalidRequestError: naming the value and what is allowed.
         """
         for name in sorted(params.given() - self.accepted_params):
-            raise InvalidRequestError(
-                f"{name} does not apply to task {params.task!r} (got {getattr(params, name)!r})"
-            )
+            value = getattr(params, name)
+            shown = list(value) if isinstance(value, tuple) else value  # as the caller wrote it
+            raise InvalidRequestError(f"{name} does not apply to task {params.task!r} (got {shown!r})")
 
     @abstractmethod
     def forward(self, hidden_states: torch.Tensor, metadata: PoolingMetadata) -> PoolerOutput:

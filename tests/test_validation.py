@@ -355,7 +355,7 @@ def test_pooling_request_validators():
     ({"pooling_type": "MAX"}, ValueError,
      r"^pooling_type must be one of \['CLS', 'MEAN', 'LAST', 'ALL', 'STEP'\], got 'MAX'$"),
     ({"task": "classify"}, UnsupportedTaskError,
-     r"does not support task 'classify'\. Supported: \['embed'\]"),
+     r"does not support task 'classify'\. Supported: \['embed', 'token_embed'\]"),
     ({"max_model_len": 600}, ModelLoadError,
      r"^max_model_len=600 exceeds the 512 positions the model .* was built with$"),
     ({"model": "/nonexistent/poolrunner-model"}, ModelLoadError,
