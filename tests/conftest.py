@@ -22,6 +22,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.helpers import cosine_rows
+
 # A fixed sentence every "the runtime still serves" check embeds after an error.
 SANITY_TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
 # Files of the MiniLM folder that a tokenizer + BertModel load needs.
@@ -31,17 +33,6 @@ MINILM_BASE_FILES = (
 
 
 # --------------------------------------------------------------------------- plain helpers
-
-
-def cosine_rows(a: Any, b: Any) -> np.ndarray:
-    """Row-wise cosine similarity of two ``[n, d]`` (or ``[d]``) arrays, in float64.
-
-    Test modules keep their own copy: two conftest.py files exist, so none imports this one.
-    """
-    a = np.atleast_2d(np.asarray(a, dtype=np.float64))
-    b = np.atleast_2d(np.asarray(b, dtype=np.float64))
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
 # --------------------------------------------------------------------------- default model

@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.helpers import cosine_rows
+
 # As conftest.DECODER_FAMILIES (test modules do not import conftest).
 DECODER_FAMILIES = ("llama", "qwen2", "qwen3", "gpt2")
 EMBED_HEADS = ("model", "causal_lm")
@@ -23,13 +25,6 @@ CAUSAL_LM = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": 
 HIDDEN = 64
 # fp32 on both sides: the packed runtime and transformers' padded batch agree to ~1e-6.
 ATOL = 1e-5
-
-
-def cosine_rows(a, b) -> np.ndarray:
-    a = np.atleast_2d(np.asarray(a, dtype=np.float64))
-    b = np.atleast_2d(np.asarray(b, dtype=np.float64))
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
 def softmax(x: np.ndarray) -> np.ndarray:

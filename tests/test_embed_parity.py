@@ -11,15 +11,7 @@ import numpy as np
 import pytest
 
 import poolrunner
-
-MIN_COSINE = 0.9999
-
-
-def cosine_rows(a, b) -> np.ndarray:
-    a = np.atleast_2d(np.asarray(a, dtype=np.float64))
-    b = np.atleast_2d(np.asarray(b, dtype=np.float64))
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+from tests.helpers import MIN_COSINE, cosine_rows
 
 
 @pytest.fixture(scope="module")

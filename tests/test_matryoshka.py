@@ -11,19 +11,7 @@ import pytest
 
 import poolrunner
 from poolrunner import InvalidRequestError, PoolingParams, PoolingRequest
-
-MIN_COSINE = 0.9999
-
-
-def cosine_rows(a, b) -> np.ndarray:
-    a = np.atleast_2d(np.asarray(a, dtype=np.float64))
-    b = np.atleast_2d(np.asarray(b, dtype=np.float64))
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
-
-
-def normalized(x: np.ndarray) -> np.ndarray:
-    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+from tests.helpers import MIN_COSINE, cosine_rows, normalized
 
 
 @pytest.fixture(scope="module")

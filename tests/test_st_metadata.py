@@ -13,21 +13,13 @@ import torch
 
 import poolrunner
 from poolrunner import InvalidRequestError, ModelLoadError
-
-MIN_COSINE = 0.9999
+from tests.helpers import MIN_COSINE, cosine_rows
 
 TRANSFORMER = ("Transformer", "")
 POOLING = ("Pooling", "1_Pooling")
 MEAN = {"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
         "pooling_mode_mean_sqrt_len_tokens": False}
 SBERT_256 = {"max_seq_length": 256, "do_lower_case": False}
-
-
-def cosine_rows(a, b) -> np.ndarray:
-    a = np.atleast_2d(np.asarray(a, dtype=np.float64))
-    b = np.atleast_2d(np.asarray(b, dtype=np.float64))
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
 def load_st(folder):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from poolrunner.core import InvalidRequestError, PoolingParams, PoolingRequest
+from tests.helpers import cosine_rows
 
 ATOL = 1e-5
 MINILM_TEXTS = [
@@ -27,13 +28,6 @@ MINILM_TEXTS = [
 # STEP pooling: a process-reward prompt where token 10 tags the end of each step.
 STEP_PROMPT = [99, 10, 99, 10]
 STEP_TAG = 10
-
-
-def cosine_rows(a, b) -> np.ndarray:
-    a = np.atleast_2d(np.asarray(a, dtype=np.float64))
-    b = np.atleast_2d(np.asarray(b, dtype=np.float64))
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
 def softmax(x) -> np.ndarray:

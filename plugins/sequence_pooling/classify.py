@@ -14,7 +14,6 @@ from torch import nn
 
 from poolrunner.core import (
     ModelConfig,
-    ModelLoadError,
     Pooler,
     PoolerOutput,
     PoolingMetadata,
@@ -23,7 +22,7 @@ from poolrunner.core import (
 )
 
 from .heads import classifier_head
-from .methods import POOLING_METHODS
+from .methods import pooling_method
 
 
 class ClassifierPooler(Pooler):
@@ -31,13 +30,8 @@ class ClassifierPooler(Pooler):
 
     def __init__(self, model_config: ModelConfig, model: nn.Module) -> None:
         super().__init__()
-        if model_config.pooling_type not in POOLING_METHODS:
-            raise ModelLoadError(
-                f"pooling_type {model_config.pooling_type!r} cannot pool a sequence; "
-                f"use one of {sorted(POOLING_METHODS)}"
-            )
         self.model_config = model_config
-        self.method = POOLING_METHODS[model_config.pooling_type]
+        self.method = pooling_method(model_config)
         self.head = classifier_head(model, model_config)
         self.activation = classifier_activation(model_config)
         self.head_dtype = next(model.parameters()).dtype

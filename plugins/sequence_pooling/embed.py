@@ -20,7 +20,7 @@ from poolrunner.core import (
     check_dimensions,
 )
 
-from .methods import POOLING_METHODS
+from .methods import pooling_method
 
 
 class EmbeddingPooler(Pooler):
@@ -33,13 +33,8 @@ class EmbeddingPooler(Pooler):
 
     def __init__(self, model_config: ModelConfig, dense_layers: list[nn.Module]) -> None:
         super().__init__()
-        if model_config.pooling_type not in POOLING_METHODS:
-            raise ModelLoadError(
-                f"pooling_type {model_config.pooling_type!r} cannot pool a sequence; "
-                f"use one of {sorted(POOLING_METHODS)}"
-            )
         self.model_config = model_config
-        self.method = POOLING_METHODS[model_config.pooling_type]
+        self.method = pooling_method(model_config)
         self.dense = nn.Sequential(*dense_layers)
 
     @classmethod

@@ -8,7 +8,11 @@ Boundaries come from the offsets, never from token ids, so a pad id equal to the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from poolrunner.core import ModelConfig, ModelLoadError
 
 
 def cls_pool(hidden_states: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
@@ -36,3 +40,16 @@ def mean_pool(hidden_states: torch.Tensor, query_start_loc: torch.Tensor) -> tor
 
 
 POOLING_METHODS = {"CLS": cls_pool, "LAST": last_pool, "MEAN": mean_pool}
+
+
+def pooling_method(model_config: ModelConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The sequence pooling of ``model_config.pooling_type``.
+
+    :raises ModelLoadError: for a token-level pooling type (ALL, STEP).
+    """
+    method = POOLING_METHODS.get(model_config.pooling_type)
+    if method is None:
+        raise ModelLoadError(
+            f"pooling_type {model_config.pooling_type!r} cannot pool a sequence; use one of {sorted(POOLING_METHODS)}"
+        )
+    return method
