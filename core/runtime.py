@@ -1,4 +1,4 @@
-"""The Python API: load a model once, then embed (and, later, classify, score, encode)."""
+"""The Python API: load a model once, then embed, classify, score, rerank or encode."""
 
 from __future__ import annotations
 
@@ -110,7 +110,8 @@ class Runtime:
         self.inputs = InputProcessor(tokenizer, self.model_config)
         self.engine = Engine(
             ModelRunner(model_module, pooler.to(self.device), hooks, self.model_config),
-            Scheduler(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
+            Scheduler(max_num_batched_tokens=self.config.max_num_batched_tokens,
+                      max_num_seqs=self.config.max_num_seqs),
             hooks, self.model_config, self.device,
         )
         self._request_ids = itertools.count()

@@ -12,6 +12,7 @@ from poolrunner.core.engine.runner import ModelRunner
 from poolrunner.core.engine.scheduler import Scheduler
 from poolrunner.core.errors import InvalidRequestError
 from poolrunner.core.hooks import Hooks
+from poolrunner.core.output import RequestOutput
 from poolrunner.core.types import ModelConfig, PoolingRequest
 
 
@@ -73,7 +74,7 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_waiting()
 
-    def step(self) -> list[tuple[str, torch.Tensor]]:
+    def step(self) -> list[tuple[str, RequestOutput]]:
         """Run one batch; return ``(request_id, output)`` for each request it finished.
 
         If the step fails, its requests are removed (their ``remove_request`` hooks run) and
@@ -96,7 +97,7 @@ class Engine:
             self._release(state)
         return finished
 
-    def run(self, requests: Sequence[PoolingRequest]) -> Iterator[tuple[str, torch.Tensor]]:
+    def run(self, requests: Sequence[PoolingRequest]) -> Iterator[tuple[str, RequestOutput]]:
         """Admit ``requests`` and yield ``(request_id, output)`` as each finishes.
 
         All requests are validated before any runs. If the caller stops early or a step fails,
