@@ -617,7 +617,8 @@ def test_classify_default_model_is_unsupported(capsys: pytest.CaptureFixture[str
     code, out, err = run_cli(capsys, "classify", "I loved it.")
     assert_user_error(code, out, err, f"{raised.value}\n")
     assert f"model {MODEL_PATH!r} (BertModel) does not support task 'classify'" in err
-    assert "poolrunner: hint: classify needs a sequence-classification model: pass its folder with --model" in err
+    assert ("poolrunner: hint: classify needs a *ForSequenceClassification model (config.json `architectures` "
+            "names the head): pass such a folder with --model") in err
     code, out, err = run_cli(capsys, "classify")
     assert_user_error(code, out, err, "no texts to classify; pass TEXT arguments or --input FILE")
 

@@ -367,3 +367,24 @@ def test_lower_max_model_len_override(st_model, text_with_tokens, assert_serves)
     text = text_with_tokens(32, seed=9)
     assert cosine_rows(rt.embed(text), st_model.encode(text))[0] >= MIN_COSINE
     assert_serves(rt)
+
+
+def test_a_head_the_configured_class_would_drop_is_refused(tmp_path, model_path, runtime, assert_serves):
+    """A cross-encoder whose config says BertModel must not silently embed instead of score."""
+    import json
+
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    BertForSequenceClassification.from_pretrained(model_path, num_labels=1).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(model_path).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architectures"] = ["BertModel"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError) as excinfo:
+        poolrunner.Runtime(tmp_path, load_entrypoints=False)
+    assert str(excinfo.value) == (
+        f"{tmp_path}: the weights hold a head (classifier.bias, classifier.weight) that BertModel does not use; "
+        "config.json `architectures` decides the head, so name the class the weights were trained as "
+        "(e.g. BertForSequenceClassification)"
+    )
+    assert_serves(runtime)

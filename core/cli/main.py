@@ -107,7 +107,8 @@ def _hint(exc: PoolrunnerError) -> str | None:
     if isinstance(exc, InvalidRequestError) and "truncate_prompt_tokens" in message:
         return "pass --truncate -1 to keep the model maximum, or --truncate N to keep N tokens"
     if isinstance(exc, UnsupportedTaskError) and "does not support task 'classify'" in message:
-        return "classify needs a sequence-classification model: pass its folder with --model"
+        return ("classify needs a *ForSequenceClassification model (config.json `architectures` names "
+                "the head): pass such a folder with --model")
     if isinstance(exc, InvalidRequestError) and "is_matryoshka" in message:
         return "pass --is-matryoshka if the model was trained for Matryoshka dimensions"
     return None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -15,6 +15,8 @@ from poolrunner.core.errors import ModelLoadError
 from poolrunner.core.model.attention import ATTENTION_NAME
 
 _HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+# Top-level weight names of classification heads in transformers' *For*Classification classes.
+_HEAD_PREFIXES = frozenset({"classifier", "score", "pre_classifier"})
 
 
 def resolve_device(device: str) -> torch.device:
@@ -55,13 +57,26 @@ def load_model(path: Path, hf_config: PretrainedConfig, dtype: torch.dtype, devi
     model_class = getattr(transformers, architecture, None) or transformers.AutoModel
     try:
         with _quiet_progress():
-            model = model_class.from_pretrained(
+            model, info = model_class.from_pretrained(
                 path, config=hf_config, dtype=dtype, attn_implementation=ATTENTION_NAME,
-                local_files_only=True,
+                local_files_only=True, output_loading_info=True,
             )
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load the weights of {path} as {model_class.__name__}: {exc}") from exc
+    _check_no_dropped_head(path, model_class.__name__, info.get("unexpected_keys", ()))
     return model.to(device).eval()
+
+
+def _check_no_dropped_head(path: Path, class_name: str, unexpected_keys: Iterable[str]) -> None:
+    """A trained head that the configured class has no place for would be dropped silently:
+    a cross-encoder saved with ``architectures: ["BertModel"]`` would then embed instead of score."""
+    heads = sorted(key for key in unexpected_keys if key.split(".", 1)[0] in _HEAD_PREFIXES)
+    if heads:
+        raise ModelLoadError(
+            f"{path}: the weights hold a head ({', '.join(heads)}) that {class_name} does not use; "
+            "config.json `architectures` decides the head, so name the class the weights were "
+            "trained as (e.g. BertForSequenceClassification)"
+        )
 
 
 @contextmanager
