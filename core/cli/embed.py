@@ -24,7 +24,7 @@ from poolrunner.core.cli.common import (
     write_output,
 )
 
-__all__ = ["add_parser", "read_texts", "run", "write_vectors"]
+__all__ = ["add_parser", "run", "write_vectors"]
 
 DESCRIPTION = """\
 Embed texts into one vector each and write them in input order.
