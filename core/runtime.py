@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -34,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 class Runtime:
     """A loaded pooling model with its plugins, ready to serve requests.
+
+    Methods may be called from several threads; calls take turns on the one engine.
 
     Example::
 
@@ -115,6 +118,7 @@ class Runtime:
             hooks, self.model_config, self.device,
         )
         self._request_ids = itertools.count()
+        self._engine_lock = threading.Lock()
         logger.info("loaded %s (%s) for task %r on %s as %s", path, self.model_config.architecture,
                     self.task, self.device, self.dtype)
 
@@ -334,7 +338,8 @@ class Runtime:
         ]
         position = {request.request_id: i for i, request in enumerate(requests)}
         results: list[Any] = [None] * len(requests)
-        with tqdm(total=len(requests), disable=not show_progress_bar, unit="input") as bar:
+        # One caller drives the engine at a time: a step hands its results to whoever runs it.
+        with self._engine_lock, tqdm(total=len(requests), disable=not show_progress_bar, unit="input") as bar:
             for request_id, output in self.engine.run(requests):
                 results[position[request_id]] = output
                 bar.update()

@@ -89,3 +89,26 @@ def test_shuffled_order_gives_the_same_vectors(runtime, st_model, lee_docs, targ
         assert cosine_rows(back, reference).min() >= MIN_COSINE
     targets = in_order[[0, len(texts) - 1]]
     assert cosine_rows(targets, np.stack([alone, alone])).min() >= MIN_COSINE
+
+
+def test_calls_from_several_threads_each_get_their_own_vectors(st_model, lee_docs):
+    """Threads share one engine; a step must never hand one caller's results to another."""
+    import threading
+
+    shared = poolrunner.Runtime(load_entrypoints=False, max_num_seqs=3)
+    texts = [doc.strip() for doc in lee_docs[:24]]
+    reference = st_model.encode(texts, convert_to_numpy=True)
+    results: dict[int, np.ndarray] = {}
+
+    def embed_share(k: int) -> None:
+        results[k] = shared.embed(texts[k::4], truncate_prompt_tokens=-1)
+
+    threads = [threading.Thread(target=embed_share, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "a caller never got its results"
+    for k in range(4):
+        assert cosine_rows(results[k], reference[k::4]).min() >= MIN_COSINE
+    assert not shared.engine.requests
