@@ -143,7 +143,8 @@ def pool(
     override pooling or, with ``wrapper=True``, to wrap it (timing, post-processing).
 
     :param pooler: The runtime's pooler, as chosen by ``get_pooler``.
-    :param hidden_states: ``[num_tokens, hidden_size]`` in the model's dtype, packed.
+    :param hidden_states: ``[num_tokens, hidden_size]`` in the model's dtype, packed: the whole
+        prompt of every request that finished this step (earlier chunks included).
     :param metadata: Which rows belong to which request, and each request's params.
     :returns: One result per request in packing order, or ``None``.
 
@@ -159,7 +160,8 @@ def process_output(output: PoolerOutput, batch: InputBatch) -> OutputHandle | No
     ``trylast`` and copies synchronously; a plugin may start non-blocking copies and return a
     handle whose ``get_output()`` waits for them. ``get_output()`` is called exactly once.
 
-    :param output: The step's pooled results, on the model's device.
+    :param output: The step's pooled results, on the model's device: one per request that
+        finished this step (a request prefilled in chunks finishes with its last chunk).
     :param batch: The packed requests of this step.
     :returns: An :class:`~poolrunner.core.output.OutputHandle`, or ``None``.
 

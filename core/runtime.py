@@ -114,7 +114,7 @@ class Runtime:
         self.engine = Engine(
             ModelRunner(model_module, pooler.to(self.device), hooks, self.model_config),
             Scheduler(max_num_batched_tokens=self.config.max_num_batched_tokens,
-                      max_num_seqs=self.config.max_num_seqs),
+                      max_num_seqs=self.config.max_num_seqs, chunked_prefill=self.model_config.is_causal),
             hooks, self.model_config, self.device,
         )
         self._request_ids = itertools.count()

@@ -120,7 +120,7 @@ def assert_serves(sanity_reference) -> Callable[[Any], None]:
         assert vector.shape == sanity_reference.shape
         assert cosine_rows(vector, sanity_reference)[0] >= 0.9999
         assert not rt.engine.requests, "a rejected request left state in the engine"
-        assert not rt.engine.scheduler.has_waiting(), "a rejected request is still queued"
+        assert not rt.engine.scheduler.has_unfinished(), "a rejected request is still queued"
 
     return check
 

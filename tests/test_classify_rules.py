@@ -38,7 +38,7 @@ def request(ids, *, types=None, **params):
 def assert_clean_and_serving(runtime, reference, texts):
     """After a rejected request: nothing left in the engine, and the next request is right."""
     assert not runtime.engine.requests
-    assert not runtime.engine.scheduler.has_waiting()
+    assert not runtime.engine.scheduler.has_unfinished()
     np.testing.assert_allclose(scores_of(runtime.classify(texts)), reference.mixed_scores(texts), rtol=RTOL, atol=ATOL)
 
 

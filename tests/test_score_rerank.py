@@ -121,7 +121,7 @@ def test_cross_encoder_rejects_bad_requests(case, ce_runtime):
     with pytest.raises(InvalidRequestError) as caught:
         getattr(ce_runtime, method)(*args, **kwargs)
     assert str(caught.value) == message
-    assert not ce_runtime.engine.requests and not ce_runtime.engine.scheduler.has_waiting()
+    assert not ce_runtime.engine.requests and not ce_runtime.engine.scheduler.has_unfinished()
     np.testing.assert_allclose(ce_runtime.score(*PAIRS[0]), before, rtol=1e-6)
 
 

@@ -49,7 +49,7 @@ def max_dev(got, expected) -> float:
 
 def assert_still_serves(rt, inputs, expected, **options) -> None:
     """After a rejected request: nothing is left in the engine and the next request is right."""
-    assert not rt.engine.requests and not rt.engine.scheduler.has_waiting()
+    assert not rt.engine.requests and not rt.engine.scheduler.has_unfinished()
     for got, want in zip(rt.encode(inputs, **options), expected, strict=True):
         assert max_dev(got, want) <= ATOL
 

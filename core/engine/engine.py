@@ -68,34 +68,36 @@ class Engine:
         """Remove a request wherever it is; unknown or already removed ids are ignored."""
         state = self.requests.get(request_id)
         if state is not None:
-            self.scheduler.remove(state)
             self._release(state)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_waiting()
+        return self.scheduler.has_unfinished()
 
     def step(self) -> list[tuple[str, RequestOutput]]:
         """Run one batch; return ``(request_id, output)`` for each request it finished.
 
-        If the step fails, its requests are removed (their ``remove_request`` hooks run) and
-        the error propagates; waiting requests stay queued.
+        A request prefilled in chunks yields nothing until its last chunk. If the step fails,
+        its requests are removed (their ``remove_request`` hooks run) and the error propagates;
+        waiting requests stay queued.
         """
         scheduled = self.scheduler.schedule()
         if not scheduled.requests:
             return []
         try:
             batch = InputBatch.build(scheduled.requests, scheduled.num_scheduled_tokens, self.device)
-            outputs = self.runner.execute(batch).get_output()
+            finished, handle = self.runner.execute(batch)
+            outputs = handle.get_output() if handle is not None else []
         except BaseException:
             for state in scheduled.requests:
                 self._release(state)
             raise
-        finished = []
-        for state, count, output in zip(scheduled.requests, scheduled.num_scheduled_tokens, outputs, strict=True):
+        for state, count in zip(scheduled.requests, scheduled.num_scheduled_tokens, strict=True):
             state.num_computed_tokens += count
-            finished.append((state.request_id, output))
+        results = []
+        for state, output in zip(finished, outputs, strict=True):
+            results.append((state.request_id, output))
             self._release(state)
-        return finished
+        return results
 
     def run(self, requests: Sequence[PoolingRequest]) -> Iterator[tuple[str, RequestOutput]]:
         """Admit ``requests`` and yield ``(request_id, output)`` as each finishes.
@@ -116,4 +118,6 @@ class Engine:
 
     def _release(self, state: RequestState) -> None:
         if self.requests.pop(state.request_id, None) is not None:
+            self.scheduler.remove(state)
+            self.runner.free(state.request_id)
             self.hooks.remove_request(state=state)

@@ -1,4 +1,11 @@
-"""Runs one step: packed inputs -> model forward -> pooling -> output handle."""
+"""Runs one step: packed inputs -> model forward -> pooling -> output handle.
+
+With chunked prefill a request's prompt runs over several steps. Its keys and values are
+kept in a :class:`KVCache` and its hidden states of earlier chunks are kept (cloned: the next
+step reuses the buffers); when its last chunk runs, the pooler sees the whole prompt's hidden
+states, exactly as if it had run in one step. So every pooler (CLS, MEAN, LAST, ALL, STEP, and
+third-party ones) works across chunks unchanged, and a request yields nothing until it finishes.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +13,9 @@ import torch
 from torch import nn
 
 from poolrunner.core.engine.batch import InputBatch
+from poolrunner.core.engine.request import RequestState
 from poolrunner.core.hooks import Hooks
-from poolrunner.core.model.attention import LAYOUT_KWARG, PackedLayout
+from poolrunner.core.model.attention import LAYOUT_KWARG, KVCache, PackedLayout
 from poolrunner.core.model.metadata import position_offset
 from poolrunner.core.output import OutputHandle
 from poolrunner.core.pooler import Pooler
@@ -15,7 +23,7 @@ from poolrunner.core.types import ModelConfig, PoolingMetadata
 
 
 class ModelRunner:
-    """Owns the model and the pooler and calls the step hooks around each forward pass."""
+    """Owns the model, the pooler and the state of partly prefilled requests."""
 
     def __init__(self, model: nn.Module, pooler: Pooler, hooks: Hooks, model_config: ModelConfig) -> None:
         self.backbone = model.base_model  # hidden states; heads belong to poolers
@@ -25,25 +33,45 @@ class ModelRunner:
         # transformers derives RoBERTa-family positions from the ids (starting after the padding
         # index) only when none are passed; packed position ids must carry the same offset.
         self.position_offset = position_offset(model_config.model_type, model_config.hf_config.get("pad_token_id"))
+        self.kv_caches: dict[str, KVCache] = {}
+        self.partial_hidden: dict[str, list[torch.Tensor]] = {}
 
     @torch.inference_mode()
-    def execute(self, batch: InputBatch) -> OutputHandle:
-        """Run ``batch`` and start moving its pooled results to the CPU."""
-        hidden_states = self.forward(batch)
-        metadata = PoolingMetadata(
-            request_ids=tuple(state.request_id for state in batch.requests),
-            pooling_params=tuple(state.request.params for state in batch.requests),
-            prompt_lens=torch.tensor([state.num_tokens for state in batch.requests], dtype=torch.int64),
-            query_start_loc=batch.query_start_loc,
-            prompt_token_ids=batch.input_ids,
-        )
-        output = self.hooks.pool(pooler=self.pooler, hidden_states=hidden_states, metadata=metadata)
-        return self.hooks.process_output(output=output, batch=batch)
+    def execute(self, batch: InputBatch) -> tuple[list[RequestState], OutputHandle | None]:
+        """Run ``batch``; pool the requests it finishes and start moving their results to the CPU.
 
-    def forward(self, batch: InputBatch) -> torch.Tensor:
-        """The backbone's last hidden states, ``[num_tokens, hidden_size]``."""
+        :returns: The requests finished this step (packing order) and a handle whose
+            ``get_output()`` gives one result per finished request; ``None`` when none finished.
+        """
+        finishing = [
+            state.num_computed_tokens + count == state.num_tokens
+            for state, count in zip(batch.requests, batch.num_scheduled_tokens, strict=True)
+        ]
+        hidden_states = self.forward(batch, finishing)
+        finished = [state for state, done in zip(batch.requests, finishing, strict=True) if done]
+        offsets = batch.query_start_loc_cpu.tolist()
+        for i, state in enumerate(batch.requests):
+            if not finishing[i]:
+                chunk = hidden_states[offsets[i] : offsets[i + 1]].clone()
+                self.partial_hidden.setdefault(state.request_id, []).append(chunk)
+        if not finished:
+            return [], None
+        hidden, metadata = self._pooling_inputs(batch, finishing, hidden_states)
+        for state in finished:
+            self.free(state.request_id)
+        output = self.hooks.pool(pooler=self.pooler, hidden_states=hidden, metadata=metadata)
+        return finished, self.hooks.process_output(output=output, batch=batch)
+
+    def forward(self, batch: InputBatch, finishing: list[bool]) -> torch.Tensor:
+        """The backbone's last hidden states of the scheduled tokens, ``[num_tokens, hidden_size]``."""
         extra = self.hooks.prepare_inputs(batch=batch, model_config=self.model_config)
-        layout = PackedLayout.build(batch.num_scheduled_tokens, batch.device, causal=self.model_config.is_causal)
+        caches = [
+            None if state.num_computed_tokens == 0 and done
+            else (self.kv_caches.setdefault(state.request_id, KVCache()), not done)
+            for state, done in zip(batch.requests, finishing, strict=True)
+        ]
+        layout = PackedLayout.build(batch.num_scheduled_tokens, batch.device, causal=self.model_config.is_causal,
+                                    caches=caches)
         outputs = self.backbone(
             input_ids=batch.input_ids.unsqueeze(0),
             position_ids=(batch.positions + self.position_offset).unsqueeze(0),
@@ -52,3 +80,35 @@ class ModelRunner:
             **{key: value.unsqueeze(0) for key, value in extra.items()},
         )
         return outputs[0][0]
+
+    def free(self, request_id: str) -> None:
+        """Drop a request's cached keys, values and hidden states (finished or aborted)."""
+        self.kv_caches.pop(request_id, None)
+        self.partial_hidden.pop(request_id, None)
+
+    def _pooling_inputs(
+        self, batch: InputBatch, finishing: list[bool], hidden_states: torch.Tensor
+    ) -> tuple[torch.Tensor, PoolingMetadata]:
+        """The whole-prompt hidden states of the finished requests, packed, and their metadata."""
+        finished = [state for state, done in zip(batch.requests, finishing, strict=True) if done]
+        metadata_args = {
+            "request_ids": tuple(state.request_id for state in finished),
+            "pooling_params": tuple(state.request.params for state in finished),
+            "prompt_lens": torch.tensor([state.num_tokens for state in finished], dtype=torch.int64),
+        }
+        if all(finishing) and all(state.num_computed_tokens == 0 for state in finished):
+            # The common case: every request ran whole in this step.
+            return hidden_states, PoolingMetadata(
+                **metadata_args, query_start_loc=batch.query_start_loc, prompt_token_ids=batch.input_ids
+            )
+        offsets = batch.query_start_loc_cpu.tolist()
+        rows = [
+            torch.cat([*self.partial_hidden.get(state.request_id, ()), hidden_states[offsets[i] : offsets[i + 1]]])
+            for i, state in enumerate(batch.requests) if finishing[i]
+        ]
+        starts = torch.zeros(len(finished) + 1, dtype=torch.int64)
+        torch.cumsum(metadata_args["prompt_lens"], 0, out=starts[1:])
+        token_ids = torch.tensor([t for state in finished for t in state.request.prompt_token_ids], dtype=torch.int64)
+        return torch.cat(rows), PoolingMetadata(
+            **metadata_args, query_start_loc=starts.to(batch.device), prompt_token_ids=token_ids.to(batch.device)
+        )

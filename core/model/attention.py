@@ -9,6 +9,10 @@ Linear layers see only real tokens. Attention itself is computed in a few fused 
 of similar length are grouped, padded to the group's longest and masked, which is far faster on
 the CPU than one small kernel call per request while bounding the padded work (see
 :func:`PackedLayout.build`). The layout is built once per step and shared by every layer.
+
+Chunked prefill (causal models): a request whose prompt runs over several steps has a
+:class:`KVCache`; its chunk attends to the cached keys and values of its earlier chunks plus its
+own, and stores them for the next chunk unless this is its last.
 """
 
 from __future__ import annotations
@@ -43,25 +47,55 @@ class _Group:
     key_mask: torch.Tensor | None  # [count, 1, 1, length] True where a key is real; None if unpadded
 
 
+class KVCache:
+    """Keys and values of a request's earlier chunks, per layer: ``[1, kv_heads, tokens, head_dim]``.
+
+    Owned by the runner for as long as the request is being prefilled; every stored tensor owns
+    its storage (never a view of a step's buffers, which the next step reuses).
+    """
+
+    def __init__(self) -> None:
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+@frozen(eq=False)
+class _CachedSpan:
+    """A chunk of a request prefilled over several steps: tokens ``start:end`` of the step."""
+
+    start: int
+    end: int
+    cache: KVCache
+    store: bool  # keep this chunk's keys and values: more chunks follow
+
+
 @frozen(eq=False)
 class PackedLayout:
-    """How the packed tokens of one step split into attention groups."""
+    """How the packed tokens of one step split into attention groups and cached chunks."""
 
     num_tokens: int
     groups: tuple[_Group, ...]
+    cached: tuple[_CachedSpan, ...]
     causal: bool  # for layers that do not say themselves (``module.is_causal``)
 
     @classmethod
-    def build(cls, lengths: Sequence[int], device: torch.device, *, causal: bool) -> PackedLayout:
+    def build(
+        cls, lengths: Sequence[int], device: torch.device, *, causal: bool,
+        caches: Sequence[tuple[KVCache, bool] | None] = (),
+    ) -> PackedLayout:
         """Group requests of similar length; ``lengths[i]`` tokens belong to request ``i``.
 
         Requests are sorted by length and a group is closed when padding it to its longest
-        member would exceed :data:`MAX_PADDING_RATIO` times its real tokens.
+        member would exceed :data:`MAX_PADDING_RATIO` times its real tokens. A request with an
+        entry ``(cache, store)`` in ``caches`` is a prefill chunk and attends on its own.
         """
         starts = [0]
         for length in lengths:
             starts.append(starts[-1] + length)
-        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        chunked = {i: entry for i, entry in enumerate(caches) if entry is not None}
+        cached = tuple(
+            _CachedSpan(starts[i], starts[i + 1], cache, store) for i, (cache, store) in chunked.items()
+        )
+        order = sorted((i for i in range(len(lengths)) if i not in chunked), key=lambda i: lengths[i])
         groups, members = [], []
         for i in order:
             candidate = members + [i]
@@ -71,7 +105,7 @@ class PackedLayout:
             members = candidate
         if members:
             groups.append(_make_group(members, lengths, starts, device))
-        return cls(num_tokens=starts[-1], groups=tuple(groups), causal=causal)
+        return cls(num_tokens=starts[-1], groups=tuple(groups), cached=cached, causal=causal)
 
 
 def _make_group(members: list[int], lengths: Sequence[int], starts: list[int], device: torch.device) -> _Group:
@@ -127,7 +161,32 @@ def packed_attention(
         )
         rows = attended.transpose(1, 2).reshape(group.count * group.length, *q.shape[1:])
         output.index_copy_(0, group.dest, rows.index_select(0, group.valid))
+    for span in layout.cached:
+        output[span.start : span.end] = _attend_chunk(module, span, q, k, v, scaling)
     return output.unsqueeze(0), None
+
+
+def _attend_chunk(
+    module: nn.Module, span: _CachedSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None,
+) -> torch.Tensor:
+    """A causal chunk over its request's cached keys and values plus its own: ``[chunk, heads, dim]``."""
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        raise ValueError(f"chunked prefill needs attention layers with a layer_idx; {type(module).__name__} has none")
+    keys, values = (t[span.start : span.end].transpose(0, 1).unsqueeze(0) for t in (k, v))  # [1, kv, chunk, d]
+    past_kv = span.cache.layers.get(layer)
+    if past_kv is not None:
+        keys, values = torch.cat([past_kv[0], keys], dim=2), torch.cat([past_kv[1], values], dim=2)
+    if span.store:  # a first chunk is a view of this step's buffers: copy it out
+        span.cache.layers[layer] = (keys, values) if past_kv is not None else (keys.clone(), values.clone())
+    chunk, past = span.end - span.start, keys.shape[2] - (span.end - span.start)
+    # Query i (absolute position past + i) sees keys 0..past + i.
+    mask = torch.ones(chunk, past + chunk, dtype=torch.bool, device=q.device).tril(diagonal=past)
+    query = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
+    attended = F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=keys.shape[1] != query.shape[1],
+    )
+    return attended[0].transpose(0, 1)
 
 
 def _pad(tokens: torch.Tensor, group: _Group) -> torch.Tensor:

@@ -174,7 +174,7 @@ def request(request_id: str, num_tokens: int = 5) -> PoolingRequest:
 
 def assert_engine_empty(runtime: poolrunner.Runtime) -> None:
     assert runtime.engine.requests == {}
-    assert not runtime.engine.scheduler.has_waiting()
+    assert not runtime.engine.scheduler.has_unfinished()
 
 
 def test_runtime_with_idle_plugins_matches_the_default(runtime, recorder, baseline):

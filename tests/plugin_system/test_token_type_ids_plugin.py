@@ -90,7 +90,7 @@ def forwarded(runtime, monkeypatch) -> list[dict[str, Any]]:
 
 def assert_engine_empty(runtime: poolrunner.Runtime) -> None:
     assert runtime.engine.requests == {}
-    assert not runtime.engine.scheduler.has_waiting()
+    assert not runtime.engine.scheduler.has_unfinished()
 
 
 # ---- compression: one integer per request ----
