@@ -41,6 +41,7 @@ _LAZY = {
     "classifier_activation": "poolrunner.core.activation",
     "InputBatch": "poolrunner.core.engine.batch",
     "OutputHandle": "poolrunner.core.output",
+    "RequestOutput": "poolrunner.core.output",
     "Pooler": "poolrunner.core.pooler",
     "PoolerOutput": "poolrunner.core.pooler",
     "Runtime": "poolrunner.core.runtime",
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
     from poolrunner.core.activation import classifier_activation
     from poolrunner.core.engine.batch import InputBatch
     from poolrunner.core.matryoshka import check_dimensions
-    from poolrunner.core.output import OutputHandle
+    from poolrunner.core.output import OutputHandle, RequestOutput
     from poolrunner.core.pooler import Pooler, PoolerOutput
     from poolrunner.core.results import ClassificationResult, RerankResult
     from poolrunner.core.runtime import Runtime
@@ -87,6 +88,7 @@ __all__ = [
     "PoolingType",
     "PoolrunnerError",
     "RequestState",
+    "RequestOutput",
     "RerankResult",
     "Runtime",
     "RuntimeConfig",

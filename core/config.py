@@ -40,6 +40,8 @@ class RuntimeConfig:
         ``float32``, ``bfloat16`` or ``float16``.
     :ivar device: ``auto`` (CUDA when present, else CPU) or a torch device string.
     :ivar pooler_plugin: Plugin whose pooler to use when several non-built-in plugins offer one.
+    :ivar async_scheduling: Launch the next step before collecting the previous step's results;
+        ``None`` turns it on where it helps (CUDA, where copies overlap compute).
     :ivar max_num_batched_tokens: Token budget of one step (one forward pass).
     :ivar max_num_seqs: Most requests in one step.
     :ivar overrides: Settings that win over the model folder's.
@@ -50,6 +52,7 @@ class RuntimeConfig:
     dtype: str = field(default="auto", validator=one_of(DTYPES))
     device: str = "auto"
     pooler_plugin: str | None = None
+    async_scheduling: bool | None = field(default=None, validator=optional_bool)
     max_num_batched_tokens: int = field(default=8192, validator=positive_int)
     max_num_seqs: int = field(default=256, validator=positive_int)
     overrides: ModelOverrides = field(factory=ModelOverrides)

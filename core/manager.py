@@ -28,6 +28,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "poolrunner.plugins.token_type_ids",
     "poolrunner.plugins.sequence_pooling",
     "poolrunner.plugins.token_pooling",
+    "poolrunner.plugins.async_output",
 )
 
 # Core's own default implementations (trylast). Registered like a plugin, but never disabled:

@@ -54,6 +54,8 @@ class Runtime:
     :param pooler_plugin: Name of the plugin whose pooler to use when several offer one.
     :param max_num_batched_tokens: Token budget of one forward pass.
     :param max_num_seqs: Most requests in one forward pass.
+    :param async_scheduling: Launch the next step before collecting the previous one's results;
+        ``None``: on for CUDA, where the copies then overlap compute; off on the CPU.
     :param pooling_type: Override the model's sequence pooling (``CLS``, ``MEAN``, ``LAST``).
     :param normalize: Override the model's default normalization.
     :param max_model_len: Lower the longest accepted prompt, in tokens.
@@ -77,6 +79,7 @@ class Runtime:
         pooler_plugin: str | None = None,
         max_num_batched_tokens: int = 8192,
         max_num_seqs: int = 256,
+        async_scheduling: bool | None = None,
         pooling_type: str | None = None,
         normalize: bool | None = None,
         max_model_len: int | None = None,
@@ -86,7 +89,7 @@ class Runtime:
         self.config = RuntimeConfig(
             model=None if model is None else os.fspath(model), task=task, dtype=dtype,
             device=device, pooler_plugin=pooler_plugin, max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
+            max_num_seqs=max_num_seqs, async_scheduling=async_scheduling,
             overrides=ModelOverrides(
                 pooling_type=pooling_type, normalize=normalize, max_model_len=max_model_len,
                 is_matryoshka=is_matryoshka, matryoshka_dimensions=matryoshka_dimensions,
@@ -116,6 +119,7 @@ class Runtime:
             Scheduler(max_num_batched_tokens=self.config.max_num_batched_tokens,
                       max_num_seqs=self.config.max_num_seqs, chunked_prefill=self.model_config.is_causal),
             hooks, self.model_config, self.device,
+            async_scheduling=(self.device.type == "cuda" if async_scheduling is None else async_scheduling),
         )
         self._request_ids = itertools.count()
         self._engine_lock = threading.Lock()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import torch
+from attrs import frozen
 
 from poolrunner.core.engine.batch import InputBatch
 from poolrunner.core.engine.request import RequestState
@@ -12,8 +13,17 @@ from poolrunner.core.engine.runner import ModelRunner
 from poolrunner.core.engine.scheduler import Scheduler
 from poolrunner.core.errors import InvalidRequestError
 from poolrunner.core.hooks import Hooks
-from poolrunner.core.output import RequestOutput
+from poolrunner.core.output import OutputHandle, RequestOutput
 from poolrunner.core.types import ModelConfig, PoolingRequest
+
+
+@frozen
+class _Inflight:
+    """A launched step: what it scheduled, what it finishes, and its results on their way."""
+
+    requests: tuple[RequestState, ...]
+    finished: tuple[RequestState, ...]
+    handle: OutputHandle | None
 
 
 class Engine:
@@ -26,9 +36,10 @@ class Engine:
 
     def __init__(
         self, runner: ModelRunner, scheduler: Scheduler, hooks: Hooks, model_config: ModelConfig,
-        device: torch.device,
+        device: torch.device, *, async_scheduling: bool = False,
     ) -> None:
         self.runner = runner
+        self.async_scheduling = async_scheduling
         self.scheduler = scheduler
         self.hooks = hooks
         self.model_config = model_config
@@ -80,41 +91,68 @@ class Engine:
         its requests are removed (their ``remove_request`` hooks run) and the error propagates;
         waiting requests stay queued.
         """
-        scheduled = self.scheduler.schedule()
-        if not scheduled.requests:
-            return []
-        try:
-            batch = InputBatch.build(scheduled.requests, scheduled.num_scheduled_tokens, self.device)
-            finished, handle = self.runner.execute(batch)
-            outputs = handle.get_output() if handle is not None else []
-        except BaseException:
-            for state in scheduled.requests:
-                self._release(state)
-            raise
-        for state, count in zip(scheduled.requests, scheduled.num_scheduled_tokens, strict=True):
-            state.num_computed_tokens += count
-        results = []
-        for state, output in zip(finished, outputs, strict=True):
-            results.append((state.request_id, output))
-            self._release(state)
-        return results
+        inflight = self._launch()
+        return self._collect(inflight) if inflight is not None else []
 
     def run(self, requests: Sequence[PoolingRequest]) -> Iterator[tuple[str, RequestOutput]]:
         """Admit ``requests`` and yield ``(request_id, output)`` as each finishes.
 
-        All requests are validated before any runs. If the caller stops early or a step fails,
-        every remaining request of this call is aborted.
+        All requests are validated before any runs. With ``async_scheduling`` the next step is
+        scheduled and launched before the previous step's results are collected, so copying
+        them to the CPU overlaps with compute. If the caller stops early or a step fails, every
+        remaining request of this call is aborted.
         """
         admitted: list[str] = []
         try:
             for request in requests:
                 self.add_request(request)
                 admitted.append(request.request_id)
-            while self.has_unfinished_requests():
-                yield from self.step()
+            if not self.async_scheduling:
+                while self.has_unfinished_requests():
+                    yield from self.step()
+                return
+            pending: _Inflight | None = None
+            while self.has_unfinished_requests() or pending is not None:
+                current = self._launch() if self.has_unfinished_requests() else None
+                if pending is not None:
+                    yield from self._collect(pending)
+                pending = current
         finally:
             for request_id in admitted:
                 self.abort_request(request_id)
+
+    def _launch(self) -> _Inflight | None:
+        """Schedule and run one step; its results are collected later."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled.requests:
+            return None
+        try:
+            batch = InputBatch.build(scheduled.requests, scheduled.num_scheduled_tokens, self.device)
+            finished, handle = self.runner.execute(batch)
+        except BaseException:
+            self._release_all(scheduled.requests)
+            raise
+        for state, count in zip(scheduled.requests, scheduled.num_scheduled_tokens, strict=True):
+            state.num_computed_tokens += count
+        return _Inflight(scheduled.requests, tuple(finished), handle)
+
+    def _collect(self, inflight: _Inflight) -> list[tuple[str, RequestOutput]]:
+        """Wait for a launched step's results; release the requests it finished."""
+        try:
+            outputs = inflight.handle.get_output() if inflight.handle is not None else []
+        except BaseException:
+            self._release_all(inflight.requests)
+            raise
+        results = []
+        for state, output in zip(inflight.finished, outputs, strict=True):
+            if state.request_id in self.requests:  # not aborted while its step was in flight
+                results.append((state.request_id, output))
+                self._release(state)
+        return results
+
+    def _release_all(self, states: Sequence[RequestState]) -> None:
+        for state in states:
+            self._release(state)
 
     def _release(self, state: RequestState) -> None:
         if self.requests.pop(state.request_id, None) is not None:

@@ -66,8 +66,8 @@ def names(pm: PoolrunnerPluginManager) -> list[str]:
 def test_the_builtin_plugins_are_pinned(default_runtime):
     """The one test that names every built-in, its hooks and its tasks: adding, removing or
     reordering a built-in must be noticed here. Other tests take them from ``builtin_plugins``."""
-    assert BUILTIN_PLUGINS == ("core", "token_type_ids", "sequence_pooling", "token_pooling")
-    assert DISABLEABLE_BUILTINS == ("token_type_ids", "sequence_pooling", "token_pooling")
+    assert BUILTIN_PLUGINS == ("core", "token_type_ids", "sequence_pooling", "token_pooling", "async_output")
+    assert DISABLEABLE_BUILTINS == ("token_type_ids", "sequence_pooling", "token_pooling", "async_output")
     pm = build_plugin_manager(load_entrypoints=False)
     assert pm.plugin_infos() == builtin_infos() == [
         PluginInfo(name="core", source="builtin", dist="poolrunner", version=POOLRUNNER_VERSION,
@@ -78,6 +78,8 @@ def test_the_builtin_plugins_are_pinned(default_runtime):
                    version=POOLRUNNER_VERSION, hooks=("get_pooler", "supported_tasks")),
         PluginInfo(name="token_pooling", source="builtin", dist="poolrunner",
                    version=POOLRUNNER_VERSION, hooks=("get_pooler", "supported_tasks")),
+        PluginInfo(name="async_output", source="builtin", dist="poolrunner",
+                   version=POOLRUNNER_VERSION, hooks=("process_output",)),
     ]
     assert pooling_builtins() == ["sequence_pooling", "token_pooling"]
     model_config = default_runtime.model_config
@@ -94,6 +96,10 @@ def test_the_builtin_plugins_are_pinned(default_runtime):
     impls = pm.hook.get_pooler.get_hookimpls()
     assert [(impl.plugin_name, impl.trylast) for impl in reversed(impls)] == [
         ("sequence_pooling", True), ("token_pooling", True)]
+    # The async output handle answers before core's synchronous (trylast) default.
+    impls = pm.hook.process_output.get_hookimpls()
+    assert [(impl.plugin_name, impl.trylast) for impl in reversed(impls)] == [
+        ("async_output", False), ("core", True)]
 
 
 # ---- 1. One manager per runtime, none at import time ----
