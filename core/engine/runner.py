@@ -57,7 +57,7 @@ class ModelRunner:
         if not finished:
             return [], None
         hidden, metadata = self._pooling_inputs(batch, finishing, hidden_states)
-        for state in finished:
+        for state in finished:  # now, not at release: with async scheduling that is a step later
             self.free(state.request_id)
         output = self.hooks.pool(pooler=self.pooler, hidden_states=hidden, metadata=metadata)
         return finished, self.hooks.process_output(output=output, batch=batch)
