@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from poolrunner.core.config import ModelOverrides, RuntimeConfig
+from poolrunner.core.config import ModelOverrides, RuntimeConfig, default_token_budget
 from poolrunner.core.engine.engine import Engine
 from poolrunner.core.engine.runner import ModelRunner
 from poolrunner.core.engine.scheduler import Scheduler
@@ -52,7 +52,8 @@ class Runtime:
     :param load_entrypoints: Load the ``poolrunner.plugins`` entry-point group.
     :param disable_plugins: Names of plugins to leave out (built-ins too).
     :param pooler_plugin: Name of the plugin whose pooler to use when several offer one.
-    :param max_num_batched_tokens: Token budget of one forward pass.
+    :param max_num_batched_tokens: Token budget of one forward pass; ``None``: 2048 on the CPU,
+        16384 on CUDA.
     :param max_num_seqs: Most requests in one forward pass.
     :param async_scheduling: Launch the next step before collecting the previous one's results;
         ``None``: on for CUDA, where the copies then overlap compute; off on the CPU.
@@ -77,7 +78,7 @@ class Runtime:
         load_entrypoints: bool = True,
         disable_plugins: Collection[str] = (),
         pooler_plugin: str | None = None,
-        max_num_batched_tokens: int = 8192,
+        max_num_batched_tokens: int | None = None,
         max_num_seqs: int = 256,
         async_scheduling: bool | None = None,
         pooling_type: str | None = None,
@@ -116,7 +117,8 @@ class Runtime:
         self.inputs = InputProcessor(tokenizer, self.model_config)
         self.engine = Engine(
             ModelRunner(model_module, pooler.to(self.device), hooks, self.model_config),
-            Scheduler(max_num_batched_tokens=self.config.max_num_batched_tokens,
+            Scheduler(max_num_batched_tokens=self.config.max_num_batched_tokens
+                      or default_token_budget(self.device.type),
                       max_num_seqs=self.config.max_num_seqs, chunked_prefill=self.model_config.is_causal),
             hooks, self.model_config, self.device,
             async_scheduling=(self.device.type == "cuda" if async_scheduling is None else async_scheduling),

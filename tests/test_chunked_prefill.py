@@ -40,7 +40,7 @@ HIDDEN = 64
 ATOL = 1e-5  # fp32 on both sides
 REFERENCE_LENGTHS = (55, 56, 57)  # REFERENCE.md: prompts of 55, 56 and 57 tokens...
 REFERENCE_BUDGET = 10  # ...with a 10-token budget equal the unchunked result per token
-LARGE_BUDGET = 8192  # the default: nothing here is chunked
+LARGE_BUDGET = 8192  # nothing here is chunked
 STEP_TAG = 10
 TASKS = r"(embed|classify|token_embed|token_classify|embed&token_classify)"
 

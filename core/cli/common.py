@@ -123,8 +123,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     model.add_argument("--device", default="auto",
                        help="torch device, e.g. cpu, cuda, cuda:1; auto picks CUDA when present")
     model.add_argument("--max-num-batched-tokens", "--batch-size", metavar="N", type=positive_int,
-                       default=8192, dest="max_num_batched_tokens",
-                       help="token budget of one forward pass")
+                       default=None, dest="max_num_batched_tokens",
+                       help="token budget of one forward pass (default: 2048 on the CPU, 16384 on CUDA)")
     model.add_argument("--max-num-seqs", metavar="N", type=positive_int, default=256,
                        help="most inputs in one forward pass")
     return model
