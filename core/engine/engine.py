@@ -145,7 +145,7 @@ class Engine:
             raise
         results = []
         for state, output in zip(inflight.finished, outputs, strict=True):
-            if state.request_id in self.requests:  # not aborted while its step was in flight
+            if self.requests.get(state.request_id) is state:  # not aborted (nor its id reused) meanwhile
                 results.append((state.request_id, output))
                 self._release(state)
         return results
