@@ -70,6 +70,7 @@ def load_model_config(
         if overrides.is_matryoshka is not None
         else matryoshka_dims or getattr(hf_config, "is_matryoshka", False)
     )
+    tasks = model_tasks(architecture, path)
     return ModelConfig(
         name=str(path),
         path=str(path),
@@ -79,7 +80,7 @@ def load_model_config(
         embedding_size=dense[-1].out_features if dense else hidden_size,
         max_model_len=_max_model_len(path, hf_config, tokenizer_max_length, st and st.max_seq_length, overrides),
         is_causal=is_causal,
-        model_tasks=model_tasks(architecture, path),
+        model_tasks=tasks,
         pooling_type=pooling_type or ("LAST" if is_causal else "CLS"),
         normalize=normalize,
         matryoshka_dimensions=tuple(matryoshka_dims) if matryoshka_dims else None,
@@ -87,7 +88,7 @@ def load_model_config(
         dense_layers=dense,
         prompts=st.prompts if st else {},
         default_prompt_name=st.default_prompt_name if st else None,
-        labels=_labels(hf_config) if model_tasks(architecture, path) & {"classify", "token_classify"} else (),
+        labels=_labels(hf_config) if tasks & {"classify", "token_classify"} else (),
         problem_type=getattr(hf_config, "problem_type", None),
         classifier_activation=_classifier_activation(path, hf_config),
         type_vocab_size=int(getattr(hf_config, "type_vocab_size", 0) or 0),
