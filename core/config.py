@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from attrs import converters, field, frozen
 
-from poolrunner.core.types import POOLING_TASKS, POOLING_TYPES, PoolingTask, PoolingType
-from poolrunner.core.validators import one_of, optional_bool, positive_int
+from poolrunner.core.types import PLUGIN_TASK_NAME, POOLING_TASKS, POOLING_TYPES, PoolingTask, PoolingType
+from poolrunner.core.validators import one_of, optional_bool, positive_int, task_name
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -36,8 +36,9 @@ class RuntimeConfig:
 
     :ivar model: Local model folder; ``None`` is the default model (all-MiniLM-L6-v2).
     :ivar task: Task to serve; ``None`` picks the model's default.
-    :ivar dtype: ``auto`` (float32 on CPU, the config's half-precision dtype on CUDA),
-        ``float32``, ``bfloat16`` or ``float16``.
+    :ivar dtype: ``auto`` (on CUDA the config's half-precision dtype; on the CPU bfloat16 where it is
+        native and holds the accuracy bar, see :mod:`poolrunner.core.engine.precision`, else
+        float32), ``float32``, ``bfloat16`` or ``float16``.
     :ivar device: ``auto`` (CUDA when present, else CPU) or a torch device string.
     :ivar pooler_plugin: Plugin whose pooler to use when several non-built-in plugins offer one.
     :ivar async_scheduling: Launch the next step before collecting the previous step's results;
@@ -49,7 +50,9 @@ class RuntimeConfig:
     """
 
     model: str | None = None
-    task: PoolingTask | None = field(default=None, validator=one_of(POOLING_TASKS, optional=True))
+    task: PoolingTask | None = field(
+        default=None, validator=task_name(POOLING_TASKS, PLUGIN_TASK_NAME, optional=True)
+    )
     dtype: str = field(default="auto", validator=one_of(DTYPES))
     device: str = "auto"
     pooler_plugin: str | None = None

@@ -6,7 +6,7 @@ call and merges collect-all results by the rule the spec documents.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from poolrunner.core.errors import PluginConflictError
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from poolrunner.core.engine.batch import InputBatch
     from poolrunner.core.engine.request import RequestState
-    from poolrunner.core.output import OutputHandle
+    from poolrunner.core.output import OutputHandle, RequestOutput
     from poolrunner.core.pooler import Pooler, PoolerOutput
     from poolrunner.core.types import ModelConfig, PoolingMetadata, PoolingTask
 
@@ -92,3 +92,9 @@ class Hooks:
 
     def process_output(self, *, output: PoolerOutput, batch: InputBatch) -> OutputHandle:
         return self._hook.process_output(output=output, batch=batch)
+
+    def score_outputs(
+        self, *, model_config: ModelConfig, task: PoolingTask, queries: Sequence[RequestOutput],
+        documents: Sequence[RequestOutput],
+    ) -> torch.Tensor | None:
+        return self._hook.score_outputs(model_config=model_config, task=task, queries=queries, documents=documents)

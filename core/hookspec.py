@@ -10,11 +10,12 @@ A request's life::
     admit       add_request                                 once per request
     each step   prepare_inputs -> model -> pool -> process_output
     leave       remove_request                              finished or aborted
+    score       score_outputs                               per Runtime.score call (plugin tasks)
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import pluggy
@@ -25,7 +26,7 @@ if TYPE_CHECKING:  # keep this module import-cheap: type-only imports
 
     from poolrunner.core.engine.batch import InputBatch
     from poolrunner.core.engine.request import RequestState
-    from poolrunner.core.output import OutputHandle
+    from poolrunner.core.output import OutputHandle, RequestOutput
     from poolrunner.core.pooler import Pooler, PoolerOutput
     from poolrunner.core.types import ModelConfig, PoolingMetadata, PoolingTask
 
@@ -164,6 +165,34 @@ def process_output(output: PoolerOutput, batch: InputBatch) -> OutputHandle | No
         finished this step (a request prefilled in chunks finishes with its last chunk).
     :param batch: The packed requests of this step.
     :returns: An :class:`~poolrunner.core.output.OutputHandle`, or ``None``.
+
+    .. versionadded:: 0.1
+    """
+
+
+# ---- Scoring hooks: called by Runtime.score for tasks core cannot score itself. ----
+
+
+@hookspec(firstresult=True)
+def score_outputs(
+    model_config: ModelConfig, task: PoolingTask, queries: Sequence[RequestOutput],
+    documents: Sequence[RequestOutput],
+) -> torch.Tensor | None:
+    """Score (query, document) pairs from their pooled outputs.
+
+    Called by ``Runtime.score`` (and so ``rerank``) when the runtime's task is neither ``embed``
+    (core scores the cosine) nor a one-label ``classify`` (a cross-encoder): each text has been
+    pooled once for the runtime's task, and pair ``i`` is ``(queries[i], documents[i])``.
+    Stops at the first non-``None`` result (pluggy ``firstresult``); if every plugin returns
+    ``None``, ``score`` raises :class:`~poolrunner.core.errors.UnsupportedTaskError`. Return
+    ``None``, and do not raise, for tasks or models you do not score.
+
+    :param model_config: Frozen description of the loaded model.
+    :param task: The runtime's task, which produced the outputs.
+    :param queries: One pooled output per pair, on the CPU, as the ``pool`` hook produced it
+        (a tensor, or a dict of named tensors).
+    :param documents: One pooled output per pair, same length and order as ``queries``.
+    :returns: ``[num_pairs]`` float32 scores, higher meaning more relevant, or ``None``.
 
     .. versionadded:: 0.1
     """

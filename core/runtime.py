@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import logging
 import os
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from tqdm.auto import tqdm
+from transformers import PretrainedConfig
 
 from poolrunner.core.config import ModelOverrides, RuntimeConfig, default_token_budget
+from poolrunner.core.engine import precision
 from poolrunner.core.engine.engine import Engine
+from poolrunner.core.engine.loop import EngineLoop
 from poolrunner.core.engine.runner import ModelRunner
 from poolrunner.core.engine.scheduler import Scheduler
 from poolrunner.core.errors import InvalidRequestError, UnsupportedTaskError
@@ -30,13 +37,24 @@ from poolrunner.core.types import ModelConfig, PoolingParams, PoolingRequest, Po
 ClassifyInput = PromptInput | tuple[str, str]
 """A text, token ids, or a ``(text, text_pair)`` pair."""
 
+
+@dataclasses.dataclass(frozen=True)
+class ScorePlan:
+    """From :meth:`Runtime.plan_score`: run ``requests``, then ``finish(outputs)`` (outputs in
+    request order) gives the ``[num_pairs]`` float32 scores."""
+
+    requests: list[PoolingRequest]
+    finish: Callable[[list[RequestOutput]], np.ndarray]
+
 logger = logging.getLogger(__name__)
 
 
 class Runtime:
     """A loaded pooling model with its plugins, ready to serve requests.
 
-    Methods may be called from several threads; calls take turns on the one engine.
+    Methods may be called from several threads; calls take turns on the one engine, or share
+    its steps once an :class:`~poolrunner.core.engine.loop.EngineLoop` is attached (as the HTTP
+    server does; see :meth:`attach_loop`).
 
     Example::
 
@@ -46,7 +64,9 @@ class Runtime:
 
     :param model: Local model folder; ``None`` loads the default model (all-MiniLM-L6-v2).
     :param task: Task to serve; ``None`` picks the model's default (vLLM's order).
-    :param dtype: ``auto``, ``float32``, ``bfloat16`` or ``float16``.
+    :param dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto``: on CUDA the config's half dtype;
+        on a CPU with native bf16 (AVX512-BF16, AMX) bfloat16 if the model's outputs on probe texts
+        stay within cosine 0.9999 of float32 (checked at load), else float32.
     :param device: ``auto`` (CUDA when present, else CPU) or a torch device string.
     :param plugins: Extra plugin objects to register, beside built-ins and entry points.
     :param load_entrypoints: Load the ``poolrunner.plugins`` entry-point group.
@@ -100,7 +120,7 @@ class Runtime:
             plugins=plugins, load_entrypoints=load_entrypoints, disable=disable_plugins
         )
         self.plugin_manager.freeze()
-        hooks = Hooks(self.plugin_manager)
+        hooks = self._hooks = Hooks(self.plugin_manager)
         path = metadata.resolve_model_path(self.config.model)
         hf_config = metadata.load_hf_config(path)
         tokenizer = loader.load_tokenizer(path)
@@ -110,23 +130,41 @@ class Runtime:
         # The task check runs before the (slow) weight load, so a wrong task fails fast.
         self.task: PoolingTask = resolve_task(hooks, self.plugin_manager, self.model_config, self.config.task)
         self.device = loader.resolve_device(self.config.device)
-        self.dtype = loader.resolve_dtype(self.config.dtype, hf_config, self.device)
-        model_module = loader.load_model(path, hf_config, self.dtype, self.device)
+        self.inputs = InputProcessor(tokenizer, self.model_config)
+        build = functools.partial(self._build_engine, path, hf_config, hooks)
+        if self.config.dtype == "auto" and precision.native_bf16(self.device):
+            self.engine, self.dtype = precision.choose_cpu_dtype(build, self._probe_requests())
+        else:
+            self.dtype = loader.resolve_dtype(self.config.dtype, hf_config, self.device)
+            self.engine = build(self.dtype)
+        self._request_ids = itertools.count()
+        self._engine_lock = threading.Lock()
+        self._loop: EngineLoop | None = None
+        logger.info("loaded %s (%s) for task %r on %s as %s", path, self.model_config.architecture,
+                    self.task, self.device, self.dtype)
+
+    def _build_engine(self, path: Path, hf_config: PretrainedConfig, hooks: Hooks, dtype: torch.dtype) -> Engine:
+        """Load the weights in ``dtype`` and assemble the pooler, runner, scheduler and engine."""
+        model_module = loader.load_model(path, hf_config, dtype, self.device)
         pooler = select_pooler(hooks, self.plugin_manager, self.model_config, self.task, model_module,
                                self.config.pooler_plugin)
-        self.inputs = InputProcessor(tokenizer, self.model_config)
-        self.engine = Engine(
-            ModelRunner(model_module, pooler.to(self.device), hooks, self.model_config),
+        async_scheduling = self.config.async_scheduling
+        return Engine(
+            ModelRunner(model_module, pooler.to(self.device), hooks, self.model_config,
+                        bucket_tokens=self.device.type == "cpu"),
             Scheduler(max_num_batched_tokens=self.config.max_num_batched_tokens
                       or default_token_budget(self.device.type),
                       max_num_seqs=self.config.max_num_seqs, chunked_prefill=self.model_config.is_causal),
             hooks, self.model_config, self.device,
             async_scheduling=(self.device.type == "cuda" if async_scheduling is None else async_scheduling),
         )
-        self._request_ids = itertools.count()
-        self._engine_lock = threading.Lock()
-        logger.info("loaded %s (%s) for task %r on %s as %s", path, self.model_config.architecture,
-                    self.task, self.device, self.dtype)
+
+    def _probe_requests(self) -> list[PoolingRequest]:
+        """:data:`~poolrunner.core.engine.precision.PROBE_TEXTS` as requests of this runtime's task."""
+        encoded = self.inputs.encode(precision.PROBE_TEXTS, truncate_prompt_tokens=-1)
+        params = PoolingParams(task=self.task)
+        return [PoolingRequest(request_id=f"probe-{i}", prompt_token_ids=ids, params=params)
+                for i, ids in enumerate(encoded)]
 
     def embed(
         self,
@@ -161,8 +199,9 @@ class Runtime:
         params = self._check_task(PoolingParams(task="embed", dimensions=dimensions, normalize=normalize))
         if not inputs:
             return np.zeros((0, dimensions or self.model_config.embedding_size), dtype=np.float32)
-        tokenized = self._tokenize(inputs, truncate_prompt_tokens, truncation_side, prompt, prompt_name)
-        outputs = self._run(tokenized, params, show_progress_bar)
+        requests = self.prepare(inputs, params, truncate_prompt_tokens=truncate_prompt_tokens,
+                                truncation_side=truncation_side, prompt=prompt, prompt_name=prompt_name)
+        outputs = self._run(requests, show_progress_bar)
         vectors = np.stack([output.numpy() for output in outputs]).astype(np.float32, copy=False)
         return vectors[0] if single else vectors
 
@@ -206,8 +245,9 @@ class Runtime:
             task=task or self.task, dimensions=dimensions, normalize=normalize, use_activation=use_activation,
             step_tag_id=step_tag_id, returned_token_ids=returned_token_ids,
         ))
-        tokenized = self._tokenize(items, truncate_prompt_tokens, truncation_side, prompt, prompt_name)
-        return [_to_numpy(output) for output in self._run(tokenized, params, show_progress_bar)]
+        requests = self.prepare(items, params, truncate_prompt_tokens=truncate_prompt_tokens,
+                                truncation_side=truncation_side, prompt=prompt, prompt_name=prompt_name)
+        return [_to_numpy(output) for output in self._run(requests, show_progress_bar)]
 
     def classify(
         self,
@@ -232,8 +272,9 @@ class Runtime:
         """
         items = [inputs] if isinstance(inputs, str) or _is_pair(inputs) else list(inputs)
         params = self._check_task(PoolingParams(task="classify", use_activation=use_activation))
-        outputs = self._run(self._tokenize(items, truncate_prompt_tokens, truncation_side), params,
-                            show_progress_bar)
+        requests = self.prepare(items, params, truncate_prompt_tokens=truncate_prompt_tokens,
+                                truncation_side=truncation_side)
+        outputs = self._run(requests, show_progress_bar)
         labels = self.model_config.labels
         return [ClassificationResult(probs=output.numpy().astype(np.float32), labels=labels) for output in outputs]
 
@@ -250,27 +291,68 @@ class Runtime:
 
         A ``classify`` model with one label scores pairs as a cross-encoder (sigmoid of its
         logit, or the logit with ``use_activation=False``); an ``embed`` model scores the cosine
-        similarity of the two embeddings, in float32 (a bi-encoder).
+        similarity of the two embeddings, in float32 (a bi-encoder). For any other task each
+        text is pooled once and a plugin's ``score_outputs`` hook scores the pairs (SPLADE's
+        sparse dot product, ColBERT's MaxSim).
 
         :returns: ``[num_pairs]`` float32, in pair order.
         :raises InvalidRequestError: for an empty side, or shapes other than 1:1, 1:N, N:N.
         :raises UnsupportedTaskError: for a runtime whose task cannot score pairs.
         """
-        pairs = pair_up(queries, documents)
-        if self.task == "embed":
-            texts = sorted({text for pair in pairs for text in pair})
-            vectors = dict(zip(texts, self.embed(texts, truncate_prompt_tokens=truncate_prompt_tokens,
-                                                 truncation_side=truncation_side), strict=True))
-            return cosine(np.stack([vectors[q] for q, _ in pairs]), np.stack([vectors[d] for _, d in pairs]))
+        plan = self.plan_score(pair_up(queries, documents), truncate_prompt_tokens=truncate_prompt_tokens,
+                               truncation_side=truncation_side, use_activation=use_activation)
+        return plan.finish(self._run(plan.requests, False))
+
+    def plan_score(
+        self, pairs: Sequence[tuple[str, str]], *, truncate_prompt_tokens: int | None = None,
+        truncation_side: TruncationSide = "right", use_activation: bool | None = None,
+    ) -> ScorePlan:
+        """The engine requests that scoring ``pairs`` needs, and how their outputs become scores.
+
+        The one scoring path of :meth:`score` and the HTTP server's ``/score`` and ``/rerank``:
+        the caller runs :attr:`ScorePlan.requests` (through the engine or its loop) and passes
+        their outputs, in request order, to :attr:`ScorePlan.finish`. Options as for :meth:`score`.
+
+        :raises InvalidRequestError: for bad input (nothing is tokenized past the first error).
+        :raises UnsupportedTaskError: for a runtime whose task cannot score pairs; from ``finish``
+            when the ``score_outputs`` plugins decline this runtime's task.
+        """
+        options: dict[str, Any] = {"truncate_prompt_tokens": truncate_prompt_tokens,
+                                   "truncation_side": truncation_side}
         if self.task == "classify" and len(self.model_config.labels) == 1:
-            results = self.classify(pairs, use_activation=use_activation,
-                                    truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side)
-            return np.array([result.probs[0] for result in results], dtype=np.float32)
-        raise UnsupportedTaskError(
+            params = PoolingParams(task="classify", use_activation=use_activation)
+            return ScorePlan(self.prepare(pairs, params, **options), lambda outputs: np.array(
+                [output.numpy()[0] for output in outputs], dtype=np.float32))
+        if self.task != "embed" and not self._hooks.implementers("score_outputs"):
+            raise self._cannot_score()
+        texts = sorted({text for pair in pairs for text in pair})  # each distinct text is pooled once
+        requests = self.prepare(texts, PoolingParams(task=self.task), **options)
+        return ScorePlan(requests, functools.partial(self._score_pooled, pairs, texts))
+
+    def _score_pooled(self, pairs: Sequence[tuple[str, str]], texts: list[str],
+                      outputs: list[RequestOutput]) -> np.ndarray:
+        """Cosine of the embeddings (``embed``), else the plugins' ``score_outputs``; ``[num_pairs]`` float32."""
+        by_text = dict(zip(texts, outputs, strict=True))
+        if self.task == "embed":
+            vectors = {text: output.numpy() for text, output in by_text.items()}  # type: ignore[union-attr]
+            return cosine(np.stack([vectors[q] for q, _ in pairs]), np.stack([vectors[d] for _, d in pairs]))
+        scores = self._hooks.score_outputs(
+            model_config=self.model_config, task=self.task,
+            queries=[by_text[q] for q, _ in pairs], documents=[by_text[d] for _, d in pairs],
+        )
+        if scores is None:
+            raise self._cannot_score()
+        result = scores.detach().float().cpu().numpy()
+        if result.shape != (len(pairs),):
+            raise RuntimeError(f"score_outputs returned shape {list(result.shape)} for {len(pairs)} pairs")
+        return result
+
+    def _cannot_score(self) -> UnsupportedTaskError:
+        return UnsupportedTaskError(
             f"score needs an embed model (bi-encoder) or a classify model with one label "
             f"(cross-encoder); this runtime serves {self.task!r} with "
-            f"{len(self.model_config.labels)} labels. Late interaction (token_embed) is not "
-            "supported yet."
+            f"{len(self.model_config.labels)} labels, and no plugin scores {self.task!r} outputs "
+            "(see `poolrunner plugins --hook score_outputs`)."
         )
 
     def rerank(
@@ -304,6 +386,33 @@ class Runtime:
             for i in order
         ]
 
+    def prepare(
+        self, inputs: Sequence[ClassifyInput], params: PoolingParams, *, truncate_prompt_tokens: int | None = None,
+        truncation_side: TruncationSide = "right", prompt: str | None = None, prompt_name: str | None = None,
+    ) -> list[PoolingRequest]:
+        """Validate and tokenize ``inputs`` into engine requests (fresh ids), in input order.
+
+        The one path from user input to :class:`PoolingRequest` for this API and the HTTP
+        server alike; options as for :meth:`encode`. ``params`` are checked against the engine
+        (e.g. ``dimensions``) only when the requests are admitted.
+
+        :raises InvalidRequestError: for a task this runtime does not serve, or bad input
+            (naming its index and the limit it breaks).
+        """
+        self._check_task(params)
+        tokenized = self._tokenize(inputs, truncate_prompt_tokens, truncation_side, prompt, prompt_name)
+        return [
+            PoolingRequest(request_id=f"{params.task}-{next(self._request_ids)}", prompt_token_ids=ids,
+                           token_type_ids=types, params=params)
+            for ids, types in tokenized
+        ]
+
+    def attach_loop(self, loop: EngineLoop | None) -> None:
+        """Route this API's calls through ``loop`` (which owns the engine), or back to direct
+        driving with ``None``; waits for a call driving the engine directly to finish first."""
+        with self._engine_lock:
+            self._loop = loop
+
     def _check_task(self, params: PoolingParams) -> PoolingParams:
         if params.task != self.task:
             raise InvalidRequestError(
@@ -332,24 +441,25 @@ class Runtime:
             encoded.update((i, (ids, None)) for i, ids in zip(single_at, singles, strict=True))
         return [encoded[i] for i in range(len(items))]
 
-    def _run(
-        self, inputs: list[tuple[tuple[int, ...], tuple[int, ...] | None]], params: PoolingParams,
-        show_progress_bar: bool,
-    ) -> list[RequestOutput]:
-        """Run tokenized ``(prompt_token_ids, token_type_ids)`` inputs; outputs in input order."""
-        requests = [
-            PoolingRequest(request_id=f"{params.task}-{next(self._request_ids)}", prompt_token_ids=ids,
-                           token_type_ids=types, params=params)
-            for ids, types in inputs
-        ]
+    def _run(self, requests: list[PoolingRequest], show_progress_bar: bool) -> list[RequestOutput]:
+        """Run ``requests``; outputs in request order."""
         position = {request.request_id: i for i, request in enumerate(requests)}
         results: list[Any] = [None] * len(requests)
-        # One caller drives the engine at a time: a step hands its results to whoever runs it.
-        with self._engine_lock, tqdm(total=len(requests), disable=not show_progress_bar, unit="input") as bar:
-            for request_id, output in self.engine.run(requests):
-                results[position[request_id]] = output
-                bar.update()
-        return results
+        with tqdm(total=len(requests), disable=not show_progress_bar, unit="input") as bar:
+            with self._engine_lock:
+                loop = self._loop
+                if loop is None:  # one caller drives the engine at a time: a step hands its results to whoever runs it
+                    for request_id, output in self.engine.run(requests):
+                        results[position[request_id]] = output
+                        bar.update()
+                    return results
+            # Attached: the loop batches these with other callers' requests in shared steps.
+            submission = loop.submit(requests, on_output=bar.update)
+            try:
+                return submission.result()
+            finally:
+                if not submission.future.done():  # interrupted: free the engine of these requests
+                    loop.abort(submission)
 
 
 def _is_pair(item: object) -> bool:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from poolrunner.core.errors import PluginConflictError, UnsupportedTaskError
+from poolrunner.core.errors import ModelLoadError, PluginConflictError, UnsupportedTaskError
 from poolrunner.core.hooks import Hooks
 from poolrunner.core.manager import PoolrunnerPluginManager
 from poolrunner.core.model.tasks import default_task
 from poolrunner.core.pooler import Pooler
-from poolrunner.core.types import ModelConfig, PoolingTask
+from poolrunner.core.types import POOLING_TASKS, ModelConfig, PoolingTask
 
 _REMEDY = "Pick a supported task, or install a plugin that serves it (see `poolrunner plugins --all`)."
 
@@ -19,12 +19,12 @@ def resolve_task(
 ) -> PoolingTask:
     """The requested task, or the model's default, checked against what is served.
 
-    Served tasks are what the model can do (``model_config.model_tasks``) intersected with the
-    union of the plugins' ``supported_tasks``.
+    See :func:`served_tasks` for what is served.
 
     :raises UnsupportedTaskError: naming the task, the supported tasks, the plugins and the remedy.
+    :raises ModelLoadError: if the folder declares a plugin that is not registered.
     """
-    supported = model_config.model_tasks & hooks.supported_tasks(model_config=model_config)
+    supported = served_tasks(hooks, pm, model_config)
     task = requested or default_task(model_config.architecture, supported)
     if task is not None and task in supported:
         return task
@@ -41,17 +41,42 @@ def resolve_task(
     )
 
 
+def served_tasks(hooks: Hooks, pm: PoolrunnerPluginManager, model_config: ModelConfig) -> frozenset[PoolingTask]:
+    """The tasks a runtime can serve for ``model_config``.
+
+    A built-in task is served when the model can do it (``model_config.model_tasks``) and a
+    plugin claims it; a plugin-declared task (outside :data:`POOLING_TASKS`) when a plugin
+    claims it, the plugin having judged the model itself. A folder that declares the plugin it
+    needs (``model_config.required_plugin``) is served only that plugin's tasks.
+
+    :raises ModelLoadError: naming the missing distribution and how to install it.
+    """
+    required = model_config.required_plugin
+    if required is not None:
+        if not pm.has_plugin(required.name):
+            raise ModelLoadError(
+                f"model {model_config.name!r} needs the {required.name!r} plugin ({required.reason}), "
+                f"which is not installed or is disabled: pip install {required.dist}"
+            )
+        return hooks.tasks_by_plugin(model_config=model_config).get(required.name, frozenset())
+    claimed = hooks.supported_tasks(model_config=model_config)
+    return (model_config.model_tasks | (claimed - set(POOLING_TASKS))) & claimed
+
+
 def select_pooler(
     hooks: Hooks, pm: PoolrunnerPluginManager, model_config: ModelConfig, task: PoolingTask,
     model: nn.Module, pooler_plugin: str | None,
 ) -> Pooler:
-    """The pooler for ``task``: from ``pooler_plugin`` when named, else from the single
-    non-built-in plugin that answers, else from the built-ins.
+    """The pooler for ``task``: from ``pooler_plugin`` when named (by default the plugin the
+    model folder requires), else from the single non-built-in plugin that answers, else from
+    the built-ins.
 
     :raises PluginConflictError: if several non-built-in plugins answer and none is named.
     :raises UnsupportedTaskError: if no plugin (or not the named one) returns a pooler.
     """
     args = {"model_config": model_config, "task": task, "model": model}
+    if pooler_plugin is None and model_config.required_plugin is not None:
+        pooler_plugin = model_config.required_plugin.name
     if pooler_plugin is not None:
         if not pm.has_plugin(pooler_plugin):
             raise UnsupportedTaskError(f"pooler_plugin {pooler_plugin!r} is not a registered plugin")

@@ -8,22 +8,37 @@ plugin's input; derive variants with :func:`attrs.evolve`. Runner-owned mutable 
 from __future__ import annotations
 
 import operator
+import re
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, get_args
 
 from attrs import converters, field, fields, frozen, validators
 
-from poolrunner.core.validators import non_negative_int, non_negative_ints, one_of, optional_bool, positive_int
+from poolrunner.core.validators import (
+    non_negative_int,
+    non_negative_ints,
+    one_of,
+    optional_bool,
+    positive_int,
+    task_name,
+)
 
 if TYPE_CHECKING:
     import torch
 
-PoolingTask = Literal["embed", "classify", "token_embed", "token_classify", "embed&token_classify"]
-"""What a request asks of a model: one vector, one label distribution, per-token vectors,
-per-token distributions, or a dense vector plus per-token weights (BGE-M3 style)."""
+BuiltinTask = Literal["embed", "classify", "token_embed", "token_classify", "embed&token_classify"]
+"""The tasks core knows: one vector, one label distribution, per-token vectors, per-token
+distributions, or a dense vector plus per-token weights (BGE-M3 style)."""
 
-POOLING_TASKS: tuple[PoolingTask, ...] = get_args(PoolingTask)
+POOLING_TASKS: tuple[BuiltinTask, ...] = get_args(BuiltinTask)
+
+PoolingTask: TypeAlias = str
+"""What a request asks of a model: a :data:`BuiltinTask`, or a task a plugin declares in its
+``supported_tasks`` (such as ``"sparse_embed"``), named as :data:`PLUGIN_TASK_NAME` allows."""
+
+PLUGIN_TASK_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+"""How a plugin-declared task is spelled: a lowercase identifier of at most 64 characters."""
 
 # vLLM's order of preference when the user names no task (see ModelConfig.default_task).
 TASK_PREFERENCE: tuple[PoolingTask, ...] = (
@@ -47,7 +62,7 @@ def _frozen_mapping(value: Mapping[Any, Any] | None) -> Mapping[Any, Any]:
 class PoolingParams:
     """Per-request pooling options.
 
-    :ivar task: The pooling task this request asks for.
+    :ivar task: The pooling task this request asks for: a built-in task or one a plugin declares.
     :ivar dimensions: Matryoshka output size ``d``: the pooled vector is sliced to ``[:d]`` and
         then normalized (when normalization is on). Only Matryoshka models accept it; checked
         against the model when the request is admitted. ``None`` keeps the full size.
@@ -61,7 +76,7 @@ class PoolingParams:
         runs over them alone).
     """
 
-    task: PoolingTask = field(validator=one_of(POOLING_TASKS))
+    task: PoolingTask = field(validator=task_name(POOLING_TASKS, PLUGIN_TASK_NAME))
     dimensions: int | None = field(default=None, validator=positive_int)
     normalize: bool | None = field(default=None, validator=optional_bool)
     use_activation: bool | None = field(default=None, validator=optional_bool)
@@ -129,6 +144,20 @@ class DenseLayerSpec:
 
 
 @frozen(kw_only=True)
+class RequiredPlugin:
+    """A plugin a model folder cannot run without, as the folder itself declares it.
+
+    :ivar name: The plugin's registration (entry-point) name, e.g. ``"splade"``.
+    :ivar dist: The distribution that provides it, e.g. ``"poolrunner-splade"``.
+    :ivar reason: What in the folder asks for it, for error messages.
+    """
+
+    name: str
+    dist: str
+    reason: str
+
+
+@frozen(kw_only=True)
 class ModelConfig:
     """What poolrunner knows about the loaded model, without any transformers object.
 
@@ -159,6 +188,9 @@ class ModelConfig:
         ``Linear(hidden_size, 1)`` state dict, when the folder has one.
     :ivar type_vocab_size: Number of token types the model embeds (0 when it has none); paired
         inputs carry ``token_type_ids`` only when this is at least 2.
+    :ivar required_plugin: The plugin the folder declares it needs (a sentence-transformers
+        ``SparseEncoder`` or PyLate pipeline, say); only that plugin then serves the model, and
+        the load fails naming its distribution when it is not installed.
     :ivar hf_config: The raw ``config.json`` contents, read-only, for plugins that need more.
     """
 
@@ -187,6 +219,7 @@ class ModelConfig:
     classifier_activation: str | None = None
     type_vocab_size: int = 0
     token_weight_head: str | None = None
+    required_plugin: RequiredPlugin | None = None
     hf_config: Mapping[str, Any] = field(
         factory=dict, converter=_frozen_mapping, eq=False, hash=False, repr=False
     )

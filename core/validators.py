@@ -5,6 +5,7 @@ They raise :class:`~poolrunner.core.errors.InvalidRequestError` (a ``ValueError`
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection
 from typing import Any
 
@@ -21,6 +22,23 @@ def one_of(choices: Collection[Any], *, optional: bool = False):
             return
         if value not in choices:
             raise InvalidRequestError(f"{attribute.name} must be one of {list(choices)}, got {value!r}")
+
+    return check
+
+
+def task_name(builtin: Collection[str], plugin_pattern: re.Pattern[str], *, optional: bool = False):
+    """A built-in task, or a name a plugin may declare (``plugin_pattern``); whether a runtime
+    serves it is checked at load and on admission, where the installed plugins are known."""
+
+    def check(_instance: object, attribute: Attribute, value: Any) -> None:
+        if value is None and optional:
+            return
+        if value in builtin or (isinstance(value, str) and plugin_pattern.fullmatch(value)):
+            return
+        raise InvalidRequestError(
+            f"{attribute.name} must be one of {list(builtin)} or a plugin's task name (lowercase "
+            f"letters, digits and '_', at most 64 characters), got {value!r}"
+        )
 
     return check
 

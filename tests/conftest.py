@@ -50,7 +50,7 @@ def runtime():
     """The default runtime (all-MiniLM-L6-v2, MEAN pooling, normalized, max_model_len 256)."""
     import poolrunner
 
-    return poolrunner.Runtime()
+    return poolrunner.Runtime(dtype="float32")
 
 
 @pytest.fixture(scope="session")

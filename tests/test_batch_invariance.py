@@ -61,7 +61,7 @@ def test_in_a_batch_of_equal_length_texts(runtime, hf_tokenizer, st_model, targe
 
 def test_equal_length_batch_with_small_budget(hf_tokenizer, st_model, target_len, text_with_tokens):
     # Four equal-length texts per step, packed back to back.
-    small = poolrunner.Runtime(max_num_batched_tokens=4 * target_len, max_num_seqs=4)
+    small = poolrunner.Runtime(max_num_batched_tokens=4 * target_len, max_num_seqs=4, dtype="float32")
     batch = [text_with_tokens(target_len, seed) for seed in range(10, 18)]
     vectors = small.embed(batch)
     assert cosine_rows(vectors, st_model.encode(batch)).min() >= MIN_COSINE
@@ -95,7 +95,7 @@ def test_calls_from_several_threads_each_get_their_own_vectors(st_model, lee_doc
     """Threads share one engine; a step must never hand one caller's results to another."""
     import threading
 
-    shared = poolrunner.Runtime(load_entrypoints=False, max_num_seqs=3)
+    shared = poolrunner.Runtime(load_entrypoints=False, max_num_seqs=3, dtype="float32")
     texts = [doc.strip() for doc in lee_docs[:24]]
     reference = st_model.encode(texts, convert_to_numpy=True)
     results: dict[int, np.ndarray] = {}

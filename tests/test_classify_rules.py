@@ -170,7 +170,7 @@ def test_untrusted_cross_encoder_activation_is_refused(make_classifier_folder, m
     with pytest.raises(ModelLoadError, match=re.escape(
         "cross-encoder activation 'os.system' is not a torch.nn class; refusing it"
     )):
-        poolrunner.Runtime(folder)
+        poolrunner.Runtime(folder, dtype="float32")
     assert calls == []
 
 
@@ -182,7 +182,7 @@ def test_untrusted_cross_encoder_activation_is_refused(make_classifier_folder, m
 def test_unusable_torch_nn_activation_is_a_load_error(activation, message, make_classifier_folder):
     folder = make_classifier_folder("bert", "single", st_config={"activation_fn": activation})
     with pytest.raises(ModelLoadError, match=re.escape(message)):
-        poolrunner.Runtime(folder)
+        poolrunner.Runtime(folder, dtype="float32")
 
 
 # --------------------------------------------------------------------------- tasks and params
@@ -196,7 +196,7 @@ def test_task_selection(family, make_classifier_folder, classifier_runtime):
     assert runtime.model_config.model_tasks == frozenset({"classify"})
     assert runtime.model_config.labels == ("negative", "neutral", "positive")
     with pytest.raises(UnsupportedTaskError) as caught:
-        poolrunner.Runtime(folder, task="embed")
+        poolrunner.Runtime(folder, task="embed", dtype="float32")
     message = str(caught.value)
     assert "does not support task 'embed'" in message
     assert "Supported: ['classify']" in message

@@ -55,7 +55,7 @@ def reference() -> Reference:
 @pytest.fixture(scope="module")
 def runtime() -> Runtime:
     """The Python API, for the exact error messages the command line must pass on."""
-    return Runtime(load_entrypoints=False)
+    return Runtime(load_entrypoints=False, dtype="float32")
 
 
 def assert_close(actual: np.ndarray, expected: np.ndarray) -> None:
@@ -73,7 +73,13 @@ def parse_jsonl(text: str) -> np.ndarray:
     return np.array([record["embedding"] for record in records], dtype=np.float32)
 
 
+# Subcommands that load a model; they run in float32 here so outputs compare with fp32 references.
+MODEL_COMMANDS = {"embed", "classify", "score", "rerank", "encode"}
+
+
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    if argv and argv[0] in MODEL_COMMANDS and "--dtype" not in argv and "--help" not in argv:
+        argv = (argv[0], "--dtype", "float32", *argv[1:])
     code = main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
@@ -90,6 +96,7 @@ def assert_user_error(code: int, out: str, err: str, message: str) -> None:
 # --- --version and --help ---------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("hide_installed_plugins")
 def test_version_lists_registered_plugins(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys, "--version")
     assert code == 0
@@ -346,7 +353,7 @@ def test_embed_disabled_plugins(capsys: pytest.CaptureFixture[str], monkeypatch:
     code, out, err = run_cli(capsys, "embed", "x")
     # sequence_pooling is the only plugin serving embed: the Python API's own message, passed on.
     with pytest.raises(UnsupportedTaskError) as excinfo:
-        Runtime(task="embed", disable_plugins=["sequence_pooling"])
+        Runtime(task="embed", disable_plugins=["sequence_pooling"], dtype="float32")
     message = str(excinfo.value)
     assert message.startswith(
         f"model {MODEL_PATH!r} (BertModel) does not support task 'embed'. Supported: ['token_embed']. "
@@ -363,6 +370,28 @@ def test_embed_disabled_plugins(capsys: pytest.CaptureFixture[str], monkeypatch:
 
 # --- plugins ----------------------------------------------------------------------------------
 
+# Plugins installed in the environment itself (the contrib distributions, say), before any test
+# adds its own fake ones.
+_INSTALLED_PLUGINS = frozenset(
+    (ep.name, ep.value) for ep in importlib_metadata.entry_points(group="poolrunner.plugins")
+)
+
+
+@pytest.fixture
+def hide_installed_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The listing tests pin the exact plugin list: hide the environment's own entry-point
+    plugins from them (the fake distributions the tests add stay visible)."""
+    real = importlib_metadata.entry_points
+
+    def entry_points(**params):  # noqa: ANN202
+        found = real(**params)
+        if params.get("group") != "poolrunner.plugins":
+            return found
+        return importlib_metadata.EntryPoints(ep for ep in found if (ep.name, ep.value) not in _INSTALLED_PLUGINS)
+
+    monkeypatch.setattr(importlib_metadata, "entry_points", entry_points)
+
+
 
 def builtins_json(hook: str | None = None) -> list[dict[str, object]]:
     """The built-ins (implementing ``hook``, if given) as ``plugins --json`` lists them, in
@@ -373,12 +402,14 @@ def builtins_json(hook: str | None = None) -> list[dict[str, object]]:
     ]
 
 
+@pytest.mark.usefixtures("hide_installed_plugins")
 def test_plugins_default_hides_builtins(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys, "plugins")
     assert code == 0
     assert out == "no third-party plugins installed; use --all to include built-ins\n"
 
 
+@pytest.mark.usefixtures("hide_installed_plugins")
 def test_plugins_all_table(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys, "plugins", "--all")
     assert code == 0
@@ -391,6 +422,7 @@ def test_plugins_all_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert [row[0] for row in rows[1:]] == list(BUILTIN_PLUGINS)
 
 
+@pytest.mark.usefixtures("hide_installed_plugins")
 def test_plugins_all_json(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys, "plugins", "--all", "--json")
     assert code == 0
@@ -400,6 +432,7 @@ def test_plugins_all_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert json.loads(out) == []
 
 
+@pytest.mark.usefixtures("hide_installed_plugins")
 def test_plugins_hook_filter(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     code, out, err = run_cli(capsys, "plugins", "--all", "--hook", "get_pooler", "--json")
     assert code == 0
@@ -413,7 +446,8 @@ def test_plugins_hook_filter(capsys: pytest.CaptureFixture[str], monkeypatch: py
     assert out == "no third-party plugin implements hook 'get_pooler'; use --all to include built-ins\n"
     code, out, err = run_cli(capsys, "plugins", "--hook", "get_poolr")
     assert_user_error(code, out, err, "unknown hook 'get_poolr'; hooks: add_request, get_pooler, pool, "
-                                      "prepare_inputs, process_output, remove_request, supported_tasks\n")
+                                      "prepare_inputs, process_output, remove_request, score_outputs, "
+                                      "supported_tasks\n")
     # every hook has a built-in implementer: leave those of add_request (token_type_ids) out to
     # see an empty answer
     disabled = [builtin["name"] for builtin in builtins_json("add_request")]
@@ -453,7 +487,7 @@ def installed_plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # noqa:
         sys.modules.pop(name, None)
 
 
-@pytest.mark.usefixtures("installed_plugins")
+@pytest.mark.usefixtures("hide_installed_plugins", "installed_plugins")
 def test_plugins_entry_points(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     code, out, err = run_cli(capsys, "plugins")
     assert_user_error(code, out, err, "plugin 'broken' (cli-demo-plugin 1.2.3, entry point "
@@ -609,11 +643,12 @@ def test_classify_pairs(capsys: pytest.CaptureFixture[str], tmp_path: Path, clas
     assert_user_error(code, out, err, "--pair-field needs --input FILE")
 
 
+@pytest.mark.usefixtures("hide_installed_plugins")  # the message lists every pooling plugin
 def test_classify_default_model_is_unsupported(capsys: pytest.CaptureFixture[str]) -> None:
     from poolrunner.core import UnsupportedTaskError
 
     with pytest.raises(UnsupportedTaskError) as raised:
-        Runtime(task="classify", load_entrypoints=False)
+        Runtime(task="classify", load_entrypoints=False, dtype="float32")
     code, out, err = run_cli(capsys, "classify", "I loved it.")
     assert_user_error(code, out, err, f"{raised.value}\n")
     assert f"model {MODEL_PATH!r} (BertModel) does not support task 'classify'" in err

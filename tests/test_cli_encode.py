@@ -30,7 +30,7 @@ def model_path() -> str:
 
 
 def test_token_embed_jsonl_matches_transformers(capsys, reference_rows):
-    assert main(["encode", "--task", "token_embed", "--no-entrypoints", *TEXTS]) == 0
+    assert main(["encode", "--task", "token_embed", "--no-entrypoints", "--dtype", "float32", *TEXTS]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(line["index"], line["task"]) for line in lines] == [(0, "token_embed"), (1, "token_embed")]
     for line, reference in zip(lines, reference_rows, strict=True):
@@ -39,7 +39,8 @@ def test_token_embed_jsonl_matches_transformers(capsys, reference_rows):
 
 def test_npz_output_holds_one_ragged_array_per_input(tmp_path, reference_rows):
     out = tmp_path / "tokens.npz"
-    assert main(["encode", "--task", "token_embed", "--no-entrypoints", "--normalize", "-o", str(out), *TEXTS]) == 0
+    assert main(["encode", "--task", "token_embed", "--no-entrypoints", "--dtype", "float32", "--normalize", "-o",
+                 str(out), *TEXTS]) == 0
     archive = np.load(out)
     assert sorted(archive.files) == ["0", "1"]
     for index, reference in enumerate(reference_rows):

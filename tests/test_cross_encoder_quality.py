@@ -149,7 +149,7 @@ def test_loads_a_folder_saved_by_cross_encoder(cross_encoder, heldout, tmp_path)
     cross_encoder.save_pretrained(str(folder))
     modules = json.loads((folder / "modules.json").read_text(encoding="utf-8"))
     assert [m["type"].rsplit(".", 1)[-1] for m in modules] == ["Transformer"]
-    runtime = Runtime(folder)
+    runtime = Runtime(folder, dtype="float32")
     assert runtime.task == "classify"
     assert runtime.model_config.max_model_len == MAX_LENGTH
     assert runtime.model_config.classifier_activation == "Sigmoid"
@@ -195,7 +195,7 @@ def test_activation_named_by_the_folder(where, lee_cross_encoder, tmp_path):
     reference = CrossEncoder(str(folder), device="cpu")
     assert isinstance(reference.activation_fn, torch.nn.Identity)
     expected = reference.predict(SHORT_PAIRS)
-    runtime = Runtime(folder)
+    runtime = Runtime(folder, dtype="float32")
     assert runtime.model_config.classifier_activation == "Identity"
     ours = runtime.score([q for q, _ in SHORT_PAIRS], [d for _, d in SHORT_PAIRS])
     np.testing.assert_allclose(ours, expected, rtol=RTOL, atol=1e-4)

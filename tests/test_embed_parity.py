@@ -46,7 +46,7 @@ def test_lee_parity_with_sentence_transformers(runtime, corpus, st_reference):
 
 
 def test_lee_parity_in_many_small_steps(corpus, st_reference):
-    small = poolrunner.Runtime(max_num_batched_tokens=512, max_num_seqs=3)
+    small = poolrunner.Runtime(max_num_batched_tokens=512, max_num_seqs=3, dtype="float32")
     steps: list[tuple[int, ...]] = []
     schedule = small.engine.scheduler.schedule
 

@@ -16,14 +16,14 @@ from tests.helpers import MIN_COSINE, cosine_rows, normalized
 
 @pytest.fixture(scope="module")
 def matryoshka_runtime():
-    rt = poolrunner.Runtime(is_matryoshka=True)
+    rt = poolrunner.Runtime(is_matryoshka=True, dtype="float32")
     assert rt.model_config.is_matryoshka and rt.model_config.matryoshka_dimensions is None
     return rt
 
 
 @pytest.fixture(scope="module")
 def listed_runtime():
-    rt = poolrunner.Runtime(matryoshka_dimensions=[64, 128, 384])
+    rt = poolrunner.Runtime(matryoshka_dimensions=[64, 128, 384], dtype="float32")
     assert rt.model_config.is_matryoshka
     assert rt.model_config.matryoshka_dimensions == (64, 128, 384)
     return rt

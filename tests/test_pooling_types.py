@@ -33,7 +33,7 @@ def hf_states(hf_tokenizer, hf_hidden, texts):
 @pytest.mark.parametrize("pooling_type", ["CLS", "LAST"])
 def test_minilm_pooling_matches_transformers(pooling_type, texts, hf_states):
     states, mask = hf_states
-    rt = poolrunner.Runtime(pooling_type=pooling_type, normalize=False)
+    rt = poolrunner.Runtime(pooling_type=pooling_type, normalize=False, dtype="float32")
     assert rt.model_config.pooling_type == pooling_type
     rows = np.zeros(len(texts), dtype=int) if pooling_type == "CLS" else mask.sum(1) - 1
     reference = states[np.arange(len(texts)), rows]
@@ -63,7 +63,7 @@ def test_cls_and_last_differ_from_mean(hf_states, texts, runtime):
 
 @pytest.fixture(scope="module")
 def llama_runtime(llama_folder):
-    return poolrunner.Runtime(llama_folder)
+    return poolrunner.Runtime(llama_folder, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def test_decoder_equal_length_batch(llama_runtime, llama_reference):
 
 
 def test_decoder_raw_values_and_small_steps(llama_folder, llama_texts, llama_reference):
-    rt = poolrunner.Runtime(llama_folder, normalize=False, max_num_batched_tokens=32, max_num_seqs=2)
+    rt = poolrunner.Runtime(llama_folder, normalize=False, max_num_batched_tokens=32, max_num_seqs=2, dtype="float32")
     tokenizer = rt.inputs.tokenizer
     ids = [list(row) for row in tokenizer(llama_texts)["input_ids"]]
     assert max(len(row) for row in ids) > 32  # one input is over the budget: it runs alone

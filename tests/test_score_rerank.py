@@ -161,7 +161,8 @@ def test_score_on_a_multi_label_classifier_is_unsupported(minilm_classifier_fold
     runtime = classifier_runtime(minilm_classifier_folder(3))
     assert runtime.task == "classify" and len(runtime.model_config.labels) == 3
     message = ("score needs an embed model (bi-encoder) or a classify model with one label (cross-encoder); "
-               "this runtime serves 'classify' with 3 labels. Late interaction (token_embed) is not supported yet.")
+               "this runtime serves 'classify' with 3 labels, and no plugin scores 'classify' outputs "
+               "(see `poolrunner plugins --hook score_outputs`).")
     for call in (lambda: runtime.score("a query", ["a document"]), lambda: runtime.rerank("a query", ["a doc"])):
         with pytest.raises(UnsupportedTaskError) as caught:
             call()

@@ -34,7 +34,7 @@ def texts(lee_docs) -> list[str]:
 
 
 def assert_matches_st(folder, texts, *, exact: bool = False, **embed_kwargs):
-    rt = poolrunner.Runtime(folder)
+    rt = poolrunner.Runtime(folder, dtype="float32")
     st = load_st(folder)
     vectors = rt.embed(texts, **embed_kwargs)
     reference = st.encode(texts, convert_to_numpy=True)
@@ -51,7 +51,7 @@ def assert_matches_st(folder, texts, *, exact: bool = False, **embed_kwargs):
 def test_plain_hf_folder_defaults_to_cls_normalized(make_minilm_folder, hf_tokenizer, hf_hidden, texts,
                                                      text_with_tokens):
     folder = make_minilm_folder("plain")
-    rt = poolrunner.Runtime(folder)
+    rt = poolrunner.Runtime(folder, dtype="float32")
     config = rt.model_config
     assert (config.pooling_type, config.normalize, config.max_model_len) == ("CLS", True, 512)
     assert config.dense_layers == () and config.embedding_size == 384
@@ -98,14 +98,14 @@ def test_unsupported_pooling_mode(make_minilm_folder, pooling, shown):
     with pytest.raises(ModelLoadError,
                        match=rf"1_Pooling/config\.json: pooling mode {shown} is not supported; poolrunner runs "
                              r"exactly one of \['cls', 'lasttoken', 'mean'\]$"):
-        poolrunner.Runtime(folder)
+        poolrunner.Runtime(folder, dtype="float32")
 
 
 def test_include_prompt_false_is_refused(make_minilm_folder):
     folder = make_minilm_folder("noprompt", modules=[TRANSFORMER, POOLING],
                                 pooling={"pooling_mode": "mean", "include_prompt": False})
     with pytest.raises(ModelLoadError, match=r"1_Pooling/config\.json: include_prompt=false is not supported$"):
-        poolrunner.Runtime(folder)
+        poolrunner.Runtime(folder, dtype="float32")
 
 
 def test_unsupported_module_type(make_minilm_folder):
@@ -114,7 +114,7 @@ def test_unsupported_module_type(make_minilm_folder):
     with pytest.raises(ModelLoadError,
                        match=r"sentence-transformers module 'sentence_transformers\.models\.LayerNorm' is not "
                              r"supported \(supported: Transformer, Pooling, Dense, Normalize\)$"):
-        poolrunner.Runtime(folder)
+        poolrunner.Runtime(folder, dtype="float32")
 
 
 # --------------------------------------------------------------------------- Dense and Normalize
@@ -142,7 +142,7 @@ def test_dense_without_normalize(make_minilm_folder, texts):
     assert rt.model_config.normalize is False
     assert not np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-3)
     # Matryoshka slicing applies after the Dense projection.
-    sliced = poolrunner.Runtime(folder, is_matryoshka=True).embed(texts, dimensions=32, normalize=True)
+    sliced = poolrunner.Runtime(folder, is_matryoshka=True, dtype="float32").embed(texts, dimensions=32, normalize=True)
     np.testing.assert_allclose(sliced, vectors[:, :32] / np.linalg.norm(vectors[:, :32], axis=1, keepdims=True),
                                atol=1e-5)
 
@@ -157,7 +157,7 @@ def test_normalize_module_decides_the_default(make_minilm_folder, texts, st_mode
     normed = rt.embed(texts, normalize=True)
     np.testing.assert_allclose(normed, st_model.encode(texts), atol=2e-5)
     # And the override at load time flips the default.
-    assert poolrunner.Runtime(without, normalize=True).model_config.normalize is True
+    assert poolrunner.Runtime(without, normalize=True, dtype="float32").model_config.normalize is True
 
 
 @pytest.mark.parametrize("activation", ["os.system", "builtins.eval", "mypackage.nn.Tanh"])
@@ -167,14 +167,14 @@ def test_untrusted_activation_path(make_minilm_folder, activation):
     with pytest.raises(ModelLoadError,
                        match=rf"2_Dense: Dense activation '{activation}' is not a torch\.nn class; "
                              r"refusing to load it$"):
-        poolrunner.Runtime(folder)
+        poolrunner.Runtime(folder, dtype="float32")
 
 
 def test_activation_that_is_not_a_module_class(make_minilm_folder):
     folder = make_minilm_folder("fn_act", modules=[TRANSFORMER, POOLING, ("Dense", "2_Dense")], pooling=MEAN,
                                 dense={"out_features": 16, "activation": "torch.nn.functional.relu"})
     with pytest.raises(ModelLoadError, match=r"2_Dense: activation 'relu' is not a torch\.nn module$"):
-        poolrunner.Runtime(folder)
+        poolrunner.Runtime(folder, dtype="float32")
 
 
 def test_dense_after_normalize_is_refused(make_minilm_folder):
@@ -184,7 +184,7 @@ def test_dense_after_normalize_is_refused(make_minilm_folder):
         pooling=MEAN, dense={"out_features": 64, "path": "3_Dense"},
     )
     with pytest.raises(ModelLoadError, match=r"a Dense module after Normalize is not supported"):
-        poolrunner.Runtime(folder)
+        poolrunner.Runtime(folder, dtype="float32")
 
 
 # --------------------------------------------------------------------------- lengths and prompts
@@ -193,7 +193,7 @@ def test_dense_after_normalize_is_refused(make_minilm_folder):
 def test_max_seq_length_caps_max_model_len(make_minilm_folder, lee_long_docs, text_with_tokens):
     folder = make_minilm_folder("len128", modules=[TRANSFORMER, POOLING, ("Normalize", "2_Normalize")],
                                 pooling=MEAN, sbert_config={"max_seq_length": 128})
-    rt = poolrunner.Runtime(folder)
+    rt = poolrunner.Runtime(folder, dtype="float32")
     assert rt.model_config.max_model_len == 128
     with pytest.raises(InvalidRequestError, match=r"^input 0 has 129 tokens, more than the maximum of 128 "):
         rt.embed(text_with_tokens(129, seed=31))
@@ -210,7 +210,7 @@ def test_prompts_from_the_config(make_minilm_folder, texts):
         sbert_config=SBERT_256,
         st_config={"prompts": {"query": "query: ", "passage": "passage: "}, "default_prompt_name": "query"},
     )
-    rt = poolrunner.Runtime(folder)
+    rt = poolrunner.Runtime(folder, dtype="float32")
     assert dict(rt.model_config.prompts) == {"query": "query: ", "passage": "passage: "}
     assert rt.model_config.default_prompt_name == "query"
     st = load_st(folder)
@@ -231,7 +231,7 @@ def test_prompts_from_the_config(make_minilm_folder, texts):
 def test_unknown_default_prompt_name(make_minilm_folder):
     folder = make_minilm_folder("bad_default", modules=[TRANSFORMER, POOLING], pooling=MEAN,
                                 st_config={"prompts": {"query": "q: "}, "default_prompt_name": "passage"})
-    rt = poolrunner.Runtime(folder)
+    rt = poolrunner.Runtime(folder, dtype="float32")
     with pytest.raises(InvalidRequestError,
                        match=r"^prompt_name 'passage' is not defined by model .*; defined: \['query'\]$"):
         rt.embed(["text"])

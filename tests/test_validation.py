@@ -139,7 +139,7 @@ def test_input_exactly_at_max_model_len(runtime, st_model, text_with_tokens):
 
 @pytest.fixture(scope="module")
 def budget_runtime():
-    return poolrunner.Runtime(max_num_batched_tokens=64, max_num_seqs=8)
+    return poolrunner.Runtime(max_num_batched_tokens=64, max_num_seqs=8, dtype="float32")
 
 
 @pytest.fixture
@@ -303,10 +303,10 @@ def test_engine_rejects_another_task(runtime, assert_serves):
 
 def test_pooling_params_validators():
     with pytest.raises(ValueError) as excinfo:
-        PoolingParams(task="bogus")
+        PoolingParams(task="Bogus task")
     assert str(excinfo.value) == (
-        "task must be one of ['embed', 'classify', 'token_embed', 'token_classify', 'embed&token_classify'], "
-        "got 'bogus'"
+        "task must be one of ['embed', 'classify', 'token_embed', 'token_classify', 'embed&token_classify'] "
+        "or a plugin's task name (lowercase letters, digits and '_', at most 64 characters), got 'Bogus task'"
     )
     with pytest.raises(ValueError, match=r"^dimensions must be a positive integer, got 0$"):
         PoolingParams(task="embed", dimensions=0)
@@ -360,7 +360,7 @@ def test_invalid_runtime_arguments(runtime, assert_serves, kwargs, error, patter
 
 
 def test_lower_max_model_len_override(st_model, text_with_tokens, assert_serves):
-    rt = poolrunner.Runtime(max_model_len=32)
+    rt = poolrunner.Runtime(max_model_len=32, dtype="float32")
     assert rt.model_config.max_model_len == 32
     with pytest.raises(InvalidRequestError, match=r"^input 0 has 33 tokens, more than the maximum of 32 "):
         rt.embed(text_with_tokens(33, seed=9))
@@ -381,7 +381,7 @@ def test_a_head_the_configured_class_would_drop_is_refused(tmp_path, model_path,
     config["architectures"] = ["BertModel"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError) as excinfo:
-        poolrunner.Runtime(tmp_path, load_entrypoints=False)
+        poolrunner.Runtime(tmp_path, load_entrypoints=False, dtype="float32")
     assert str(excinfo.value) == (
         f"{tmp_path}: the weights hold a head (classifier.bias, classifier.weight) that BertModel does not use; "
         "config.json `architectures` decides the head, so name the class the weights were trained as "

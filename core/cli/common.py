@@ -119,7 +119,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     model.add_argument("-m", "--model", metavar="PATH",
                        help="local model folder (default: all-MiniLM-L6-v2, shipped with poolrunner)")
     model.add_argument("--dtype", choices=DTYPES, default="auto",
-                       help="weight dtype; auto is float32 on the CPU, half precision on CUDA")
+                       help="weight dtype; auto: half precision on CUDA; on the CPU bfloat16 where native and "
+                            "accurate for this model (checked at load), else float32")
     model.add_argument("--device", default="auto",
                        help="torch device, e.g. cpu, cuda, cuda:1; auto picks CUDA when present")
     model.add_argument("--max-num-batched-tokens", "--batch-size", metavar="N", type=positive_int,

@@ -23,6 +23,8 @@ from poolrunner.core.cli.common import (
     write_jsonl,
     write_output,
 )
+from poolrunner.core.cli.ray_job import EPILOG as RAY_EPILOG
+from poolrunner.core.cli.ray_job import add_ray_options, run_ray
 
 __all__ = ["add_parser", "run", "write_vectors"]
 
@@ -51,7 +53,7 @@ examples:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = add_command(subparsers, "embed", summary="embed texts into vectors (JSONL or .npy)",
-                         description=DESCRIPTION, epilog=EPILOG)
+                         description=DESCRIPTION, epilog=f"{EPILOG}\n\n{RAY_EPILOG}")
     parser.add_argument("texts", nargs="*", metavar="TEXT", help="texts to embed (or use --input)")
 
     files = parser.add_argument_group("input and output")
@@ -76,12 +78,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="name of one of the model's prompts (config_sentence_transformers.json)")
 
     add_plugin_options(parser)
+    add_ray_options(parser)
     parser.set_defaults(run=run)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     """Read the texts, load the model, embed, write. Input and option errors come before loading."""
+    if args.ray is not None:
+        return run_ray(args, "embed", {
+            "dimensions": args.dimensions, "normalize": args.normalize, "truncate_prompt_tokens": args.truncate,
+            "truncation_side": args.truncation_side, "prompt": args.prompt, "prompt_name": args.prompt_name,
+        })
     texts = read_texts(args.texts, args.input, args.text_field)
     if not texts:
         raise no_inputs("texts to embed", args.input)

@@ -24,6 +24,8 @@ from poolrunner.core.cli.common import (
     write_jsonl,
     write_output,
 )
+from poolrunner.core.cli.ray_job import EPILOG as RAY_EPILOG
+from poolrunner.core.cli.ray_job import add_ray_options, run_ray
 from poolrunner.core.types import POOLING_TASKS
 
 __all__ = ["add_parser", "run"]
@@ -31,13 +33,15 @@ __all__ = ["add_parser", "run"]
 DESCRIPTION = """\
 Run any task the model serves and write each input's result in input order.
 
-results per input (float32):
+results per input (float32 unless said otherwise):
   embed                 [d]                       one vector
   classify              [num_labels]              probabilities (or --raw-logits)
   token_embed           [num_tokens, hidden]      one vector per token
   token_classify        [num_tokens, num_labels]  per-token probabilities; with
                         --step-tag-id only the rows of that token ([num_tags, n])
   embed&token_classify  {"embedding": [hidden], "token_weights": [num_tokens]}
+  a plugin's task       as the plugin says, e.g. sparse_embed (poolrunner-splade):
+                        {"token_ids": [k] int64, "weights": [k]}
 
 input: TEXT arguments, or --input FILE (.jsonl with --text-field, else text lines).
 
@@ -49,6 +53,7 @@ output:
 EPILOG = """\
 examples:
   poolrunner encode --task token_embed "A cat sat." --output tokens.npz
+  poolrunner encode --model ./splade --task sparse_embed "A cat sat."
   poolrunner encode --model ./ner-model --task token_classify --input texts.txt
   poolrunner encode --model ./prm --task token_classify --step-tag-id 12902 --returned-token-ids 0 1 "step 1 ..."\
 """
@@ -56,15 +61,17 @@ examples:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = add_command(subparsers, "encode", summary="run any task; per-input arrays (JSONL or .npz)",
-                         description=DESCRIPTION, epilog=EPILOG)
+                         description=DESCRIPTION, epilog=f"{EPILOG}\n\n{RAY_EPILOG}")
     parser.add_argument("texts", nargs="*", metavar="TEXT", help="inputs (or use --input)")
     files = parser.add_argument_group("input and output")
     add_input_option(files, "inputs")
     add_output_option(files, "; a name ending in .npz writes a numpy archive")
 
     model = add_model_options(parser)
-    model.add_argument("--task", choices=POOLING_TASKS,
-                       help="task to run (default: the model's own default task)")
+    # Not argparse choices: plugins declare tasks of their own (sparse_embed), checked when the model loads.
+    model.add_argument("--task", metavar="TASK",
+                       help=f"task to run: {', '.join(POOLING_TASKS)}, or one a plugin declares "
+                            "(e.g. sparse_embed); default: the model's own default task")
     model.add_argument("--is-matryoshka", action="store_true",
                        help="accept --dimensions although the model's config does not declare it")
 
@@ -84,12 +91,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                          help="STEP pooling: keep only these label columns")
     add_truncation_options(request)
     add_plugin_options(parser)
+    add_ray_options(parser)
     parser.set_defaults(run=run)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     """Read the inputs, load the model, encode, write. Input and option errors come before loading."""
+    if args.ray is not None:
+        return run_ray(args, args.task, {
+            "dimensions": args.dimensions, "normalize": args.normalize, "use_activation": args.use_activation,
+            "step_tag_id": args.step_tag_id, "returned_token_ids": args.returned_token_ids,
+            "truncate_prompt_tokens": args.truncate, "truncation_side": args.truncation_side,
+        })
     texts = read_texts(args.texts, args.input, args.text_field)
     if not texts:
         raise no_inputs("inputs to encode", args.input)

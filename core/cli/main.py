@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import importlib_metadata
 
-from poolrunner.core.cli import classify, embed, encode, plugins, rerank, score
+from poolrunner.core.cli import classify, embed, encode, plugins, rerank, score, serve
 from poolrunner.core.cli.common import DISABLE_ENV, EXIT_USAGE, CliError, HelpFormatter, build_plugin_manager
 from poolrunner.core.errors import InvalidRequestError, PluginLoadError, PoolrunnerError, UnsupportedTaskError
 
@@ -30,6 +30,7 @@ examples:
   poolrunner score --query "q" "doc 1" "doc 2"          one score per (query, doc) pair
   poolrunner rerank --query "q" --input docs.txt        documents ranked best first
   poolrunner encode --task token_embed "A cat sat."     per-token vectors (any task)
+  poolrunner serve --port 8000 --api-key KEY            HTTP server (OpenAI embeddings, /rerank...)
   poolrunner plugins --all                              list plugins, built-ins too
   poolrunner --version                                  version and registered plugins
 
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print poolrunner's version and the registered plugins, then exit",
     )
     subparsers = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
-    for command in (embed, classify, score, rerank, encode, plugins):
+    for command in (embed, classify, score, rerank, encode, serve, plugins):
         command.add_parser(subparsers)
     return parser
 

@@ -10,9 +10,11 @@ third-party ones) works across chunks unchanged, and a request yields nothing un
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from poolrunner.core.engine.batch import InputBatch
+from poolrunner.core.engine.buckets import bucket_num_tokens
 from poolrunner.core.engine.request import RequestState
 from poolrunner.core.hooks import Hooks
 from poolrunner.core.model.attention import LAYOUT_KWARG, KVCache, PackedLayout
@@ -25,11 +27,16 @@ from poolrunner.core.types import ModelConfig, PoolingMetadata
 class ModelRunner:
     """Owns the model, the pooler and the state of partly prefilled requests."""
 
-    def __init__(self, model: nn.Module, pooler: Pooler, hooks: Hooks, model_config: ModelConfig) -> None:
+    def __init__(
+        self, model: nn.Module, pooler: Pooler, hooks: Hooks, model_config: ModelConfig, *, bucket_tokens: bool = False,
+    ) -> None:
+        """:param bucket_tokens: Round each step's token count up to a bucket
+        (:func:`~poolrunner.core.engine.buckets.bucket_num_tokens`) so kernels are reused: on the CPU."""
         self.backbone = model.base_model  # hidden states; heads belong to poolers
         self.pooler = pooler
         self.hooks = hooks
         self.model_config = model_config
+        self.bucket_tokens = bucket_tokens
         # transformers derives RoBERTa-family positions from the ids (starting after the padding
         # index) only when none are passed; packed position ids must carry the same offset.
         self.position_offset = position_offset(model_config.model_type, model_config.hf_config.get("pad_token_id"))
@@ -72,14 +79,15 @@ class ModelRunner:
         ]
         layout = PackedLayout.build(batch.num_scheduled_tokens, batch.device, causal=self.model_config.is_causal,
                                     caches=caches)
+        inputs = {"input_ids": batch.input_ids, "position_ids": batch.positions + self.position_offset, **extra}
+        if self.bucket_tokens:
+            # Padding rows belong to no request: attention leaves them zero and they are dropped.
+            padding = bucket_num_tokens(batch.num_tokens) - batch.num_tokens
+            inputs = {key: F.pad(value, (0, 0) * (value.dim() - 1) + (0, padding)) for key, value in inputs.items()}
         outputs = self.backbone(
-            input_ids=batch.input_ids.unsqueeze(0),
-            position_ids=(batch.positions + self.position_offset).unsqueeze(0),
-            use_cache=False,
-            **{LAYOUT_KWARG: layout},
-            **{key: value.unsqueeze(0) for key, value in extra.items()},
+            use_cache=False, **{LAYOUT_KWARG: layout}, **{key: value.unsqueeze(0) for key, value in inputs.items()},
         )
-        return outputs[0][0]
+        return outputs[0][0, : batch.num_tokens]
 
     def free(self, request_id: str) -> None:
         """Drop a request's cached keys, values and hidden states (finished or aborted)."""

@@ -153,6 +153,7 @@ def packed_attention(
     causal = bool(getattr(module, "is_causal", layout.causal))
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [num_tokens, heads, head_dim]
     output = q.new_empty(q.shape)
+    output[layout.num_tokens :] = 0  # rows past the requests' tokens pad the step to a bucket
     for group in layout.groups:
         padded = [_pad(t, group) for t in (q, k, v)]
         attended = F.scaled_dot_product_attention(

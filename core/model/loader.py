@@ -27,7 +27,10 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
-    """``auto`` keeps float32 on the CPU and uses the config's half dtype (else bfloat16) on CUDA."""
+    """``auto``: the config's half dtype (else bfloat16) on CUDA, float32 on the CPU.
+
+    On a CPU with native bf16 the runtime measures instead (:mod:`poolrunner.core.engine.precision`).
+    """
     if dtype != "auto":
         return {"float32": torch.float32, **_HALF}[dtype]
     if device.type != "cuda":

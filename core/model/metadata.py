@@ -14,6 +14,7 @@ from transformers.models.auto.modeling_auto import (
 
 from poolrunner.core.config import ModelOverrides
 from poolrunner.core.errors import ModelLoadError
+from poolrunner.core.model.plugin_requirements import required_plugin
 from poolrunner.core.model.st_metadata import read_st_metadata
 from poolrunner.core.model.tasks import model_tasks, token_weight_head
 from poolrunner.core.types import ModelConfig
@@ -57,8 +58,10 @@ def load_model_config(
     :raises ModelLoadError: for an unsupported sentence-transformers pipeline or an override
         beyond what the model supports.
     """
-    st = read_st_metadata(path)
     architecture = (hf_config.architectures or [type(hf_config).__name__])[0]
+    required = required_plugin(path, architecture)
+    # A plugin's pipeline (SPLADE, ColBERT) is that plugin's to read, not core's.
+    st = None if required else read_st_metadata(path)
     is_causal = _is_causal(hf_config)
     hidden_size = int(hf_config.hidden_size)
     dense = st.dense_layers if st else ()
@@ -93,6 +96,7 @@ def load_model_config(
         classifier_activation=_classifier_activation(path, hf_config),
         type_vocab_size=int(getattr(hf_config, "type_vocab_size", 0) or 0),
         token_weight_head=str(head) if (head := token_weight_head(path)) else None,
+        required_plugin=required,
         hf_config=hf_config.to_dict(),
     )
 

@@ -35,8 +35,9 @@ def model_tasks(architecture: str, folder: Path) -> frozenset[PoolingTask]:
 
 def default_task(architecture: str, supported: Iterable[PoolingTask]) -> PoolingTask | None:
     """vLLM's pick when the user names no task: the first supported in :data:`TASK_PREFERENCE`,
-    except that a ``*ForTokenClassification`` model gets ``token_classify``."""
+    except that a ``*ForTokenClassification`` model gets ``token_classify``; when only
+    plugin-declared tasks are served, the first of them by name."""
     supported = frozenset(supported)
     if architecture.endswith("ForTokenClassification") and "token_classify" in supported:
         return "token_classify"
-    return next((task for task in TASK_PREFERENCE if task in supported), None)
+    return next((task for task in TASK_PREFERENCE if task in supported), min(supported, default=None))

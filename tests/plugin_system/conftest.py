@@ -111,7 +111,7 @@ def installed_entry_points() -> frozenset[str]:
 @pytest.fixture(scope="session")
 def default_runtime() -> poolrunner.Runtime:
     """The default model with built-in plugins only: the baseline other runtimes compare to."""
-    runtime = poolrunner.Runtime(load_entrypoints=False)
+    runtime = poolrunner.Runtime(load_entrypoints=False, dtype="float32")
     names = [info.name for info in runtime.plugin_manager.plugin_infos()]
     assert names == list(BUILTIN_PLUGINS)  # no entry point, no code-passed plugin
     return runtime

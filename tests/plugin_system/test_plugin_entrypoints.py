@@ -77,7 +77,7 @@ def reference_cls(default_model_path) -> np.ndarray:
 
 def test_entrypoint_pooler_wins_over_the_builtin(testplugin_dist, installed_entry_points, reference_cls,
                                                  default_runtime):
-    runtime = poolrunner.Runtime(disable_plugins=installed_entry_points)
+    runtime = poolrunner.Runtime(disable_plugins=installed_entry_points, dtype="float32")
     pooler = runtime.engine.runner.pooler
     assert type(pooler).__module__ == "poolrunner_testplugin" and type(pooler).__name__ == "ClsPooler"
     assert isinstance(pooler, Pooler)
@@ -96,7 +96,7 @@ def test_entrypoint_pooler_wins_over_the_builtin(testplugin_dist, installed_entr
 def test_entrypoint_plugin_alone_serves_embed_without_builtin(testplugin_dist, installed_entry_points,
                                                               reference_cls):
     disabled = pooling_builtins()
-    runtime = poolrunner.Runtime(disable_plugins=[*disabled, *installed_entry_points])
+    runtime = poolrunner.Runtime(disable_plugins=[*disabled, *installed_entry_points], dtype="float32")
     # core and token_type_ids stay (they pool nothing); the entry point is the only pooling plugin.
     assert [info.name for info in runtime.plugin_manager.plugin_infos()] == [
         *(name for name in BUILTIN_PLUGINS if name not in disabled), "testplugin"]
@@ -107,8 +107,8 @@ def test_entrypoint_plugin_alone_serves_embed_without_builtin(testplugin_dist, i
 
 def test_two_runtimes_with_and_without_the_entrypoint_plugin(testplugin_dist, installed_entry_points,
                                                              default_runtime, reference_cls):
-    with_plugin = poolrunner.Runtime(disable_plugins=installed_entry_points)
-    without = poolrunner.Runtime(disable_plugins=["testplugin", *installed_entry_points])
+    with_plugin = poolrunner.Runtime(disable_plugins=installed_entry_points, dtype="float32")
+    without = poolrunner.Runtime(disable_plugins=["testplugin", *installed_entry_points], dtype="float32")
     assert with_plugin.plugin_manager.has_plugin("testplugin")
     assert not without.plugin_manager.has_plugin("testplugin")
     np.testing.assert_allclose(with_plugin.embed(TEXTS), reference_cls, rtol=1e-5, atol=1e-5)
@@ -131,7 +131,7 @@ def test_broken_entrypoint_plugin_fails_the_build(brokenplugin_dist, installed_e
     assert str(excinfo.value) == BROKEN_MESSAGE
     assert isinstance(excinfo.value.__cause__, ModuleNotFoundError)
     with pytest.raises(PluginLoadError, match=r"^plugin 'broken' \(poolrunner-brokenplugin 0\.2\.0, "):
-        poolrunner.Runtime(disable_plugins=installed_entry_points)
+        poolrunner.Runtime(disable_plugins=installed_entry_points, dtype="float32")
 
 
 def test_disabling_the_broken_plugin_lets_the_build_succeed(brokenplugin_dist, installed_entry_points,
@@ -139,7 +139,7 @@ def test_disabling_the_broken_plugin_lets_the_build_succeed(brokenplugin_dist, i
     pm = build_plugin_manager(disable=["broken", *installed_entry_points])
     assert [info.name for info in pm.plugin_infos()] == list(BUILTIN_PLUGINS)
     assert "poolrunner_brokenplugin" not in sys.modules  # disabled plugins are never imported
-    runtime = poolrunner.Runtime(disable_plugins=["broken", *installed_entry_points])
+    runtime = poolrunner.Runtime(disable_plugins=["broken", *installed_entry_points], dtype="float32")
     np.testing.assert_allclose(runtime.embed("still works"), default_runtime.embed("still works"), atol=1e-6)
 
 

@@ -131,7 +131,7 @@ def plugins() -> tuple[Recorder, Conflicter, Scaler]:
 @pytest.fixture(scope="module")
 def runtime(plugins) -> poolrunner.Runtime:
     # max_num_seqs=2: five requests take three steps.
-    return poolrunner.Runtime(plugins=list(plugins), load_entrypoints=False, max_num_seqs=2)
+    return poolrunner.Runtime(plugins=list(plugins), load_entrypoints=False, max_num_seqs=2, dtype="float32")
 
 
 @pytest.fixture

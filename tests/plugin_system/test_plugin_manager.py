@@ -131,8 +131,8 @@ def test_each_build_returns_an_independent_manager():
 
 def test_two_runtimes_in_one_process_do_not_share_plugins():
     first, second = CountsRequests(), CountsRequests()
-    runtime_1 = poolrunner.Runtime(plugins=[first], load_entrypoints=False)
-    runtime_2 = poolrunner.Runtime(plugins=[second], load_entrypoints=False)
+    runtime_1 = poolrunner.Runtime(plugins=[first], load_entrypoints=False, dtype="float32")
+    runtime_2 = poolrunner.Runtime(plugins=[second], load_entrypoints=False, dtype="float32")
 
     assert runtime_1.plugin_manager is not runtime_2.plugin_manager
     assert runtime_1.plugin_manager.get_plugin("CountsRequests") is first
@@ -238,7 +238,7 @@ def test_disabling_an_unknown_name_lists_entrypoint_plugins_too(testplugin_dist,
 
 def test_runtime_rejects_an_unknown_disabled_name():
     with pytest.raises(ValueError) as excinfo:
-        poolrunner.Runtime(load_entrypoints=False, disable_plugins=["nope"])
+        poolrunner.Runtime(load_entrypoints=False, disable_plugins=["nope"], dtype="float32")
     assert str(excinfo.value) == (
         f"cannot disable unknown plugin(s) ['nope']; known plugins: {sorted(DISABLEABLE_BUILTINS)}"
     )
@@ -250,7 +250,7 @@ REMEDY = "Pick a supported task, or install a plugin that serves it (see `poolru
 def test_runtime_without_sequence_pooling_does_not_embed(default_runtime, default_model_path):
     """sequence_pooling is the only built-in serving embed; the other pooling built-ins stay."""
     with pytest.raises(UnsupportedTaskError) as excinfo:
-        poolrunner.Runtime(task="embed", load_entrypoints=False, disable_plugins=["sequence_pooling"])
+        poolrunner.Runtime(task="embed", load_entrypoints=False, disable_plugins=["sequence_pooling"], dtype="float32")
     assert str(excinfo.value) == (
         f"model {default_model_path!r} (BertModel) does not support task 'embed'. Supported: ['token_embed']. "
         "The model itself can do ['embed', 'token_embed']; pooling plugins: "
@@ -261,13 +261,13 @@ def test_runtime_without_sequence_pooling_does_not_embed(default_runtime, defaul
 def test_runtime_without_pooling_builtins_supports_no_task(default_model_path):
     disabled = pooling_builtins()
     with pytest.raises(UnsupportedTaskError) as excinfo:
-        poolrunner.Runtime(task="embed", load_entrypoints=False, disable_plugins=disabled)
+        poolrunner.Runtime(task="embed", load_entrypoints=False, disable_plugins=disabled, dtype="float32")
     assert str(excinfo.value) == (
         f"model {default_model_path!r} (BertModel) does not support task 'embed'. Supported: []. "
         "The model itself can do ['embed', 'token_embed']; pooling plugins: none. " + REMEDY
     )
     with pytest.raises(UnsupportedTaskError) as excinfo:
-        poolrunner.Runtime(load_entrypoints=False, disable_plugins=disabled)
+        poolrunner.Runtime(load_entrypoints=False, disable_plugins=disabled, dtype="float32")
     assert str(excinfo.value) == (
         f"model {default_model_path!r} (BertModel) does not support any task. Supported: []. "
         "The model itself can do ['embed', 'token_embed']; pooling plugins: none. " + REMEDY

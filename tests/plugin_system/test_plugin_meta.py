@@ -23,12 +23,12 @@ SPECS = {
     for name, function in vars(hookspec).items()
     if inspect.isfunction(function) and hasattr(function, f"{hookspec.PROJECT_NAME}_spec")
 }
-FIRSTRESULT = {"get_pooler", "pool", "process_output"}
+FIRSTRESULT = {"get_pooler", "pool", "process_output", "score_outputs"}
 
 
 def test_the_spec_module_declares_the_documented_hooks():
     assert set(SPECS) == {"supported_tasks", "get_pooler", "add_request", "remove_request",
-                          "prepare_inputs", "pool", "process_output"}
+                          "prepare_inputs", "pool", "process_output", "score_outputs"}
     for name, function in SPECS.items():
         options = getattr(function, f"{hookspec.PROJECT_NAME}_spec")
         assert options["firstresult"] is (name in FIRSTRESULT), name

@@ -88,7 +88,7 @@ class AlwaysNone:
 def test_classify_on_the_default_model_is_unsupported(default_runtime, default_model_path):
     """sequence_pooling serves classify, but a bare BertModel has no classification head."""
     with pytest.raises(UnsupportedTaskError) as excinfo:
-        poolrunner.Runtime(task="classify", load_entrypoints=False)
+        poolrunner.Runtime(task="classify", load_entrypoints=False, dtype="float32")
     assert isinstance(excinfo.value, ValueError)
     # Only pooling plugins are listed: token_type_ids (request hooks only) is not.
     builtins = describe_pooling_builtins(default_runtime.model_config)
@@ -103,7 +103,7 @@ def test_classify_on_the_default_model_is_unsupported(default_runtime, default_m
 def test_token_classify_on_the_default_model_is_unsupported(default_runtime, default_model_path):
     """token_pooling serves token_classify, but only a *ForTokenClassification model can do it."""
     with pytest.raises(UnsupportedTaskError) as excinfo:
-        poolrunner.Runtime(task="token_classify", load_entrypoints=False)
+        poolrunner.Runtime(task="token_classify", load_entrypoints=False, dtype="float32")
     assert str(excinfo.value) == (
         f"model {default_model_path!r} (BertModel) does not support task 'token_classify'. "
         "Supported: ['embed', 'token_embed']. The model itself can do ['embed', 'token_embed']; "
@@ -113,7 +113,7 @@ def test_token_classify_on_the_default_model_is_unsupported(default_runtime, def
 
 def test_unsupported_task_message_lists_third_party_plugins(default_runtime, default_model_path):
     with pytest.raises(UnsupportedTaskError) as excinfo:
-        poolrunner.Runtime(task="token_classify", plugins=[TokenEmbedPlugin()], load_entrypoints=False)
+        poolrunner.Runtime(task="token_classify", plugins=[TokenEmbedPlugin()], load_entrypoints=False, dtype="float32")
     # Third-party plugins come after the built-ins, in registration order.
     assert str(excinfo.value) == (
         f"model {default_model_path!r} (BertModel) does not support task 'token_classify'. "
@@ -125,7 +125,8 @@ def test_unsupported_task_message_lists_third_party_plugins(default_runtime, def
 
 def test_a_claim_the_model_cannot_honour_is_not_enough(default_runtime, default_model_path):
     with pytest.raises(UnsupportedTaskError) as excinfo:
-        poolrunner.Runtime(task="token_classify", plugins=[ClaimsTokenClassify()], load_entrypoints=False)
+        poolrunner.Runtime(task="token_classify", plugins=[ClaimsTokenClassify()], load_entrypoints=False,
+                           dtype="float32")
     assert str(excinfo.value) == (
         f"model {default_model_path!r} (BertModel) does not support task 'token_classify'. "
         "Supported: ['embed', 'token_embed']. The model itself can do ['embed', 'token_embed']; "
@@ -138,7 +139,7 @@ def test_a_claimed_task_without_a_pooler_fails_at_load(default_model_path):
     # With the pooling built-ins left out, only the claim remains: no plugin gives a pooler.
     with pytest.raises(UnsupportedTaskError) as excinfo:
         poolrunner.Runtime(task="token_embed", plugins=[ClaimsWithoutPooler()], load_entrypoints=False,
-                           disable_plugins=pooling_builtins())
+                           disable_plugins=pooling_builtins(), dtype="float32")
     assert str(excinfo.value) == (
         f"no plugin returned a pooler for task 'token_embed' of model {default_model_path}"
     )
@@ -172,7 +173,7 @@ def test_hook_supported_tasks(default_runtime):
 def test_hook_get_pooler(default_runtime):
     """A third-party get_pooler is asked first; returning None hands over to the built-in."""
     none = AlwaysNone()
-    runtime = poolrunner.Runtime(plugins=[none], load_entrypoints=False)
+    runtime = poolrunner.Runtime(plugins=[none], load_entrypoints=False, dtype="float32")
     assert none.asked == ["embed"]  # once per runtime, for the runtime's task
     assert type(runtime.engine.runner.pooler).__name__ == "EmbeddingPooler"
     np.testing.assert_allclose(runtime.embed("text"), default_runtime.embed("text"), atol=1e-6)
@@ -186,7 +187,7 @@ def test_hook_get_pooler(default_runtime):
 
 def test_third_party_task_and_pooler_serve_requests(default_model_path):
     plugin = TokenEmbedPlugin()
-    runtime = poolrunner.Runtime(task="token_embed", plugins=[plugin], load_entrypoints=False)
+    runtime = poolrunner.Runtime(task="token_embed", plugins=[plugin], load_entrypoints=False, dtype="float32")
     assert runtime.task == "token_embed" and plugin.asked == ["token_embed"]
     assert isinstance(runtime.engine.runner.pooler, TokenPooler)
 
@@ -223,21 +224,21 @@ class NamedTokenEmbed(TokenEmbedPlugin):
 def test_two_third_party_poolers_conflict_unless_one_is_named():
     with pytest.raises(poolrunner.PluginConflictError) as excinfo:
         poolrunner.Runtime(task="token_embed", load_entrypoints=False,
-                           plugins=[TokenEmbedPlugin(), NamedTokenEmbed()])
+                           plugins=[TokenEmbedPlugin(), NamedTokenEmbed()], dtype="float32")
     assert str(excinfo.value) == (
         "plugins ['NamedTokenEmbed', 'TokenEmbedPlugin'] all offer a pooler for task 'token_embed'; "
         "choose one with pooler_plugin=<name> or disable the others"
     )
     chosen, other = NamedTokenEmbed(), TokenEmbedPlugin()
     runtime = poolrunner.Runtime(task="token_embed", load_entrypoints=False, plugins=[other, chosen],
-                                 pooler_plugin="NamedTokenEmbed")
+                                 pooler_plugin="NamedTokenEmbed", dtype="float32")
     assert chosen.asked == ["token_embed"] and other.asked == []
     assert isinstance(runtime.engine.runner.pooler, TokenPooler)
 
 
 def test_a_named_pooler_plugin_must_exist_and_answer():
     with pytest.raises(UnsupportedTaskError, match=r"^pooler_plugin 'nope' is not a registered plugin$"):
-        poolrunner.Runtime(load_entrypoints=False, pooler_plugin="nope")
+        poolrunner.Runtime(load_entrypoints=False, pooler_plugin="nope", dtype="float32")
     with pytest.raises(UnsupportedTaskError,
                        match=r"^plugin 'AlwaysNone' returned no pooler for task 'embed'$"):
-        poolrunner.Runtime(load_entrypoints=False, plugins=[AlwaysNone()], pooler_plugin="AlwaysNone")
+        poolrunner.Runtime(load_entrypoints=False, plugins=[AlwaysNone()], pooler_plugin="AlwaysNone", dtype="float32")

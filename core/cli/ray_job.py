@@ -1,0 +1,84 @@
+"""``--ray [ADDRESS]`` for ``embed`` and ``encode``: run the command as a distributed job on Ray
+(:func:`poolrunner.core.distributed.run_job`), from --input files to Parquet files in --output."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from poolrunner.core.cli.common import CliError, disabled_plugins, positive_int
+from poolrunner.core.distributed.shards import INPUT_FORMATS
+
+EPILOG = """\
+distributed (--ray):
+  --input names a file or folder (searched recursively) of .jsonl, .parquet or text
+  files, local or any URI pyarrow reads (s3://, gs://, hdfs://...), readable from every
+  node; --output names a folder, with one Parquet file per input file: row (index in
+  the file), the id column, and the results. Rerunning a failed job skips the files
+  already written. Needs Ray: pip install 'poolrunner[ray]'."""
+
+
+def add_ray_options(parser: argparse.ArgumentParser) -> None:
+    """The ``distributed job (Ray)`` option group."""
+    group = parser.add_argument_group("distributed job (Ray)")
+    group.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                       help="run as a Ray Data job: --input files in, one Parquet file per input file in "
+                            "--output FOLDER; ADDRESS: auto, ray://HOST:10001... (default: $RAY_ADDRESS, "
+                            "a running local cluster, or a new one)")
+    group.add_argument("--actors", metavar="N", type=positive_int, default=1,
+                       help="actors in the pool, each holding one runtime (default: %(default)s)")
+    group.add_argument("--cpus-per-actor", metavar="N", type=_amount(minimum_exclusive=True), default=1.0,
+                       help="CPUs Ray reserves per actor, also its torch threads (default: %(default)s)")
+    group.add_argument("--gpus-per-actor", metavar="N", type=_amount(minimum_exclusive=False), default=0.0,
+                       help="GPUs per actor; a fraction shares one GPU between actors (default: %(default)s)")
+    group.add_argument("--rows-per-batch", metavar="N", type=positive_int, default=256,
+                       help="rows per map_batches call (one encode call on an actor)")
+    group.add_argument("--id-field", metavar="FIELD",
+                       help="column copied to the output beside the row index (default: id, when present)")
+    group.add_argument("--input-format", choices=INPUT_FORMATS,
+                       help="input file format (default: from the file names; unknown suffixes are text)")
+
+
+def run_ray(args: argparse.Namespace, task: str | None, request_options: dict[str, Any]) -> int:
+    """Run the job the options describe; print a one-line summary to stderr."""
+    from poolrunner.core.distributed import run_job
+
+    if args.texts:
+        raise CliError("--ray reads --input; TEXT arguments are not taken with it")
+    if args.input in (None, "-"):
+        raise CliError("--ray needs --input FILE or FOLDER (stdin cannot be spread over a cluster)")
+    if args.output in (None, "-"):
+        raise CliError("--ray needs --output FOLDER (one Parquet file per input file)")
+    runtime_options = {
+        "dtype": args.dtype, "device": args.device, "load_entrypoints": args.load_entrypoints,
+        "disable_plugins": disabled_plugins(args.disable_plugin),
+        "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
+        "is_matryoshka": True if args.is_matryoshka else None,
+    }
+    result = run_job(
+        args.input, args.output, task=task, model=args.model, text_field=args.text_field, id_field=args.id_field,
+        input_format=args.input_format, num_actors=args.actors, num_cpus_per_actor=args.cpus_per_actor,
+        num_gpus_per_actor=args.gpus_per_actor, batch_size=args.rows_per_batch, runtime_options=runtime_options,
+        request_options={name: value for name, value in request_options.items() if value is not None},
+        address=args.ray or None,
+    )
+    print(f"wrote {len(result.written)} files ({result.num_rows} rows, {result.rows_per_second:.1f} rows/s), "
+          f"skipped {len(result.skipped)} already written, in {result.output}", file=sys.stderr)
+    return 0
+
+
+def _amount(*, minimum_exclusive: bool) -> Any:
+    """argparse ``type`` for a resource amount: > 0 (``minimum_exclusive``) or >= 0."""
+
+    def parse(value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+        if number < 0 or (minimum_exclusive and number == 0) or number != number:
+            bound = "> 0" if minimum_exclusive else ">= 0"
+            raise argparse.ArgumentTypeError(f"expected a number {bound}, got {value!r}")
+        return number
+
+    return parse

@@ -1,0 +1,17 @@
+"""Batch jobs over large datasets on Ray: Ray Data ``map_batches`` over an actor pool in which each
+actor holds one :class:`~poolrunner.core.runtime.Runtime`.
+
+Ray is an optional dependency (``pip install 'poolrunner[ray]'``); importing this package works
+without it, and :func:`run_job` raises :class:`RayNotInstalledError` then.
+
+Example::
+
+    from poolrunner.distributed import run_job
+    result = run_job("s3://bucket/docs/", "s3://bucket/vectors/", num_actors=8, text_field="body")
+    print(result.num_rows, result.rows_per_second)
+"""
+
+from poolrunner.core.distributed.job import JobResult, run_job
+from poolrunner.core.distributed.shards import INPUT_FORMATS, JobConflictError, RayNotInstalledError
+
+__all__ = ["INPUT_FORMATS", "JobConflictError", "JobResult", "RayNotInstalledError", "run_job"]

@@ -1,0 +1,380 @@
+"""The driver of a distributed job: connect to Ray, read the pending shards with Ray Data, run
+them through an actor pool of runtimes, and commit one Parquet file per shard as it completes."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+import posixpath
+import re
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from poolrunner.core.distributed.shards import Shard, check_manifest, list_shards, require_ray, resolve
+from poolrunner.core.errors import InvalidRequestError, PoolrunnerError
+from poolrunner.core.types import PoolingTask
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    import pyarrow.fs
+    import pyarrow.parquet as pq
+    import ray.data
+
+logger = logging.getLogger(__name__)
+
+# Options that change how fast results come, not what they are: left out of the job's record.
+_SPEED_OPTIONS = frozenset({"device", "max_num_batched_tokens", "max_num_seqs", "async_scheduling"})
+
+
+@attrs.frozen
+class JobResult:
+    """What one :func:`run_job` call did."""
+
+    output: str
+    written: tuple[str, ...]
+    """Output files this run wrote (names in ``output``), one per input file processed."""
+    skipped: tuple[str, ...]
+    """Output files already there from an earlier run: their input files were not read."""
+    num_rows: int
+    """Rows processed by this run."""
+    seconds: float
+    """Wall time of the run, Ray start-up and model loading included."""
+
+    @property
+    def rows_per_second(self) -> float:
+        return self.num_rows / self.seconds if self.seconds > 0 else 0.0
+
+
+def run_job(
+    inputs: str | Sequence[str],
+    output: str,
+    *,
+    task: PoolingTask | None = "embed",
+    model: str | os.PathLike[str] | None = None,
+    text_field: str = "text",
+    id_field: str | None = None,
+    input_format: str | None = None,
+    num_actors: int = 1,
+    num_cpus_per_actor: float = 1.0,
+    num_gpus_per_actor: float = 0.0,
+    batch_size: int = 256,
+    runtime_options: Mapping[str, Any] | None = None,
+    request_options: Mapping[str, Any] | None = None,
+    address: str | None = None,
+) -> JobResult:
+    """Run ``task`` over every row of ``inputs`` on Ray and write one Parquet file per input file.
+
+    Ray Data reads the input files (on the cluster's workers) and ``map_batches`` sends batches of
+    ``batch_size`` rows to a pool of ``num_actors`` actors, each holding one
+    :class:`~poolrunner.core.runtime.Runtime` (``num_gpus_per_actor > 0``: the runtime runs on the
+    GPU Ray assigns). Order is preserved, so the driver writes each input file's rows to
+    ``output/<stem>-<hash>.parquet`` as soon as the file is complete (a temporary file, then a
+    rename). Columns: ``row`` (int64, 0-based index among the file's records: JSON objects,
+    Parquet rows, or text lines, empty ones included), the id column (``id_field``, or ``id``
+    when the input has one), and the results: ``embedding`` (``fixed_size_list<float>[d]``) for
+    ``embed``, else ``output`` (``[num_labels]``, ``[num_tokens, hidden_size]``... as
+    :meth:`Runtime.encode` returns them, float32), or one column per named output.
+
+    A rerun with the same settings skips input files whose output exists, so a failed job is
+    resumed by running it again; an actor that dies is restarted by Ray and its batch retried
+    (Ray Data's actor pools default to ``max_restarts=-1``, ``max_task_retries=-1``), so no row
+    is lost or written twice.
+
+    :param inputs: Files or folders (searched recursively): local paths or URIs of any
+        filesystem pyarrow reads. Every worker node must be able to read them.
+    :param output: Output folder (local path or URI), written by the driver; created if missing.
+    :param task: The task each runtime serves (``embed``, ``classify``, ``token_embed``...);
+        ``None``: the model's default task.
+    :param model: Local model folder on every node; ``None``: the default model.
+    :param text_field: Column (JSONL field) holding the texts; text files have only ``text``.
+    :param input_format: ``jsonl``, ``parquet`` or ``text``; ``None`` infers it from file names.
+    :param num_actors: Size of the actor pool (one runtime each).
+    :param num_cpus_per_actor: CPUs Ray reserves per actor (torch uses as many threads).
+    :param num_gpus_per_actor: GPUs per actor; fractions share a GPU between actors.
+    :param batch_size: Rows per ``map_batches`` call; each call is one :meth:`Runtime.encode`,
+        which packs them into forward passes under ``max_num_batched_tokens``.
+    :param runtime_options: Other :class:`Runtime` arguments (``dtype``, ``max_num_batched_tokens``...).
+    :param request_options: :meth:`Runtime.encode` arguments (``dimensions``, ``normalize``,
+        ``truncate_prompt_tokens``, ``prompt_name``...).
+    :param address: Ray cluster to connect to (``auto``, ``ray://host:10001``...); ``None``: the
+        one Ray is already initialized with, else ``ray.init()``'s default (``$RAY_ADDRESS``, a
+        running local cluster, or a new one).
+    :raises RayNotInstalledError: without Ray Data: ``pip install 'poolrunner[ray]'``.
+    :raises InvalidRequestError: for bad inputs or options, or a row the runtime rejects (named
+        by file); output files committed before then are kept.
+    :raises JobConflictError: if ``output`` holds a job with other settings.
+    """
+    require_ray()
+    from poolrunner.core.runtime import Runtime
+
+    start = time.perf_counter()
+    runtime_options = _runtime_options(task, model, runtime_options)
+    request_options = _request_options(request_options)
+    for name, value in (("num_actors", num_actors), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
+    in_fs, input_format, shards = list_shards(inputs, input_format, output=output)
+    if input_format == "text":
+        text_field = "text"
+    out_fs, folder = _output_folder(output)
+    done = {info.base_name for info in out_fs.get_file_info(_listing(folder))}
+    check_manifest(out_fs, folder, {
+        "text_field": text_field, "id_field": id_field,
+        "runtime_options": _recorded(Runtime.__init__, runtime_options),
+        "request_options": _recorded(Runtime.encode, request_options),
+    }, committed=any(shard.output_name in done for shard in shards))
+    pending = [shard for shard in shards if shard.output_name not in done]
+    skipped = tuple(shard.output_name for shard in shards if shard.output_name in done)
+    if skipped:
+        logger.info("skipping %d of %d input files: their outputs exist in %s", len(skipped), len(shards), output)
+    if not pending:
+        return JobResult(output, (), skipped, 0, time.perf_counter() - start)
+    import ray.data
+
+    with _connected(address), _job_context():
+        dataset = _read(input_format, in_fs, [shard.path for shard in pending])
+        dataset = dataset.map_batches(
+            _actor_class(),
+            fn_constructor_kwargs={"runtime_options": runtime_options, "request_options": request_options,
+                                   "text_field": text_field, "id_field": id_field},
+            batch_size=batch_size, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=num_actors),
+            num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor or None,
+        )
+        writer = _ShardWriter(out_fs, folder, pending)
+        try:
+            for batch in dataset.iter_batches(batch_size=None, batch_format="pyarrow"):
+                writer.write(batch)
+            writer.finish()
+        except Exception as exc:
+            writer.abort()
+            cause = _poolrunner_cause(exc)
+            if cause is None:
+                raise
+            raise _without_retry_advice(cause) from None
+    return JobResult(output, tuple(writer.written), skipped, writer.num_rows, time.perf_counter() - start)
+
+
+def _runtime_options(task: str | None, model: Any, options: Mapping[str, Any] | None) -> dict[str, Any]:
+    from poolrunner.core.runtime import Runtime
+
+    options = dict(options or {})
+    _check_names(options, Runtime.__init__, "runtime_options", exclude={"model", "task"})
+    if model is not None and "://" not in os.fspath(model) and os.path.isdir(model):
+        model = os.path.abspath(model)  # workers need not share the driver's working folder
+    return {**options, "task": task, "model": None if model is None else os.fspath(model)}
+
+
+def _request_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    from poolrunner.core.runtime import Runtime
+
+    options = dict(options or {})
+    _check_names(options, Runtime.encode, "request_options", exclude={"inputs", "task", "show_progress_bar"})
+    return options
+
+
+def _check_names(options: Mapping[str, Any], function: Any, what: str, *, exclude: set[str]) -> None:
+    known = set(inspect.signature(function).parameters) - {"self"} - exclude
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise InvalidRequestError(f"unknown {what}: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+
+
+def _recorded(function: Any, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options that change results, as JSON, defaults left out: the Python API and the command
+    line record the same job alike."""
+    defaults = {name: parameter.default for name, parameter in inspect.signature(function).parameters.items()}
+    return {name: _json_safe(value) for name, value in sorted(options.items())
+            if name not in _SPEED_OPTIONS and _json_safe(value) != _json_safe(defaults.get(name))}
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` as JSON holds it: tuples as lists, other objects (plugins) by their class's name."""
+    import json
+
+    return json.loads(json.dumps(value, default=lambda obj: f"{type(obj).__module__}.{type(obj).__qualname__}"))
+
+
+def _listing(folder: str) -> pyarrow.fs.FileSelector:
+    from pyarrow import fs
+
+    return fs.FileSelector(folder, allow_not_found=True)
+
+
+def _output_folder(output: str) -> tuple[pyarrow.fs.FileSystem, str]:
+    from pyarrow import fs
+
+    filesystem, folder = resolve(output)
+    if filesystem.get_file_info(folder).type == fs.FileType.File:
+        raise InvalidRequestError(f"output {output!r} is a file; name a folder")
+    filesystem.create_dir(folder, recursive=True)
+    return filesystem, folder
+
+
+class _connected:
+    """Use the Ray connection already made, else ``ray.init(address)`` and shut it down after."""
+
+    def __init__(self, address: str | None) -> None:
+        self.address = address
+        self.started = False
+
+    def __enter__(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=self.address)
+            self.started = True
+
+    def __exit__(self, *exc: object) -> None:
+        import ray
+
+        if self.started:
+            ray.shutdown()
+
+
+def _read(input_format: str, filesystem: pyarrow.fs.FileSystem, paths: list[str]) -> ray.data.Dataset:
+    """The rows of ``paths`` with a ``path`` column. Read tasks reserve no CPU: parsing is cheap next
+    to inference, and actors sized to all of a node's CPUs would otherwise starve the reads for good."""
+    import ray.data
+
+    options: dict[str, Any] = {"filesystem": filesystem, "include_paths": True, "num_cpus": 0}
+    if input_format == "parquet":
+        return ray.data.read_parquet(paths, **options)
+    if input_format == "jsonl":
+        # Arrow's JSON reader reads JSON Lines and keeps types (lines=True would go through pandas).
+        return ray.data.read_json(paths, file_extensions=None, **options)
+    return ray.data.read_text(paths, drop_empty_lines=False, file_extensions=None, **options)
+
+
+@contextlib.contextmanager
+def _job_context() -> Iterator[None]:
+    """Datasets made inside return rows in input order, so each file's rows arrive together, in
+    order, and raise an actor's own exception (a rejected input) rather than Ray Data's wrapper.
+    A dataset copies Ray Data's current context when it is made."""
+    from ray.data import DataContext
+
+    context = DataContext.get_current()
+    previous = context.execution_options.preserve_order, context.raise_original_map_exception
+    context.execution_options.preserve_order = True
+    context.raise_original_map_exception = True
+    try:
+        yield
+    finally:
+        context.execution_options.preserve_order, context.raise_original_map_exception = previous
+
+
+def _actor_class() -> type:
+    from poolrunner.core.distributed.actor import RuntimeActor
+
+    return RuntimeActor
+
+
+def _poolrunner_cause(exc: BaseException) -> PoolrunnerError | None:
+    """The :class:`PoolrunnerError` an actor raised, out of Ray's wrappers (``cause``, ``__cause__``)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        cause = getattr(current, "cause", None)
+        if type(current).__module__.startswith("poolrunner") and isinstance(current, PoolrunnerError):
+            return current
+        current = cause if isinstance(cause, BaseException) else current.__cause__ or current.__context__
+    return None
+
+
+def _without_retry_advice(exc: PoolrunnerError) -> PoolrunnerError:
+    """``exc`` without the paragraph Ray Data appends to a failed task's message ("Failed to apply
+    UDF transform after 1/1 attempts ... if you believe this to be transient"): a rejected input is
+    not transient, and the message should be the runtime's own."""
+    if exc.args and isinstance(exc.args[0], str):
+        exc.args = (re.sub(r"\nFailed to .+ after \d+/\d+ attempts .*\Z", "", exc.args[0], flags=re.S), *exc.args[1:])
+    return exc
+
+
+class _ShardWriter:
+    """Writes each input file's rows to a temporary Parquet file, renamed to its output name once
+    the next file's rows (or the end) show it is complete."""
+
+    def __init__(self, filesystem: pyarrow.fs.FileSystem, folder: str, shards: Sequence[Shard]) -> None:
+        self.filesystem = filesystem
+        self.folder = folder
+        self.shards = {shard.path: shard for shard in shards}
+        self.written: list[str] = []
+        self.num_rows = 0
+        self.schema: pa.Schema | None = None
+        self._path: str | None = None
+        self._rows = 0
+        self._tmp = ""
+        self._writer: pq.ParquetWriter | None = None
+
+    def write(self, table: pa.Table) -> None:
+        from poolrunner.core.distributed.actor import PATH_COLUMN
+
+        paths = table.column(PATH_COLUMN).to_pylist()
+        start = 0
+        for end in range(1, len(paths) + 1):
+            if end == len(paths) or paths[end] != paths[start]:
+                self._append(paths[start], table.slice(start, end - start).drop_columns([PATH_COLUMN]))
+                start = end
+
+    def finish(self) -> None:
+        """Commit the last file, then an empty output for each input file that had no rows."""
+        import pyarrow as pa
+
+        self._commit()
+        for path, shard in self.shards.items():
+            if shard.output_name not in self.written:
+                self._open(path, self.schema or pa.schema([("row", pa.int64())]))
+                self._commit()
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self.filesystem.delete_file(self._tmp)
+            self._writer = None
+
+    def _append(self, path: str, part: pa.Table) -> None:
+        import pyarrow as pa
+
+        path = self._known(path)
+        if path != self._path:
+            self._commit()
+            if self.shards[path].output_name in self.written:
+                raise RuntimeError(f"rows of {path!r} arrived after the file was committed")
+            self._open(path, pa.schema([pa.field("row", pa.int64()), *part.schema]))
+        assert self._writer is not None
+        rows = pa.array(range(self._rows, self._rows + part.num_rows), pa.int64())
+        self._writer.write_table(part.add_column(0, "row", rows))
+        self._rows += part.num_rows
+        self.num_rows += part.num_rows
+
+    def _known(self, path: str) -> str:
+        if path in self.shards:
+            return path
+        bare = path.split("://", 1)[-1]
+        if bare in self.shards:
+            return bare
+        raise RuntimeError(f"Ray Data returned rows of {path!r}, which is not one of this job's inputs")
+
+    def _open(self, path: str, schema: pa.Schema) -> None:
+        import pyarrow.parquet as pq
+
+        self.schema = self.schema or schema
+        self._path, self._rows = path, 0
+        self._tmp = posixpath.join(self.folder, f".{self.shards[path].output_name}.{uuid.uuid4().hex}.tmp")
+        self._writer = pq.ParquetWriter(self._tmp, schema, filesystem=self.filesystem)
+
+    def _commit(self) -> None:
+        if self._writer is None:
+            return
+        self._writer.close()
+        self._writer = None
+        name = self.shards[self._path].output_name  # type: ignore[index]
+        self.filesystem.move(self._tmp, posixpath.join(self.folder, name))
+        self.written.append(name)
+        logger.info("wrote %s (%d rows)", name, self._rows)

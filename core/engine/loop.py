@@ -1,0 +1,274 @@
+"""A background thread that owns the engine, so that concurrent callers share its steps.
+
+Callers :meth:`EngineLoop.submit` groups of requests from any thread; between steps the loop
+admits what was submitted, then steps while work exists, and hands each group's outputs to its
+:class:`Submission` (a ``concurrent.futures.Future``, which ``asyncio.wrap_future`` awaits). Only
+the loop thread touches the engine: two drivers of one engine would hand a step's results to
+the wrong caller.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, InvalidStateError
+from typing import Protocol
+
+from poolrunner.core.engine.engine import Engine
+from poolrunner.core.engine.request import RequestState
+from poolrunner.core.errors import PoolrunnerError
+from poolrunner.core.output import RequestOutput
+from poolrunner.core.types import PoolingRequest
+
+
+class QueueFullError(PoolrunnerError):
+    """The loop already holds ``max_pending`` unfinished requests; nothing was queued."""
+
+
+class LoopClosedError(PoolrunnerError):
+    """The loop is stopping or stopped and takes no new requests."""
+
+
+class StepFailedError(PoolrunnerError):
+    """The engine step that ran this request failed; the cause is chained as ``__cause__``.
+
+    Only that step's requests fail; the loop keeps serving the others.
+    """
+
+
+class LoopObserver(Protocol):
+    """Receives the loop's measurements (the server's metrics implement it)."""
+
+    def on_step(self, num_reqs: int, num_tokens: int) -> None:
+        """One step ran ``num_reqs`` requests with ``num_tokens`` tokens in all."""
+
+    def on_finish(self, queue_time: float, inference_time: float) -> None:
+        """A request finished: seconds from submission to its first step, then to its end."""
+
+
+class Submission:
+    """One caller's requests on their way through the loop.
+
+    :ivar future: Resolves to the outputs in request order, or fails with the error of the
+        first request that failed (``InvalidRequestError`` at admission, ``StepFailedError``);
+        cancelled when aborted.
+    """
+
+    def __init__(self, requests: Sequence[PoolingRequest], on_output: Callable[[], object] | None) -> None:
+        self.requests = tuple(requests)
+        self.future: Future[list[RequestOutput]] = Future()
+        self.submitted_at = time.monotonic()
+        self._on_output = on_output
+        self._outputs: list[RequestOutput | None] = [None] * len(self.requests)
+        self._remaining = len(self.requests)
+        self.aborted = False
+        self.released = False  # its requests no longer count as pending
+
+    def result(self, timeout: float | None = None) -> list[RequestOutput]:
+        return self.future.result(timeout)
+
+    def _deliver(self, index: int, output: RequestOutput) -> bool:
+        """Store one output; ``True`` when it was the last one."""
+        self._outputs[index] = output
+        self._remaining -= 1
+        if self._on_output is not None:
+            self._on_output()
+        if self._remaining:
+            return False
+        _settle(self.future, result=list(self._outputs))  # type: ignore[arg-type]
+        return True
+
+
+def _settle(future: Future[list[RequestOutput]], *, result: object = None, error: BaseException | None = None) -> None:
+    # A waiter may cancel its future at any moment; a settled future stays as it is.
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+    except InvalidStateError:
+        pass
+
+
+class EngineLoop:
+    """Drives one :class:`Engine` from a daemon thread for any number of callers.
+
+    :param engine: The engine this loop owns from :meth:`start` until :meth:`stop` returns.
+    :param max_pending: Most requests submitted and not yet finished (queued or running); a
+        submission that would pass it raises :class:`QueueFullError` at once. ``None``: no limit.
+    :param observer: Optional receiver of per-step and per-request measurements.
+    """
+
+    def __init__(self, engine: Engine, *, max_pending: int | None = None, observer: LoopObserver | None = None) -> None:
+        if max_pending is not None and max_pending < 1:
+            raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+        self.engine = engine
+        self.max_pending = max_pending
+        self._observer = observer
+        self._cond = threading.Condition()
+        self._inbox: list[Submission] = []
+        self._aborts: list[Submission] = []
+        self._pending = 0
+        self._closing = False
+        self._owner: dict[str, tuple[Submission, int]] = {}  # request id -> (submission, index)
+        self._started_at: dict[str, float] = {}
+        self._thread = threading.Thread(target=self._run, name="poolrunner-engine-loop", daemon=True)
+
+    @property
+    def pending(self) -> int:
+        """Requests submitted and not yet finished, failed or aborted."""
+        return self._pending
+
+    @property
+    def alive(self) -> bool:
+        """The loop thread runs and takes requests."""
+        return self._thread.is_alive() and not self._closing
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def submit(self, requests: Sequence[PoolingRequest], on_output: Callable[[], object] | None = None) -> Submission:
+        """Queue ``requests`` for the next steps; returns at once.
+
+        :param on_output: Called in the loop thread after each of these requests finishes.
+        :raises QueueFullError: if ``max_pending`` would be passed (naming the limit).
+        :raises LoopClosedError: after :meth:`stop`.
+        """
+        submission = Submission(requests, on_output)
+        if not submission.requests:
+            submission.future.set_result([])
+            return submission
+        with self._cond:
+            if self._closing:
+                raise LoopClosedError("the engine loop is shutting down and takes no new requests")
+            if self.max_pending is not None and self._pending + len(submission.requests) > self.max_pending:
+                raise QueueFullError(
+                    f"the request queue is full: {self._pending} requests are waiting or running and "
+                    f"{len(submission.requests)} more would pass the limit of {self.max_pending} "
+                    "(max_waiting_requests); retry later"
+                )
+            self._pending += len(submission.requests)
+            self._inbox.append(submission)
+            self._cond.notify()
+        submission.future.add_done_callback(lambda future: future.cancelled() and self.abort(submission))
+        return submission
+
+    def abort(self, submission: Submission) -> None:
+        """Remove ``submission``'s requests from the engine (e.g. its client went away).
+
+        Its future is cancelled; outputs already computed are dropped. Idempotent.
+        """
+        with self._cond:
+            if submission.aborted:
+                return
+            submission.aborted = True
+            self._aborts.append(submission)
+            self._cond.notify()
+        submission.future.cancel()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Take no new requests, finish those already submitted, then end the thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # --- the loop thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._iterate():
+                pass
+        except BaseException as exc:  # a bug here must not leave waiters hanging
+            with self._cond:
+                self._closing = True
+                left = [*self._inbox, *{owner for owner, _ in self._owner.values()}]
+                self._inbox.clear()
+            for submission in left:
+                _settle(submission.future, error=LoopClosedError(f"the engine loop failed: {exc!r}"))
+            raise
+
+    def _iterate(self) -> bool:
+        """Admit, abort and step once; ``False`` when closed and out of work."""
+        with self._cond:
+            while not (self._inbox or self._aborts or self._closing or self.engine.has_unfinished_requests()):
+                self._cond.wait()
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for submission in aborts:
+            self._drop(submission, None)
+        for submission in inbox:
+            self._admit(submission)
+        if self.engine.has_unfinished_requests():
+            self._step()
+            return True
+        with self._cond:
+            return not (self._closing and not self._inbox and not self._aborts)
+
+    def _admit(self, submission: Submission) -> None:
+        if submission.aborted:
+            return
+        try:
+            for index, request in enumerate(submission.requests):
+                self.engine.add_request(request)
+                self._owner[request.request_id] = (submission, index)
+        except Exception as exc:  # validation at admission: this submission alone fails
+            self._drop(submission, exc)
+
+    def _drop(self, submission: Submission, error: BaseException | None) -> None:
+        """Remove every request of ``submission`` still in the engine and settle its future."""
+        for request in submission.requests:
+            owner = self._owner.pop(request.request_id, None)
+            self._started_at.pop(request.request_id, None)
+            if owner is not None:
+                self.engine.abort_request(request.request_id)
+        if error is not None:
+            _settle(submission.future, error=error)
+        self._release(submission)
+
+    def _release(self, submission: Submission) -> None:
+        with self._cond:
+            if not submission.released:
+                submission.released = True
+                self._pending -= len(submission.requests)
+
+    def _step(self) -> None:
+        states = list(self.engine.requests.values())
+        computed = [state.num_computed_tokens for state in states]
+        began = time.monotonic()
+        try:
+            finished = self.engine.step()
+        except Exception as exc:
+            self._fail_step(exc)
+            return
+        now = time.monotonic()
+        self._observe_step(states, computed, began)
+        for request_id, output in finished:
+            owner = self._owner.pop(request_id, None)
+            if owner is None:
+                continue
+            submission, index = owner
+            started = self._started_at.pop(request_id, now)
+            if self._observer is not None:
+                self._observer.on_finish(started - submission.submitted_at, now - started)
+            if submission._deliver(index, output):
+                self._release(submission)
+
+    def _observe_step(self, states: list[RequestState], computed: list[int], began: float) -> None:
+        ran = [(state, state.num_computed_tokens - before) for state, before in zip(states, computed, strict=True)
+               if state.num_computed_tokens > before]
+        for state, _ in ran:
+            self._started_at.setdefault(state.request_id, began)
+        if self._observer is not None and ran:
+            self._observer.on_step(len(ran), sum(count for _, count in ran))
+
+    def _fail_step(self, exc: Exception) -> None:
+        """The engine already removed the failed step's requests: fail their submissions only."""
+        lost = {owner for request_id, (owner, _) in self._owner.items() if request_id not in self.engine.requests}
+        for submission in lost:
+            error = StepFailedError(f"the engine step running this request failed: {exc!r}")
+            error.__cause__ = exc
+            self._drop(submission, error)

@@ -1,0 +1,174 @@
+"""What each endpoint computes: validated requests in, the engine loop, answers out.
+
+Inputs become engine requests through :meth:`Runtime.prepare`, the offline API's own path, and
+outputs are converted as the offline API converts them, so an answer equals what
+``Runtime.embed`` / ``classify`` / ``score`` / ``rerank`` / ``encode`` return for the same input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+
+from poolrunner.core.engine.loop import EngineLoop
+from poolrunner.core.errors import InvalidRequestError
+from poolrunner.core.output import RequestOutput
+from poolrunner.core.results import ClassificationResult
+from poolrunner.core.runtime import ClassifyInput, Runtime
+from poolrunner.core.scoring import pair_up
+from poolrunner.core.server.errors import ApiError
+from poolrunner.core.server.metrics import ServerMetrics
+from poolrunner.core.server.settings import ServerSettings
+from poolrunner.core.types import PoolingParams, PoolingRequest, TruncationSide
+
+CLIENT_CLOSED = 499
+"""Status recorded for a request whose client went away (nginx's convention); never sent."""
+
+
+class PoolingService:
+    """The runtime, its engine loop and the limits, shared by all routes of one app."""
+
+    def __init__(self, runtime: Runtime, loop: EngineLoop, settings: ServerSettings, metrics: ServerMetrics,
+                 model_name: str) -> None:
+        self.runtime = runtime
+        self.loop = loop
+        self.settings = settings
+        self.metrics = metrics
+        self.model_name = model_name
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist: this server serves {self.model_name!r}",
+                           param="model")
+
+    def inputs(self, value: str | list[Any], what: str = "input") -> list[ClassifyInput]:
+        """A text, texts, token ids or token-id lists as a list of inputs, within the limits."""
+        if isinstance(value, str):
+            items: list[Any] = [value]
+        elif value and isinstance(value[0], int):
+            items = [value]
+        else:
+            items = list(value)
+        if not items:
+            raise ApiError(400, f"{what} is empty: send at least one text or token-id list", param=what)
+        self.check_count(len(items), what)
+        for index, item in enumerate(items):
+            if isinstance(item, str) and not item:
+                raise ApiError(400, f"{what}[{index}] is an empty string", param=what)
+        return items
+
+    def check_count(self, count: int, what: str) -> None:
+        limit = self.settings.max_inputs_per_request
+        if count > limit:
+            raise ApiError(400, f"{what} has {count} items, more than the limit of {limit} per request "
+                                "(max_inputs_per_request)", param=what)
+
+    async def run(
+        self, request: Request, items: Sequence[ClassifyInput], params: PoolingParams,
+        truncate_prompt_tokens: int | None, truncation_side: TruncationSide = "right",
+    ) -> tuple[list[RequestOutput], int]:
+        """Tokenize (in a worker thread), run through the loop; outputs in order and their token count.
+
+        :raises ApiError: 499 when the client disconnected; its requests are aborted then.
+        """
+        requests: list[PoolingRequest] = await run_in_threadpool(
+            self.runtime.prepare, items, params, truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side,
+        )
+        return await self.run_requests(request, requests)
+
+    async def run_requests(self, request: Request, requests: list[PoolingRequest]) -> tuple[list[RequestOutput], int]:
+        """Run prepared ``requests`` through the loop, batched with other clients'; as :meth:`run`."""
+        num_tokens = sum(r.num_tokens for r in requests)
+        self.metrics.request_tokens.observe(num_tokens)
+        submission = self.loop.submit(requests)
+        result = asyncio.wrap_future(submission.future)
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not result.done():
+                raise ApiError(CLIENT_CLOSED, "the client closed the connection")
+            return result.result(), num_tokens
+        finally:
+            gone.cancel()
+            if not submission.future.done():
+                self.loop.abort(submission)
+
+    async def embed(self, request: Request, items: Sequence[ClassifyInput], dimensions: int | None,
+                    truncate_prompt_tokens: int | None) -> tuple[list[np.ndarray], int]:
+        """Like ``Runtime.embed``: one float32 ``[d]`` vector per input."""
+        params = PoolingParams(task="embed", dimensions=dimensions)
+        outputs, num_tokens = await self.run(request, items, params, truncate_prompt_tokens)
+        return [output.numpy().astype(np.float32, copy=False) for output in outputs], num_tokens
+
+    async def classify(self, request: Request, items: Sequence[ClassifyInput], use_activation: bool | None,
+                       truncate_prompt_tokens: int | None) -> tuple[list[ClassificationResult], int]:
+        """Like ``Runtime.classify``."""
+        params = PoolingParams(task="classify", use_activation=use_activation)
+        outputs, num_tokens = await self.run(request, items, params, truncate_prompt_tokens)
+        labels = self.runtime.model_config.labels
+        return [ClassificationResult(probs=output.numpy().astype(np.float32), labels=labels)
+                for output in outputs], num_tokens
+
+    async def score(self, request: Request, queries: str | list[str], documents: str | list[str],
+                    use_activation: bool | None, truncate_prompt_tokens: int | None) -> tuple[np.ndarray, int]:
+        """``Runtime.score``'s own path (:meth:`Runtime.plan_score`): cosine of embeddings
+        (bi-encoder), a one-label classifier's score of each pair (cross-encoder), or a plugin's
+        ``score_outputs`` (SPLADE, ColBERT); ``[num_pairs]`` float32 and the token count."""
+        pairs = pair_up(queries, documents)
+        self.check_count(len(pairs), "pairs")
+        plan = await run_in_threadpool(self.runtime.plan_score, pairs, truncate_prompt_tokens=truncate_prompt_tokens,
+                                       use_activation=use_activation)
+        outputs, num_tokens = await self.run_requests(request, plan.requests)
+        return await run_in_threadpool(plan.finish, outputs), num_tokens
+
+    async def encode(self, request: Request, items: Sequence[ClassifyInput], params: PoolingParams,
+                     truncate_prompt_tokens: int | None) -> tuple[list[np.ndarray | dict[str, np.ndarray]], int]:
+        """Like ``Runtime.encode``: the raw result of any task the runtime serves, float outputs as
+        float32 and integer ones (SPLADE's ``token_ids``) kept as they are (int64)."""
+        outputs, num_tokens = await self.run(request, items, params, truncate_prompt_tokens)
+        return [_to_numpy(output) for output in outputs], num_tokens
+
+    async def tokenize(self, text: str) -> list[int]:
+        ids = await run_in_threadpool(self.runtime.inputs.encode, [text])
+        return list(ids[0])
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone (the body was read already, so only that can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _to_numpy(output: RequestOutput) -> np.ndarray | dict[str, np.ndarray]:
+    if isinstance(output, dict):
+        return {name: _as_array(tensor) for name, tensor in output.items()}
+    return _as_array(output)
+
+
+def _as_array(tensor: torch.Tensor) -> np.ndarray:
+    """Floats as float32 (whatever the model's dtype); integers keep their dtype."""
+    if tensor.is_floating_point():
+        return tensor.float().numpy()
+    return tensor.numpy()
+
+
+def encode_array(array: np.ndarray, encoding_format: str) -> Any:
+    """Nested lists (integer arrays as ints), or the base64 of the array's little-endian bytes,
+    row-major: float32 for float arrays, int64 for integer arrays."""
+    if encoding_format == "base64":
+        dtype = "<i8" if np.issubdtype(array.dtype, np.integer) else "<f4"
+        return base64.b64encode(np.ascontiguousarray(array, dtype=dtype).tobytes()).decode("ascii")
+    return array.tolist()
+
+
+def check_top_n(top_n: int | None) -> None:
+    if top_n is not None and top_n < 1:
+        raise InvalidRequestError(f"top_n must be a positive integer, got {top_n}")

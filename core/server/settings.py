@@ -1,0 +1,37 @@
+"""What ``poolrunner serve`` is told beyond the model: its name, its key and its limits."""
+
+from __future__ import annotations
+
+from attrs import field, frozen
+
+from poolrunner.core.validators import positive_int
+
+
+@frozen(kw_only=True)
+class ServerSettings:
+    """Settings of one server app; the defaults are those of ``poolrunner serve``.
+
+    :ivar served_model_name: The name clients pass as ``model`` and ``/v1/models`` lists;
+        ``None``: the model folder's name (``all-MiniLM-L6-v2`` for the default model).
+    :ivar api_key: When set, every endpoint but ``/health`` needs ``Authorization: Bearer KEY``.
+    :ivar max_inputs_per_request: Most inputs (texts, token-id lists, documents) in one request
+        (OpenAI's embeddings limit is 2048); more is a 400.
+    :ivar max_request_bytes: Largest accepted request body, bytes; larger is a 413.
+    :ivar max_waiting_requests: Most inputs queued or running in the engine at once, over all
+        clients; a request that would pass it is answered 429 at once.
+    :ivar drain_timeout: Seconds that requests in flight get to finish after SIGTERM.
+    """
+
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_inputs_per_request: int = field(default=2048, validator=positive_int)
+    max_request_bytes: int = field(default=16 * 1024 * 1024, validator=positive_int)
+    max_waiting_requests: int = field(default=8192, validator=positive_int)
+    drain_timeout: float = 30.0
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_inputs_per_request > self.max_waiting_requests:
+            raise ValueError(
+                f"max_inputs_per_request ({self.max_inputs_per_request}) is larger than "
+                f"max_waiting_requests ({self.max_waiting_requests}): such a request could never be queued"
+            )

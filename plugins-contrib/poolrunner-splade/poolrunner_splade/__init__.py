@@ -1,0 +1,56 @@
+"""poolrunner plugin: SPLADE sparse embeddings from a masked-LM head.
+
+Serves the plugin-declared task ``sparse_embed`` for ``*ForMaskedLM`` models and scores pairs of
+its outputs with a sparse dot product (``Runtime.score``, ``Runtime.rerank``). A
+sentence-transformers ``SparseEncoder`` folder (``modules.json`` with ``MLMTransformer`` /
+``SpladePooling``) is served by this plugin alone, with ``sparse_embed`` as its default task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from poolrunner.core import ModelConfig, PoolingTask, hookimpl
+
+if TYPE_CHECKING:  # import-cheap: torch loads with the pooler, never at plugin import
+    import torch
+    from torch import nn
+
+    from poolrunner.core import RequestOutput
+
+    from .pooler import SpladePooler
+
+__version__ = "0.1.0"
+NAME = "splade"
+TASK: PoolingTask = "sparse_embed"
+
+
+def serves(model_config: ModelConfig) -> bool:
+    """A masked-LM model: SPLADE needs the MLM logits over the vocabulary."""
+    return model_config.architecture.endswith("ForMaskedLM")
+
+
+@hookimpl
+def supported_tasks(model_config: ModelConfig) -> frozenset[PoolingTask]:
+    return frozenset({TASK}) if serves(model_config) else frozenset()
+
+
+@hookimpl
+def get_pooler(model_config: ModelConfig, task: PoolingTask, model: nn.Module) -> SpladePooler | None:
+    if task != TASK or not serves(model_config):
+        return None  # not ours: the built-ins keep serving embed, token_embed...
+    from .pooler import SpladePooler
+
+    return SpladePooler.from_model(model_config, model)
+
+
+@hookimpl
+def score_outputs(
+    task: PoolingTask, queries: Sequence[RequestOutput], documents: Sequence[RequestOutput]
+) -> torch.Tensor | None:
+    if task != TASK:
+        return None
+    from .scoring import sparse_dot
+
+    return sparse_dot(queries, documents)

@@ -1,0 +1,127 @@
+"""The SPLADE pooler: ``max`` over tokens of ``log1p(relu(MLM logits))``.
+
+Matches sentence-transformers' ``SpladePooling`` (``pooling_strategy="max"``,
+``activation_function="relu"``, its defaults; ``sum`` and ``log1p_relu`` are read from a
+``SpladePooling`` config when the folder has one). Every prompt token counts, the special
+tokens ``[CLS]`` and ``[SEP]`` included, as in sentence-transformers, where only padding is
+masked out (vLLM's SPLADE pooler drops ``[CLS]``/``[SEP]`` rows by default; the models are
+trained and evaluated the sentence-transformers way). Packed batches hold no padding, so the
+attention mask is implicit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from poolrunner.core import (
+    InvalidRequestError,
+    ModelConfig,
+    ModelLoadError,
+    Pooler,
+    PoolingMetadata,
+    PoolingParams,
+    PoolingTask,
+)
+
+_STRATEGIES = ("max", "sum")
+_ACTIVATIONS = ("relu", "log1p_relu")
+
+
+def mlm_head(model: nn.Module, model_config: ModelConfig) -> nn.Module:
+    """The masked-LM head (hidden states -> vocabulary logits): ``cls`` in the BERT family,
+    ``lm_head`` in RoBERTa, XLM-RoBERTa and ModernBERT-style models.
+
+    :raises ModelLoadError: for a masked-LM class with neither.
+    """
+    for name in ("cls", "lm_head"):
+        head = getattr(model, name, None)
+        if isinstance(head, nn.Module):
+            return head
+    raise ModelLoadError(
+        f"model {model_config.name} ({model_config.architecture}) has no masked-LM head the splade "
+        "plugin knows (an attribute `cls` or `lm_head`)"
+    )
+
+
+def splade_settings(model_config: ModelConfig) -> tuple[str, str]:
+    """``(pooling_strategy, activation_function)`` from the folder's ``SpladePooling`` config,
+    else sentence-transformers' defaults ``("max", "relu")``.
+
+    :raises ModelLoadError: for a value sentence-transformers does not define.
+    """
+    folder = Path(model_config.path)
+    modules_file = folder / "modules.json"
+    modules = json.loads(modules_file.read_text(encoding="utf-8")) if modules_file.is_file() else []
+    config: dict[str, str] = {}
+    for module in modules:
+        if str(module.get("type", "")).endswith(".SpladePooling"):
+            config_file = folder / module.get("path", "") / "config.json"
+            config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    strategy = config.get("pooling_strategy", "max")
+    activation = config.get("activation_function", "relu")
+    if strategy not in _STRATEGIES or activation not in _ACTIVATIONS:
+        raise ModelLoadError(
+            f"{folder}: SpladePooling pooling_strategy {strategy!r} / activation_function {activation!r} is not "
+            f"supported (pooling_strategy: {list(_STRATEGIES)}, activation_function: {list(_ACTIVATIONS)})"
+        )
+    return strategy, activation
+
+
+class SpladePooler(Pooler):
+    """``sparse_embed``: one weight per vocabulary token, returned as its non-zero entries.
+
+    Output per request: ``{"token_ids": int64 [k], "weights": float32 [k]}``, sorted by
+    descending weight (ties by ascending token id), where ``k`` is the number of non-zero
+    weights, or at most ``dimensions`` when the request sets it (the ``k`` largest, as
+    sentence-transformers' ``max_active_dims``).
+    """
+
+    accepted_params = frozenset({"dimensions"})
+
+    def __init__(self, head: nn.Module, vocab_size: int, strategy: str = "max", activation: str = "relu") -> None:
+        super().__init__()
+        self.head = head
+        self.vocab_size = vocab_size
+        self.strategy = strategy
+        self.activation = activation
+
+    @classmethod
+    def from_model(cls, model_config: ModelConfig, model: nn.Module) -> SpladePooler:
+        strategy, activation = splade_settings(model_config)
+        vocab_size = int(model_config.hf_config.get("vocab_size") or model.get_output_embeddings().out_features)
+        return cls(mlm_head(model, model_config), vocab_size, strategy, activation)
+
+    def get_supported_tasks(self) -> frozenset[PoolingTask]:
+        return frozenset({"sparse_embed"})
+
+    def check_params(self, params: PoolingParams) -> None:
+        super().check_params(params)
+        if params.dimensions is not None and params.dimensions > self.vocab_size:
+            raise InvalidRequestError(
+                f"dimensions={params.dimensions} exceeds the vocabulary size {self.vocab_size} "
+                "(dimensions keeps the k largest sparse weights)"
+            )
+
+    def weights(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[num_tokens, hidden_size]`` of one request -> ``[vocab_size]`` float32 weights."""
+        logits = self.head(hidden_states).float()
+        activated = torch.log1p(torch.relu(logits))
+        if self.activation == "log1p_relu":
+            activated = torch.log1p(activated)
+        return activated.amax(dim=0) if self.strategy == "max" else activated.sum(dim=0)
+
+    def forward(self, hidden_states: torch.Tensor, metadata: PoolingMetadata) -> list[dict[str, torch.Tensor]]:
+        outputs = []
+        rows = torch.split(hidden_states, metadata.prompt_lens.tolist())
+        for request_rows, params in zip(rows, metadata.pooling_params, strict=True):
+            # One request at a time: the logits are [num_tokens, vocab_size].
+            dense = self.weights(request_rows)
+            ids = torch.nonzero(dense, as_tuple=True)[0]
+            weights, order = torch.sort(dense[ids], descending=True, stable=True)
+            keep = order[: params.dimensions] if params.dimensions is not None else order
+            outputs.append({"token_ids": ids[keep], "weights": weights[: len(keep)]})
+        return outputs

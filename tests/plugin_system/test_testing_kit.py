@@ -1,0 +1,40 @@
+"""The plugin test kit itself: registered through pytest11, cheap to load, never autouse."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import importlib_metadata
+
+from poolrunner.core.testing import conformance, pytest_plugin
+
+
+def test_the_kit_is_a_pytest11_plugin():
+    (entry_point,) = [ep for ep in importlib_metadata.entry_points(group="pytest11") if ep.name == "poolrunner"]
+    assert entry_point.load() is pytest_plugin
+
+
+def test_the_kit_has_no_autouse_fixtures():
+    values = [*vars(pytest_plugin).values(), *vars(conformance.PoolingPluginConformance).values()]
+    markers = [value._fixture_function_marker for value in values if hasattr(value, "_fixture_function_marker")]
+    assert len(markers) >= 10  # the kit's own fixtures and the suite's, all found
+    assert not [marker for marker in markers if marker.autouse]
+
+
+def test_importing_the_kit_imports_neither_torch_nor_transformers():
+    script = ("import sys, poolrunner.core.testing.pytest_plugin, poolrunner.core.testing.conformance; "
+              "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_no_poolrunner_turns_the_kit_off(tmp_path):
+    (tmp_path / "test_probe.py").write_text("def test_probe(poolrunner_runtime_factory):\n    pass\n")
+    on = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    off = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:poolrunner",
+                          str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert on.returncode == 0, on.stdout
+    assert off.returncode == 1 and "fixture 'poolrunner_runtime_factory' not found" in off.stdout

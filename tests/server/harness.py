@@ -1,0 +1,48 @@
+"""A real uvicorn server on 127.0.0.1 in a thread of the test process, on a free port."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+from poolrunner.core.server import ServerSettings, create_app
+
+
+class ServerThread:
+    """``with ServerThread(runtime, settings) as server:`` serves until the block ends.
+
+    :ivar url: ``http://127.0.0.1:PORT``.
+    :ivar app: The FastAPI app (``app.state.service.loop`` is its engine loop).
+    """
+
+    def __init__(self, runtime: Any, settings: ServerSettings | None = None) -> None:
+        self.runtime = runtime
+        self.app = create_app(runtime, settings)
+        self._socket = socket.socket()
+        self._socket.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
+        config = uvicorn.Config(self.app, log_level="warning", ws="none", lifespan="on")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
+
+    @property
+    def loop(self) -> Any:
+        return self.app.state.service.loop
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            assert self._thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)
+        self._socket.close()
+        assert not self._thread.is_alive(), "the server did not stop"

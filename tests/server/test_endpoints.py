@@ -1,0 +1,228 @@
+"""``/classify``, ``/score``, ``/rerank``, ``/pooling``, ``/tokenize``, ``/health``, ``/metrics``,
+the request limits and validation, driven with httpx.
+
+References: transformers (``ClassifierReference``, hidden states, tokenizer) and
+sentence-transformers on the same weights; the offline ``Runtime`` for equality of answers.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import httpx
+import numpy as np
+import pytest
+
+import poolrunner
+from poolrunner.core.server import ServerSettings
+from tests.conftest import SANITY_TEXT
+from tests.helpers import MIN_COSINE, cosine_rows
+from tests.server.harness import ServerThread
+
+TEXTS = ["A man is playing a guitar on the stage.", "The stock market fell sharply on Monday.",
+         "Firefighters battle blazes in New South Wales."]
+QUERY = "Fires threaten homes in Australia."
+DOCUMENTS = ["Shares dropped at the start of the week.", "Bushfires are burning out of control near Sydney.",
+             "Someone performs music in front of an audience.", "Firefighters battle blazes in New South Wales."]
+
+
+def _error(answer: httpx.Response, status: int) -> str:
+    assert answer.status_code == status, answer.text
+    error = answer.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    return error["message"]
+
+
+# --------------------------------------------------------------------------- classify, score, rerank
+
+
+@pytest.fixture(scope="module")
+def classifier(minilm_classifier_folder, classifier_runtime):
+    folder = minilm_classifier_folder(3)
+    with ServerThread(classifier_runtime(folder)) as running:
+        yield running, folder
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(minilm_classifier_folder, classifier_runtime):
+    folder = minilm_classifier_folder(1)
+    with ServerThread(classifier_runtime(folder)) as running:
+        yield running, folder
+
+
+def test_classify_matches_transformers(classifier, classifier_reference):
+    running, folder = classifier
+    answer = httpx.post(f"{running.url}/classify", json={"input": TEXTS})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    expected = classifier_reference(folder).scores(TEXTS)
+    probs = np.array([item["probs"] for item in body["data"]])
+    np.testing.assert_allclose(probs, expected, atol=1e-5)
+    labels = ["alpha", "beta", "gamma"]
+    assert [item["label"] for item in body["data"]] == [labels[i] for i in expected.argmax(1)]
+    assert [item["index"] for item in body["data"]] == [0, 1, 2]
+    assert {item["num_classes"] for item in body["data"]} == {3}
+    raw = httpx.post(f"{running.url}/classify", json={"input": TEXTS[0], "use_activation": False}).json()
+    np.testing.assert_allclose(raw["data"][0]["probs"], classifier_reference(folder).logits(TEXTS[:1])[0], atol=1e-5)
+
+
+def test_cross_encoder_score_and_rerank_match_transformers(cross_encoder, classifier_reference, classifier_runtime):
+    running, folder = cross_encoder
+    pairs = [(QUERY, document) for document in DOCUMENTS]
+    expected = classifier_reference(folder).scores(pairs)[:, 0]
+    score = httpx.post(f"{running.url}/score", json={"text_1": QUERY, "text_2": DOCUMENTS}).json()
+    assert [item["index"] for item in score["data"]] == [0, 1, 2, 3]
+    np.testing.assert_allclose([item["score"] for item in score["data"]], expected, atol=1e-5)
+    rerank = httpx.post(f"{running.url}/rerank", json={"query": QUERY, "documents": DOCUMENTS, "top_n": 2,
+                                                       "return_documents": True}).json()
+    best = list(np.argsort(-expected, kind="stable")[:2])
+    assert [item["index"] for item in rerank["results"]] == best
+    assert [item["document"]["text"] for item in rerank["results"]] == [DOCUMENTS[i] for i in best]
+    np.testing.assert_allclose([item["relevance_score"] for item in rerank["results"]], expected[best], atol=1e-5)
+    offline = classifier_runtime(folder).rerank(QUERY, DOCUMENTS, top_n=2)
+    assert [result.index for result in offline] == best
+    assert "document" not in httpx.post(f"{running.url}/rerank", json={"query": QUERY, "documents": DOCUMENTS}
+                                        ).json()["results"][0]
+
+
+def test_score_on_a_three_label_classifier_is_a_bad_request(classifier):
+    running, _ = classifier
+    message = _error(httpx.post(f"{running.url}/score", json={"text_1": "a", "text_2": "b"}), 400)
+    assert message == ("score needs an embed model (bi-encoder) or a classify model with one label "
+                       "(cross-encoder); this runtime serves 'classify' with 3 labels, and no plugin scores "
+                       "'classify' outputs (see `poolrunner plugins --hook score_outputs`).")  # Runtime.score's own
+    assert len(httpx.post(f"{running.url}/classify", json={"input": "a"}).json()["data"][0]["probs"]) == 3
+
+
+def test_bi_encoder_score_and_rerank_are_sentence_transformers_cosine(server, st_model, runtime):
+    query = st_model.encode(QUERY)
+    documents = st_model.encode(DOCUMENTS)
+    expected = cosine_rows(np.tile(query, (len(DOCUMENTS), 1)), documents)
+    score = httpx.post(f"{server.url}/score", json={"text_1": QUERY, "text_2": DOCUMENTS}).json()
+    np.testing.assert_allclose([item["score"] for item in score["data"]], expected, atol=1e-5)
+    np.testing.assert_allclose([item["score"] for item in score["data"]], runtime.score(QUERY, DOCUMENTS), atol=1e-6)
+    rerank = httpx.post(f"{server.url}/rerank", json={"query": QUERY, "documents": DOCUMENTS}).json()
+    assert [item["index"] for item in rerank["results"]] == list(np.argsort(-expected, kind="stable"))
+    nn = httpx.post(f"{server.url}/score", json={"text_1": TEXTS[:2], "text_2": DOCUMENTS[:2]}).json()
+    np.testing.assert_allclose([item["score"] for item in nn["data"]],
+                               cosine_rows(st_model.encode(TEXTS[:2]), documents[:2]), atol=1e-5)
+
+
+# --------------------------------------------------------------------------- pooling, tokenize, models
+
+
+def test_pooling_embed_equals_the_offline_api(server, runtime):
+    body = httpx.post(f"{server.url}/pooling", json={"input": TEXTS}).json()
+    assert [item["object"] for item in body["data"]] == ["pooling"] * 3
+    np.testing.assert_allclose([item["data"] for item in body["data"]], runtime.embed(TEXTS), atol=2e-6)
+
+
+def test_pooling_per_token_outputs_match_transformers(hf_hidden, hf_tokenizer):
+    runtime = poolrunner.Runtime(task="token_embed", dtype="float32")
+    with ServerThread(runtime) as running:
+        floats = httpx.post(f"{running.url}/pooling", json={"input": TEXTS}).json()["data"]
+        packed = httpx.post(f"{running.url}/pooling", json={"input": TEXTS, "encoding_format": "base64"}).json()
+        ids = [hf_tokenizer(text)["input_ids"] for text in TEXTS]
+        states, _ = hf_hidden(ids)
+        for row, (item, token_ids) in enumerate(zip(floats, ids, strict=True)):
+            got = np.array(item["data"])
+            assert got.shape == (len(token_ids), 384)
+            assert cosine_rows(got, states[row, : len(token_ids)].numpy()).min() >= MIN_COSINE
+            decoded = np.frombuffer(base64.b64decode(packed["data"][row]["data"]), dtype="<f4").reshape(got.shape)
+            np.testing.assert_array_equal(decoded, got.astype(np.float32))
+
+
+def test_tokenize_and_models(server, hf_tokenizer):
+    body = httpx.post(f"{server.url}/tokenize", json={"prompt": SANITY_TEXT}).json()
+    assert body["tokens"] == hf_tokenizer(SANITY_TEXT)["input_ids"]
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 256
+    models = httpx.get(f"{server.url}/v1/models").json()
+    assert models["data"][0]["id"] == "all-MiniLM-L6-v2" and models["data"][0]["task"] == "embed"
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/openapi.json").json()["paths"].keys() >= {"/v1/embeddings", "/rerank"}
+
+
+# --------------------------------------------------------------------------- validation and limits
+
+
+BAD_REQUESTS = [
+    ("malformed JSON", "/v1/embeddings", b'{"input": ["a",', "the request body is not valid JSON"),
+    ("wrong type", "/v1/embeddings", {"input": 5}, "input.str: Input should be a valid string"),
+    ("float token id", "/v1/embeddings", {"input": [101, 1.5, 102]}, "input.list[int].1: Input should be a valid "),
+    ("unknown field", "/v1/embeddings", {"input": "a", "colour": "red"}, "colour: Extra inputs are not permitted"),
+    ("empty input", "/classify", {"input": []}, "input is empty"),
+    ("unknown task", "/pooling", {"input": "a", "task": "Not a task!"}, "task must be one of"),
+    ("plugin task not served", "/pooling", {"input": "a", "task": "nope"},
+     "this runtime serves task 'embed', not 'nope'"),
+    ("task not served", "/pooling", {"input": "a", "task": "classify"},
+     "this runtime serves task 'embed', not 'classify'"),
+    ("unsupported dimensions", "/v1/embeddings", {"input": "a", "dimensions": 8},
+     "does not support Matryoshka dimensions"),
+    ("zero dimensions", "/v1/embeddings", {"input": "a", "dimensions": 0}, "dimensions must be a positive integer"),
+    ("too long, no truncation", "/v1/embeddings", {"input": ["a", "word " * 400]},
+     "input 1 has 402 tokens, more than the maximum of 256"),
+    ("bad truncation", "/v1/embeddings", {"input": "a", "truncate_prompt_tokens": 0},
+     "truncate_prompt_tokens=0 is out of range"),
+    ("empty score side", "/score", {"text_1": "a", "text_2": []}, "documents is empty"),
+    ("N:M score", "/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "cannot score 2 queries against 3"),
+    ("bad top_n", "/rerank", {"query": "q", "documents": ["d"], "top_n": 0}, "top_n must be a positive integer"),
+]
+
+
+@pytest.mark.parametrize(("path", "payload", "message"), [case[1:] for case in BAD_REQUESTS],
+                         ids=[case[0] for case in BAD_REQUESTS])
+def test_bad_requests_are_400_and_the_server_still_serves(server, runtime, sanity_reference, path, payload, message):
+    content = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    answer = httpx.post(f"{server.url}{path}", content=content, headers={"content-type": "application/json"})
+    assert message in _error(answer, 400)
+    assert answer.json()["error"]["type"] == "invalid_request_error"
+    assert server.loop.pending == 0 and not runtime.engine.requests
+    vector = httpx.post(f"{server.url}/v1/embeddings", json={"input": SANITY_TEXT}).json()["data"][0]["embedding"]
+    assert cosine_rows(vector, sanity_reference)[0] >= MIN_COSINE
+
+
+def test_truncation_keeps_the_model_maximum(server, runtime, lee_long_docs):
+    body = httpx.post(f"{server.url}/v1/embeddings", json={"input": lee_long_docs[:2], "truncate_prompt_tokens": -1})
+    assert body.status_code == 200 and body.json()["usage"]["prompt_tokens"] == 512
+    np.testing.assert_allclose([item["embedding"] for item in body.json()["data"]],
+                               runtime.embed(lee_long_docs[:2], truncate_prompt_tokens=-1), atol=2e-6)
+
+
+def test_limits_name_the_limit(runtime):
+    settings = ServerSettings(max_inputs_per_request=4, max_request_bytes=2000, max_waiting_requests=64)
+    with ServerThread(runtime, settings) as running, httpx.Client(base_url=running.url) as client:
+        message = _error(client.post("/v1/embeddings", json={"input": ["a"] * 5}), 400)
+        assert message == "input has 5 items, more than the limit of 4 per request (max_inputs_per_request)"
+        assert "the limit of 4" in _error(client.post("/rerank", json={"query": "q", "documents": ["d"] * 5}), 400)
+        big = {"input": ["x" * 3000]}
+        assert _error(client.post("/v1/embeddings", json=big), 413) == (
+            "the request body is larger than the limit of 2000 bytes (max_request_bytes)")
+
+        def chunks():  # no Content-Length: the limit is enforced while reading
+            yield b'{"input": ["'
+            for _ in range(10):
+                yield b"y" * 500
+            yield b'"]}'
+
+        chunked = client.post("/v1/embeddings", content=chunks(), headers={"content-type": "application/json"})
+        assert "larger than the limit of 2000 bytes" in _error(chunked, 413)
+        assert client.post("/v1/embeddings", json={"input": ["a"] * 4}).status_code == 200
+        assert not runtime.engine.requests
+
+
+def test_metrics_count_requests_by_endpoint_and_status(runtime):
+    with ServerThread(runtime) as running, httpx.Client(base_url=running.url) as client:
+        for _ in range(3):
+            client.post("/v1/embeddings", json={"input": ["one", "two"]})
+        client.post("/v1/embeddings", json={"input": []})
+        client.get("/not-a-route")
+        text = client.get("/metrics").text
+    assert 'poolrunner_requests_total{endpoint="/v1/embeddings",status="200"} 3.0' in text
+    assert 'poolrunner_requests_total{endpoint="/v1/embeddings",status="400"} 1.0' in text
+    assert 'poolrunner_requests_total{endpoint="other",status="404"} 1.0' in text
+    assert "poolrunner_queue_time_seconds_count 6.0" in text
+    assert "poolrunner_inference_time_seconds_count 6.0" in text
+    assert "poolrunner_request_prompt_tokens_count 3.0" in text  # the rejected request never tokenized
+    assert "poolrunner_batch_size_sum 6.0" in text
+    assert "poolrunner_pending_requests 0.0" in text

@@ -1,0 +1,92 @@
+"""``poolrunner serve`` as a real process: startup, API key from the environment, SIGTERM drain."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.conftest import SANITY_TEXT
+from tests.helpers import MIN_COSINE, cosine_rows
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _in_flight(url: str, headers: dict[str, str]) -> float:
+    text = httpx.get(f"{url}/metrics", headers=headers).text
+    return float(re.search(r"^poolrunner_http_requests_in_flight (\S+)$", text, re.MULTILINE).group(1))
+
+
+def test_sigterm_finishes_requests_in_flight_refuses_new_ones_and_exits(sanity_reference):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "poolrunner", "serve", "--port", str(port), "--log-level", "warning",
+         "--no-entrypoints"], env={**os.environ, "POOLRUNNER_API_KEY": "k"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    headers = {"Authorization": "Bearer k"}
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        assert httpx.get(f"{url}/v1/models").status_code == 401  # the key came from the environment
+        # A request in flight for as long as the test likes: its body arrives in two parts.
+        body = json.dumps({"input": [SANITY_TEXT], "encoding_format": "float"}).encode()
+        with socket.create_connection(("127.0.0.1", port)) as slow:
+            slow.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer k\r\n"
+                         b"Content-Type: application/json\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                         + body[:10])
+            while _in_flight(url, headers) < 2:  # the metrics request itself is the other one
+                time.sleep(0.01)
+            process.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            refused = httpx.post(f"{url}/v1/embeddings", json={"input": "late"}, headers=headers)
+            assert refused.status_code == 503
+            assert refused.json()["error"]["message"] == "the server is shutting down and takes no new requests"
+            assert httpx.get(f"{url}/health").status_code == 503
+            assert process.poll() is None  # still draining
+            slow.sendall(body[10:])
+            answer = slow.makefile("rb").read()  # the server closes the connection once it exits
+        head, _, payload = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        vector = json.loads(payload)["data"][0]["embedding"]
+        assert cosine_rows(np.array(vector), sanity_reference)[0] >= MIN_COSINE
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        _, stderr = process.communicate()
+    assert "Traceback" not in stderr, stderr
+
+
+def test_serve_rejects_contradictory_limits_before_loading(capsys):
+    from poolrunner.core.cli.main import main
+
+    assert main(["serve", "--max-inputs-per-request", "10", "--max-waiting-requests", "5"]) == 2
+    error = capsys.readouterr().err
+    assert "poolrunner: error: max_inputs_per_request (10) is larger than max_waiting_requests (5)" in error
+    assert "hint: raise --max-waiting-requests or lower --max-inputs-per-request" in error
+    assert main(["serve", "--port", "70000"]) == 2
+    assert "--port must be 0..65535, got 70000" in capsys.readouterr().err

@@ -1,0 +1,258 @@
+"""Distributed jobs on a local Ray cluster (``ray.init(num_cpus=2)``): Ray Data ``map_batches`` over
+an actor pool of runtimes, over 300 real sentences (gensim's Lee background corpus).
+
+Every row of the output must match the single-process :meth:`Runtime.embed` of the same text and
+sentence-transformers' embedding (the independent reference), cosine >= 0.9999, under its own id
+and row index, exactly once, even when an actor is killed mid-job; a rerun skips the files
+already written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from poolrunner.core import InvalidRequestError, hookimpl
+from poolrunner.core.cli.main import main
+from poolrunner.core.distributed.actor import output_columns
+from poolrunner.core.distributed.shards import list_shards
+from poolrunner.distributed import JobConflictError, RayNotInstalledError, run_job
+from tests.helpers import MIN_COSINE, cosine_rows
+
+pytestmark = [
+    pytest.mark.slow,
+    # Ray Data's own DataContext() assigns its deprecated fields (use_push_based_shuffle,
+    # use_polars) in __init__, warning on every first use; nothing poolrunner sets.
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context"),
+]
+
+NUM_SENTENCES = 300
+
+
+class CrashOnce:
+    """A plugin that kills its own process (a Ray actor) with SIGKILL when it admits its
+    ``at_request``-th request, once per job: the first actor to get there creates ``marker``."""
+
+    def __init__(self, marker: str, at_request: int) -> None:
+        self.marker = marker
+        self.at_request = at_request
+        self.admitted = 0
+
+    @hookimpl
+    def add_request(self) -> None:
+        self.admitted += 1
+        if self.admitted != self.at_request:
+            return
+        try:
+            os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+    import ray.cloudpickle
+
+    ray.init(num_cpus=2, include_dashboard=False)
+    # Actors cannot import this test module (pytest puts it on the driver's path only): ship
+    # CrashOnce by value.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def sentences(lee_path) -> list[str]:
+    """The first 300 sentences of gensim's Lee background corpus (300 news documents)."""
+    background = os.path.join(os.path.dirname(lee_path), "lee_background.cor")
+    with open(background, encoding="cp1252") as handle:
+        docs = [line.strip() for line in handle if line.strip()]
+    found = [s for doc in docs for s in re.split(r"(?<=[.!?])\s+", doc) if s]
+    return found[:NUM_SENTENCES]
+
+
+@pytest.fixture(scope="module")
+def single_process(runtime, sentences) -> np.ndarray:
+    """The single-process run: ``Runtime.embed`` of every sentence, [300, 384] float32."""
+    return runtime.embed(sentences)
+
+
+def read_outputs(folder: Path) -> dict[str, pa.Table]:
+    return {path.name: pq.read_table(path) for path in sorted(folder.glob("*.parquet"))}
+
+
+def embeddings(table: pa.Table) -> np.ndarray:
+    return np.stack(table.column("embedding").to_numpy(zero_copy_only=False))
+
+
+def assert_matches(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
+    cosines = cosine_rows(actual, expected)
+    assert cosines.min() >= MIN_COSINE, f"{what}: row {cosines.argmin()} has cosine {cosines.min()}"
+
+
+def test_bad_options_fail_before_any_work(tmp_path) -> None:
+    (tmp_path / "a.txt").write_text("one\n", encoding="utf-8")
+    with pytest.raises(InvalidRequestError, match=r"^unknown request_options: bogus \(known: "):
+        run_job(str(tmp_path / "a.txt"), str(tmp_path / "out"), request_options={"bogus": 1})
+    with pytest.raises(InvalidRequestError, match="^input '.*missing.jsonl' does not exist$"):
+        run_job(str(tmp_path / "missing.jsonl"), str(tmp_path / "out"))
+    with pytest.raises(InvalidRequestError, match=r"^inputs mix formats \(jsonl: .*, text: .*\)"):
+        (tmp_path / "b.jsonl").write_text('{"text": "two"}\n', encoding="utf-8")
+        run_job(str(tmp_path), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_results_as_arrow_columns() -> None:
+    """Equal [d] rows: fixed-size lists; ragged [k_i]: lists; [k_i, m]: lists of fixed-size rows;
+    named outputs: a column each."""
+    rng = np.random.default_rng(0)
+    vectors = [rng.standard_normal(4).astype(np.float32) for _ in range(3)]
+    ragged = [rng.standard_normal(k).astype(np.float32) for k in (2, 5, 1)]
+    tokens = [rng.standard_normal((k, 3)).astype(np.float32) for k in (2, 4)]
+
+    embed = output_columns("embed", vectors)["embedding"]
+    assert embed.type == pa.list_(pa.float32(), 4) and embed.to_pylist() == [v.tolist() for v in vectors]
+    column = output_columns("token_classify", ragged)["output"]
+    assert column.type == pa.list_(pa.float32()) and column.to_pylist() == [v.tolist() for v in ragged]
+    column = output_columns("token_embed", tokens)["output"]
+    assert column.type == pa.list_(pa.list_(pa.float32(), 3)) and column.to_pylist() == [t.tolist() for t in tokens]
+    named = output_columns("embed&token_classify", [{"embedding": v, "token_weights": r}
+                                                      for v, r in zip(vectors, ragged, strict=True)])
+    assert list(named) == ["embedding", "token_weights"]
+    assert named["token_weights"].to_pylist() == [r.tolist() for r in ragged]
+
+
+def test_output_names_are_deterministic_and_hidden_files_are_left_out(tmp_path) -> None:
+    for folder in ("a", "b", "b/_tmp", "b/.cache"):
+        (tmp_path / folder).mkdir()
+    for name in ("a/x.txt", "b/x.txt", "b/_SUCCESS", "b/_tmp/y.txt", "b/.cache/z.txt", "b/.hidden.txt"):
+        (tmp_path / name).write_text("one\n", encoding="utf-8")
+
+    _, fmt, shards = list_shards(str(tmp_path))
+    _, _, again = list_shards([str(tmp_path / "b"), str(tmp_path / "a" / "x.txt")])
+
+    assert fmt == "text"
+    assert [shard.path for shard in shards] == [str(tmp_path / "a/x.txt"), str(tmp_path / "b/x.txt")]
+    names = [shard.output_name for shard in shards]
+    assert all(re.fullmatch(r"x-[0-9a-f]{12}\.parquet", name) for name in names) and names[0] != names[1]
+    assert sorted(shard.output_name for shard in again) == sorted(names)
+    _, _, outside = list_shards(str(tmp_path), output=str(tmp_path / "b"))  # the output folder is no input
+    assert [shard.path for shard in outside] == [str(tmp_path / "a/x.txt")]
+
+
+def test_without_ray_the_flag_says_what_to_install(tmp_path, monkeypatch, capsys) -> None:
+    for name in ("ray", "ray.data"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import ray.data` raises ImportError
+    (tmp_path / "a.txt").write_text("one\n", encoding="utf-8")
+
+    code = main(["embed", "--ray", "--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "out")])
+
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert "poolrunner: error: distributed jobs need Ray Data and pyarrow" in err
+    assert "install them with: pip install 'poolrunner[ray]'" in err and "Traceback" not in err
+    with pytest.raises(RayNotInstalledError):
+        run_job(str(tmp_path / "a.txt"), str(tmp_path / "out"))
+
+
+def test_jsonl_job_matches_single_process_with_an_actor_killed_mid_job(
+    ray_cluster, tmp_path, sentences, single_process, st_model
+) -> None:
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    for part in range(6):  # 6 files of 50 rows: ids lee-<sentence index>
+        lines = [json.dumps({"id": f"lee-{i}", "text": sentences[i]}) for i in range(part * 50, part * 50 + 50)]
+        (inputs / f"part{part}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    marker = tmp_path / "killed"
+
+    # Each actor admits about 150 requests; the first to admit its 40th (in its third batch of 16)
+    # dies with SIGKILL. Ray restarts it and retries the batch.
+    result = run_job(str(inputs), str(tmp_path / "out"), num_actors=2, num_cpus_per_actor=1, batch_size=16,
+                     runtime_options={"plugins": [CrashOnce(str(marker), at_request=40)], "dtype": "float32"})
+
+    assert marker.exists(), "no actor was killed"
+    outputs = read_outputs(tmp_path / "out")
+    assert sorted(result.written) == sorted(outputs) and len(outputs) == 6
+    assert result.skipped == () and result.num_rows == NUM_SENTENCES
+    ids, vectors = [], []
+    for name, table in outputs.items():
+        part = int(name.removeprefix("part")[0])
+        assert table.column_names == ["row", "id", "embedding"]
+        assert table.column("row").to_pylist() == list(range(50))
+        assert table.column("id").to_pylist() == [f"lee-{i}" for i in range(part * 50, part * 50 + 50)]
+        ids += table.column("id").to_pylist()
+        vectors.append(embeddings(table))
+    assert sorted(ids, key=lambda i: int(i[4:])) == [f"lee-{i}" for i in range(NUM_SENTENCES)]  # none lost, none twice
+    by_id = np.concatenate(vectors)[np.argsort([int(i[4:]) for i in ids])]
+    assert by_id.dtype == np.float32 and by_id.shape == (NUM_SENTENCES, 384)
+    assert_matches(by_id, single_process, "single process")
+    reference = st_model.encode(sentences, convert_to_numpy=True, batch_size=64)
+    assert_matches(by_id, reference, "sentence-transformers")
+
+
+def test_rerun_skips_written_files_and_refuses_other_settings(
+    ray_cluster, tmp_path, capsys, sentences, single_process
+) -> None:
+    inputs, out = tmp_path / "in", tmp_path / "out"
+    inputs.mkdir()
+    for part in range(3):  # Parquet, own id and text columns
+        rows = range(part * 20, part * 20 + 20)
+        pq.write_table(pa.table({"doc_id": pa.array(rows, pa.int64()), "body": [sentences[i] for i in rows],
+                                 "extra": [1.5] * 20}), inputs / f"chunk{part}.parquet")
+    options = {"text_field": "body", "id_field": "doc_id", "batch_size": 8, "runtime_options": {"dtype": "float32"}}
+    first = run_job(str(inputs), str(out), **options)
+    assert len(first.written) == 3 and first.num_rows == 60
+    kept = {name: (out / name).stat().st_mtime_ns for name in first.written[1:]}
+    (out / first.written[0]).unlink()
+    capsys.readouterr()
+
+    # The same job through the command line (its options spelled out) resumes it.
+    code = main(["embed", "--ray", "--input", str(inputs), "--output", str(out), "--text-field", "body",
+                 "--id-field", "doc_id", "--rows-per-batch", "8", "--dtype", "float32"])
+
+    assert code == 0
+    assert "wrote 1 files (20 rows" in capsys.readouterr().err
+    assert {name: (out / name).stat().st_mtime_ns for name in kept} == kept  # not rewritten
+    assert sorted(read_outputs(out)) == sorted(first.written)
+    for table in read_outputs(out).values():
+        assert table.column_names == ["row", "doc_id", "embedding"]
+        doc_ids = table.column("doc_id").to_pylist()
+        assert table.column("row").to_pylist() == [i - doc_ids[0] for i in doc_ids]
+        assert_matches(embeddings(table), single_process[doc_ids], f"doc_ids {doc_ids[0]}..")
+    third = run_job(str(inputs), str(out), **options)
+    assert (third.written, sorted(third.skipped), third.num_rows) == ((), sorted(first.written), 0)
+    with pytest.raises(JobConflictError, match=r"other settings \(request_options differ"):
+        run_job(str(inputs), str(out), **options, request_options={"normalize": False})
+
+
+def test_cli_embed_ray_text_files(ray_cluster, tmp_path, capsys, runtime, sentences, single_process) -> None:
+    inputs, out = tmp_path / "texts", tmp_path / "vectors"
+    inputs.mkdir()
+    lines = {"a.txt": sentences[:12], "b.txt": [*sentences[12:20], "", *sentences[20:25]]}  # an empty line is a row
+    for name, texts in lines.items():
+        (inputs / name).write_text("\n".join(texts) + "\n", encoding="utf-8")
+
+    code = main(["embed", "--ray", "--input", str(inputs), "--output", str(out), "--rows-per-batch", "8",
+                 "--dtype", "float32"])
+
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "wrote 2 files (26 rows" in captured.err
+    tables = read_outputs(out)
+    assert [name.split("-")[0] for name in tables] == ["a", "b"]
+    for (name, table), texts in zip(tables.items(), lines.values(), strict=True):
+        assert table.column_names == ["row", "embedding"]
+        assert table.column("row").to_pylist() == list(range(len(texts)))
+        assert_matches(embeddings(table), runtime.embed(texts), name)
+    assert_matches(embeddings(tables[next(iter(tables))]), single_process[:12], "a.txt against the 300-row run")
