@@ -44,7 +44,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = add_command(subparsers, "serve", summary="serve the model over HTTP (OpenAI-compatible)",
                          description=DESCRIPTION, epilog=EPILOG)
     model = add_model_options(parser)
-    model.add_argument("--task", choices=POOLING_TASKS, help="task to serve (default: the model's own default task)")
+    # Not argparse choices: plugins declare tasks of their own (sparse_embed), checked when the model loads.
+    model.add_argument("--task", metavar="TASK",
+                       help=f"task to serve: {', '.join(POOLING_TASKS)}, or one a plugin declares "
+                            "(e.g. sparse_embed); default: the model's own default task")
     model.add_argument("--is-matryoshka", action="store_true",
                        help="accept dimensions although the model's config does not declare it")
     model.add_argument("--max-model-len", metavar="N", type=positive_int,
