@@ -69,15 +69,15 @@ class Submission:
         return self.future.result(timeout)
 
     def _deliver(self, index: int, output: RequestOutput) -> bool:
-        """Store one output; ``True`` when it was the last one."""
+        """Store one output; ``True`` when it was the last one (then :meth:`_complete` it)."""
         self._outputs[index] = output
         self._remaining -= 1
         if self._on_output is not None:
             self._on_output()
-        if self._remaining:
-            return False
-        _settle(self.future, result=list(self._outputs))  # type: ignore[arg-type]
-        return True
+        return not self._remaining
+
+    def _complete(self) -> None:
+        _settle(self.future, result=list(self._outputs))
 
 
 def _settle(future: Future[list[RequestOutput]], *, result: object = None, error: BaseException | None = None) -> None:
@@ -225,9 +225,10 @@ class EngineLoop:
             self._started_at.pop(request.request_id, None)
             if owner is not None:
                 self.engine.abort_request(request.request_id)
+        # Released first: a waiter woken by the future already sees the loop's counts settled.
+        self._release(submission)
         if error is not None:
             _settle(submission.future, error=error)
-        self._release(submission)
 
     def _release(self, submission: Submission) -> None:
         with self._cond:
@@ -256,6 +257,7 @@ class EngineLoop:
                 self._observer.on_finish(started - submission.submitted_at, now - started)
             if submission._deliver(index, output):
                 self._release(submission)
+                submission._complete()
 
     def _observe_step(self, states: list[RequestState], computed: list[int], began: float) -> None:
         ran = [(state, state.num_computed_tokens - before) for state, before in zip(states, computed, strict=True)
