@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from poolrunner.core.server import ServerSettings
-from tests.server.harness import ServerThread
+from poolrunner.core.testing.server import ServerThread
 
 API_KEY = "test-key-0123"
 

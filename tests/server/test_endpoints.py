@@ -16,9 +16,9 @@ import pytest
 
 import poolrunner
 from poolrunner.core.server import ServerSettings
+from poolrunner.core.testing.server import ServerThread
 from tests.conftest import SANITY_TEXT
 from tests.helpers import MIN_COSINE, cosine_rows
-from tests.server.harness import ServerThread
 
 TEXTS = ["A man is playing a guitar on the stage.", "The stock market fell sharply on Monday.",
          "Firefighters battle blazes in New South Wales."]

@@ -6,9 +6,9 @@ import re
 
 import httpx
 
+from poolrunner.core.testing.server import ServerThread
 from tests.conftest import SANITY_TEXT
 from tests.helpers import MIN_COSINE, cosine_rows
-from tests.server.harness import ServerThread
 
 
 def test_a_failing_step_fails_only_its_requests_and_the_loop_keeps_serving(runtime, monkeypatch, sanity_reference):

@@ -22,7 +22,7 @@ import pytest
 from poolrunner import RerankResult
 from poolrunner.core.scoring import cosine
 from poolrunner.core.server import ServerSettings
-from tests.server.harness import ServerThread
+from poolrunner.core.testing.server import ServerThread
 
 CLIENTS = int(os.environ.get("POOLRUNNER_LOAD_CLIENTS", "64"))
 REQUESTS_PER_CLIENT = int(os.environ.get("POOLRUNNER_LOAD_REQUESTS", "20"))

@@ -15,10 +15,10 @@ import pytest
 
 import poolrunner
 from poolrunner.core.server import ServerSettings
+from poolrunner.core.testing.server import ServerThread
 from tests.conftest import SANITY_TEXT
 from tests.helpers import MIN_COSINE, cosine_rows, normalized
 from tests.server.conftest import API_KEY
-from tests.server.harness import ServerThread
 
 TEXTS = ["A man is eating food.", "A cheetah chases its prey across a field.", "The new movie is awesome!"]
 MODEL = "all-MiniLM-L6-v2"

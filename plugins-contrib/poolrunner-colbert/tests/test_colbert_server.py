@@ -1,4 +1,4 @@
-"""ColBERT over HTTP: the real server (tests/server/harness.py) scores /score and /rerank by the
+"""ColBERT over HTTP: the real server (poolrunner.core.testing.server) scores /score and /rerank by the
 plugin's MaxSim, as ``Runtime.score`` does offline (checked against transformers in
 test_colbert_reference.py), and as a manual MaxSim over the server's own /pooling token vectors."""
 
@@ -13,7 +13,7 @@ import pytest
 from colbert_folders import projection, pylate_folder
 
 import poolrunner
-from tests.server.harness import ServerThread
+from poolrunner.core.testing.server import ServerThread
 
 QUERY = "Who wrote about the bushfires near Sydney?"
 DOCUMENTS = [

@@ -1,4 +1,4 @@
-"""SPLADE over HTTP and the command line: the real server (tests/server/harness.py) and
+"""SPLADE over HTTP and the command line: the real server (poolrunner.core.testing.server) and
 ``poolrunner encode`` against the offline API on splade-tiny, with the installed plugin.
 
 The offline results are checked against transformers in test_splade_reference.py; here /pooling
@@ -23,7 +23,7 @@ import pytest
 
 import poolrunner
 from poolrunner.core.cli.main import main
-from tests.server.harness import ServerThread
+from poolrunner.core.testing.server import ServerThread
 
 QUERY = "what is the capital of france"
 DOCUMENTS = ["Paris is the capital and largest city of France.", "The cat sat on the mat.", "ok"]

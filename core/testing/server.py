@@ -1,4 +1,8 @@
-"""A real uvicorn server on 127.0.0.1 in a thread of the test process, on a free port."""
+"""A real uvicorn server on 127.0.0.1 in a thread of the test process, on a free port.
+
+Part of the plugin test kit: a plugin's tests drive its endpoints (``/pooling``, ``/score``) with
+it. Imported only by the tests that use it, so the kit itself never imports uvicorn.
+"""
 
 from __future__ import annotations
 
