@@ -15,6 +15,7 @@ from typing import IO, Any
 from poolrunner.core.config import DTYPES
 from poolrunner.core.manager import PoolrunnerPluginManager
 from poolrunner.core.manager import build_plugin_manager as _build_plugin_manager
+from poolrunner.core.types import POOLING_TASKS
 
 DISABLE_ENV = "POOLRUNNER_DISABLE_PLUGINS"
 """Comma-separated plugin names the command line leaves out (the Python API ignores it)."""
@@ -111,6 +112,14 @@ def add_output_option(group: argparse._ArgumentGroup, extra: str = "") -> None:
     """``-o/--output FILE``."""
     group.add_argument("-o", "--output", metavar="FILE",
                        help=f"write to FILE instead of stdout{extra}")
+
+
+def add_task_option(model: argparse._ArgumentGroup, verb: str) -> None:
+    """``--task``: not argparse choices, since plugins declare tasks of their own (sparse_embed);
+    the runtime checks the name when the model loads."""
+    model.add_argument("--task", metavar="TASK",
+                       help=f"task to {verb}: {', '.join(POOLING_TASKS)}, or one a plugin declares "
+                            "(e.g. sparse_embed); default: the model's own default task")
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:

@@ -15,6 +15,7 @@ from poolrunner.core.cli.common import (
     add_model_options,
     add_output_option,
     add_plugin_options,
+    add_task_option,
     add_truncation_options,
     check_output,
     load_runtime,
@@ -26,7 +27,6 @@ from poolrunner.core.cli.common import (
 )
 from poolrunner.core.cli.ray_job import EPILOG as RAY_EPILOG
 from poolrunner.core.cli.ray_job import add_ray_options, run_ray
-from poolrunner.core.types import POOLING_TASKS
 
 __all__ = ["add_parser", "run"]
 
@@ -68,10 +68,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_output_option(files, "; a name ending in .npz writes a numpy archive")
 
     model = add_model_options(parser)
-    # Not argparse choices: plugins declare tasks of their own (sparse_embed), checked when the model loads.
-    model.add_argument("--task", metavar="TASK",
-                       help=f"task to run: {', '.join(POOLING_TASKS)}, or one a plugin declares "
-                            "(e.g. sparse_embed); default: the model's own default task")
+    add_task_option(model, "run")
     model.add_argument("--is-matryoshka", action="store_true",
                        help="accept --dimensions although the model's config does not declare it")
 

