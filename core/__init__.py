@@ -45,6 +45,9 @@ _LAZY = {
     "Pooler": "poolrunner.core.pooler",
     "PoolerOutput": "poolrunner.core.pooler",
     "Runtime": "poolrunner.core.runtime",
+    "SequenceHead": "poolrunner.core.model.heads",
+    "sequence_classifier_head": "poolrunner.core.model.heads",
+    "token_classifier_head": "poolrunner.core.model.heads",
     "ClassificationResult": "poolrunner.core.results",
     "RerankResult": "poolrunner.core.results",
 }
@@ -53,6 +56,7 @@ if TYPE_CHECKING:
     from poolrunner.core.activation import classifier_activation
     from poolrunner.core.engine.batch import InputBatch
     from poolrunner.core.matryoshka import check_dimensions
+    from poolrunner.core.model.heads import SequenceHead, sequence_classifier_head, token_classifier_head
     from poolrunner.core.output import OutputHandle, RequestOutput
     from poolrunner.core.pooler import Pooler, PoolerOutput
     from poolrunner.core.results import ClassificationResult, RerankResult
@@ -92,9 +96,12 @@ __all__ = [
     "RerankResult",
     "Runtime",
     "RuntimeConfig",
+    "SequenceHead",
     "UnsupportedTaskError",
     "build_plugin_manager",
     "check_dimensions",
     "classifier_activation",
     "hookimpl",
+    "sequence_classifier_head",
+    "token_classifier_head",
 ]

@@ -17,7 +17,7 @@ from poolrunner.core.engine.batch import InputBatch
 from poolrunner.core.engine.buckets import bucket_num_tokens
 from poolrunner.core.engine.request import RequestState
 from poolrunner.core.hooks import Hooks
-from poolrunner.core.model.attention import LAYOUT_KWARG, KVCache, PackedLayout
+from poolrunner.core.model.attention import ATTENTION_NAME, LAYOUT_KWARG, KVCache, PackedLayout, probe_attention
 from poolrunner.core.model.metadata import position_offset
 from poolrunner.core.output import OutputHandle
 from poolrunner.core.pooler import Pooler
@@ -42,6 +42,13 @@ class ModelRunner:
         self.position_offset = position_offset(model_config.model_type, model_config.hf_config.get("pad_token_id"))
         self.kv_caches: dict[str, KVCache] = {}
         self.partial_hidden: dict[str, list[torch.Tensor]] = {}
+        # Families whose attention does not dispatch through transformers' attention interface
+        # (DeBERTa-v2, MPNet) run each step as padded batches with an attention mask instead.
+        self.packed = getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME
+        self.causal = self.packed and probe_attention(
+            self.backbone, model_config.architecture, next(model.parameters()).device, self.position_offset
+        )
+        """No layer lets a token see a later one, so prompts may run in chunks (chunked prefill)."""
 
     @torch.inference_mode()
     def execute(self, batch: InputBatch) -> tuple[list[RequestState], OutputHandle | None]:
@@ -77,17 +84,41 @@ class ModelRunner:
             else (self.kv_caches.setdefault(state.request_id, KVCache()), not done)
             for state, done in zip(batch.requests, finishing, strict=True)
         ]
-        layout = PackedLayout.build(batch.num_scheduled_tokens, batch.device, causal=self.model_config.is_causal,
-                                    caches=caches)
+        layout = PackedLayout.build(batch.num_scheduled_tokens, batch.device, caches=caches)
+        if not self.packed:
+            return self._forward_padded(batch, layout, extra)
         inputs = {"input_ids": batch.input_ids, "position_ids": batch.positions + self.position_offset, **extra}
         if self.bucket_tokens:
             # Padding rows belong to no request: attention leaves them zero and they are dropped.
             padding = bucket_num_tokens(batch.num_tokens) - batch.num_tokens
             inputs = {key: F.pad(value, (0, 0) * (value.dim() - 1) + (0, padding)) for key, value in inputs.items()}
+        # An all-ones mask: transformers then builds each layer's mask rule from the model's own
+        # mask functions, without re-deriving sequence boundaries from the packed positions.
+        mask = torch.ones_like(inputs["input_ids"]).unsqueeze(0)
         outputs = self.backbone(
-            use_cache=False, **{LAYOUT_KWARG: layout}, **{key: value.unsqueeze(0) for key, value in inputs.items()},
+            use_cache=False, attention_mask=mask, **{LAYOUT_KWARG: layout},
+            **{key: value.unsqueeze(0) for key, value in inputs.items()},
         )
         return outputs[0][0, : batch.num_tokens]
+
+    def _forward_padded(self, batch: InputBatch, layout: PackedLayout, extra: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One right-padded, masked forward per length group, as transformers runs a padded batch.
+
+        Positions are left to the model (every prompt here starts at 0: no chunked prefill).
+        """
+        hidden = None
+        for group in layout.groups:
+            inputs = {key: value.index_select(0, group.gather).view(group.count, group.length)
+                      for key, value in {"input_ids": batch.input_ids, **extra}.items()}
+            mask = (torch.ones(group.count, 1, 1, group.length, dtype=torch.bool, device=batch.device)
+                    if group.key_mask is None else group.key_mask)
+            states = self.backbone(attention_mask=mask[:, 0, 0].long(), **inputs)[0]
+            rows = states.reshape(group.count * group.length, -1).index_select(0, group.valid)
+            if hidden is None:
+                hidden = rows.new_empty(batch.num_tokens, rows.shape[-1])
+            hidden.index_copy_(0, group.dest, rows)
+        assert hidden is not None
+        return hidden
 
     def free(self, request_id: str) -> None:
         """Drop a request's cached keys, values and hidden states (finished or aborted)."""

@@ -3,29 +3,46 @@
 Registered in transformers' attention-interface registry under :data:`ATTENTION_NAME`, so any
 architecture whose transformers modelling code dispatches through ``ALL_ATTENTION_FUNCTIONS``
 runs on packed inputs: the tokens of all requests form one sequence ``[1, num_tokens]``, and
-attention stays inside each request's span (causal or bidirectional, as the layer says).
+attention stays inside each request's span.
+
+Which keys a query may see is decided by transformers itself. The model builds its masks
+(causal, bidirectional, sliding window, ``config.is_causal: false``, Gemma3's bidirectional
+window...) through the mask interface, and poolrunner's mask builder keeps the model's mask
+*function* as a :class:`MaskRule` instead of a dense tensor. The rule is evaluated with
+transformers' own ``sdpa_mask`` for one request of each length in the step, exactly as it
+would be for that request run alone; so every layer gets its own semantics and a new mask
+feature needs no code here.
+
+Every other argument a layer passes is either implemented (``scaling``, ``softcap``), known to
+be carried by the mask (``sliding_window``, ``is_causal``) or inert (positions, caches); any
+other argument with a value raises :class:`UnsupportedAttentionError`. The runner runs one probe
+forward at load (:func:`probe_attention`), so a layout or a new transformers release that asks
+for something not implemented is refused at load, never run with the feature silently off.
 
 Linear layers see only real tokens. Attention itself is computed in a few fused calls: requests
 of similar length are grouped, padded to the group's longest and masked, which is far faster on
 the CPU than one small kernel call per request while bounding the padded work (see
 :func:`PackedLayout.build`). The layout is built once per step and shared by every layer.
 
-Chunked prefill (causal models): a request whose prompt runs over several steps has a
-:class:`KVCache`; its chunk attends to the cached keys and values of its earlier chunks plus its
-own, and stores them for the next chunk unless this is its last.
+Chunked prefill (models that never attend to later tokens, see :func:`probe_attention`): a
+request whose prompt runs over several steps has a :class:`KVCache`; its chunk attends to the
+cached keys and values of its earlier chunks plus its own, with the layer's mask rule evaluated
+at the chunk's offset, and stores them for the next chunk unless this is its last.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from attrs import frozen
+from attrs import define, field, frozen
 from torch import nn
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from poolrunner.core.errors import ModelLoadError
 
 ATTENTION_NAME = "poolrunner_packed"
 LAYOUT_KWARG = "poolrunner_layout"
@@ -33,6 +50,62 @@ LAYOUT_KWARG = "poolrunner_layout"
 
 # A group grows while its padded size stays within this factor of its real tokens.
 MAX_PADDING_RATIO = 1.25
+# Length of the probe prompt run at load: long enough to show any attention to a later token.
+PROBE_TOKENS = 8
+
+# Forward arguments with no attention semantics of their own.
+_INERT_KWARGS = frozenset({
+    LAYOUT_KWARG, "position_ids", "cache_position", "past_key_values", "past_key_value", "use_cache",
+    "output_attentions", "deterministic", "position_embeddings",
+})
+# Arguments whose meaning the layer's mask already carries: transformers' eager and sdpa
+# attention read the mask, not these.
+_MASK_KWARGS = frozenset({"sliding_window", "is_causal"})
+
+
+class UnsupportedAttentionError(ModelLoadError):
+    """A layer asked the attention function for something it does not implement."""
+
+
+@define(eq=False)
+class MaskRule:
+    """The mask one kind of layer uses, as transformers defines it: ``mask_function(batch, head,
+    q_idx, kv_idx) -> bool``, evaluated per request length and cached for the step."""
+
+    mask_function: Callable[..., Any]
+    use_vmap: bool
+    _blocks: dict[tuple[int, int, int, str], _Block] = field(factory=dict, init=False)
+
+    def block(self, q_offset: int, q_length: int, kv_length: int, device: torch.device) -> _Block:
+        """The ``[q_length, kv_length]`` mask of one request whose queries start at ``q_offset``."""
+        key = (q_offset, q_length, kv_length, str(device))
+        if key not in self._blocks:
+            mask = sdpa_mask(
+                batch_size=1, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=0,
+                mask_function=self.mask_function, attention_mask=None, allow_is_causal_skip=False,
+                allow_is_bidirectional_skip=False, use_vmap=self.use_vmap, device=device,
+            )
+            self._blocks[key] = _Block.of(mask[0, 0].expand(q_length, kv_length), q_offset)
+        return self._blocks[key]
+
+
+@frozen(eq=False)
+class _Block:
+    """A request's mask and what kind it is, so plain masks use the fast SDPA paths."""
+
+    mask: torch.Tensor  # [q_length, kv_length] bool, True where a query sees a key
+    kind: str  # "full", "causal" (a square block where query i sees keys 0..i) or "custom"
+    attends_future: bool  # some query sees a key at a later position
+
+    @classmethod
+    def of(cls, mask: torch.Tensor, q_offset: int) -> _Block:
+        q_length, kv_length = mask.shape
+        causal = torch.ones(q_length, kv_length, dtype=torch.bool, device=mask.device).tril(diagonal=q_offset)
+        future = bool((mask & ~causal).any())
+        # SDPA's is_causal aligns the triangle top-left: only right for a square block from 0.
+        square = q_offset == 0 and q_length == kv_length
+        kind = "full" if bool(mask.all()) else "causal" if square and torch.equal(mask, causal) else "custom"
+        return cls(mask, kind, future)
 
 
 @frozen(eq=False)
@@ -70,17 +143,21 @@ class _CachedSpan:
 
 @frozen(eq=False)
 class PackedLayout:
-    """How the packed tokens of one step split into attention groups and cached chunks."""
+    """How the packed tokens of one step split into attention groups and cached chunks.
+
+    :ivar probe: When a list, every attention call appends ``True`` if its layer lets a query
+        see a later token (used once at load by :func:`probe_attention`).
+    """
 
     num_tokens: int
     groups: tuple[_Group, ...]
     cached: tuple[_CachedSpan, ...]
-    causal: bool  # for layers that do not say themselves (``module.is_causal``)
+    probe: list[bool] | None = None
 
     @classmethod
     def build(
-        cls, lengths: Sequence[int], device: torch.device, *, causal: bool,
-        caches: Sequence[tuple[KVCache, bool] | None] = (),
+        cls, lengths: Sequence[int], device: torch.device, *,
+        caches: Sequence[tuple[KVCache, bool] | None] = (), probe: list[bool] | None = None,
     ) -> PackedLayout:
         """Group requests of similar length; ``lengths[i]`` tokens belong to request ``i``.
 
@@ -105,7 +182,7 @@ class PackedLayout:
             members = candidate
         if members:
             groups.append(_make_group(members, lengths, starts, device))
-        return cls(num_tokens=starts[-1], groups=tuple(groups), cached=cached, causal=causal)
+        return cls(num_tokens=starts[-1], groups=tuple(groups), cached=cached, probe=probe)
 
 
 def _make_group(members: list[int], lengths: Sequence[int], starts: list[int], device: torch.device) -> _Group:
@@ -132,45 +209,106 @@ def packed_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    attention_mask: MaskRule | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    softcap: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Attention within each request's span of a packed sequence.
+    """Attention within each request's span of a packed sequence, as the layer's mask rule says.
 
     :param query: ``[1, num_heads, num_tokens, head_dim]``.
     :param key: ``[1, num_kv_heads, num_tokens, head_dim]`` (grouped-query heads allowed).
     :param value: Same shape as ``key``.
-    :param attention_mask: Ignored: the layout replaces the mask (the mask builder returns ``None``).
+    :param attention_mask: The layer's :class:`MaskRule`, from :func:`_keep_mask_rule`.
     :param scaling: Softmax scale; ``head_dim ** -0.5`` when ``None``.
+    :param softcap: Logit soft-capping (Gemma2): scores become ``softcap * tanh(scores / softcap)``.
     :returns: ``([1, num_tokens, num_heads, head_dim], None)``, the layout transformers expects.
-    :raises ValueError: if the forward call did not pass the layout.
+    :raises UnsupportedAttentionError: for a dropout during inference, a mask that did not come
+        from transformers' mask interface, or any other argument with a value.
     """
     layout: PackedLayout | None = kwargs.get(LAYOUT_KWARG)
     if layout is None:
         raise ValueError(f"{ATTENTION_NAME} attention needs the {LAYOUT_KWARG!r} forward argument")
-    causal = bool(getattr(module, "is_causal", layout.causal))
+    _check_arguments(module, attention_mask, dropout, kwargs)
+    assert isinstance(attention_mask, MaskRule)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [num_tokens, heads, head_dim]
     output = q.new_empty(q.shape)
     output[layout.num_tokens :] = 0  # rows past the requests' tokens pad the step to a bucket
     for group in layout.groups:
+        block = attention_mask.block(0, group.length, group.length, q.device)
+        if layout.probe is not None:
+            layout.probe.append(block.attends_future)
         padded = [_pad(t, group) for t in (q, k, v)]
-        attended = F.scaled_dot_product_attention(
-            *padded, attn_mask=_mask(group, causal), is_causal=causal and group.key_mask is None,
-            scale=scaling, enable_gqa=k.shape[1] != q.shape[1],
-        )
+        attended = _attend(*padded, block, group.key_mask, scaling, softcap)
         rows = attended.transpose(1, 2).reshape(group.count * group.length, *q.shape[1:])
         output.index_copy_(0, group.dest, rows.index_select(0, group.valid))
     for span in layout.cached:
-        output[span.start : span.end] = _attend_chunk(module, span, q, k, v, scaling)
+        output[span.start : span.end] = _attend_chunk(module, attention_mask, span, q, k, v, scaling, softcap)
     return output.unsqueeze(0), None
 
 
-def _attend_chunk(
-    module: nn.Module, span: _CachedSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None,
+def _check_arguments(module: nn.Module, mask: Any, dropout: float, kwargs: dict[str, Any]) -> None:
+    layer = type(module).__name__
+    if not isinstance(mask, MaskRule):
+        raise UnsupportedAttentionError(
+            f"{layer} did not build its attention mask through transformers' mask interface "
+            f"(got {type(mask).__name__}), so poolrunner cannot tell which keys each query sees"
+        )
+    if dropout:
+        raise UnsupportedAttentionError(f"{layer} asks for attention dropout {dropout} at inference")
+    unknown = sorted(
+        name for name, value in kwargs.items()
+        if name not in _INERT_KWARGS and name not in _MASK_KWARGS and value is not None and value is not False
+    )
+    if unknown:
+        raise UnsupportedAttentionError(
+            f"{layer} passes attention arguments poolrunner does not implement: {', '.join(unknown)}"
+        )
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: _Block, key_mask: torch.Tensor | None,
+    scaling: float | None, softcap: float | None,
 ) -> torch.Tensor:
-    """A causal chunk over its request's cached keys and values plus its own: ``[chunk, heads, dim]``."""
+    """``[rows, heads, length, head_dim]`` queries over keys with ``block``'s rule (and ``key_mask``)."""
+    is_causal = block.kind == "causal" and key_mask is None
+    mask = None
+    if block.kind == "custom" or (block.kind == "causal" and key_mask is not None):
+        mask = block.mask if key_mask is None else key_mask & block.mask
+    elif key_mask is not None:
+        mask = key_mask
+    if softcap is not None:
+        if is_causal:
+            mask = block.mask
+        return _eager(q, k, v, mask, scaling, softcap)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=k.shape[1] != q.shape[1],
+    )
+
+
+def _eager(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+    scaling: float | None, softcap: float,
+) -> torch.Tensor:
+    """Attention with soft-capped logits, computed as transformers' eager path does (softmax in fp32)."""
+    if k.shape[1] != q.shape[1]:
+        repeats = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def _attend_chunk(
+    module: nn.Module, rule: MaskRule, span: _CachedSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    scaling: float | None, softcap: float | None,
+) -> torch.Tensor:
+    """A chunk over its request's cached keys and values plus its own: ``[chunk, heads, dim]``."""
     layer = getattr(module, "layer_idx", None)
     if layer is None:
         raise ValueError(f"chunked prefill needs attention layers with a layer_idx; {type(module).__name__} has none")
@@ -180,14 +318,12 @@ def _attend_chunk(
         keys, values = torch.cat([past_kv[0], keys], dim=2), torch.cat([past_kv[1], values], dim=2)
     if span.store:  # a first chunk is a view of this step's buffers: copy it out
         span.cache.layers[layer] = (keys, values) if past_kv is not None else (keys.clone(), values.clone())
-    chunk, past = span.end - span.start, keys.shape[2] - (span.end - span.start)
-    # Query i (absolute position past + i) sees keys 0..past + i.
-    mask = torch.ones(chunk, past + chunk, dtype=torch.bool, device=q.device).tril(diagonal=past)
+    chunk = span.end - span.start
+    block = rule.block(keys.shape[2] - chunk, chunk, keys.shape[2], q.device)
+    if block.attends_future:  # the runner enables chunking only for layers that never do
+        raise RuntimeError(f"{type(module).__name__} layer {layer} attends to later tokens: it cannot run in chunks")
     query = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
-    attended = F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=keys.shape[1] != query.shape[1],
-    )
-    return attended[0].transpose(0, 1)
+    return _attend(query, keys, values, block, None, scaling, softcap)[0].transpose(0, 1)
 
 
 def _pad(tokens: torch.Tensor, group: _Group) -> torch.Tensor:
@@ -196,17 +332,35 @@ def _pad(tokens: torch.Tensor, group: _Group) -> torch.Tensor:
     return rows.view(group.count, group.length, *tokens.shape[1:]).transpose(1, 2)
 
 
-def _mask(group: _Group, causal: bool) -> torch.Tensor | None:
-    if group.key_mask is None or not causal:
-        return group.key_mask
-    lower = torch.ones(group.length, group.length, dtype=torch.bool, device=group.key_mask.device).tril()
-    return group.key_mask & lower
+def probe_attention(backbone: nn.Module, architecture: str, device: torch.device, position_offset: int) -> bool:
+    """Run one short prompt through ``backbone`` and report whether every layer is causal.
+
+    :returns: ``True`` when no layer lets a query see a later token (prompts may then run in
+        chunks), ``False`` when some layer is bidirectional.
+    :raises UnsupportedAttentionError: naming ``architecture`` and what a layer asked for that the
+        packed attention does not implement.
+    """
+    probe: list[bool] = []
+    layout = PackedLayout.build([PROBE_TOKENS], device, probe=probe)
+    input_ids = torch.arange(PROBE_TOKENS, device=device)[None] % 2 + 5
+    positions = torch.arange(PROBE_TOKENS, device=device)[None] + position_offset
+    try:
+        with torch.inference_mode():
+            backbone(input_ids=input_ids, position_ids=positions, attention_mask=torch.ones_like(input_ids),
+                     use_cache=False, **{LAYOUT_KWARG: layout})
+    except UnsupportedAttentionError as exc:
+        raise UnsupportedAttentionError(f"{architecture} cannot run on packed batches: {exc}") from exc
+    if not probe:
+        raise UnsupportedAttentionError(f"{architecture} never called poolrunner's attention function")
+    return not any(probe)
 
 
-def _no_mask(*_args: Any, **_kwargs: Any) -> None:
-    # The layout carries the structure; transformers must not build a dense mask for us.
-    return None
+def _keep_mask_rule(
+    *, mask_function: Callable[..., Any], use_vmap: bool = False, **_kwargs: Any,
+) -> MaskRule:
+    # The model's mask function, kept whole: the packed layout decides which requests meet.
+    return MaskRule(mask_function, use_vmap)
 
 
 AttentionInterface.register(ATTENTION_NAME, packed_attention)
-AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+AttentionMaskInterface.register(ATTENTION_NAME, _keep_mask_rule)

@@ -51,17 +51,20 @@ def load_model(path: Path, hf_config: PretrainedConfig, dtype: torch.dtype, devi
     """Load the weights with the class ``config.architectures`` names, in eval mode.
 
     Attention runs through poolrunner's packed attention function, so the model accepts
-    padding-free batches.
+    padding-free batches, where the family dispatches attention through transformers' interface.
 
     :returns: The full model (head included); the runner calls its ``base_model``.
     :raises ModelLoadError: if transformers does not know the architecture or the weights fail to load.
     """
     architecture = (hf_config.architectures or ["AutoModel"])[0]
     model_class = getattr(transformers, architecture, None) or transformers.AutoModel
+    # Families with attention of their own (DeBERTa-v2, MPNet) cannot take the packed attention;
+    # the runner gives them padded batches instead.
+    packed = getattr(model_class, "_supports_attention_backend", True)
     try:
         with _quiet_progress():
             model, info = model_class.from_pretrained(
-                path, config=hf_config, dtype=dtype, attn_implementation=ATTENTION_NAME,
+                path, config=hf_config, dtype=dtype, attn_implementation=ATTENTION_NAME if packed else "eager",
                 local_files_only=True, output_loading_info=True,
             )
     except (OSError, ValueError) as exc:

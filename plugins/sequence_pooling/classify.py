@@ -1,4 +1,7 @@
-"""The pooler of the ``classify`` task: pool -> the model's head -> activation.
+"""The pooler of the ``classify`` task: the model's head, as its family applies it -> activation.
+
+The head reads the row(s) its transformers class reads (CLS, the last non-pad token, ModernBERT's
+``classifier_pooling``), whatever ``pooling_type`` says: that setting is for ``embed``.
 
 Activation, as in vLLM and sentence-transformers (see REFERENCE): one label -> sigmoid (a
 cross-encoder's relevance score); two or more -> softmax; ``problem_type``
@@ -19,10 +22,8 @@ from poolrunner.core import (
     PoolingMetadata,
     PoolingTask,
     classifier_activation,
+    sequence_classifier_head,
 )
-
-from .heads import classifier_head
-from .methods import pooling_method
 
 
 class ClassifierPooler(Pooler):
@@ -31,8 +32,7 @@ class ClassifierPooler(Pooler):
     def __init__(self, model_config: ModelConfig, model: nn.Module) -> None:
         super().__init__()
         self.model_config = model_config
-        self.method = pooling_method(model_config)
-        self.head = classifier_head(model, model_config)
+        self.head = sequence_classifier_head(model, model_config)
         self.activation = classifier_activation(model_config)
         self.head_dtype = next(model.parameters()).dtype
 
@@ -42,8 +42,7 @@ class ClassifierPooler(Pooler):
         return frozenset({"classify"})
 
     def forward(self, hidden_states: torch.Tensor, metadata: PoolingMetadata) -> PoolerOutput:
-        pooled = self.method(hidden_states, metadata.query_start_loc)
-        logits = self.head(pooled.to(self.head_dtype)).float()
+        logits = self.head(hidden_states.to(self.head_dtype), metadata).float()
         activate = [p.use_activation is not False for p in metadata.pooling_params]
         if all(activate):
             return self.activation(logits)

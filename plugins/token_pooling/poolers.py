@@ -22,6 +22,7 @@ from poolrunner.core import (
     PoolingTask,
     check_dimensions,
     classifier_activation,
+    token_classifier_head,
 )
 
 
@@ -147,19 +148,3 @@ class EmbedTokenClassifyPooler(Pooler):
                 dense, split_requests(weights, metadata), metadata.pooling_params, strict=True
             )
         ]
-
-
-def token_classifier_head(model: nn.Module, model_config: ModelConfig) -> nn.Module:
-    """The per-token head of a ``*ForTokenClassification`` model: ``score`` (Llama, Qwen2,
-    Qwen3) or ``classifier`` (BERT, RoBERTa, GPT-2), a Linear applied to every hidden state.
-
-    :raises ModelLoadError: for a head layout that is neither.
-    """
-    for name in ("score", "classifier"):
-        head = getattr(model, name, None)
-        if isinstance(head, nn.Linear):
-            return head
-    raise ModelLoadError(
-        f"model {model_config.name} ({model_config.architecture}) has a token classification head "
-        "poolrunner does not know how to apply (no `score` or `classifier` Linear)"
-    )
