@@ -34,7 +34,11 @@ class ModelOverrides:
 class RuntimeConfig:
     """How a :class:`~poolrunner.Runtime` loads and runs its model.
 
-    :ivar model: Local model folder; ``None`` is the default model (all-MiniLM-L6-v2).
+    :ivar model: Local model folder, or a Hugging Face hub id (``ORG/NAME``) found in the local
+        Hugging Face cache (never downloaded; see
+        :func:`~poolrunner.core.model.metadata.resolve_model_path`); ``None`` is the default model
+        (all-MiniLM-L6-v2).
+    :ivar revision: Branch, tag or commit hash of a hub id ``model``; ``None`` is ``main``.
     :ivar task: Task to serve; ``None`` picks the model's default.
     :ivar dtype: ``auto`` (on CUDA the config's half-precision dtype; on the CPU bfloat16 where it is
         native and holds the accuracy bar, see :mod:`poolrunner.core.engine.precision`, else
@@ -50,6 +54,7 @@ class RuntimeConfig:
     """
 
     model: str | None = None
+    revision: str | None = None
     task: PoolingTask | None = field(
         default=None, validator=task_name(POOLING_TASKS, PLUGIN_TASK_NAME, optional=True)
     )

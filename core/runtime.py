@@ -62,7 +62,11 @@ class Runtime:
         runtime = Runtime()  # all-MiniLM-L6-v2, shipped with poolrunner
         vectors = runtime.embed(["A cat sat.", "A dog ran."])  # float32 [2, 384]
 
-    :param model: Local model folder; ``None`` loads the default model (all-MiniLM-L6-v2).
+    :param model: Local model folder, or a Hugging Face hub id (``ORG/NAME``) already in the local
+        Hugging Face cache (``HF_HUB_CACHE``, ``HF_HOME``; never downloaded); ``None`` loads the
+        default model (all-MiniLM-L6-v2). A folder with a ``config.json`` wins over a hub id of
+        the same spelling.
+    :param revision: Branch, tag or commit hash of a hub id ``model`` in the cache; ``None``: ``main``.
     :param task: Task to serve; ``None`` picks the model's default (vLLM's order).
     :param dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto``: on CUDA the config's half dtype;
         on a CPU with native bf16 (AVX512-BF16, AMX) bfloat16 if the model's outputs on probe texts
@@ -82,7 +86,8 @@ class Runtime:
     :param max_model_len: Lower the longest accepted prompt, in tokens.
     :param is_matryoshka: Accept ``dimensions`` although the model's config does not declare it.
     :param matryoshka_dimensions: The allowed ``dimensions`` (implies ``is_matryoshka``).
-    :raises ModelLoadError: if the folder cannot be loaded.
+    :raises ModelLoadError: if the folder cannot be loaded, or a hub id (at ``revision``) is not
+        in the local cache.
     :raises UnsupportedTaskError: if ``task`` is not served for this model by the plugins.
     :raises PluginLoadError: if a plugin fails to import or names an unknown hook.
     """
@@ -91,6 +96,7 @@ class Runtime:
         self,
         model: str | os.PathLike[str] | None = None,
         *,
+        revision: str | None = None,
         task: PoolingTask | None = None,
         dtype: str = "auto",
         device: str = "auto",
@@ -108,7 +114,7 @@ class Runtime:
         matryoshka_dimensions: Sequence[int] | None = None,
     ) -> None:
         self.config = RuntimeConfig(
-            model=None if model is None else os.fspath(model), task=task, dtype=dtype,
+            model=None if model is None else os.fspath(model), revision=revision, task=task, dtype=dtype,
             device=device, pooler_plugin=pooler_plugin, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, async_scheduling=async_scheduling,
             overrides=ModelOverrides(
@@ -121,7 +127,7 @@ class Runtime:
         )
         self.plugin_manager.freeze()
         hooks = self._hooks = Hooks(self.plugin_manager)
-        path = metadata.resolve_model_path(self.config.model)
+        path = metadata.resolve_model_path(self.config.model, self.config.revision)
         hf_config = metadata.load_hf_config(path)
         tokenizer = loader.load_tokenizer(path)
         self.model_config: ModelConfig = metadata.load_model_config(
@@ -149,12 +155,13 @@ class Runtime:
         pooler = select_pooler(hooks, self.plugin_manager, self.model_config, self.task, model_module,
                                self.config.pooler_plugin)
         async_scheduling = self.config.async_scheduling
+        runner = ModelRunner(model_module, pooler.to(self.device), hooks, self.model_config,
+                             bucket_tokens=self.device.type == "cpu")
         return Engine(
-            ModelRunner(model_module, pooler.to(self.device), hooks, self.model_config,
-                        bucket_tokens=self.device.type == "cpu"),
+            runner,
             Scheduler(max_num_batched_tokens=self.config.max_num_batched_tokens
                       or default_token_budget(self.device.type),
-                      max_num_seqs=self.config.max_num_seqs, chunked_prefill=self.model_config.is_causal),
+                      max_num_seqs=self.config.max_num_seqs, chunked_prefill=runner.causal),
             hooks, self.model_config, self.device,
             async_scheduling=(self.device.type == "cuda" if async_scheduling is None else async_scheduling),
         )

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias, get_args
 
 from attrs import converters, field, fields, frozen, validators
 
+from poolrunner.core.errors import InvalidRequestError
 from poolrunner.core.validators import (
     non_negative_int,
     non_negative_ints,
-    one_of,
     optional_bool,
     positive_int,
     task_name,
@@ -45,11 +45,42 @@ TASK_PREFERENCE: tuple[PoolingTask, ...] = (
     "embed&token_classify", "embed", "classify", "token_embed", "token_classify",
 )
 
-PoolingType = Literal["CLS", "MEAN", "LAST", "ALL", "STEP"]
+PoolingType = Literal["CLS", "MEAN", "LAST", "MAX", "WEIGHTEDMEAN", "MEAN_SQRT_LEN", "ALL", "STEP"]
 """How hidden states become an output: first token, masked mean (fp32), last real token,
-every token, or only step-tag tokens (process-reward models)."""
+per-dimension maximum over the tokens, mean weighted by position (weights ``1..n``), token sum
+divided by ``sqrt(n)`` (the six are sentence-transformers' Pooling modes ``cls``, ``mean``,
+``lasttoken``, ``max``, ``weightedmean``, ``mean_sqrt_len_tokens``), every token, or only
+step-tag tokens (process-reward models)."""
 
 POOLING_TYPES: tuple[PoolingType, ...] = get_args(PoolingType)
+
+SEQUENCE_POOLING_TYPES: tuple[PoolingType, ...] = ("CLS", "MEAN", "LAST", "MAX", "WEIGHTEDMEAN", "MEAN_SQRT_LEN")
+"""The pooling types that give one vector per sequence, and so may be concatenated."""
+
+POOLING_TYPE_SEPARATOR = "+"
+"""Joins sequence pooling types whose vectors are concatenated, in that order: ``"MEAN+MAX"``
+is ``[mean, max]`` of width ``2 * hidden_size`` (sentence-transformers' Pooling with several
+modes). Only a model's own metadata selects a combination; an override names one type."""
+
+
+def pooling_type_parts(pooling_type: str) -> tuple[str, ...]:
+    """The types a :attr:`ModelConfig.pooling_type` concatenates, in order: ``"MEAN+MAX"`` ->
+    ``("MEAN", "MAX")``, ``"CLS"`` -> ``("CLS",)``. Nothing is validated here."""
+    return tuple(pooling_type.split(POOLING_TYPE_SEPARATOR))
+
+
+def _pooling_type(_instance: object, attribute: Any, value: Any) -> None:
+    """A :data:`PoolingType`, or two or more :data:`SEQUENCE_POOLING_TYPES` joined by ``+``."""
+    if value in POOLING_TYPES:
+        return
+    parts = pooling_type_parts(value) if isinstance(value, str) else ()
+    if len(parts) > 1 and all(part in SEQUENCE_POOLING_TYPES for part in parts):
+        return
+    raise InvalidRequestError(
+        f"{attribute.name} must be one of {list(POOLING_TYPES)}, or two or more of "
+        f"{list(SEQUENCE_POOLING_TYPES)} joined by {POOLING_TYPE_SEPARATOR!r}, got {value!r}"
+    )
+
 
 TruncationSide = Literal["left", "right"]
 
@@ -170,9 +201,12 @@ class ModelConfig:
     :ivar hidden_size: Width of the backbone's hidden states.
     :ivar embedding_size: Width of the ``embed`` output before any Matryoshka slice (after Dense).
     :ivar max_model_len: Longest accepted prompt, in tokens.
-    :ivar is_causal: Decoder (causal attention) rather than encoder (bidirectional).
+    :ivar is_causal: A decoder whose config keeps causal attention (not `is_causal: false` or
+        `use_bidirectional_attention`); chunked prefill also needs every layer's mask to agree.
     :ivar model_tasks: Tasks the model itself can do (from its head); plugins decide which are served.
-    :ivar pooling_type: Default sequence pooling for ``embed``.
+    :ivar pooling_type: Default sequence pooling for ``embed``: a :data:`PoolingType`, or sequence
+        pooling types joined by ``+`` whose vectors are concatenated in that order (a
+        sentence-transformers Pooling module with several modes; see :attr:`pooling_modes`).
     :ivar normalize: Default of :attr:`PoolingParams.normalize` for ``embed``.
     :ivar matryoshka_dimensions: Allowed ``dimensions`` when the model declares a list.
     :ivar is_matryoshka: Whether ``dimensions`` is accepted at all.
@@ -203,7 +237,7 @@ class ModelConfig:
     max_model_len: int
     is_causal: bool
     model_tasks: frozenset[PoolingTask] = field(converter=frozenset)
-    pooling_type: PoolingType = field(validator=one_of(POOLING_TYPES))
+    pooling_type: str = field(validator=_pooling_type)
     normalize: bool = True
     matryoshka_dimensions: tuple[int, ...] | None = field(
         default=None, converter=converters.optional(tuple)
@@ -223,6 +257,18 @@ class ModelConfig:
     hf_config: Mapping[str, Any] = field(
         factory=dict, converter=_frozen_mapping, eq=False, hash=False, repr=False
     )
+
+    @property
+    def pooling_modes(self) -> tuple[PoolingType, ...]:
+        """The pooling types :attr:`pooling_type` concatenates, in order (one for a single type)."""
+        return pooling_type_parts(self.pooling_type)  # type: ignore[return-value]  # validated
+
+    @staticmethod
+    def pooled_size(hidden_size: int, pooling_type: str | None) -> int:
+        """Width of a sequence-pooled vector before any Dense layer: ``hidden_size`` per
+        concatenated mode, as sentence-transformers' ``Pooling.get_embedding_dimension``;
+        ``None`` (a folder without a Pooling module: CLS or LAST) is one mode."""
+        return hidden_size * (len(pooling_type_parts(pooling_type)) if pooling_type else 1)
 
 
 @frozen(kw_only=True, eq=False)

@@ -341,8 +341,9 @@ def test_pooling_request_validators():
     ({"max_num_batched_tokens": -5}, ValueError, r"^max_num_batched_tokens must be a positive integer, got -5$"),
     ({"dtype": "float64"}, ValueError,
      r"^dtype must be one of \['auto', 'float32', 'bfloat16', 'float16'\], got 'float64'$"),
-    ({"pooling_type": "MAX"}, ValueError,
-     r"^pooling_type must be one of \['CLS', 'MEAN', 'LAST', 'ALL', 'STEP'\], got 'MAX'$"),
+    ({"pooling_type": "MEAN+MAX"}, ValueError,
+     r"^pooling_type must be one of \['CLS', 'MEAN', 'LAST', 'MAX', 'WEIGHTEDMEAN', 'MEAN_SQRT_LEN', 'ALL', 'STEP'\], "
+     r"got 'MEAN\+MAX'$"),
     ({"task": "classify"}, UnsupportedTaskError,
      r"does not support task 'classify'\. Supported: \['embed', 'token_embed'\]"),
     ({"max_model_len": 600}, ModelLoadError,

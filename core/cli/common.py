@@ -123,10 +123,15 @@ def add_task_option(model: argparse._ArgumentGroup, verb: str) -> None:
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """The ``model`` group (folder, dtype, device, batching); returned for command-specific additions."""
+    """The ``model`` group (folder or hub id, revision, dtype, device, batching); returned for
+    command-specific additions."""
     model = parser.add_argument_group("model")
     model.add_argument("-m", "--model", metavar="PATH",
-                       help="local model folder (default: all-MiniLM-L6-v2, shipped with poolrunner)")
+                       help="local model folder, or a Hugging Face hub id already in the local Hugging Face "
+                            "cache ($HF_HUB_CACHE, $HF_HOME; never downloaded) (default: all-MiniLM-L6-v2, "
+                            "shipped with poolrunner)")
+    model.add_argument("--revision", metavar="REV",
+                       help="branch, tag or commit hash of a hub id --model, from the cache (default: main)")
     model.add_argument("--dtype", choices=DTYPES, default="auto",
                        help="weight dtype; auto: half precision on CUDA; on the CPU bfloat16 where native and "
                             "accurate for this model (checked at load), else float32")
@@ -172,7 +177,7 @@ def load_runtime(args: argparse.Namespace, **options: Any) -> Any:
     device = check_device(args.device)
     try:
         return Runtime(
-            model=args.model, dtype=args.dtype, device=device,
+            model=args.model, revision=args.revision, dtype=args.dtype, device=device,
             load_entrypoints=args.load_entrypoints, disable_plugins=disabled_plugins(args.disable_plugin),
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             **options,

@@ -51,7 +51,8 @@ def run_ray(args: argparse.Namespace, task: str | None, request_options: dict[st
     if args.output in (None, "-"):
         raise CliError("--ray needs --output FOLDER (one Parquet file per input file)")
     runtime_options = {
-        "dtype": args.dtype, "device": args.device, "load_entrypoints": args.load_entrypoints,
+        "revision": args.revision, "dtype": args.dtype, "device": args.device,
+        "load_entrypoints": args.load_entrypoints,
         "disable_plugins": disabled_plugins(args.disable_plugin),
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
         "is_matryoshka": True if args.is_matryoshka else None,

@@ -91,7 +91,9 @@ def run_job(
     :param output: Output folder (local path or URI), written by the driver; created if missing.
     :param task: The task each runtime serves (``embed``, ``classify``, ``token_embed``...);
         ``None``: the model's default task.
-    :param model: Local model folder on every node; ``None``: the default model.
+    :param model: Local model folder on every node, or a Hugging Face hub id in every node's
+        local Hugging Face cache (``runtime_options={"revision": ...}`` picks a revision; never
+        downloaded); ``None``: the default model.
     :param text_field: Column (JSONL field) holding the texts; text files have only ``text``.
     :param input_format: ``jsonl``, ``parquet`` or ``text``; ``None`` infers it from file names.
     :param num_actors: Size of the actor pool (one runtime each).

@@ -25,13 +25,18 @@ class InputProcessor:
       ``prompt_name`` (``config_sentence_transformers.json``), else its ``default_prompt_name``.
     * ``truncate_prompt_tokens``: ``None`` never truncates (a longer input is an error naming
       both lengths); ``k`` keeps ``k`` tokens, special tokens included; ``-1`` keeps the model
-      maximum. ``truncation_side`` picks which end is kept.
+      maximum. ``truncation_side`` picks which end is kept. For text, ``k`` must cover the
+      special tokens the tokenizer adds (2 for BERT's ``[CLS] ... [SEP]``, 3 for a BERT pair):
+      transformers silently returns the untruncated input below that, so it is an error here.
+      Every truncated prompt is checked again afterwards (at most ``k`` tokens).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, model_config: ModelConfig) -> None:
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.vocab_size = int(model_config.hf_config.get("vocab_size") or len(tokenizer))
+        # Special tokens the tokenizer adds to one text, and to a (text, text_pair) pair.
+        self.num_special_tokens = {pair: _num_special_tokens(tokenizer, pair) for pair in (False, True)}
         self._lock = threading.Lock()
 
     def resolve_prompt(self, prompt: str | None, prompt_name: str | None) -> str:
@@ -54,24 +59,41 @@ class InputProcessor:
             )
         return prompts[name]
 
-    def check_truncation(self, truncate_prompt_tokens: int | None) -> int | None:
+    def check_truncation(self, truncate_prompt_tokens: int | None, *, pair: bool | None = False) -> int | None:
         """The number of tokens to keep, or ``None`` for no truncation.
 
-        :raises InvalidRequestError: for 0, values below -1, or values above ``max_model_len``.
+        :param pair: What is truncated: single texts (``False``), ``(text, text_pair)`` pairs
+            (``True``), or token ids only (``None``: the tokenizer adds nothing, so no minimum).
+        :raises InvalidRequestError: for 0, values below -1, values above ``max_model_len``, or
+            (text) fewer tokens than the special tokens the tokenizer adds to every input
+            (``tokenizer.num_special_tokens_to_add``): transformers would ignore such a limit.
         """
         limit = self.model_config.max_model_len
         if truncate_prompt_tokens is None:
             return None
         if isinstance(truncate_prompt_tokens, bool) or not isinstance(truncate_prompt_tokens, int):
             raise InvalidRequestError(f"truncate_prompt_tokens must be an integer, got {truncate_prompt_tokens!r}")
-        if truncate_prompt_tokens == -1:
-            return limit
-        if not 1 <= truncate_prompt_tokens <= limit:
+        keep = limit if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        if not 1 <= keep <= limit:
             raise InvalidRequestError(
                 f"truncate_prompt_tokens={truncate_prompt_tokens} is out of range: use -1 (the model "
                 f"maximum) or 1..{limit} (max_model_len of {self.model_config.name})"
             )
-        return truncate_prompt_tokens
+        minimum = 0 if pair is None else self.num_special_tokens[pair]
+        if keep < minimum:
+            every = "(text, text_pair) pair" if pair else "input"
+            if truncate_prompt_tokens == -1:
+                raise InvalidRequestError(
+                    f"truncate_prompt_tokens=-1 keeps max_model_len={limit} tokens, below the {minimum} special "
+                    f"tokens model {self.model_config.name} adds to every {every}; load it with max_model_len "
+                    f"of at least {minimum}"
+                )
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens={truncate_prompt_tokens} is below the {minimum} special tokens model "
+                f"{self.model_config.name} adds to every {every}; use at least {minimum} (or -1 for the model "
+                "maximum)"
+            )
+        return keep
 
     def encode(
         self,
@@ -89,9 +111,9 @@ class InputProcessor:
         """
         if truncation_side not in ("left", "right"):
             raise InvalidRequestError(f"truncation_side must be 'left' or 'right', got {truncation_side!r}")
-        keep = self.check_truncation(truncate_prompt_tokens)
-        prefix = self.resolve_prompt(prompt, prompt_name)
         texts = {i: item for i, item in enumerate(inputs) if isinstance(item, str)}
+        keep = self.check_truncation(truncate_prompt_tokens, pair=False if texts else None)
+        prefix = self.resolve_prompt(prompt, prompt_name)
         encoded = self._tokenize([prefix + text for text in texts.values()], keep, truncation_side)
         by_index = dict(zip(texts, encoded, strict=True))
         results = []
@@ -102,7 +124,7 @@ class InputProcessor:
                 raise InvalidRequestError(f"input {index}: a prompt applies to text, not to token ids")
             else:
                 ids = self._check_token_ids(index, item, keep, truncation_side)
-            results.append(self._check_length(index, ids))
+            results.append(self._check_length(index, ids, keep))
         return results
 
     def encode_pairs(
@@ -123,7 +145,7 @@ class InputProcessor:
         """
         if truncation_side not in ("left", "right"):
             raise InvalidRequestError(f"truncation_side must be 'left' or 'right', got {truncation_side!r}")
-        keep = self.check_truncation(truncate_prompt_tokens)
+        keep = self.check_truncation(truncate_prompt_tokens, pair=True)
         for index, pair in enumerate(pairs):
             if not (isinstance(pair, tuple | list) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
                 raise InvalidRequestError(f"pair {index}: expected two texts (query, document), got {pair!r:.80}")
@@ -138,7 +160,7 @@ class InputProcessor:
         results = []
         for index, ids in enumerate(encoded["input_ids"]):
             types = tuple(encoded["token_type_ids"][index]) if with_types else None
-            results.append((self._check_length(index, tuple(ids)), types))
+            results.append((self._check_length(index, tuple(ids), keep), types))
         return results
 
     def _tokenize(self, texts: list[str], keep: int | None, side: TruncationSide) -> list[tuple[int, ...]]:
@@ -171,10 +193,20 @@ class InputProcessor:
             ids = ids[-keep:] if side == "left" else ids[:keep]
         return ids
 
-    def _check_length(self, index: int, ids: tuple[int, ...]) -> tuple[int, ...]:
+    def _check_length(self, index: int, ids: tuple[int, ...], keep: int | None) -> tuple[int, ...]:
+        """``ids`` if it has 1..``keep`` tokens (truncated) or 1..``max_model_len`` (not truncated);
+        the kept length is checked, not assumed from the tokenizer.
+
+        :raises InvalidRequestError: naming the input's index, its length and the limit.
+        """
         limit = self.model_config.max_model_len
         if not ids:
             raise InvalidRequestError(f"input {index} is empty: it has no tokens to pool")
+        if keep is not None and len(ids) > keep:
+            raise InvalidRequestError(
+                f"input {index} still has {len(ids)} tokens after truncation to {keep} (the tokenizer of "
+                f"{self.model_config.name} did not truncate it); shorten it"
+            )
         if len(ids) > limit:
             raise InvalidRequestError(
                 f"input {index} has {len(ids)} tokens, more than the maximum of {limit} "
@@ -182,3 +214,11 @@ class InputProcessor:
                 "truncate_prompt_tokens (-1 keeps the maximum)"
             )
         return ids
+
+
+def _num_special_tokens(tokenizer: PreTrainedTokenizerBase, pair: bool) -> int:
+    """``tokenizer.num_special_tokens_to_add(pair)``; 0 for a tokenizer that cannot say (or pair)."""
+    try:
+        return int(tokenizer.num_special_tokens_to_add(pair=pair))
+    except (AttributeError, NotImplementedError, TypeError, ValueError):
+        return 0

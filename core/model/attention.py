@@ -13,7 +13,8 @@ transformers' own ``sdpa_mask`` for one request of each length in the step, exac
 would be for that request run alone; so every layer gets its own semantics and a new mask
 feature needs no code here.
 
-Every other argument a layer passes is either implemented (``scaling``, ``softcap``), known to
+Every other argument a layer passes is either implemented (``scaling``, ``softcap``, sinks as
+``s_aux``), known to
 be carried by the mask (``sliding_window``, ``is_causal``) or inert (positions, caches); any
 other argument with a value raises :class:`UnsupportedAttentionError`. The runner runs one probe
 forward at load (:func:`probe_attention`), so a layout or a new transformers release that asks
@@ -80,12 +81,13 @@ class MaskRule:
         """The ``[q_length, kv_length]`` mask of one request whose queries start at ``q_offset``."""
         key = (q_offset, q_length, kv_length, str(device))
         if key not in self._blocks:
+            # Built and classified on the CPU, so a GPU step never waits on a mask.
             mask = sdpa_mask(
                 batch_size=1, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=0,
                 mask_function=self.mask_function, attention_mask=None, allow_is_causal_skip=False,
-                allow_is_bidirectional_skip=False, use_vmap=self.use_vmap, device=device,
+                allow_is_bidirectional_skip=False, use_vmap=self.use_vmap, device="cpu",
             )
-            self._blocks[key] = _Block.of(mask[0, 0].expand(q_length, kv_length), q_offset)
+            self._blocks[key] = _Block.of(mask[0, 0].expand(q_length, kv_length), q_offset, device)
         return self._blocks[key]
 
 
@@ -98,14 +100,14 @@ class _Block:
     attends_future: bool  # some query sees a key at a later position
 
     @classmethod
-    def of(cls, mask: torch.Tensor, q_offset: int) -> _Block:
+    def of(cls, mask: torch.Tensor, q_offset: int, device: torch.device) -> _Block:
         q_length, kv_length = mask.shape
-        causal = torch.ones(q_length, kv_length, dtype=torch.bool, device=mask.device).tril(diagonal=q_offset)
+        causal = torch.ones(q_length, kv_length, dtype=torch.bool).tril(diagonal=q_offset)
         future = bool((mask & ~causal).any())
         # SDPA's is_causal aligns the triangle top-left: only right for a square block from 0.
         square = q_offset == 0 and q_length == kv_length
         kind = "full" if bool(mask.all()) else "causal" if square and torch.equal(mask, causal) else "custom"
-        return cls(mask, kind, future)
+        return cls(mask.contiguous().to(device, non_blocking=True), kind, future)
 
 
 @frozen(eq=False)
@@ -213,6 +215,7 @@ def packed_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Attention within each request's span of a packed sequence, as the layer's mask rule says.
@@ -223,6 +226,8 @@ def packed_attention(
     :param attention_mask: The layer's :class:`MaskRule`, from :func:`_keep_mask_rule`.
     :param scaling: Softmax scale; ``head_dim ** -0.5`` when ``None``.
     :param softcap: Logit soft-capping (Gemma2): scores become ``softcap * tanh(scores / softcap)``.
+    :param s_aux: Attention sinks (GPT-OSS), ``[num_heads]``: one extra logit per head that joins
+        the softmax and is then dropped.
     :returns: ``([1, num_tokens, num_heads, head_dim], None)``, the layout transformers expects.
     :raises UnsupportedAttentionError: for a dropout during inference, a mask that did not come
         from transformers' mask interface, or any other argument with a value.
@@ -240,11 +245,11 @@ def packed_attention(
         if layout.probe is not None:
             layout.probe.append(block.attends_future)
         padded = [_pad(t, group) for t in (q, k, v)]
-        attended = _attend(*padded, block, group.key_mask, scaling, softcap)
+        attended = _attend(*padded, block, group.key_mask, scaling, softcap, s_aux)
         rows = attended.transpose(1, 2).reshape(group.count * group.length, *q.shape[1:])
         output.index_copy_(0, group.dest, rows.index_select(0, group.valid))
     for span in layout.cached:
-        output[span.start : span.end] = _attend_chunk(module, attention_mask, span, q, k, v, scaling, softcap)
+        output[span.start : span.end] = _attend_chunk(module, attention_mask, span, q, k, v, scaling, softcap, s_aux)
     return output.unsqueeze(0), None
 
 
@@ -269,7 +274,7 @@ def _check_arguments(module: nn.Module, mask: Any, dropout: float, kwargs: dict[
 
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: _Block, key_mask: torch.Tensor | None,
-    scaling: float | None, softcap: float | None,
+    scaling: float | None, softcap: float | None, sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """``[rows, heads, length, head_dim]`` queries over keys with ``block``'s rule (and ``key_mask``)."""
     is_causal = block.kind == "causal" and key_mask is None
@@ -278,10 +283,10 @@ def _attend(
         mask = block.mask if key_mask is None else key_mask & block.mask
     elif key_mask is not None:
         mask = key_mask
-    if softcap is not None:
+    if softcap is not None or sinks is not None:
         if is_causal:
             mask = block.mask
-        return _eager(q, k, v, mask, scaling, softcap)
+        return _eager(q, k, v, mask, scaling, softcap, sinks)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=k.shape[1] != q.shape[1],
     )
@@ -289,24 +294,30 @@ def _attend(
 
 def _eager(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-    scaling: float | None, softcap: float,
+    scaling: float | None, softcap: float | None, sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Attention with soft-capped logits, computed as transformers' eager path does (softmax in fp32)."""
+    """Attention with soft-capped logits and/or sinks, as transformers' eager paths compute it."""
     if k.shape[1] != q.shape[1]:
         repeats = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v)
+    # A sink is one more logit per head in the softmax; its share of the weight goes nowhere.
+    sink = sinks.reshape(1, -1, 1, 1).to(scores.dtype).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=scores.dtype)
+    return torch.matmul(probs[..., :-1], v)
 
 
 def _attend_chunk(
     module: nn.Module, rule: MaskRule, span: _CachedSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    scaling: float | None, softcap: float | None,
+    scaling: float | None, softcap: float | None, sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """A chunk over its request's cached keys and values plus its own: ``[chunk, heads, dim]``."""
     layer = getattr(module, "layer_idx", None)
@@ -323,7 +334,7 @@ def _attend_chunk(
     if block.attends_future:  # the runner enables chunking only for layers that never do
         raise RuntimeError(f"{type(module).__name__} layer {layer} attends to later tokens: it cannot run in chunks")
     query = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
-    return _attend(query, keys, values, block, None, scaling, softcap)[0].transpose(0, 1)
+    return _attend(query, keys, values, block, None, scaling, softcap, sinks)[0].transpose(0, 1)
 
 
 def _pad(tokens: torch.Tensor, group: _Group) -> torch.Tensor:

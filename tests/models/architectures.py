@@ -1,0 +1,358 @@
+"""The architecture matrix: every model family poolrunner is checked on, every head it has.
+
+One :class:`Family` per configuration layout a user can bring (a family with a layout that
+changes attention, such as Qwen3 with ``use_sliding_window``, is its own entry); each family
+lists the heads transformers has for it, and each ``(family, head)`` :class:`Row` states what
+poolrunner must do with such a folder:
+
+* ``exact``: serve it, with transformers' own result (eager attention, fp32, each input run
+  alone) in every batching mode (``tests/test_architecture_matrix.py``);
+* ``refused``: refuse it at load with a :class:`poolrunner.ModelLoadError` naming the architecture.
+
+Heads a family does not have in transformers (Gemma3 has no ``*ForTokenClassification``) are
+simply absent from its ``heads``; ``tests/test_architecture_matrix.py`` checks that the table
+lists exactly the classes transformers has.
+
+:func:`build_folder` saves a seeded tiny model (hidden 64, 2-3 layers, 4 heads, vocab 512,
+matrices widened to std 0.2 so that a wrong row, position or mask visibly changes results) with
+a small byte-level BPE tokenizer. Special ids are the same in every folder:
+``<s>`` 0 (BOS / CLS), ``<pad>`` 1, ``</s>`` 2 (EOS / SEP), ``<unk>`` 3, ``<mask>`` 4; decoders
+use ``pad_token_id == eos_token_id == 2`` (most decoders' layout, and the rerankers' whose
+tokenizer appends EOS).
+
+:func:`support_table` renders the README's ``## Supported architectures`` table from
+:data:`FAMILIES`; print it with ``python -m tests.models.architectures``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+EXACT = "exact"
+REFUSED = "refused"
+
+# Heads, as the suffix of the transformers class (``BertForTokenClassification``).
+HEADS = ("model", "sequence", "token")
+HEAD_SUFFIX = {"model": "Model", "sequence": "ForSequenceClassification", "token": "ForTokenClassification"}
+# The tasks poolrunner serves for each head (the README table's columns).
+HEAD_TASKS = {"model": ("embed", "token_embed"), "sequence": ("classify",), "token": ("token_classify",)}
+
+VOCAB_SIZE = 512
+BOS_ID, PAD_ID, EOS_ID = 0, 1, 2  # <s>, <pad>, </s>; decoders set pad_token_id = EOS_ID
+FIRST_WORD_ID = 5  # ids below are special tokens; inputs draw their words from FIRST_WORD_ID..
+SEQUENCE_LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+TOKEN_LABELS = {0: "O", 1: "B-PER", 2: "I-PER", 3: "B-LOC", 4: "I-LOC"}
+INIT_STD = 0.2
+MAX_POSITIONS = 128
+
+_ENCODER = {"vocab_size": VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "max_position_embeddings": MAX_POSITIONS, "pad_token_id": PAD_ID,
+            "bos_token_id": BOS_ID, "eos_token_id": EOS_ID}
+# RoBERTa-style positions start after the padding index: 130 positions hold 128 tokens.
+_ROBERTA = {**_ENCODER, "max_position_embeddings": MAX_POSITIONS + 2, "type_vocab_size": 1}
+_DECODER = {"vocab_size": VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": MAX_POSITIONS,
+            "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": EOS_ID, "tie_word_embeddings": False}
+_GEMMA = {**_DECODER, "num_hidden_layers": 3, "head_dim": 16, "query_pre_attn_scalar": 16}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One configuration layout of one transformers model family.
+
+    :ivar id: Test id (``qwen3-sliding``).
+    :ivar label: The README row (markdown).
+    :ivar prefix: Class prefix: ``prefix + HEAD_SUFFIX[head]`` is the architecture.
+    :ivar config_class: The transformers config class.
+    :ivar config: Arguments of ``config_class`` (``architectures`` and labels are added per head).
+    :ivar decoder: A decoder (LAST pooling, sequence head reads the last non-pad token).
+    :ivar causal: Causal in every layer (poolrunner may then run prompts in chunks with a KV cache).
+    :ivar status: Expected status per head; its keys are the heads transformers has.
+    """
+
+    id: str
+    label: str
+    prefix: str
+    config_class: str
+    config: Mapping[str, Any]
+    decoder: bool = False
+    causal: bool = False
+    status: Mapping[str, str] = field(default_factory=lambda: dict.fromkeys(HEADS, EXACT))
+
+    @property
+    def heads(self) -> tuple[str, ...]:
+        return tuple(head for head in HEADS if head in self.status)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One ``(family, head)`` of the matrix."""
+
+    family: Family
+    head: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.family.id}/{self.head}"
+
+    @property
+    def architecture(self) -> str:
+        return self.family.prefix + HEAD_SUFFIX[self.head]
+
+    @property
+    def status(self) -> str:
+        return self.family.status[self.head]
+
+    @property
+    def task(self) -> str:
+        """The task the matrix runs the row with (``model`` rows also run ``embed``)."""
+        return {"model": "token_embed", "sequence": "classify", "token": "token_classify"}[self.head]
+
+
+def _exact(*heads: str) -> dict[str, str]:
+    return dict.fromkeys(heads, EXACT)
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("bert", "BERT", "Bert", "BertConfig", {**_ENCODER, "type_vocab_size": 2}),
+    Family("roberta", "RoBERTa", "Roberta", "RobertaConfig", _ROBERTA),
+    Family("xlm-roberta", "XLM-RoBERTa", "XLMRoberta", "XLMRobertaConfig", _ROBERTA),
+    Family("distilbert", "DistilBERT", "DistilBert", "DistilBertConfig", {
+        "vocab_size": VOCAB_SIZE, "dim": 64, "hidden_dim": 128, "n_layers": 2, "n_heads": 4,
+        "max_position_embeddings": MAX_POSITIONS, "pad_token_id": PAD_ID}),
+    # embedding_size < hidden_size: the embeddings go through ELECTRA's projection.
+    Family("electra", "ELECTRA", "Electra", "ElectraConfig", {**_ENCODER, "embedding_size": 32, "type_vocab_size": 2}),
+    # DeBERTa-v3's layout: relative attention only (no absolute positions), log buckets.
+    Family("deberta-v2", "DeBERTa-v2 / v3", "DebertaV2", "DebertaV2Config", {
+        **_ENCODER, "type_vocab_size": 0, "relative_attention": True, "position_buckets": 8,
+        "max_relative_positions": -1, "pos_att_type": ["p2c", "c2p"], "position_biased_input": False,
+        "norm_rel_ebd": "layer_norm", "share_att_key": True}),
+    Family("mpnet", "MPNet", "MPNet", "MPNetConfig", _ROBERTA),  # 32 buckets: transformers hard-codes 32
+    # Layers 0 and 2 global, layer 1 local over a window of 8 (4 either side).
+    Family("modernbert", "ModernBERT (`classifier_pooling: cls`)", "ModernBert", "ModernBertConfig", {
+        **_ENCODER, "num_hidden_layers": 3, "local_attention": 8, "global_attn_every_n_layers": 2,
+        "cls_token_id": BOS_ID, "sep_token_id": EOS_ID, "classifier_pooling": "cls"}),
+    Family("modernbert-mean", "ModernBERT (`classifier_pooling: mean`)", "ModernBert", "ModernBertConfig", {
+        **_ENCODER, "num_hidden_layers": 3, "local_attention": 8, "global_attn_every_n_layers": 2,
+        "cls_token_id": BOS_ID, "sep_token_id": EOS_ID, "classifier_pooling": "mean"}),
+    Family("ernie", "ERNIE", "Ernie", "ErnieConfig", {**_ENCODER, "type_vocab_size": 2}),
+    Family("llama", "Llama", "Llama", "LlamaConfig", _DECODER, decoder=True, causal=True),
+    Family("mistral", "Mistral (`sliding_window`)", "Mistral", "MistralConfig",
+           {**_DECODER, "head_dim": 16, "sliding_window": 4}, decoder=True, causal=True),
+    Family("qwen2", "Qwen2", "Qwen2", "Qwen2Config", _DECODER, decoder=True, causal=True),
+    # gte-Qwen2: bidirectional attention through `is_causal: false` in config.json.
+    Family("qwen2-bidirectional", "Qwen2 (`is_causal: false`, gte-Qwen2)", "Qwen2", "Qwen2Config",
+           {**_DECODER, "is_causal": False}, decoder=True),
+    Family("qwen3", "Qwen3", "Qwen3", "Qwen3Config", {**_DECODER, "head_dim": 16}, decoder=True, causal=True),
+    # Layers from max_window_layers on slide: layer 0 full, layers 1 and 2 over a window of 4.
+    Family("qwen3-sliding", "Qwen3 (`use_sliding_window: true`)", "Qwen3", "Qwen3Config", {
+        **_DECODER, "head_dim": 16, "num_hidden_layers": 3, "use_sliding_window": True, "sliding_window": 4,
+        "max_window_layers": 1}, decoder=True, causal=True),
+    # Layers alternate sliding (0, 2) and full (1); attention logits soft-capped at 2.
+    Family("gemma2", "Gemma2 (soft-capping, `sliding_window`)", "Gemma2", "Gemma2Config", {
+        **_GEMMA, "sliding_window": 4, "attn_logit_softcapping": 2.0, "final_logit_softcapping": None},
+        decoder=True, causal=True),
+    Family("gemma3", "Gemma3 text", "Gemma3Text", "Gemma3TextConfig", {
+        **_GEMMA, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+        decoder=True, causal=True, status=_exact("model", "sequence")),
+    # EmbeddingGemma: bidirectional, the sliding layers over a symmetric window.
+    Family("gemma3-bidirectional", "Gemma3 text (`use_bidirectional_attention`, EmbeddingGemma)", "Gemma3Text",
+           "Gemma3TextConfig", {
+               **_GEMMA, "sliding_window": 8, "use_bidirectional_attention": True,
+               "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+           decoder=True, status=_exact("model", "sequence")),
+    Family("phi3", "Phi-3", "Phi3", "Phi3Config", {**_DECODER, "original_max_position_embeddings": MAX_POSITIONS},
+           decoder=True, causal=True),
+    # Attention sinks (one extra softmax logit per head), mixture of experts, sliding layers.
+    Family("gpt-oss", "GPT-OSS (attention sinks)", "GptOss", "GptOssConfig", {
+        **_DECODER, "intermediate_size": 64, "head_dim": 16, "num_local_experts": 2, "num_experts_per_tok": 1,
+        "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
+        decoder=True, causal=True),
+    Family("gpt2", "GPT-2", "GPT2", "GPT2Config", {
+        "vocab_size": VOCAB_SIZE, "n_embd": 64, "n_inner": 128, "n_layer": 2, "n_head": 4,
+        "n_positions": MAX_POSITIONS, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": EOS_ID},
+        decoder=True, causal=True),
+)
+
+
+def rows() -> list[Row]:
+    """Every ``(family, head)`` of :data:`FAMILIES`, in table order."""
+    return [Row(family, head) for family in FAMILIES for head in family.heads]
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Token-id inputs of one row (special tokens included, none added by poolrunner).
+
+    :ivar mixed: Lengths 3, 9, 17, 30: longer than every sliding window and the ModernBERT
+        local window, shorter than the one-step budget of 8 for three of them.
+    :ivar equal: Three different inputs of 12 tokens (no padding anywhere in a batch).
+    :ivar eos: Decoder sequence heads only (else empty): inputs ending in EOS == pad, as a
+        reranker tokenizer that appends EOS makes them; transformers then reads the row before.
+    """
+
+    mixed: tuple[tuple[int, ...], ...]
+    equal: tuple[tuple[int, ...], ...]
+    eos: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def all(self) -> tuple[tuple[int, ...], ...]:
+        return self.mixed + self.equal + self.eos
+
+
+def inputs_for(row: Row, seed: int = 0) -> Inputs:
+    """Seeded inputs: encoders ``<s> words </s>``, decoders ``<s> words`` (no EOS, never the
+    pad id) and, for decoder sequence heads, ``<s> words </s>`` as :attr:`Inputs.eos`."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+
+    def words(n: int) -> list[int]:
+        return torch.randint(FIRST_WORD_ID, VOCAB_SIZE, (n,), generator=generator).tolist()
+
+    def make(length: int, *, eos: bool) -> tuple[int, ...]:
+        return tuple([BOS_ID, *words(length - 2), EOS_ID] if eos else [BOS_ID, *words(length - 1)])
+
+    encoder = not row.family.decoder
+    mixed = tuple(make(n, eos=encoder) for n in (3, 9, 17, 30))
+    equal = tuple(make(12, eos=encoder) for _ in range(3))
+    eos = tuple(make(n, eos=True) for n in (6, 14, 25)) if row.family.decoder and row.head == "sequence" else ()
+    return Inputs(mixed, equal, eos)
+
+
+# --------------------------------------------------------------------------- folders
+
+
+def make_config(row: Row) -> Any:
+    """The row's transformers config: the family's, ``architectures`` set to the row's class,
+    labels for the classification heads."""
+    import transformers
+
+    labels: dict[str, Any] = {}
+    if row.head == "sequence":
+        labels = {"id2label": dict(SEQUENCE_LABELS)}
+    elif row.head == "token":
+        labels = {"id2label": dict(TOKEN_LABELS)}
+    config_class = getattr(transformers, row.family.config_class)
+    return config_class(**row.family.config, **labels, architectures=[row.architecture])
+
+
+def make_model(row: Row, seed: int = 0) -> Any:
+    """A seeded random model of the row's class in eval mode, every matrix widened to std
+    :data:`INIT_STD` (the default 0.02 leaves outputs nearly input-independent)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, row.architecture)(make_config(row)).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, INIT_STD)
+    return model
+
+
+@cache
+def _tokenizer_backend_json() -> str:
+    """A byte-level BPE over the words ``w0 .. w499`` with the special tokens at ids 0-4.
+
+    Byte-level BPE because transformers rebuilds some families' tokenizers from the vocabulary
+    and merges (Qwen2's), which a WordLevel vocabulary does not survive. The tests feed token
+    ids, so the tokenizer only has to load and tokenize sensibly.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    words = [f"w{i}" for i in range(500)]
+    backend.train_from_iterator([" ".join(words[i : i + 10]) for i in range(0, len(words), 10)] * 2, trainer)
+    assert backend.get_vocab_size() <= VOCAB_SIZE
+    assert [backend.token_to_id(t) for t in ("<s>", "<pad>", "</s>", "<unk>", "<mask>")] == [0, 1, 2, 3, 4]
+    return backend.to_str()
+
+
+def make_tokenizer() -> Any:
+    """The folders' tokenizer (:func:`_tokenizer_backend_json`) with the special tokens named."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tokenizer_backend_json()), bos_token="<s>", eos_token="</s>",
+        pad_token="<pad>", unk_token="<unk>", mask_token="<mask>", cls_token="<s>", sep_token="</s>",
+    )
+
+
+def build_folder(row: Row, folder: Path, seed: int = 0) -> Path:
+    """Save the row's tiny model (:func:`make_model`) and tokenizer into ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    make_tokenizer().save_pretrained(folder)
+    make_model(row, seed).save_pretrained(folder)
+    saved = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    assert saved["architectures"] == [row.architecture], saved.get("architectures")
+    return folder
+
+
+def load_reference(row: Row, folder: Path) -> Any:
+    """transformers' own model of the folder: the row's class, eager attention (it implements
+    every feature, e.g. soft-capping), fp32, eval."""
+    import torch
+    import transformers
+
+    return getattr(transformers, row.architecture).from_pretrained(
+        folder, attn_implementation="eager", dtype=torch.float32, local_files_only=True,
+    ).eval()
+
+
+def reference_output(model: Any, ids: Sequence[int]) -> Any:
+    """The right answer for one input: it alone, a batch of one, no padding, no mask.
+
+    :returns: float64 numpy ``last_hidden_state[0]`` (``[T, hidden]``) or ``logits[0]``
+        (``[num_labels]`` or ``[T, num_labels]``).
+    """
+    import torch
+
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([list(ids)], dtype=torch.int64))
+    result = out.logits if hasattr(out, "logits") and out.logits is not None else out.last_hidden_state
+    return result[0].double().numpy()
+
+
+# --------------------------------------------------------------------------- README table
+
+_HEAD_COLUMNS = {
+    "model": "`*Model`: `embed`, `token_embed`",
+    "sequence": "`*ForSequenceClassification`: `classify`",
+    "token": "`*ForTokenClassification`: `token_classify`",
+}
+NO_HEAD = "—"
+
+
+def support_table(families: Sequence[Family] = FAMILIES) -> str:
+    """The README's ``## Supported architectures`` table: one row per family layout (with its
+    classes' prefix, as ``architectures`` in ``config.json`` names them), one column per head;
+    cells ``exact``, ``refused`` or ``—`` (transformers has no such head)."""
+    lines = [
+        "| architecture | classes | " + " | ".join(_HEAD_COLUMNS[head] for head in HEADS) + " |",
+        "|---|---|" + "---|" * len(HEADS),
+    ]
+    for family in families:
+        cells = [family.status.get(head, NO_HEAD) for head in HEADS]
+        lines.append(f"| {family.label} | `{family.prefix}*` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(support_table(), end="")

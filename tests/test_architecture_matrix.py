@@ -1,0 +1,233 @@
+"""The architecture matrix (issue 13): for every model family a user brings, poolrunner gives
+transformers' own result, or refuses the folder at load with a clear error.
+
+The table is :data:`tests.models.architectures.FAMILIES`: one seeded tiny folder per
+``(family, head)`` row, saved with ``save_pretrained``. The right answer for an input is
+transformers' own forward of that folder: the row's class, eager attention (it implements every
+feature: Gemma2's soft-capping, sliding windows), fp32, eval, the input run alone (a batch of
+one, no padding). ``exact`` rows must give it in every mode:
+
+* ``alone``: one call per input;
+* ``mixed``: one call, lengths 3, 9, 17, 30 (longer than every sliding window);
+* ``equal``: one call, three different inputs of 12 tokens (nothing padded: the classic trap
+  for a causal mask built only for padded batches);
+* ``budget8``: every input in one call with ``max_num_batched_tokens=8`` (decoders that are
+  causal in every layer run prompts in chunks with a KV cache; the others run each prompt whole);
+* ``eos`` (decoder sequence heads): inputs ending in EOS == pad, the reranker layout; transformers
+  reads the rightmost token that is not the pad id, i.e. the row before the EOS;
+* ``embed-mean`` (``*Model`` rows): ``task="embed"`` with ``pooling_type="MEAN"`` against the mean
+  of ``last_hidden_state``.
+
+Outputs: ``*Model`` -> ``token_embed`` rows ``[T, hidden]`` (per-token cosine >= 0.9999 and max
+abs <= 1e-4); ``*ForSequenceClassification`` -> ``classify`` raw logits ``[num_labels]`` and
+``*ForTokenClassification`` -> ``token_classify`` raw logits ``[T, num_labels]`` (max abs <= 1e-4).
+``refused`` rows must raise :class:`poolrunner.ModelLoadError` naming the architecture.
+
+Every test prints its measured deviation (``pytest -s``): ``deviation <row>/<mode>: ...``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.models.architectures import (
+    EXACT,
+    FAMILIES,
+    HEAD_SUFFIX,
+    HEADS,
+    REFUSED,
+    Inputs,
+    Row,
+    build_folder,
+    inputs_for,
+    load_reference,
+    reference_output,
+    rows,
+    support_table,
+)
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+MIN_COSINE = 0.9999
+ATOL = 1e-4
+BUDGET = 8
+
+ROWS = rows()
+
+
+def _modes(row: Row) -> list[str]:
+    modes = ["alone", "mixed", "equal", "budget8"]
+    if row.family.decoder and row.head == "sequence":
+        modes.append("eos")
+    if row.head == "model":
+        modes.append("embed-mean")
+    return modes
+
+
+CASES = [pytest.param(row, mode, id=f"{row.id}/{mode}") for row in ROWS if row.status == EXACT
+         for mode in _modes(row)]
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+class Matrix:
+    """Per module: each row's folder, its references and its runtimes, built once."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._folders: dict[str, Path] = {}
+        self._expected: dict[str, dict[tuple[int, ...], np.ndarray]] = {}
+        self._runtimes: dict[tuple[Any, ...], Any] = {}
+
+    def folder(self, row: Row) -> Path:
+        if row.id not in self._folders:
+            self._folders[row.id] = build_folder(row, self.root / row.id.replace("/", "__"))
+        return self._folders[row.id]
+
+    def inputs(self, row: Row) -> Inputs:
+        return inputs_for(row)
+
+    def expected(self, row: Row, ids: tuple[int, ...]) -> np.ndarray:
+        """transformers' answer for ``ids`` run alone (all of the row's inputs computed at once)."""
+        if row.id not in self._expected:
+            model = load_reference(row, self.folder(row))
+            self._expected[row.id] = {x: reference_output(model, x) for x in self.inputs(row).all}
+        return self._expected[row.id][ids]
+
+    def runtime(self, row: Row, *, task: str | None = None, budget: int | None = None, **overrides: Any) -> Any:
+        from poolrunner import Runtime
+
+        key = (row.id, task, budget, tuple(sorted(overrides.items())))
+        if key not in self._runtimes:
+            self._runtimes[key] = Runtime(
+                str(self.folder(row)), task=task or row.task, dtype="float32", max_num_batched_tokens=budget,
+                load_entrypoints=False, **overrides,
+            )
+        return self._runtimes[key]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One intra-op thread while the module runs: hidden-64 models gain nothing from more, and
+    on busy shared cores OpenMP's spinning threads made this module 20x slower (196 s, not 10 s)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory) -> Matrix:
+    return Matrix(tmp_path_factory.mktemp("architectures"))
+
+
+# --------------------------------------------------------------------------- comparison
+
+
+@dataclasses.dataclass
+class Deviation:
+    min_cosine: float = 1.0
+    max_abs: float = 0.0
+    worst: str = ""
+
+    def add(self, name: str, got: Any, expected: np.ndarray) -> None:
+        got = np.asarray(got)
+        assert got.dtype == np.float32, f"{name}: dtype {got.dtype}, expected float32"
+        assert got.shape == expected.shape, f"{name}: shape {got.shape}, transformers gives {expected.shape}"
+        a = np.atleast_2d(got.astype(np.float64))
+        b = np.atleast_2d(expected)
+        cosine = float(((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).min())
+        max_abs = float(np.abs(a - b).max())
+        if cosine < self.min_cosine or max_abs > self.max_abs:
+            self.worst = name
+        self.min_cosine = min(self.min_cosine, cosine)
+        self.max_abs = max(self.max_abs, max_abs)
+
+    def __str__(self) -> str:
+        return f"min cosine {self.min_cosine:.9f}, max abs {self.max_abs:.2e} (worst: {self.worst})"
+
+
+def _encode(rt: Any, row: Row, batch: list[tuple[int, ...]], **options: Any) -> list[np.ndarray]:
+    if row.head != "model":
+        options.setdefault("use_activation", False)
+    out = rt.encode([list(ids) for ids in batch], **options)
+    assert len(out) == len(batch)
+    return out
+
+
+# --------------------------------------------------------------------------- the table itself
+
+
+def test_table_lists_every_head_transformers_has():
+    """Heads a family lacks are absent by construction; a head transformers gains shows up here."""
+    import transformers
+
+    assert len({f.id for f in FAMILIES}) == len(FAMILIES) and len({f.label for f in FAMILIES}) == len(FAMILIES)
+    for family in FAMILIES:
+        present = tuple(h for h in HEADS if hasattr(transformers, family.prefix + HEAD_SUFFIX[h]))
+        assert family.heads == present, family.id
+        assert set(family.status.values()) <= {EXACT, REFUSED}, family.id
+
+
+def test_readme_support_table_matches_the_matrix():
+    """README's ``## Supported architectures`` table is :func:`support_table` verbatim
+    (regenerate it with ``python -m tests.models.architectures``)."""
+    readme = README.read_text(encoding="utf-8")
+    assert "\n## Supported architectures\n" in readme, "README lacks the '## Supported architectures' section"
+    section = readme.split("\n## Supported architectures\n", 1)[1].split("\n## ", 1)[0]
+    assert support_table() in section, (
+        "README's support table differs from tests/models/architectures.py; paste the output of "
+        "`python -m tests.models.architectures`:\n" + support_table()
+    )
+
+
+# --------------------------------------------------------------------------- load
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row.id for row in ROWS])
+def test_load(row, matrix):
+    """``exact`` rows load as their own class; ``refused`` rows fail at load naming it."""
+    from poolrunner import ModelLoadError, Runtime
+
+    if row.status == REFUSED:
+        with pytest.raises(ModelLoadError) as info:
+            Runtime(str(matrix.folder(row)), task=row.task, dtype="float32", load_entrypoints=False)
+        assert row.architecture in str(info.value), str(info.value)
+        return
+    rt = matrix.runtime(row)
+    assert rt.model_config.architecture == row.architecture
+    assert rt.task == row.task
+
+
+# --------------------------------------------------------------------------- the matrix
+
+
+@pytest.mark.parametrize(("row", "mode"), CASES)
+def test_matches_transformers(row, mode, matrix):
+    inputs = matrix.inputs(row)
+    deviation = Deviation()
+    if mode == "alone":
+        rt = matrix.runtime(row)
+        for i, ids in enumerate(inputs.all):
+            deviation.add(f"input {i} ({len(ids)} tokens)", _encode(rt, row, [ids])[0], matrix.expected(row, ids))
+    elif mode == "embed-mean":
+        rt = matrix.runtime(row, task="embed", pooling_type="MEAN")
+        batch = list(inputs.mixed + inputs.equal)
+        for i, (ids, got) in enumerate(zip(batch, _encode(rt, row, batch, normalize=False), strict=True)):
+            deviation.add(f"input {i} ({len(ids)} tokens)", got, matrix.expected(row, ids).mean(0))
+    else:
+        batch = list({"mixed": inputs.mixed, "equal": inputs.equal, "eos": inputs.eos, "budget8": inputs.all}[mode])
+        rt = matrix.runtime(row, budget=BUDGET if mode == "budget8" else None)
+        for i, (ids, got) in enumerate(zip(batch, _encode(rt, row, batch), strict=True)):
+            deviation.add(f"input {i} ({len(ids)} tokens)", got, matrix.expected(row, ids))
+    print(f"deviation {row.id}/{mode}: {deviation}")
+    if row.head == "model":
+        assert deviation.min_cosine >= MIN_COSINE, f"{row.architecture} {mode}: {deviation}"
+    assert deviation.max_abs <= ATOL, f"{row.architecture} {mode}: {deviation}"
