@@ -105,7 +105,7 @@ def _hint(exc: PoolrunnerError) -> str | None:
     message = str(exc)
     if isinstance(exc, PluginLoadError):
         return f"leave a plugin out with --disable-plugin NAME or {DISABLE_ENV}=NAME"
-    if isinstance(exc, InvalidRequestError) and "truncate_prompt_tokens" in message:
+    if isinstance(exc, InvalidRequestError) and "more than the maximum" in message:  # no truncation asked
         return "pass --truncate -1 to keep the model maximum, or --truncate N to keep N tokens"
     if isinstance(exc, UnsupportedTaskError) and "does not support task 'classify'" in message:
         return ("classify needs a *ForSequenceClassification model (config.json `architectures` names "

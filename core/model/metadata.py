@@ -21,7 +21,9 @@ from poolrunner.core.model.tasks import model_tasks, token_weight_head
 from poolrunner.core.types import ModelConfig
 
 # Families whose position ids start after the padding index: 514 positions hold 512 tokens.
-_PADDING_OFFSET_FAMILIES = frozenset({"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text", "mpnet"})
+_PADDING_OFFSET_FAMILIES = frozenset({
+    "roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text", "mpnet",
+})
 # Tokenizers without a limit report a huge sentinel model_max_length.
 _NO_LIMIT = 1_000_000
 
@@ -82,10 +84,9 @@ def hub_cache_dir() -> Path:
     def expand(value: str) -> str:
         return os.path.expandvars(os.path.expanduser(value))
 
-    home = expand(os.environ.get(
-        "HF_HOME", os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache")),
-                                "huggingface")))
-    legacy = os.environ.get("HUGGINGFACE_HUB_CACHE", os.path.join(home, "hub"))
+    cache_home = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
+    hf_home = expand(os.environ.get("HF_HOME", os.path.join(cache_home, "huggingface")))
+    legacy = os.environ.get("HUGGINGFACE_HUB_CACHE", os.path.join(hf_home, "hub"))
     return Path(expand(os.environ.get("HF_HUB_CACHE", legacy)))
 
 
