@@ -14,7 +14,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 class ModelOverrides:
     """Explicit settings that win over the model folder's own.
 
-    :ivar pooling_type: Sequence pooling for ``embed`` (``CLS``, ``MEAN`` or ``LAST``).
+    :ivar pooling_type: Sequence pooling for ``embed`` (``CLS``, ``MEAN``, ``LAST``, ``MAX``,
+        ``WEIGHTEDMEAN`` or ``MEAN_SQRT_LEN``).
     :ivar normalize: Default of per-request normalization.
     :ivar max_model_len: Longest accepted prompt, tokens; at most what the model supports.
     :ivar is_matryoshka: Accept ``dimensions`` for a model whose config does not say so.

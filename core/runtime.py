@@ -81,7 +81,9 @@ class Runtime:
     :param max_num_seqs: Most requests in one forward pass.
     :param async_scheduling: Launch the next step before collecting the previous one's results;
         ``None``: on for CUDA, where the copies then overlap compute; off on the CPU.
-    :param pooling_type: Override the model's sequence pooling (``CLS``, ``MEAN``, ``LAST``).
+    :param pooling_type: Override the model's sequence pooling for ``embed`` (``CLS``, ``MEAN``,
+        ``LAST``, ``MAX``, ``WEIGHTEDMEAN``, ``MEAN_SQRT_LEN``); ``classify`` always reads the row
+        its family's head reads.
     :param normalize: Override the model's default normalization.
     :param max_model_len: Lower the longest accepted prompt, in tokens.
     :param is_matryoshka: Accept ``dimensions`` although the model's config does not declare it.

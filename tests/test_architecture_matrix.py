@@ -204,6 +204,8 @@ def test_load(row, matrix):
     rt = matrix.runtime(row)
     assert rt.model_config.architecture == row.architecture
     assert rt.task == row.task
+    # Prompts run in chunks exactly where every layer is causal (the load probe's verdict).
+    assert rt.engine.scheduler.chunked_prefill is row.family.causal
 
 
 # --------------------------------------------------------------------------- the matrix

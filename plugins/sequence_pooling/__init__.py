@@ -1,4 +1,5 @@
-"""Built-in plugin: sequence pooling (CLS, MEAN, LAST) for the tasks ``embed`` and ``classify``."""
+"""Built-in plugin: sequence pooling for ``embed`` (CLS, MEAN, LAST, MAX, WEIGHTEDMEAN,
+MEAN_SQRT_LEN) and the model's own head for ``classify``."""
 
 from __future__ import annotations
 

@@ -26,9 +26,9 @@ from .methods import pooling_method
 class EmbeddingPooler(Pooler):
     """One embedding per request, in the order sentence-transformers applies its modules.
 
-    Pooling (CLS, MEAN or LAST, per ``model_config.pooling_type``) is followed by the folder's
-    Dense projections, then the Matryoshka slice ``[:dimensions]``, then L2 normalization when
-    it is on: a sliced vector has norm 1 and equals ``normalize(full[:dimensions])``.
+    Pooling (per ``model_config.pooling_type``; several modes are concatenated) is followed by the
+    folder's Dense projections, then the Matryoshka slice ``[:dimensions]``, then L2 normalization
+    when it is on: a sliced vector has norm 1 and equals ``normalize(full[:dimensions])``.
     """
 
     def __init__(self, model_config: ModelConfig, dense_layers: list[nn.Module]) -> None:
