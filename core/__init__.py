@@ -5,16 +5,13 @@ transformers load on first use, so ``poolrunner --help`` and ``poolrunner plugin
 """
 
 import importlib
-import os
 from typing import TYPE_CHECKING, Any
 
-# No code path may reach a model hub: every model is a local folder.
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["TRANSFORMERS_OFFLINE"] = "1"
-
-from poolrunner.core.config import ModelOverrides, RuntimeConfig  # noqa: E402
-from poolrunner.core.engine.request import RequestState  # noqa: E402
-from poolrunner.core.errors import (  # noqa: E402
+# Nothing here touches os.environ: no code path reaches a model hub because every load passes
+# local_files_only=True, not because the process (and every project beside it) is forced offline.
+from poolrunner.core.config import ModelOverrides, RuntimeConfig
+from poolrunner.core.engine.request import RequestState
+from poolrunner.core.errors import (
     InvalidRequestError,
     ModelLoadError,
     PluginConflictError,
@@ -22,9 +19,9 @@ from poolrunner.core.errors import (  # noqa: E402
     PoolrunnerError,
     UnsupportedTaskError,
 )
-from poolrunner.core.hookspec import hookimpl  # noqa: E402
-from poolrunner.core.manager import ENTRY_POINT_GROUP, build_plugin_manager  # noqa: E402
-from poolrunner.core.types import (  # noqa: E402
+from poolrunner.core.hookspec import hookimpl
+from poolrunner.core.manager import ENTRY_POINT_GROUP, build_plugin_manager
+from poolrunner.core.types import (
     POOLING_TASKS,
     DenseLayerSpec,
     ModelConfig,

@@ -5,12 +5,16 @@ They are ``trylast``: any other plugin that answers ``pool`` or ``process_output
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from poolrunner.core.hookspec import hookimpl
-from poolrunner.core.output import OutputHandle, SyncOutputHandle
-from poolrunner.core.pooler import Pooler, PoolerOutput
-from poolrunner.core.types import PoolingMetadata
+
+if TYPE_CHECKING:  # torch loads with the first model, not with the plugin manager
+    import torch
+
+    from poolrunner.core.output import OutputHandle
+    from poolrunner.core.pooler import Pooler, PoolerOutput
+    from poolrunner.core.types import PoolingMetadata
 
 
 @hookimpl(trylast=True)
@@ -20,4 +24,6 @@ def pool(pooler: Pooler, hidden_states: torch.Tensor, metadata: PoolingMetadata)
 
 @hookimpl(trylast=True)
 def process_output(output: PoolerOutput) -> OutputHandle:
+    from poolrunner.core.output import SyncOutputHandle
+
     return SyncOutputHandle(output)

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
 
-from poolrunner.core import ModelConfig, Pooler, PoolingTask, hookimpl
+from poolrunner.core import PoolingTask, hookimpl
 
-from .poolers import EmbedTokenClassifyPooler, TokenClassifierPooler, TokenEmbedPooler
+if TYPE_CHECKING:  # the poolers (and torch) load with a model, not with `poolrunner plugins`
+    from torch import nn
+
+    from poolrunner.core import ModelConfig, Pooler
 
 TASKS: frozenset[PoolingTask] = frozenset({"token_embed", "token_classify", "embed&token_classify"})
 
@@ -19,6 +22,8 @@ def supported_tasks() -> frozenset[PoolingTask]:
 
 @hookimpl(trylast=True)  # a built-in default: any third-party pooler wins
 def get_pooler(model_config: ModelConfig, task: PoolingTask, model: nn.Module) -> Pooler | None:
+    from .poolers import EmbedTokenClassifyPooler, TokenClassifierPooler, TokenEmbedPooler
+
     if task == "token_embed":
         return TokenEmbedPooler(model_config)
     if task == "token_classify":

@@ -10,12 +10,17 @@ family, decoders) get nothing from this plugin.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from poolrunner.core import InputBatch, InvalidRequestError, ModelConfig, RequestState, hookimpl
+from poolrunner.core import InvalidRequestError, ModelConfig, RequestState, hookimpl
+
+if TYPE_CHECKING:  # torch loads with a model, not with `poolrunner plugins`
+    import torch
+
+    from poolrunner.core import InputBatch
 
 NAME = "token_type_ids"
-_NO_TYPES = torch.iinfo(torch.int64).max  # a start no position reaches: all type 0
+_NO_TYPES = 2**63 - 1  # the int64 maximum, a start no position reaches: all type 0
 
 
 def compress(request_id: str, token_type_ids: tuple[int, ...]) -> int:
@@ -52,6 +57,8 @@ def prepare_inputs(batch: InputBatch, model_config: ModelConfig) -> dict[str, to
     starts = [state.plugin_data.get(NAME, _NO_TYPES) for state in batch.requests]
     if model_config.type_vocab_size < 2 or all(start == _NO_TYPES for start in starts):
         return None  # the model's own default (all zeros) applies
+    import torch
+
     per_token = torch.repeat_interleave(
         torch.tensor(starts, dtype=torch.int64), torch.tensor(batch.num_scheduled_tokens)
     ).to(batch.device, non_blocking=True)
