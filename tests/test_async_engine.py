@@ -19,7 +19,7 @@ import poolrunner
 from poolrunner.core import PoolingParams, PoolingRequest, hookimpl
 from poolrunner.core.engine.batch import InputBatch
 from poolrunner.core.engine.request import RequestState
-from poolrunner.plugins.async_output import AsyncOutputHandle
+from poolrunner.plugins.async_output.handle import AsyncOutputHandle
 from tests.helpers import MIN_COSINE, cosine_rows
 
 BUDGET = 10
