@@ -56,8 +56,7 @@ def load_model(path: Path, hf_config: PretrainedConfig, dtype: torch.dtype, devi
     :returns: The full model (head included); the runner calls its ``base_model``.
     :raises ModelLoadError: if transformers does not know the architecture or the weights fail to load.
     """
-    architecture = (hf_config.architectures or ["AutoModel"])[0]
-    model_class = getattr(transformers, architecture, None) or transformers.AutoModel
+    model_class = architecture_class((hf_config.architectures or ["AutoModel"])[0])
     # Families with attention of their own (DeBERTa-v2, MPNet) cannot take the packed attention;
     # the runner gives them padded batches instead.
     packed = getattr(model_class, "_supports_attention_backend", True)
@@ -71,6 +70,11 @@ def load_model(path: Path, hf_config: PretrainedConfig, dtype: torch.dtype, devi
         raise ModelLoadError(f"cannot load the weights of {path} as {model_class.__name__}: {exc}") from exc
     _check_no_dropped_head(path, model_class.__name__, info.get("unexpected_keys", ()))
     return model.to(device).eval()
+
+
+def architecture_class(architecture: str) -> type:
+    """transformers' class named ``architecture`` (``config.architectures[0]``), else ``AutoModel``."""
+    return getattr(transformers, architecture, None) or transformers.AutoModel
 
 
 def _check_no_dropped_head(path: Path, class_name: str, unexpected_keys: Iterable[str]) -> None:
