@@ -19,9 +19,9 @@ BATCH_SIZE = 32  # sentence-transformers' default, used by every batching peer
 
 def poolrunner_system(spec: dict) -> Embed:
     """poolrunner as a user runs it: the lead adjusts the invocation here only."""
-    import poolrunner
+    from poolrunner import Runtime, RuntimeConfig
 
-    runtime = poolrunner.Runtime(spec["model"], dtype=spec["dtype"], load_entrypoints=False)
+    runtime = Runtime.from_config(RuntimeConfig(model=spec["model"], dtype=spec["dtype"], load_entrypoints=False))
     return lambda texts: runtime.embed(texts, truncate_prompt_tokens=-1)
 
 

@@ -1,13 +1,24 @@
-"""User settings of a runtime, validated at construction."""
+"""User settings of a runtime, validated at construction: the one object every caller builds.
+
+The Python API (``Runtime(model, **options)``), the command line, Ray jobs, the plugin test kit
+and the benchmark all build a :class:`RuntimeConfig`; adding an option is one field here (plus
+its command-line flag).
+"""
 
 from __future__ import annotations
 
-from attrs import converters, field, frozen
+import os
+from typing import Any
+
+from attrs import asdict, converters, field, fields, frozen
 
 from poolrunner.core.types import PLUGIN_TASK_NAME, POOLING_TASKS, POOLING_TYPES, PoolingTask, PoolingType
 from poolrunner.core.validators import one_of, optional_bool, positive_int, task_name
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SPEED_ONLY = "poolrunner_speed_only"
+"""Field metadata key: the setting changes how fast results come, never what they are (a Ray job
+resumed with another value still writes the same results)."""
 
 
 @frozen(kw_only=True)
@@ -45,6 +56,8 @@ class RuntimeConfig:
         native and holds the accuracy bar, see :mod:`poolrunner.core.engine.precision`, else
         float32), ``float32``, ``bfloat16`` or ``float16``.
     :ivar device: ``auto`` (CUDA when present, else CPU) or a torch device string.
+    :ivar load_entrypoints: Load the ``poolrunner.plugins`` entry-point group.
+    :ivar disable_plugins: Names of plugins to leave out (built-ins too).
     :ivar pooler_plugin: Plugin whose pooler to use when several non-built-in plugins offer one.
     :ivar async_scheduling: Launch the next step before collecting the previous step's results;
         ``None`` turns it on where it helps (CUDA, where copies overlap compute).
@@ -52,20 +65,54 @@ class RuntimeConfig:
         :func:`default_token_budget` for the device.
     :ivar max_num_seqs: Most requests in one step.
     :ivar overrides: Settings that win over the model folder's.
+
+    Fields marked :data:`SPEED_ONLY` change speed, never results.
     """
 
-    model: str | None = None
+    model: str | None = field(default=None, converter=converters.optional(os.fspath))
     revision: str | None = None
     task: PoolingTask | None = field(
         default=None, validator=task_name(POOLING_TASKS, PLUGIN_TASK_NAME, optional=True)
     )
     dtype: str = field(default="auto", validator=one_of(DTYPES))
-    device: str = "auto"
+    device: str = field(default="auto", metadata={SPEED_ONLY: True})
+    load_entrypoints: bool = True
+    disable_plugins: tuple[str, ...] = field(default=(), converter=tuple)
     pooler_plugin: str | None = None
-    async_scheduling: bool | None = field(default=None, validator=optional_bool)
-    max_num_batched_tokens: int | None = field(default=None, validator=positive_int)
-    max_num_seqs: int = field(default=256, validator=positive_int)
+    async_scheduling: bool | None = field(default=None, validator=optional_bool, metadata={SPEED_ONLY: True})
+    max_num_batched_tokens: int | None = field(default=None, validator=positive_int, metadata={SPEED_ONLY: True})
+    max_num_seqs: int = field(default=256, validator=positive_int, metadata={SPEED_ONLY: True})
     overrides: ModelOverrides = field(factory=ModelOverrides)
+
+    @classmethod
+    def from_options(cls, model: str | os.PathLike[str] | None = None, **options: Any) -> RuntimeConfig:
+        """The flat keyword form ``Runtime(model, **options)`` takes: the names of
+        :class:`ModelOverrides` fields go into :attr:`overrides`, the others are fields here.
+
+        :raises TypeError: naming an option that is neither, and the known ones.
+        """
+        override_names = {a.name for a in fields(ModelOverrides)}
+        own_names = {a.name for a in fields(cls)} - {"model", "overrides"}
+        unknown = sorted(set(options) - override_names - own_names)
+        if unknown:
+            raise TypeError(
+                f"unknown runtime option(s) {', '.join(map(repr, unknown))}; known: "
+                f"{', '.join(sorted(own_names | override_names))}"
+            )
+        overrides = ModelOverrides(**{k: v for k, v in options.items() if k in override_names})
+        return cls(model=model, overrides=overrides, **{k: v for k, v in options.items() if k in own_names})
+
+    def recorded(self) -> dict[str, Any]:
+        """The settings that decide results, as JSON-ready values, defaults left out (overrides
+        flattened): what a Ray job records to tell a resumed job from a different one."""
+        default = RuntimeConfig()
+        values = {**_results_only(self), **asdict(self.overrides)}
+        defaults = {**_results_only(default), **asdict(default.overrides)}
+        return {name: value for name, value in sorted(values.items()) if value != defaults.get(name)}
+
+
+def _results_only(config: RuntimeConfig) -> dict[str, Any]:
+    return asdict(config, recurse=False, filter=lambda a, _v: not a.metadata.get(SPEED_ONLY) and a.name != "overrides")
 
 
 # Measured on 2 CPU cores with all-MiniLM-L6-v2 (bench/embed_throughput.py): steps of 2048

@@ -2,51 +2,39 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
-import logging
 import os
 import threading
-from collections.abc import Callable, Collection, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-import torch
+from attrs import frozen
 from tqdm.auto import tqdm
-from transformers import PretrainedConfig
 
-from poolrunner.core.config import ModelOverrides, RuntimeConfig, default_token_budget
-from poolrunner.core.engine import precision
-from poolrunner.core.engine.engine import Engine
+from poolrunner.core.config import RuntimeConfig
 from poolrunner.core.engine.loop import EngineLoop
-from poolrunner.core.engine.runner import ModelRunner
-from poolrunner.core.engine.scheduler import Scheduler
 from poolrunner.core.errors import InvalidRequestError, UnsupportedTaskError
-from poolrunner.core.hooks import Hooks
-from poolrunner.core.inputs.tokenize import InputProcessor, PromptInput
-from poolrunner.core.manager import PoolrunnerPluginManager, build_plugin_manager
-from poolrunner.core.model import loader, metadata
+from poolrunner.core.inputs.tokenize import PromptInput
+from poolrunner.core.loading import LoadedModel, load
+from poolrunner.core.manager import PoolrunnerPluginManager
 from poolrunner.core.output import RequestOutput
 from poolrunner.core.results import ClassificationResult, RerankResult
 from poolrunner.core.scoring import cosine, pair_up
-from poolrunner.core.selection import resolve_task, select_pooler
 from poolrunner.core.types import ModelConfig, PoolingParams, PoolingRequest, PoolingTask, TruncationSide
 
 ClassifyInput = PromptInput | tuple[str, str]
 """A text, token ids, or a ``(text, text_pair)`` pair."""
 
 
-@dataclasses.dataclass(frozen=True)
+@frozen(eq=False)
 class ScorePlan:
     """From :meth:`Runtime.plan_score`: run ``requests``, then ``finish(outputs)`` (outputs in
     request order) gives the ``[num_pairs]`` float32 scores."""
 
     requests: list[PoolingRequest]
     finish: Callable[[list[RequestOutput]], np.ndarray]
-
-logger = logging.getLogger(__name__)
 
 
 class Runtime:
@@ -66,28 +54,16 @@ class Runtime:
         Hugging Face cache (``HF_HUB_CACHE``, ``HF_HOME``; never downloaded); ``None`` loads the
         default model (all-MiniLM-L6-v2). A folder with a ``config.json`` wins over a hub id of
         the same spelling.
-    :param revision: Branch, tag or commit hash of a hub id ``model`` in the cache; ``None``: ``main``.
-    :param task: Task to serve; ``None`` picks the model's default (vLLM's order).
-    :param dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto``: on CUDA the config's half dtype;
-        on a CPU with native bf16 (AVX512-BF16, AMX) bfloat16 if the model's outputs on probe texts
-        stay within cosine 0.9999 of float32 (checked at load), else float32.
-    :param device: ``auto`` (CUDA when present, else CPU) or a torch device string.
     :param plugins: Extra plugin objects to register, beside built-ins and entry points.
-    :param load_entrypoints: Load the ``poolrunner.plugins`` entry-point group.
-    :param disable_plugins: Names of plugins to leave out (built-ins too).
-    :param pooler_plugin: Name of the plugin whose pooler to use when several offer one.
-    :param max_num_batched_tokens: Token budget of one forward pass; ``None``: 2048 on the CPU,
-        16384 on CUDA.
-    :param max_num_seqs: Most requests in one forward pass.
-    :param async_scheduling: Launch the next step before collecting the previous one's results;
-        ``None``: on for CUDA, where the copies then overlap compute; off on the CPU.
-    :param pooling_type: Override the model's sequence pooling for ``embed`` (``CLS``, ``MEAN``,
-        ``LAST``, ``MAX``, ``WEIGHTEDMEAN``, ``MEAN_SQRT_LEN``); ``classify`` always reads the row
-        its family's head reads.
-    :param normalize: Override the model's default normalization.
-    :param max_model_len: Lower the longest accepted prompt, in tokens.
-    :param is_matryoshka: Accept ``dimensions`` although the model's config does not declare it.
-    :param matryoshka_dimensions: The allowed ``dimensions`` (implies ``is_matryoshka``).
+    :param options: Any field of :class:`~poolrunner.core.config.RuntimeConfig` (``revision``,
+        ``task``, ``dtype``, ``device``, ``load_entrypoints``, ``disable_plugins``,
+        ``pooler_plugin``, ``max_num_batched_tokens``, ``max_num_seqs``, ``async_scheduling``) or
+        of :class:`~poolrunner.core.config.ModelOverrides` (``pooling_type``, ``normalize``,
+        ``max_model_len``, ``is_matryoshka``, ``matryoshka_dimensions``). ``dtype="auto"``: on
+        CUDA the config's half dtype; on a CPU with native bf16 (AVX512-BF16, AMX) bfloat16 if the
+        model's outputs on probe texts stay within cosine 0.9999 of float32 (checked at load),
+        else float32.
+    :raises TypeError: for an unknown option.
     :raises ModelLoadError: if the folder cannot be loaded, or a hub id (at ``revision``) is not
         in the local cache.
     :raises UnsupportedTaskError: if ``task`` is not served for this model by the plugins.
@@ -95,85 +71,29 @@ class Runtime:
     """
 
     def __init__(
-        self,
-        model: str | os.PathLike[str] | None = None,
-        *,
-        revision: str | None = None,
-        task: PoolingTask | None = None,
-        dtype: str = "auto",
-        device: str = "auto",
-        plugins: Sequence[object] = (),
-        load_entrypoints: bool = True,
-        disable_plugins: Collection[str] = (),
-        pooler_plugin: str | None = None,
-        max_num_batched_tokens: int | None = None,
-        max_num_seqs: int = 256,
-        async_scheduling: bool | None = None,
-        pooling_type: str | None = None,
-        normalize: bool | None = None,
-        max_model_len: int | None = None,
-        is_matryoshka: bool | None = None,
-        matryoshka_dimensions: Sequence[int] | None = None,
+        self, model: str | os.PathLike[str] | None = None, *, plugins: Sequence[object] = (), **options: Any,
     ) -> None:
-        self.config = RuntimeConfig(
-            model=None if model is None else os.fspath(model), revision=revision, task=task, dtype=dtype,
-            device=device, pooler_plugin=pooler_plugin, max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs, async_scheduling=async_scheduling,
-            overrides=ModelOverrides(
-                pooling_type=pooling_type, normalize=normalize, max_model_len=max_model_len,
-                is_matryoshka=is_matryoshka, matryoshka_dimensions=matryoshka_dimensions,
-            ),
-        )
-        self.plugin_manager: PoolrunnerPluginManager = build_plugin_manager(
-            plugins=plugins, load_entrypoints=load_entrypoints, disable=disable_plugins
-        )
-        self.plugin_manager.freeze()
-        hooks = self._hooks = Hooks(self.plugin_manager)
-        path = metadata.resolve_model_path(self.config.model, self.config.revision)
-        hf_config = metadata.load_hf_config(path)
-        tokenizer = loader.load_tokenizer(path)
-        self.model_config: ModelConfig = metadata.load_model_config(
-            path, hf_config, tokenizer.model_max_length, self.config.overrides
-        )
-        # The task check runs before the (slow) weight load, so a wrong task fails fast.
-        self.task: PoolingTask = resolve_task(hooks, self.plugin_manager, self.model_config, self.config.task)
-        self.device = loader.resolve_device(self.config.device)
-        self.inputs = InputProcessor(tokenizer, self.model_config)
-        build = functools.partial(self._build_engine, path, hf_config, hooks)
-        if self.config.dtype == "auto" and precision.native_bf16(self.device):
-            self.engine, self.dtype = precision.choose_cpu_dtype(build, self._probe_requests())
-        else:
-            self.dtype = loader.resolve_dtype(self.config.dtype, hf_config, self.device)
-            self.engine = build(self.dtype)
+        self._serve(load(RuntimeConfig.from_options(model, **options), plugins))
+
+    @classmethod
+    def from_config(cls, config: RuntimeConfig, *, plugins: Sequence[object] = ()) -> Runtime:
+        """Load the model ``config`` describes; the path every caller's options end up on."""
+        runtime = cls.__new__(cls)
+        runtime._serve(load(config, plugins))
+        return runtime
+
+    def _serve(self, loaded: LoadedModel) -> None:
+        self.config: RuntimeConfig = loaded.config
+        self.plugin_manager: PoolrunnerPluginManager = loaded.plugin_manager
+        self._hooks = loaded.hooks
+        self.model_config: ModelConfig = loaded.model_config
+        self.task: PoolingTask = loaded.task
+        self.device, self.dtype = loaded.device, loaded.dtype
+        self.inputs = loaded.inputs
+        self.engine = loaded.engine
         self._request_ids = itertools.count()
         self._engine_lock = threading.Lock()
         self._loop: EngineLoop | None = None
-        logger.info("loaded %s (%s) for task %r on %s as %s", path, self.model_config.architecture,
-                    self.task, self.device, self.dtype)
-
-    def _build_engine(self, path: Path, hf_config: PretrainedConfig, hooks: Hooks, dtype: torch.dtype) -> Engine:
-        """Load the weights in ``dtype`` and assemble the pooler, runner, scheduler and engine."""
-        model_module = loader.load_model(path, hf_config, dtype, self.device)
-        pooler = select_pooler(hooks, self.plugin_manager, self.model_config, self.task, model_module,
-                               self.config.pooler_plugin)
-        async_scheduling = self.config.async_scheduling
-        runner = ModelRunner(model_module, pooler.to(self.device), hooks, self.model_config,
-                             bucket_tokens=self.device.type == "cpu")
-        return Engine(
-            runner,
-            Scheduler(max_num_batched_tokens=self.config.max_num_batched_tokens
-                      or default_token_budget(self.device.type),
-                      max_num_seqs=self.config.max_num_seqs, chunked_prefill=runner.causal),
-            hooks, self.model_config, self.device,
-            async_scheduling=(self.device.type == "cuda" if async_scheduling is None else async_scheduling),
-        )
-
-    def _probe_requests(self) -> list[PoolingRequest]:
-        """:data:`~poolrunner.core.engine.precision.PROBE_TEXTS` as requests of this runtime's task."""
-        encoded = self.inputs.encode(precision.PROBE_TEXTS, truncate_prompt_tokens=-1)
-        params = PoolingParams(task=self.task)
-        return [PoolingRequest(request_id=f"probe-{i}", prompt_token_ids=ids, params=params)
-                for i, ids in enumerate(encoded)]
 
     def embed(
         self,

@@ -164,24 +164,31 @@ def add_plugin_options(parser: argparse.ArgumentParser) -> None:
                          help="do not load installed third-party plugins (entry points)")
 
 
+def runtime_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`~poolrunner.core.config.RuntimeConfig` options of the model, plugin and
+    batching flags, for a local runtime and a Ray job alike."""
+    return {
+        "model": args.model, "revision": args.revision, "dtype": args.dtype, "device": args.device,
+        "load_entrypoints": args.load_entrypoints, "disable_plugins": disabled_plugins(args.disable_plugin),
+        "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
+    }
+
+
 def load_runtime(args: argparse.Namespace, **options: Any) -> Any:
     """The :class:`~poolrunner.core.runtime.Runtime` the model, plugin and batching options ask for.
 
-    ``options`` go to ``Runtime`` as they are (``task=``, ``is_matryoshka=``...). Loading errors
-    (``ModelLoadError``, ``UnsupportedTaskError``...) propagate for ``main`` to report; a plain
-    ``ValueError`` from core (an unknown plugin name) becomes a :class:`CliError`.
+    ``options`` are further :class:`~poolrunner.core.config.RuntimeConfig` options (``task=``,
+    ``is_matryoshka=``...). Loading errors (``ModelLoadError``, ``UnsupportedTaskError``...)
+    propagate for ``main`` to report; a plain ``ValueError`` from core (an unknown plugin name)
+    becomes a :class:`CliError`.
     """
+    from poolrunner.core.config import RuntimeConfig
     from poolrunner.core.errors import PoolrunnerError
     from poolrunner.core.runtime import Runtime
 
-    device = check_device(args.device)
+    settings = {**runtime_options(args), "device": check_device(args.device), **options}
     try:
-        return Runtime(
-            model=args.model, revision=args.revision, dtype=args.dtype, device=device,
-            load_entrypoints=args.load_entrypoints, disable_plugins=disabled_plugins(args.disable_plugin),
-            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-            **options,
-        )
+        return Runtime.from_config(RuntimeConfig.from_options(**settings))
     except PoolrunnerError:
         raise  # ModelLoadError and friends: main() reports them
     except ValueError as exc:  # a plain ValueError from core is a bad setting (an unknown plugin name)

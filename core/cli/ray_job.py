@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Any
 
-from poolrunner.core.cli.common import CliError, disabled_plugins, positive_int
+from poolrunner.core.cli.common import CliError, positive_int, runtime_options
 from poolrunner.core.distributed.shards import INPUT_FORMATS
 
 EPILOG = """\
@@ -50,17 +50,14 @@ def run_ray(args: argparse.Namespace, task: str | None, request_options: dict[st
         raise CliError("--ray needs --input FILE or FOLDER (stdin cannot be spread over a cluster)")
     if args.output in (None, "-"):
         raise CliError("--ray needs --output FOLDER (one Parquet file per input file)")
-    runtime_options = {
-        "revision": args.revision, "dtype": args.dtype, "device": args.device,
-        "load_entrypoints": args.load_entrypoints,
-        "disable_plugins": disabled_plugins(args.disable_plugin),
-        "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
-        "is_matryoshka": True if args.is_matryoshka else None,
-    }
+    options = runtime_options(args)  # --device names the workers' device, unchecked here
+    if args.is_matryoshka:
+        options["is_matryoshka"] = True
+    model = options.pop("model")
     result = run_job(
-        args.input, args.output, task=task, model=args.model, text_field=args.text_field, id_field=args.id_field,
+        args.input, args.output, task=task, model=model, text_field=args.text_field, id_field=args.id_field,
         input_format=args.input_format, num_actors=args.actors, num_cpus_per_actor=args.cpus_per_actor,
-        num_gpus_per_actor=args.gpus_per_actor, batch_size=args.rows_per_batch, runtime_options=runtime_options,
+        num_gpus_per_actor=args.gpus_per_actor, batch_size=args.rows_per_batch, runtime_options=options,
         request_options={name: value for name, value in request_options.items() if value is not None},
         address=args.ray or None,
     )

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from poolrunner.core.config import RuntimeConfig
 from poolrunner.core.errors import InvalidRequestError
 
 PATH_COLUMN = "path"
@@ -18,19 +19,20 @@ PATH_COLUMN = "path"
 class RuntimeActor:
     """Loads the model once per actor; each call runs :meth:`Runtime.encode` on one batch.
 
-    :param runtime_options: Keyword arguments of :class:`~poolrunner.core.runtime.Runtime`.
+    :param config: The runtime's settings.
+    :param plugins: Plugin objects registered beside the built-ins and entry points.
     :param request_options: Keyword arguments of :meth:`~poolrunner.core.runtime.Runtime.encode`.
     :param text_field: The column holding the input texts.
     :param id_field: A column passed through to the output; ``None``: ``id`` when the input has one.
     """
 
     def __init__(
-        self, runtime_options: Mapping[str, Any], request_options: Mapping[str, Any], text_field: str,
+        self, config: RuntimeConfig, plugins: Sequence[object], request_options: Mapping[str, Any], text_field: str,
         id_field: str | None,
     ) -> None:
         from poolrunner.core.runtime import Runtime
 
-        self.runtime = Runtime(**runtime_options)
+        self.runtime = Runtime.from_config(config, plugins=plugins)
         self.request_options = dict(request_options)
         self.text_field = text_field
         self.id_field = id_field

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from poolrunner.core.config import RuntimeConfig
 from poolrunner.core.distributed.shards import Shard, check_manifest, list_shards, require_ray, resolve
 from poolrunner.core.errors import InvalidRequestError, PoolrunnerError
 from poolrunner.core.types import PoolingTask
@@ -27,10 +28,6 @@ if TYPE_CHECKING:
     import ray.data
 
 logger = logging.getLogger(__name__)
-
-# Options that change how fast results come, not what they are: left out of the job's record.
-_SPEED_OPTIONS = frozenset({"device", "max_num_batched_tokens", "max_num_seqs", "async_scheduling"})
-
 
 @attrs.frozen
 class JobResult:
@@ -101,7 +98,8 @@ def run_job(
     :param num_gpus_per_actor: GPUs per actor; fractions share a GPU between actors.
     :param batch_size: Rows per ``map_batches`` call; each call is one :meth:`Runtime.encode`,
         which packs them into forward passes under ``max_num_batched_tokens``.
-    :param runtime_options: Other :class:`Runtime` arguments (``dtype``, ``max_num_batched_tokens``...).
+    :param runtime_options: Other :class:`Runtime` arguments: ``plugins`` and any
+        :class:`~poolrunner.core.config.RuntimeConfig` option (``dtype``, ``max_num_batched_tokens``...).
     :param request_options: :meth:`Runtime.encode` arguments (``dimensions``, ``normalize``,
         ``truncate_prompt_tokens``, ``prompt_name``...).
     :param address: Ray cluster to connect to (``auto``, ``ray://host:10001``...); ``None``: the
@@ -116,7 +114,7 @@ def run_job(
     from poolrunner.core.runtime import Runtime
 
     start = time.perf_counter()
-    runtime_options = _runtime_options(task, model, runtime_options)
+    config, plugins = _runtime_config(task, model, runtime_options)
     request_options = _request_options(request_options)
     for name, value in (("num_actors", num_actors), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -128,7 +126,8 @@ def run_job(
     done = {info.base_name for info in out_fs.get_file_info(_listing(folder))}
     check_manifest(out_fs, folder, {
         "text_field": text_field, "id_field": id_field,
-        "runtime_options": _recorded(Runtime.__init__, runtime_options),
+        # Speed-only settings (RuntimeConfig's SPEED_ONLY fields) may differ when a job resumes.
+        "runtime_options": _json_safe({**config.recorded(), **({"plugins": plugins} if plugins else {})}),
         "request_options": _recorded(Runtime.encode, request_options),
     }, committed=any(shard.output_name in done for shard in shards))
     pending = [shard for shard in shards if shard.output_name not in done]
@@ -143,7 +142,7 @@ def run_job(
         dataset = _read(input_format, in_fs, [shard.path for shard in pending])
         dataset = dataset.map_batches(
             _actor_class(),
-            fn_constructor_kwargs={"runtime_options": runtime_options, "request_options": request_options,
+            fn_constructor_kwargs={"config": config, "plugins": plugins, "request_options": request_options,
                                    "text_field": text_field, "id_field": id_field},
             batch_size=batch_size, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=num_actors),
             num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor or None,
@@ -162,14 +161,21 @@ def run_job(
     return JobResult(output, tuple(writer.written), skipped, writer.num_rows, time.perf_counter() - start)
 
 
-def _runtime_options(task: str | None, model: Any, options: Mapping[str, Any] | None) -> dict[str, Any]:
-    from poolrunner.core.runtime import Runtime
-
+def _runtime_config(
+    task: str | None, model: Any, options: Mapping[str, Any] | None,
+) -> tuple[RuntimeConfig, list[object]]:
+    """The workers' :class:`RuntimeConfig` and plugin objects, checked here, before any worker starts."""
     options = dict(options or {})
-    _check_names(options, Runtime.__init__, "runtime_options", exclude={"model", "task"})
+    plugins = list(options.pop("plugins", ()))
+    clashing = sorted({"model", "task"} & set(options))
+    if clashing:
+        raise InvalidRequestError(f"runtime_options must not hold {', '.join(clashing)}: pass them as arguments")
     if model is not None and "://" not in os.fspath(model) and os.path.isdir(model):
         model = os.path.abspath(model)  # workers need not share the driver's working folder
-    return {**options, "task": task, "model": None if model is None else os.fspath(model)}
+    try:
+        return RuntimeConfig.from_options(model, task=task, **options), plugins
+    except TypeError as exc:
+        raise InvalidRequestError(f"runtime_options: {exc}") from None
 
 
 def _request_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -192,7 +198,7 @@ def _recorded(function: Any, options: Mapping[str, Any]) -> dict[str, Any]:
     line record the same job alike."""
     defaults = {name: parameter.default for name, parameter in inspect.signature(function).parameters.items()}
     return {name: _json_safe(value) for name, value in sorted(options.items())
-            if name not in _SPEED_OPTIONS and _json_safe(value) != _json_safe(defaults.get(name))}
+            if _json_safe(value) != _json_safe(defaults.get(name))}
 
 
 def _json_safe(value: Any) -> Any:

@@ -103,13 +103,14 @@ def make_runtime(plugins: Sequence[object], *, model: str | Path | None, builtin
     """A CPU runtime with ``plugins`` and, unless ``builtins``, no other built-in plugin (see
     :func:`manager_options`); other installed plugins stay out. float32 unless ``dtype`` is given,
     so outputs compare exactly with a reference."""
+    from poolrunner.core.config import RuntimeConfig
     from poolrunner.core.runtime import Runtime
 
     kwargs.setdefault("dtype", "float32")
-
     options = manager_options(plugins, builtins=builtins)
-    return Runtime(model, plugins=options["plugins"], load_entrypoints=options["load_entrypoints"],
-                   disable_plugins=options["disable"], device="cpu", **kwargs)
+    config = RuntimeConfig.from_options(model, load_entrypoints=options["load_entrypoints"],
+                                        disable_plugins=options["disable"], device="cpu", **kwargs)
+    return Runtime.from_config(config, plugins=options["plugins"])
 
 
 @pytest.fixture(scope="session")

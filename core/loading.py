@@ -1,0 +1,110 @@
+"""The load sequence: from a :class:`RuntimeConfig` to a model ready to serve.
+
+plugin manager -> model folder, config, tokenizer -> :class:`ModelConfig` -> task check (before
+the slow weight load, so a wrong task fails fast) -> device -> weights in each candidate dtype
+(the CPU's ``auto`` probes bfloat16 against float32) -> pooler, runner, scheduler, engine.
+:class:`~poolrunner.core.runtime.Runtime` serves what this returns; nothing here serves.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from attrs import frozen
+from transformers import PretrainedConfig
+
+from poolrunner.core.config import RuntimeConfig, default_token_budget
+from poolrunner.core.engine import precision
+from poolrunner.core.engine.engine import Engine
+from poolrunner.core.engine.runner import ModelRunner
+from poolrunner.core.engine.scheduler import Scheduler
+from poolrunner.core.hooks import Hooks
+from poolrunner.core.inputs.tokenize import InputProcessor
+from poolrunner.core.manager import PoolrunnerPluginManager, build_plugin_manager
+from poolrunner.core.model import loader, metadata
+from poolrunner.core.selection import resolve_task, select_pooler
+from poolrunner.core.types import ModelConfig, PoolingParams, PoolingRequest, PoolingTask
+
+logger = logging.getLogger(__name__)
+
+
+@frozen(kw_only=True, eq=False)
+class LoadedModel:
+    """Everything a runtime serves with.
+
+    :ivar config: The settings it was loaded with.
+    :ivar plugin_manager: The frozen plugin manager.
+    :ivar hooks: Typed calls into it.
+    :ivar model_config: What poolrunner knows of the model.
+    :ivar task: The task served.
+    :ivar device: Where the model runs.
+    :ivar dtype: The weights' dtype (``auto`` resolved).
+    :ivar inputs: Prompts, tokenization and truncation for this model.
+    :ivar engine: Scheduler, runner and pooler, ready for requests.
+    """
+
+    config: RuntimeConfig
+    plugin_manager: PoolrunnerPluginManager
+    hooks: Hooks
+    model_config: ModelConfig
+    task: PoolingTask
+    device: torch.device
+    dtype: torch.dtype
+    inputs: InputProcessor
+    engine: Engine
+
+
+def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
+    """Load ``config``'s model with its plugins (``plugins`` registered beside the built-ins and,
+    if ``config.load_entrypoints``, the installed entry points).
+
+    :raises ModelLoadError: if the model cannot be loaded or is refused.
+    :raises UnsupportedTaskError: if ``config.task`` is not served for this model by the plugins.
+    :raises PluginLoadError: if a plugin fails to import or names an unknown hook.
+    """
+    manager = build_plugin_manager(plugins=plugins, load_entrypoints=config.load_entrypoints,
+                                   disable=config.disable_plugins)
+    manager.freeze()
+    hooks = Hooks(manager)
+    path = metadata.resolve_model_path(config.model, config.revision)
+    hf_config = metadata.load_hf_config(path)
+    tokenizer = loader.load_tokenizer(path)
+    model_config = metadata.load_model_config(path, hf_config, tokenizer.model_max_length, config.overrides)
+    task = resolve_task(hooks, manager, model_config, config.task)
+    device = loader.resolve_device(config.device)
+    inputs = InputProcessor(tokenizer, model_config)
+    build = functools.partial(_build_engine, config, path, hf_config, hooks, manager, model_config, task, device)
+    if config.dtype == "auto" and precision.native_bf16(device):
+        engine, dtype = precision.choose_cpu_dtype(build, _probe_requests(inputs, task))
+    else:
+        dtype = loader.resolve_dtype(config.dtype, hf_config, device)
+        engine = build(dtype)
+    logger.info("loaded %s (%s) for task %r on %s as %s", path, model_config.architecture, task, device, dtype)
+    return LoadedModel(config=config, plugin_manager=manager, hooks=hooks, model_config=model_config, task=task,
+                       device=device, dtype=dtype, inputs=inputs, engine=engine)
+
+
+def _build_engine(
+    config: RuntimeConfig, path: Path, hf_config: PretrainedConfig, hooks: Hooks, manager: PoolrunnerPluginManager,
+    model_config: ModelConfig, task: PoolingTask, device: torch.device, dtype: torch.dtype,
+) -> Engine:
+    """Load the weights in ``dtype`` and assemble the pooler, runner, scheduler and engine."""
+    model = loader.load_model(path, hf_config, dtype, device)
+    pooler = select_pooler(hooks, manager, model_config, task, model, config.pooler_plugin)
+    runner = ModelRunner(model, pooler.to(device), hooks, model_config, bucket_tokens=device.type == "cpu")
+    scheduler = Scheduler(max_num_batched_tokens=config.max_num_batched_tokens or default_token_budget(device.type),
+                          max_num_seqs=config.max_num_seqs, chunked_prefill=runner.causal)
+    async_scheduling = device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
+    return Engine(runner, scheduler, hooks, model_config, device, async_scheduling=async_scheduling)
+
+
+def _probe_requests(inputs: InputProcessor, task: PoolingTask) -> list[PoolingRequest]:
+    """:data:`~poolrunner.core.engine.precision.PROBE_TEXTS` as requests of ``task``."""
+    encoded = inputs.encode(precision.PROBE_TEXTS, truncate_prompt_tokens=-1)
+    params = PoolingParams(task=task)
+    return [PoolingRequest(request_id=f"probe-{i}", prompt_token_ids=ids, params=params)
+            for i, ids in enumerate(encoded)]

@@ -1,0 +1,57 @@
+"""One settings object: every way of asking for a runtime builds the same RuntimeConfig.
+
+The Python API's keywords, ``Runtime.from_config`` and the command line's flags meet in
+:class:`RuntimeConfig`; Ray jobs record it without its speed-only fields.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from poolrunner import ModelOverrides, Runtime, RuntimeConfig
+from poolrunner.core.cli.main import main
+from poolrunner.core.config import SPEED_ONLY
+
+
+def test_keywords_and_from_config_load_the_same_settings(model_path, runtime):
+    by_keywords = Runtime(model_path, dtype="float32", max_num_seqs=8, pooling_type="MEAN", load_entrypoints=False)
+    config = RuntimeConfig(model=str(model_path), dtype="float32", max_num_seqs=8, load_entrypoints=False,
+                           overrides=ModelOverrides(pooling_type="MEAN"))
+    by_config = Runtime.from_config(config)
+    assert by_keywords.config == by_config.config == config
+    texts = ["A cat sat on the mat.", "Dogs bark."]
+    assert (by_keywords.embed(texts) == by_config.embed(texts)).all()
+
+
+def test_an_unknown_option_is_a_type_error_naming_it():
+    with pytest.raises(TypeError, match=r"^unknown runtime option\(s\) 'max_batch_tokens'; known: async_scheduling, "):
+        RuntimeConfig.from_options(max_batch_tokens=64)
+
+
+def test_recorded_settings_leave_out_speed_and_defaults():
+    config = RuntimeConfig.from_options("m", dtype="float32", device="cpu", max_num_batched_tokens=64,
+                                        max_num_seqs=4, async_scheduling=True, normalize=False)
+    assert config.recorded() == {"dtype": "float32", "model": "m", "normalize": False}
+    speed = sorted(a.name for a in RuntimeConfig.__attrs_attrs__ if a.metadata.get(SPEED_ONLY))
+    assert speed == ["async_scheduling", "device", "max_num_batched_tokens", "max_num_seqs"]
+
+
+class _Captured(Exception):
+    pass
+
+
+def test_the_command_line_builds_the_config_the_python_api_would(monkeypatch, capsys):
+    seen: list[RuntimeConfig] = []
+
+    def capture(cls, config, *, plugins=()):
+        seen.append(config)
+        raise _Captured
+
+    monkeypatch.setattr(Runtime, "from_config", classmethod(capture))
+    with pytest.raises(_Captured):
+        main(["embed", "--model", "some/folder", "--dtype", "float32", "--max-num-seqs", "8",
+              "--max-num-batched-tokens", "512", "--revision", "v1", "--disable-plugin", "async_output", "x"])
+    assert seen == [RuntimeConfig.from_options(
+        "some/folder", revision="v1", dtype="float32", max_num_seqs=8, max_num_batched_tokens=512,
+        disable_plugins=("async_output",), task="embed",
+    )]
