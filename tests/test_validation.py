@@ -110,7 +110,7 @@ def test_truncate_minus_one_keeps_max_model_len(runtime, st_model, hf_tokenizer,
 def test_truncate_out_of_range(runtime, assert_serves, value):
     with pytest.raises(InvalidRequestError,
                        match=rf"^truncate_prompt_tokens={value} is out of range: use -1 \(the model maximum\) "
-                             r"or 1\.\.256 \(max_model_len of .*\)$"):
+                             r"or 2\.\.256 \(max_model_len of .*\)$"):
         runtime.embed(["hello"], truncate_prompt_tokens=value)
     assert_serves(runtime)
 

@@ -74,12 +74,12 @@ class InputProcessor:
         if isinstance(truncate_prompt_tokens, bool) or not isinstance(truncate_prompt_tokens, int):
             raise InvalidRequestError(f"truncate_prompt_tokens must be an integer, got {truncate_prompt_tokens!r}")
         keep = limit if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        minimum = 0 if pair is None else self.num_special_tokens[pair]
         if not 1 <= keep <= limit:
             raise InvalidRequestError(
                 f"truncate_prompt_tokens={truncate_prompt_tokens} is out of range: use -1 (the model "
-                f"maximum) or 1..{limit} (max_model_len of {self.model_config.name})"
+                f"maximum) or {max(minimum, 1)}..{limit} (max_model_len of {self.model_config.name})"
             )
-        minimum = 0 if pair is None else self.num_special_tokens[pair]
         if keep < minimum:
             every = "(text, text_pair) pair" if pair else "input"
             if truncate_prompt_tokens == -1:
