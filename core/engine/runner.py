@@ -110,9 +110,9 @@ class ModelRunner:
         for group in layout.groups:
             inputs = {key: value.index_select(0, group.gather).view(group.count, group.length)
                       for key, value in {"input_ids": batch.input_ids, **extra}.items()}
-            mask = (torch.ones(group.count, 1, 1, group.length, dtype=torch.bool, device=batch.device)
-                    if group.key_mask is None else group.key_mask)
-            states = self.backbone(attention_mask=mask[:, 0, 0].long(), **inputs)[0]
+            mask = (torch.ones(group.count, group.length, dtype=torch.long, device=batch.device)
+                    if group.key_mask is None else group.key_mask[:, 0, 0].long())
+            states = self.backbone(attention_mask=mask, **inputs)[0]
             rows = states.reshape(group.count * group.length, -1).index_select(0, group.valid)
             if hidden is None:
                 hidden = rows.new_empty(batch.num_tokens, rows.shape[-1])
