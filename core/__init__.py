@@ -43,6 +43,8 @@ _LAZY = {
     "PoolerOutput": "poolrunner.core.pooler",
     "Runtime": "poolrunner.core.runtime",
     "SequenceHead": "poolrunner.core.model.heads",
+    "StModule": "poolrunner.core.model.st_metadata",
+    "read_modules": "poolrunner.core.model.st_metadata",
     "sequence_classifier_head": "poolrunner.core.model.heads",
     "token_classifier_head": "poolrunner.core.model.heads",
     "ClassificationResult": "poolrunner.core.results",
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
     from poolrunner.core.engine.batch import InputBatch
     from poolrunner.core.matryoshka import check_dimensions
     from poolrunner.core.model.heads import SequenceHead, sequence_classifier_head, token_classifier_head
+    from poolrunner.core.model.st_metadata import StModule, read_modules
     from poolrunner.core.output import OutputHandle, RequestOutput
     from poolrunner.core.pooler import Pooler, PoolerOutput
     from poolrunner.core.results import ClassificationResult, RerankResult
@@ -94,11 +97,13 @@ __all__ = [
     "Runtime",
     "RuntimeConfig",
     "SequenceHead",
+    "StModule",
     "UnsupportedTaskError",
     "build_plugin_manager",
     "check_dimensions",
     "classifier_activation",
     "hookimpl",
+    "read_modules",
     "sequence_classifier_head",
     "token_classifier_head",
 ]

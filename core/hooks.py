@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 from poolrunner.core.errors import PluginConflictError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import pluggy
     import torch
     from torch import nn
@@ -34,6 +36,16 @@ class Hooks:
     def __init__(self, pm: pluggy.PluginManager) -> None:
         self._pm = pm
         self._hook = pm.hook
+
+    def claim_model_folder(self, *, folder: Path, architecture: str) -> dict[str, str]:
+        """Each claiming plugin's name and reason (every implementation asked on its own)."""
+        arguments = {"folder": folder, "architecture": architecture}
+        claims = {}
+        for impl in reversed(self._hook.claim_model_folder.get_hookimpls()):
+            reason = impl.function(**{name: arguments[name] for name in impl.argnames})
+            if reason is not None:
+                claims[impl.plugin_name] = str(reason)
+        return claims
 
     def supported_tasks(self, *, model_config: ModelConfig) -> frozenset[PoolingTask]:
         results = self._hook.supported_tasks(model_config=model_config)

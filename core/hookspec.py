@@ -6,7 +6,7 @@ The runner (:mod:`poolrunner.core.engine`) calls these through the typed facade 
 
 A request's life::
 
-    load        supported_tasks -> get_pooler              once per runtime
+    load        claim_model_folder -> supported_tasks -> get_pooler   once per runtime
     admit       add_request                                 once per request
     each step   prepare_inputs -> model -> pool -> process_output
     leave       remove_request                              finished or aborted
@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:  # keep this module import-cheap: type-only imports
+    from pathlib import Path
+
     import torch
     from torch import nn
 
@@ -36,6 +38,27 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 """Marks a plugin's hook implementations; re-exported as ``poolrunner.core.hookimpl``."""
 
 # ---- Load-time hooks: called once per runtime, before any request is accepted. ----
+
+
+@hookspec
+def claim_model_folder(folder: Path, architecture: str) -> str | None:
+    """Claim ``folder`` if it holds a model in a format only this plugin runs.
+
+    Called once at load, before the model's configuration is built. A claimed folder is served
+    only this plugin's tasks, with its pooler, and core skips its own reading of the folder's
+    pipeline (e.g. a sentence-transformers ``SparseEncoder`` folder for a SPLADE plugin, a PyLate
+    folder for a ColBERT plugin). Claim only a format you alone know, never a plain backbone.
+    Every plugin is asked; two claims fail the load with
+    :class:`~poolrunner.core.errors.PluginConflictError`. Read ``modules.json`` with
+    :func:`poolrunner.core.read_modules`.
+
+    :param folder: The local model folder.
+    :param architecture: ``config.json``'s ``architectures[0]`` (the config class name if none).
+    :returns: What in the folder makes it yours, for messages (``"modules.json lists
+        sentence_transformers.sparse_encoder.models.SpladePooling"``), or ``None``.
+
+    .. versionadded:: 0.2
+    """
 
 
 @hookspec

@@ -1,6 +1,7 @@
 """The load sequence: from a :class:`RuntimeConfig` to a model ready to serve.
 
-plugin manager -> model folder, config, tokenizer -> :class:`ModelConfig` -> task check (before
+plugin manager -> model folder, config, tokenizer -> the plugin a folder format needs
+(``claim_model_folder``) -> :class:`ModelConfig` -> task check (before
 the slow weight load, so a wrong task fails fast) -> device -> weights in each candidate dtype
 (the CPU's ``auto`` probes bfloat16 against float32) -> pooler, runner, scheduler, engine.
 :class:`~poolrunner.core.runtime.Runtime` serves what this returns; nothing here serves.
@@ -26,7 +27,7 @@ from poolrunner.core.hooks import Hooks
 from poolrunner.core.inputs.tokenize import InputProcessor
 from poolrunner.core.manager import PoolrunnerPluginManager, build_plugin_manager
 from poolrunner.core.model import loader, metadata
-from poolrunner.core.selection import resolve_task, select_pooler
+from poolrunner.core.selection import required_plugin, resolve_task, select_pooler
 from poolrunner.core.types import ModelConfig, PoolingParams, PoolingRequest, PoolingTask
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,8 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
     path = metadata.resolve_model_path(config.model, config.revision)
     hf_config = metadata.load_hf_config(path)
     tokenizer = loader.load_tokenizer(path)
-    model_config = metadata.load_model_config(path, hf_config, tokenizer.model_max_length, config.overrides)
+    required = required_plugin(hooks, manager, path, metadata.architecture_name(hf_config))
+    model_config = metadata.load_model_config(path, hf_config, tokenizer.model_max_length, config.overrides, required)
     task = resolve_task(hooks, manager, model_config, config.task)
     device = loader.resolve_device(config.device)
     inputs = InputProcessor(tokenizer, model_config)

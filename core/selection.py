@@ -1,15 +1,19 @@
-"""Load-time choices: which task the runtime serves and which plugin's pooler computes it."""
+"""Load-time choices: which plugin a folder needs, which task the runtime serves and which
+plugin's pooler computes it."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from torch import nn
 
 from poolrunner.core.errors import ModelLoadError, PluginConflictError, UnsupportedTaskError
 from poolrunner.core.hooks import Hooks
 from poolrunner.core.manager import PoolrunnerPluginManager
+from poolrunner.core.model.plugin_requirements import unclaimed_format
 from poolrunner.core.model.tasks import default_task
 from poolrunner.core.pooler import Pooler
-from poolrunner.core.types import POOLING_TASKS, ModelConfig, PoolingTask
+from poolrunner.core.types import POOLING_TASKS, ModelConfig, PoolingTask, RequiredPlugin
 
 _REMEDY = "Pick a supported task, or install a plugin that serves it (see `poolrunner plugins --all`)."
 
@@ -39,6 +43,29 @@ def resolve_task(
         f"Supported: {sorted(supported)}. The model itself can do {sorted(model_config.model_tasks)}; "
         f"pooling plugins: {plugins or 'none'}. {_REMEDY}"
     )
+
+
+def required_plugin(
+    hooks: Hooks, pm: PoolrunnerPluginManager, folder: Path, architecture: str,
+) -> RequiredPlugin | None:
+    """The plugin ``folder`` must be served by: the one plugin that claims it
+    (``claim_model_folder``), else, for a known format no installed plugin claimed, the plugin
+    :data:`~poolrunner.core.model.plugin_requirements.FOLDER_FORMATS` names (its absence then
+    fails the load with the install command); ``None`` for an ordinary folder.
+
+    :raises PluginConflictError: if several plugins claim the folder.
+    """
+    claims = hooks.claim_model_folder(folder=folder, architecture=architecture)
+    if len(claims) > 1:
+        raise PluginConflictError(
+            f"plugins {sorted(claims)} all claim the model folder {folder} "
+            f"({'; '.join(f'{name}: {reason}' for name, reason in sorted(claims.items()))}); disable all but one"
+        )
+    if not claims:
+        return unclaimed_format(folder, architecture)
+    (name, reason), = claims.items()
+    dist = next((info.dist for info in pm.plugin_infos() if info.name == name and info.dist), name)
+    return RequiredPlugin(name=name, dist=dist, reason=reason)
 
 
 def served_tasks(hooks: Hooks, pm: PoolrunnerPluginManager, model_config: ModelConfig) -> frozenset[PoolingTask]:

@@ -15,10 +15,9 @@ from transformers.models.auto.modeling_auto import (
 
 from poolrunner.core.config import ModelOverrides
 from poolrunner.core.errors import ModelLoadError
-from poolrunner.core.model.plugin_requirements import required_plugin
 from poolrunner.core.model.st_metadata import read_st_metadata
 from poolrunner.core.model.tasks import model_tasks, token_weight_head
-from poolrunner.core.types import ModelConfig
+from poolrunner.core.types import ModelConfig, RequiredPlugin
 
 # Families whose position ids start after the padding index: 514 positions hold 512 tokens.
 _PADDING_OFFSET_FAMILIES = frozenset({
@@ -142,15 +141,17 @@ def position_offset(model_type: str, pad_token_id: int | None) -> int:
 
 def load_model_config(
     path: Path, hf_config: PretrainedConfig, tokenizer_max_length: int | None,
-    overrides: ModelOverrides,
+    overrides: ModelOverrides, required: RequiredPlugin | None = None,
 ) -> ModelConfig:
     """Combine ``config.json``, sentence-transformers metadata and user ``overrides``.
 
+    :param required: The plugin the folder must be served by
+        (:func:`~poolrunner.core.selection.required_plugin`); its pipeline is that plugin's to
+        read, so core reads no sentence-transformers metadata then.
     :raises ModelLoadError: for an unsupported sentence-transformers pipeline or an override
         beyond what the model supports.
     """
-    architecture = (hf_config.architectures or [type(hf_config).__name__])[0]
-    required = required_plugin(path, architecture)
+    architecture = architecture_name(hf_config)
     # A plugin's pipeline (SPLADE, ColBERT) is that plugin's to read, not core's.
     st = None if required else read_st_metadata(path)
     is_causal = _is_causal(hf_config)
@@ -190,6 +191,11 @@ def load_model_config(
         required_plugin=required,
         hf_config=hf_config.to_dict(),
     )
+
+
+def architecture_name(hf_config: PretrainedConfig) -> str:
+    """``config.json``'s ``architectures[0]``, else the config class's name."""
+    return (hf_config.architectures or [type(hf_config).__name__])[0]
 
 
 def load_hf_config(path: Path) -> PretrainedConfig:

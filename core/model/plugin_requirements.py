@@ -1,59 +1,63 @@
-"""Model folders that declare a pipeline only a contrib plugin runs.
+"""Folder formats that only a contrib plugin runs, for the hint when that plugin is missing.
 
-Core names those plugins only as strings, so that loading such a folder without its plugin
-fails at load with the command that fixes it, instead of silently running the bare backbone
-with a built-in pooler (a SPLADE model would then return dense mean vectors).
+Plugins recognise their own folders (the ``claim_model_folder`` hook). This table is consulted
+only when no installed plugin claims a folder: a folder in one of these formats then fails at
+load naming the distribution to install, instead of silently running the bare backbone with a
+built-in pooler (a SPLADE model would return dense mean vectors). Core names the plugins only
+as strings; adding a format of your own needs no entry here.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from poolrunner.core.errors import ModelLoadError
+from attrs import frozen
+
+from poolrunner.core.model.st_metadata import read_modules
 from poolrunner.core.types import RequiredPlugin
 
-_ST_PREFIX = "sentence_transformers."
-# sentence-transformers SparseEncoder modules (class names): SPLADE pipelines.
-_SPLADE_MODULES = frozenset({"MLMTransformer", "SpladePooling"})
-_SPLADE = ("splade", "poolrunner-splade")
-_COLBERT = ("colbert", "poolrunner-colbert")
-# Stanford ColBERT (colbert-ai) saves its checkpoints under this architecture name.
-_COLBERT_ARCHITECTURE = "HF_ColBERT"
+
+@frozen
+class FolderFormat:
+    """Markers of one format: ``modules.json`` module types, or an architecture name.
+
+    :ivar plugin: The plugin that runs it (its entry-point name).
+    :ivar dist: The distribution to install for it.
+    :ivar package: A module type from this package marks the format (``"pylate."``)...
+    :ivar classes: ...when its class name is one of these (``None``: any class).
+    :ivar architectures: ``config.json`` architecture names that mark the format.
+    """
+
+    plugin: str
+    dist: str
+    package: str | None = None
+    classes: frozenset[str] | None = None
+    architectures: tuple[str, ...] = ()
+
+    def marks(self, module_type: str) -> bool:
+        return (self.package is not None and module_type.startswith(self.package)
+                and (self.classes is None or module_type.rsplit(".", 1)[-1] in self.classes))
 
 
-def required_plugin(folder: Path, architecture: str) -> RequiredPlugin | None:
-    """The plugin ``folder`` needs, judged from its ``modules.json`` and architecture.
+FOLDER_FORMATS = (
+    # sentence-transformers SparseEncoder folders (SPLADE).
+    FolderFormat("splade", "poolrunner-splade", package="sentence_transformers.",
+                 classes=frozenset({"MLMTransformer", "SpladePooling"})),
+    # PyLate folders and Stanford ColBERT (colbert-ai) checkpoints.
+    FolderFormat("colbert", "poolrunner-colbert", package="pylate.", architectures=("HF_ColBERT",)),
+)
 
-    - a sentence-transformers module ``MLMTransformer`` or ``SpladePooling`` (a
-      ``SparseEncoder`` folder): ``splade`` from ``poolrunner-splade``;
-    - a ``pylate.*`` module (a PyLate ColBERT folder) or the architecture ``HF_ColBERT``
-      (a Stanford ColBERT checkpoint): ``colbert`` from ``poolrunner-colbert``.
 
-    :returns: ``None`` for every other folder.
+def unclaimed_format(folder: Path, architecture: str) -> RequiredPlugin | None:
+    """The plugin a folder no installed plugin claimed needs, judged from :data:`FOLDER_FORMATS`.
+
     :raises ModelLoadError: if ``modules.json`` exists but cannot be read.
     """
-    for module_type in _module_types(folder):
-        if module_type.startswith(_ST_PREFIX) and module_type.rsplit(".", 1)[-1] in _SPLADE_MODULES:
-            return _required(_SPLADE, f"modules.json lists {module_type}")
-        if module_type.startswith("pylate."):
-            return _required(_COLBERT, f"modules.json lists {module_type}")
-    if architecture == _COLBERT_ARCHITECTURE:
-        return _required(_COLBERT, f"config.json names the architecture {architecture}")
+    module_types = [module.type for module in read_modules(folder)]
+    for fmt in FOLDER_FORMATS:
+        for module_type in filter(fmt.marks, module_types):
+            return RequiredPlugin(name=fmt.plugin, dist=fmt.dist, reason=f"modules.json lists {module_type}")
+        if architecture in fmt.architectures:
+            return RequiredPlugin(name=fmt.plugin, dist=fmt.dist,
+                                  reason=f"config.json names the architecture {architecture}")
     return None
-
-
-def _required(plugin: tuple[str, str], reason: str) -> RequiredPlugin:
-    name, dist = plugin
-    return RequiredPlugin(name=name, dist=dist, reason=reason)
-
-
-def _module_types(folder: Path) -> list[str]:
-    path = folder / "modules.json"
-    if not path.is_file():
-        return []
-    try:
-        modules = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
-    return [str(module.get("type", "")) for module in modules if isinstance(module, dict)]

@@ -71,15 +71,15 @@ def read_st_metadata(folder: Path) -> SentenceTransformerMetadata | None:
     :raises ModelLoadError: for a pipeline module, pooling mode or pooling setting poolrunner does
         not run, or prompts that sentence-transformers itself would refuse or cannot apply.
     """
-    modules_file = folder / "modules.json"
-    if not modules_file.is_file():
+    modules = read_modules(folder)
+    if not modules:
         return None
     pooling_type: str | None = None
     normalize = False
     dense: list[DenseLayerSpec] = []
-    for module in _read_json(modules_file):
-        kind = _module_kind(str(module.get("type", "")))
-        path = folder / module.get("path", "")
+    for module in modules:
+        kind = _module_kind(module.type)
+        path = module.path
         if kind == "Transformer":
             continue
         if kind == "Pooling":
@@ -97,7 +97,7 @@ def read_st_metadata(folder: Path) -> SentenceTransformerMetadata | None:
             normalize = True  # the folder itself may be missing: Normalize has no files
         else:
             raise ModelLoadError(
-                f"{folder}: sentence-transformers module {module.get('type')!r} is not supported "
+                f"{folder}: sentence-transformers module {module.type!r} is not supported "
                 "(supported: Transformer, Pooling, Dense, Normalize)"
             )
     prompts, default_prompt_name = _prompts(folder / "config_sentence_transformers.json")
@@ -210,6 +210,35 @@ def _dense_layer(folder: Path) -> DenseLayerSpec:
         bias=bool(config.get("bias", True)),
         activation=activation.rsplit(".", 1)[-1],
     )
+
+
+@frozen
+class StModule:
+    """One entry of a sentence-transformers ``modules.json``.
+
+    :ivar type: The module's class path, e.g. ``sentence_transformers.models.Pooling``.
+    :ivar path: Its folder (the model folder itself for the Transformer module).
+    """
+
+    type: str
+    path: Path
+
+
+def read_modules(folder: Path) -> tuple[StModule, ...]:
+    """The pipeline ``folder/modules.json`` lists, in order; empty when there is no such file.
+
+    The one reader of ``modules.json`` for core and plugins alike (re-exported as
+    ``poolrunner.core.read_modules``).
+
+    :raises ModelLoadError: if the file cannot be read or is not a list of modules.
+    """
+    modules_file = folder / "modules.json"
+    if not modules_file.is_file():
+        return ()
+    modules = _read_json(modules_file)
+    if not isinstance(modules, list) or not all(isinstance(module, dict) for module in modules):
+        raise ModelLoadError(f"{modules_file}: expected a list of modules, got {modules!r:.120}")
+    return tuple(StModule(str(module.get("type", "")), folder / str(module.get("path", ""))) for module in modules)
 
 
 def _read_json(path: Path) -> Any:

@@ -151,13 +151,13 @@ class PoolingPluginConformance:
         """An empty ``claimed_tasks`` is right for a plugin that pools nothing (model state,
         output copies): it must then answer no task for any model."""
         assert set(task_models) == set(claimed_tasks)
-        hooks, _ = plugin_hooks()
+        hooks, pm = plugin_hooks()
         answered: set[str] = set()
         for path in {*task_models.values(), poolrunner_tiny_model()}:
-            model_config, _ = _load(path)
+            model_config, _ = _load(path, hooks, pm)
             answered |= hooks.tasks_by_plugin(model_config=model_config).get(plugin_name, frozenset())
         for task, path in task_models.items():
-            model_config, _ = _load(path)
+            model_config, _ = _load(path, hooks, pm)
             tasks = hooks.tasks_by_plugin(model_config=model_config).get(plugin_name, frozenset())
             assert task in tasks, f"{plugin_name} does not claim {task!r} for {path}"
         assert answered == set(claimed_tasks)
@@ -169,9 +169,9 @@ class PoolingPluginConformance:
         plain tiny BertModel included), so built-ins keep serving models that are not yours."""
         from poolrunner.core.types import POOLING_TASKS
 
-        hooks, _ = plugin_hooks()
+        hooks, pm = plugin_hooks()
         for path in {*task_models.values(), poolrunner_tiny_model()}:
-            model_config, model = _load(path)
+            model_config, model = _load(path, hooks, pm)
             answered = hooks.tasks_by_plugin(model_config=model_config).get(plugin_name, frozenset())
             assert answered <= set(claimed_tasks)
             for task in sorted({*POOLING_TASKS, *claimed_tasks} - answered):
@@ -209,7 +209,7 @@ class PoolingPluginConformance:
         hooks, pm = plugin_hooks()
         implemented = {caller.name for caller in pm.get_hookcallers(pm.get_plugin(plugin_name)) or ()}
         for task in sorted(claimed_tasks) or ["embed"]:
-            model_config, _ = _load(task_models.get(task) or poolrunner_tiny_model())
+            model_config, _ = _load(task_models.get(task) or poolrunner_tiny_model(), hooks, pm)
             types = (0, 0, 1, 1) if model_config.type_vocab_size >= 2 else None
             states = [
                 RequestState(request=PoolingRequest(request_id=f"conformance-{i}", prompt_token_ids=ids,
@@ -264,23 +264,28 @@ def _others(pm: Any, keep: list[str]) -> list[object]:
     return [plugin for name, plugin in pm.list_name_plugin() if name not in keep]
 
 
-_LOADED: dict[Path, Any] = {}
+_LOADED: dict[tuple[Path, tuple[str, ...]], Any] = {}
 
 
-def _load(path: Path) -> tuple[ModelConfig, Any]:
-    """``(ModelConfig, model)`` of a folder, as a runtime builds them on the CPU (cached per folder)."""
+def _load(path: Path, hooks: Any, pm: Any) -> tuple[ModelConfig, Any]:
+    """``(ModelConfig, model)`` of a folder, as a runtime with ``pm``'s plugins builds them on
+    the CPU (cached per folder and plugin set)."""
     import torch
 
     from poolrunner.core.config import ModelOverrides
     from poolrunner.core.model import loader, metadata
+    from poolrunner.core.selection import required_plugin
 
     path = Path(path)
-    if path not in _LOADED:
+    key = (path, tuple(sorted(name for name, _ in pm.list_name_plugin())))
+    if key not in _LOADED:
         hf_config = metadata.load_hf_config(path)
         tokenizer = loader.load_tokenizer(path)
-        model_config = metadata.load_model_config(path, hf_config, tokenizer.model_max_length, ModelOverrides())
-        _LOADED[path] = model_config, loader.load_model(path, hf_config, torch.float32, torch.device("cpu"))
-    return _LOADED[path]
+        required = required_plugin(hooks, pm, path, metadata.architecture_name(hf_config))
+        model_config = metadata.load_model_config(path, hf_config, tokenizer.model_max_length, ModelOverrides(),
+                                                  required)
+        _LOADED[key] = model_config, loader.load_model(path, hf_config, torch.float32, torch.device("cpu"))
+    return _LOADED[key]
 
 
 def _check_output(task: str, output: Any, spec: OutputSpec) -> None:

@@ -27,7 +27,7 @@ FIRSTRESULT = {"get_pooler", "pool", "process_output", "score_outputs"}
 
 
 def test_the_spec_module_declares_the_documented_hooks():
-    assert set(SPECS) == {"supported_tasks", "get_pooler", "add_request", "remove_request",
+    assert set(SPECS) == {"claim_model_folder", "supported_tasks", "get_pooler", "add_request", "remove_request",
                           "prepare_inputs", "pool", "process_output", "score_outputs"}
     for name, function in SPECS.items():
         options = getattr(function, f"{hookspec.PROJECT_NAME}_spec")

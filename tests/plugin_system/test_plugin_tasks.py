@@ -1,6 +1,9 @@
-"""The load-time task check and the load-time hooks ``supported_tasks`` and ``get_pooler``."""
+"""The load-time task check and the load-time hooks ``claim_model_folder``, ``supported_tasks``
+and ``get_pooler``."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +13,7 @@ from transformers import AutoModel, AutoTokenizer
 import poolrunner
 from poolrunner.core import (
     ModelConfig,
+    PluginConflictError,
     Pooler,
     PoolingMetadata,
     PoolingParams,
@@ -20,6 +24,7 @@ from poolrunner.core import (
     hookimpl,
 )
 from poolrunner.core.hooks import Hooks
+from poolrunner.core.types import RequiredPlugin
 from tests.plugin_system.builtin_plugins import (
     builtins_implementing,
     describe_pooling_builtins,
@@ -183,6 +188,59 @@ def test_hook_get_pooler(default_runtime):
     builtin_impls = build_plugin_manager(load_entrypoints=False).hook.get_pooler.get_hookimpls()
     assert [(impl.plugin_name, impl.trylast) for impl in impls] == [
         *((impl.plugin_name, True) for impl in builtin_impls), ("AlwaysNone", False)]
+
+
+class ClaimsMarkedFolders:
+    """A third-party format: folders holding ``my_format.json`` are this plugin's alone."""
+
+    def __init__(self, name: str = "ClaimsMarkedFolders") -> None:
+        self.name = name
+
+    @hookimpl
+    def claim_model_folder(self, folder, architecture):
+        return f"{folder.name} holds my_format.json ({architecture})" if (folder / "my_format.json").is_file() else None
+
+    @hookimpl
+    def supported_tasks(self, model_config: ModelConfig):
+        mine = model_config.required_plugin is not None and model_config.required_plugin.name == self.name
+        return {"token_embed"} if mine else set()
+
+    @hookimpl
+    def get_pooler(self, model_config: ModelConfig, task):
+        mine = model_config.required_plugin is not None and model_config.required_plugin.name == self.name
+        return TokenPooler() if mine and task == "token_embed" else None
+
+
+def test_hook_claim_model_folder(default_model_path, tmp_path):
+    """A claimed folder is served by its plugin alone; an unmarked folder is left to the built-ins;
+    two claims are a conflict naming both plugins and their reasons."""
+    marked = tmp_path / "marked"
+    marked.mkdir()
+    for item in Path(default_model_path).iterdir():
+        (marked / item.name).symlink_to(item)
+    (marked / "my_format.json").write_text("{}", encoding="utf-8")
+
+    runtime = poolrunner.Runtime(marked, plugins=[ClaimsMarkedFolders()], load_entrypoints=False, dtype="float32")
+    assert runtime.model_config.required_plugin == RequiredPlugin(
+        name="ClaimsMarkedFolders", dist="ClaimsMarkedFolders", reason="marked holds my_format.json (BertModel)")
+    assert runtime.task == "token_embed" and isinstance(runtime.engine.runner.pooler, TokenPooler)
+    assert runtime.model_config.pooling_type == "CLS"  # the folder's ST pipeline is the plugin's to read
+
+    plain = poolrunner.Runtime(default_model_path, plugins=[ClaimsMarkedFolders()], load_entrypoints=False,
+                               dtype="float32")
+    assert plain.model_config.required_plugin is None and plain.task == "embed"
+
+    with pytest.raises(PluginConflictError, match=(
+        r"^plugins \['first', 'second'\] all claim the model folder .*marked \(first: marked holds my_format\.json "
+        r"\(BertModel\); second: marked holds my_format\.json \(BertModel\)\); disable all but one$")):
+        poolrunner.Runtime(marked, plugins=[_named(ClaimsMarkedFolders("first"), "first"),
+                                            _named(ClaimsMarkedFolders("second"), "second")],
+                           load_entrypoints=False, dtype="float32")
+
+
+def _named(plugin: object, name: str) -> object:
+    plugin.__name__ = name  # the registration name build_plugin_manager gives a code-passed plugin
+    return plugin
 
 
 def test_third_party_task_and_pooler_serve_requests(default_model_path):

@@ -2,7 +2,7 @@
 
 Serves ``token_embed`` for ColBERT model folders (a PyLate ``modules.json`` naming
 ``pylate.models.Dense.Dense``, or a Stanford ColBERT checkpoint with architecture
-``HF_ColBERT``; core recognises both and requires this plugin for them): every token's hidden
+``HF_ColBERT``; the plugin claims both, so they are served by it alone): every token's hidden
 state through the model's linear projection, L2-normalized. ``Runtime.score`` and ``rerank``
 score pairs with MaxSim. Every other model is left to the built-ins.
 """
@@ -10,9 +10,10 @@ score pairs with MaxSim. Every other model is left to the built-ins.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from poolrunner.core import ModelConfig, PoolingTask, hookimpl
+from poolrunner.core import ModelConfig, PoolingTask, hookimpl, read_modules
 
 if TYPE_CHECKING:  # import-cheap: torch loads with the pooler, never at plugin import
     import torch
@@ -26,8 +27,23 @@ NAME = "colbert"
 TASK: PoolingTask = "token_embed"
 
 
+# Stanford ColBERT (colbert-ai) saves its checkpoints under this architecture name.
+_COLBERT_ARCHITECTURE = "HF_ColBERT"
+
+
+@hookimpl
+def claim_model_folder(folder: Path, architecture: str) -> str | None:
+    """PyLate folders and Stanford ColBERT checkpoints are ours alone."""
+    pylate = next((module.type for module in read_modules(folder) if module.type.startswith("pylate.")), None)
+    if pylate is not None:
+        return f"modules.json lists {pylate}"
+    if architecture == _COLBERT_ARCHITECTURE:
+        return f"config.json names the architecture {architecture}"
+    return None
+
+
 def serves(model_config: ModelConfig) -> bool:
-    """A folder that core found to require this plugin (see ``ModelConfig.required_plugin``)."""
+    """A folder this plugin claimed (see ``ModelConfig.required_plugin``)."""
     return model_config.required_plugin is not None and model_config.required_plugin.name == NAME
 
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from poolrunner.core import ModelConfig, ModelLoadError, Pooler, PoolingMetadata, PoolingTask
+from poolrunner.core import ModelConfig, ModelLoadError, Pooler, PoolingMetadata, PoolingTask, read_modules
 
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
@@ -40,13 +40,8 @@ def _read_state(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _pylate_dense(folder: Path) -> Path | None:
-    modules_file = folder / "modules.json"
-    if not modules_file.is_file():
-        return None
-    for module in json.loads(modules_file.read_text(encoding="utf-8")):
-        if str(module.get("type", "")).startswith("pylate.") and str(module.get("type")).endswith(".Dense"):
-            return folder / module.get("path", "")
-    return None
+    return next((module.path for module in read_modules(folder)
+                 if module.type.startswith("pylate.") and module.type.endswith(".Dense")), None)
 
 
 def load_projection(model_config: ModelConfig) -> nn.Linear:

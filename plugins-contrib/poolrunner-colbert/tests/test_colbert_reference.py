@@ -122,5 +122,5 @@ def test_poolrunner_plugins_lists_the_distribution(capsys):
     assert listed["colbert"] == {
         "name": "colbert", "source": "entrypoint", "dist": "poolrunner-colbert",
         "version": importlib_metadata.version("poolrunner-colbert"),
-        "hooks": ["get_pooler", "score_outputs", "supported_tasks"],
+        "hooks": ["claim_model_folder", "get_pooler", "score_outputs", "supported_tasks"],
     }

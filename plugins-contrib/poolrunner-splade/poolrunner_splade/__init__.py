@@ -9,9 +9,10 @@ sentence-transformers ``SparseEncoder`` folder (``modules.json`` with ``MLMTrans
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from poolrunner.core import ModelConfig, PoolingTask, hookimpl
+from poolrunner.core import ModelConfig, PoolingTask, hookimpl, read_modules
 
 if TYPE_CHECKING:  # import-cheap: torch loads with the pooler, never at plugin import
     import torch
@@ -24,6 +25,20 @@ if TYPE_CHECKING:  # import-cheap: torch loads with the pooler, never at plugin 
 __version__ = "0.1.0"
 NAME = "splade"
 TASK: PoolingTask = "sparse_embed"
+
+
+# sentence-transformers SparseEncoder modules (class names) that make a folder a SPLADE pipeline.
+_SPARSE_ENCODER_MODULES = frozenset({"MLMTransformer", "SpladePooling"})
+
+
+@hookimpl
+def claim_model_folder(folder: Path) -> str | None:
+    """A sentence-transformers ``SparseEncoder`` folder is ours alone."""
+    for module in read_modules(folder):
+        package, _, name = module.type.rpartition(".")
+        if package.startswith("sentence_transformers") and name in _SPARSE_ENCODER_MODULES:
+            return f"modules.json lists {module.type}"
+    return None
 
 
 def serves(model_config: ModelConfig) -> bool:

@@ -25,6 +25,7 @@ from poolrunner.core import (
     PoolingMetadata,
     PoolingParams,
     PoolingTask,
+    read_modules,
 )
 
 _STRATEGIES = ("max", "sum")
@@ -54,12 +55,10 @@ def splade_settings(model_config: ModelConfig) -> tuple[str, str]:
     :raises ModelLoadError: for a value sentence-transformers does not define.
     """
     folder = Path(model_config.path)
-    modules_file = folder / "modules.json"
-    modules = json.loads(modules_file.read_text(encoding="utf-8")) if modules_file.is_file() else []
     config: dict[str, str] = {}
-    for module in modules:
-        if str(module.get("type", "")).endswith(".SpladePooling"):
-            config_file = folder / module.get("path", "") / "config.json"
+    for module in read_modules(folder):
+        if module.type.endswith(".SpladePooling"):
+            config_file = module.path / "config.json"
             config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
     strategy = config.get("pooling_strategy", "max")
     activation = config.get("activation_function", "relu")

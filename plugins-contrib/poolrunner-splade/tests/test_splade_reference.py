@@ -163,5 +163,5 @@ def test_poolrunner_plugins_lists_the_distribution(capsys):
     assert listed["splade"] == {
         "name": "splade", "source": "entrypoint", "dist": "poolrunner-splade",
         "version": importlib_metadata.version("poolrunner-splade"),
-        "hooks": ["get_pooler", "score_outputs", "supported_tasks"],
+        "hooks": ["claim_model_folder", "get_pooler", "score_outputs", "supported_tasks"],
     }
