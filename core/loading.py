@@ -23,11 +23,12 @@ from poolrunner.core.engine import precision
 from poolrunner.core.engine.engine import Engine
 from poolrunner.core.engine.runner import ModelRunner
 from poolrunner.core.engine.scheduler import Scheduler
+from poolrunner.core.errors import ModelLoadError, PluginConflictError, UnsupportedTaskError
 from poolrunner.core.hooks import Hooks
 from poolrunner.core.inputs.tokenize import InputProcessor
 from poolrunner.core.manager import PoolrunnerPluginManager, build_plugin_manager
 from poolrunner.core.model import loader, metadata
-from poolrunner.core.selection import required_plugin, resolve_task, select_pooler
+from poolrunner.core.selection import required_plugin, resolve_task, select_pooler, served_tasks
 from poolrunner.core.types import ModelConfig, PoolingParams, PoolingRequest, PoolingTask
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,9 @@ class LoadedModel:
     :ivar plugin_manager: The frozen plugin manager.
     :ivar hooks: Typed calls into it.
     :ivar model_config: What poolrunner knows of the model.
-    :ivar task: The task served.
+    :ivar task: The default task (the one named at load, else the model's default).
+    :ivar tasks: Every task served: the named one alone, else each task the model's head and the
+        plugins allow whose pooler could be built (requests choose theirs).
     :ivar device: Where the model runs.
     :ivar dtype: The weights' dtype (``auto`` resolved).
     :ivar inputs: Prompts, tokenization and truncation for this model.
@@ -53,6 +56,7 @@ class LoadedModel:
     hooks: Hooks
     model_config: ModelConfig
     task: PoolingTask
+    tasks: frozenset[PoolingTask]
     device: torch.device
     dtype: torch.dtype
     inputs: InputProcessor
@@ -77,27 +81,43 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
     required = required_plugin(hooks, manager, path, metadata.architecture_name(hf_config))
     model_config = metadata.load_model_config(path, hf_config, tokenizer.model_max_length, config.overrides, required)
     task = resolve_task(hooks, manager, model_config, config.task)
+    wanted = [task] if config.task else [task, *sorted(served_tasks(hooks, manager, model_config) - {task})]
     device = loader.resolve_device(config.device)
     inputs = InputProcessor(tokenizer, model_config)
-    build = functools.partial(_build_engine, config, path, hf_config, hooks, manager, model_config, task, device)
+    build = functools.partial(_build_engine, config, path, hf_config, hooks, manager, model_config, wanted, device)
     if config.dtype == "auto" and precision.native_bf16(device):
         engine, dtype = precision.choose_cpu_dtype(build, _probe_requests(inputs, task))
     else:
         dtype = loader.resolve_dtype(config.dtype, hf_config, device)
         engine = build(dtype)
-    logger.info("loaded %s (%s) for task %r on %s as %s", path, model_config.architecture, task, device, dtype)
+    tasks = frozenset(engine.runner.poolers)
+    logger.info("loaded %s (%s) for tasks %s (default %r) on %s as %s", path, model_config.architecture,
+                sorted(tasks), task, device, dtype)
     return LoadedModel(config=config, plugin_manager=manager, hooks=hooks, model_config=model_config, task=task,
-                       device=device, dtype=dtype, inputs=inputs, engine=engine)
+                       tasks=tasks, device=device, dtype=dtype, inputs=inputs, engine=engine)
 
 
 def _build_engine(
     config: RuntimeConfig, path: Path, hf_config: PretrainedConfig, hooks: Hooks, manager: PoolrunnerPluginManager,
-    model_config: ModelConfig, task: PoolingTask, device: torch.device, dtype: torch.dtype,
+    model_config: ModelConfig, tasks: list[PoolingTask], device: torch.device, dtype: torch.dtype,
 ) -> Engine:
-    """Load the weights in ``dtype`` and assemble the pooler, runner, scheduler and engine."""
+    """Load the weights in ``dtype`` and assemble the poolers, runner, scheduler and engine.
+
+    ``tasks[0]`` is the default task: its pooler must build. Another task whose pooler cannot be
+    built (no plugin offers one, two conflict, the folder lacks a file it needs) is left out of
+    the served set, with a log line; a request for it then gets the usual clear error.
+    """
     model = loader.load_model(path, hf_config, dtype, device)
-    pooler = select_pooler(hooks, manager, model_config, task, model, config.pooler_plugin)
-    runner = ModelRunner(model, pooler.to(device), hooks, model_config, bucket_tokens=device.type == "cpu")
+    poolers = {}
+    for task in tasks:
+        try:
+            poolers[task] = select_pooler(hooks, manager, model_config, task, model, config.pooler_plugin).to(device)
+        except (UnsupportedTaskError, PluginConflictError, ModelLoadError) as exc:
+            if task == tasks[0]:
+                raise
+            logger.info("task %r is not served: %s", task, exc)
+    runner = ModelRunner(model, poolers, hooks, model_config, default_task=tasks[0],
+                         bucket_tokens=device.type == "cpu")
     scheduler = Scheduler(max_num_batched_tokens=config.max_num_batched_tokens or default_token_budget(device.type),
                           max_num_seqs=config.max_num_seqs, chunked_prefill=runner.causal)
     async_scheduling = device.type == "cuda" if config.async_scheduling is None else config.async_scheduling

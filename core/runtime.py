@@ -88,6 +88,7 @@ class Runtime:
         self._hooks = loaded.hooks
         self.model_config: ModelConfig = loaded.model_config
         self.task: PoolingTask = loaded.task
+        self.supported_tasks: frozenset[PoolingTask] = loaded.tasks
         self.device, self.dtype = loaded.device, loaded.dtype
         self.inputs = loaded.inputs
         self.engine = loaded.engine
@@ -159,7 +160,7 @@ class Runtime:
         [num_tokens]}``. Results are ragged and never stacked across inputs. All float32.
 
         :param inputs: Texts, token-id lists, or ``(text, text_pair)`` pairs.
-        :param task: Must be the runtime's task (the default); a runtime serves one task.
+        :param task: One of :attr:`supported_tasks`; ``None`` is the runtime's default task.
         :param dimensions: Matryoshka size (``embed``, and per token for ``token_embed``).
         :param normalize: L2-normalize (``embed``: default on; per token for ``token_embed``:
             default off).
@@ -343,10 +344,10 @@ class Runtime:
             self._loop = loop
 
     def _check_task(self, params: PoolingParams) -> PoolingParams:
-        if params.task != self.task:
+        if params.task not in self.supported_tasks:
             raise InvalidRequestError(
-                f"this runtime serves task {self.task!r}, not {params.task!r}; load another with "
-                f"Runtime(..., task={params.task!r}) if the model supports it"
+                f"this runtime serves tasks {sorted(self.supported_tasks)}, not {params.task!r}; load "
+                f"another with Runtime(..., task={params.task!r}) if the model supports it"
             )
         return params
 

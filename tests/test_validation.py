@@ -293,7 +293,8 @@ def test_engine_rejects_too_long_and_duplicate_requests(runtime, assert_serves):
 
 def test_engine_rejects_another_task(runtime, assert_serves):
     request = PoolingRequest(request_id="r-cls", prompt_token_ids=[101, 102], params=PoolingParams(task="classify"))
-    with pytest.raises(InvalidRequestError, match=r"asks for task 'classify', but this runtime serves \['embed'\]"):
+    with pytest.raises(InvalidRequestError,
+                       match=r"asks for task 'classify', but this runtime serves \['embed', 'token_embed'\]"):
         list(runtime.engine.run([request]))
     assert_serves(runtime)
 

@@ -60,12 +60,13 @@ class Engine:
                 f"request {request.request_id!r} has {request.num_tokens} tokens, more than the "
                 f"maximum of {limit} (max_model_len of {self.model_config.name})"
             )
-        if request.params.task not in self.runner.pooler.get_supported_tasks():
+        pooler = self.runner.poolers.get(request.params.task)
+        if pooler is None:
             raise InvalidRequestError(
                 f"request {request.request_id!r} asks for task {request.params.task!r}, but this "
-                f"runtime serves {sorted(self.runner.pooler.get_supported_tasks())}"
+                f"runtime serves {sorted(self.runner.poolers)}"
             )
-        self.runner.pooler.check_params(request.params)
+        pooler.check_params(request.params)
         state = RequestState(request=request)
         self.requests[request.request_id] = state
         try:

@@ -9,6 +9,9 @@ third-party ones) works across chunks unchanged, and a request yields nothing un
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,20 +23,28 @@ from poolrunner.core.hooks import Hooks
 from poolrunner.core.model.attention import ATTENTION_NAME, LAYOUT_KWARG, KVCache, PackedLayout, probe_attention
 from poolrunner.core.model.metadata import position_offset
 from poolrunner.core.output import OutputHandle
-from poolrunner.core.pooler import Pooler
-from poolrunner.core.types import ModelConfig, PoolingMetadata
+from poolrunner.core.pooler import Pooler, PoolerOutput
+from poolrunner.core.types import ModelConfig, PoolingMetadata, PoolingTask
 
 
 class ModelRunner:
-    """Owns the model, the pooler and the state of partly prefilled requests."""
+    """Owns the model, a pooler per served task and the state of partly prefilled requests.
+
+    Requests of different tasks share a step: one forward pass, then each task's pooler pools
+    its own requests.
+    """
 
     def __init__(
-        self, model: nn.Module, pooler: Pooler, hooks: Hooks, model_config: ModelConfig, *, bucket_tokens: bool = False,
+        self, model: nn.Module, poolers: Mapping[PoolingTask, Pooler], hooks: Hooks, model_config: ModelConfig, *,
+        default_task: PoolingTask, bucket_tokens: bool = False,
     ) -> None:
-        """:param bucket_tokens: Round each step's token count up to a bucket
-        (:func:`~poolrunner.core.engine.buckets.bucket_num_tokens`) so kernels are reused: on the CPU."""
+        """:param poolers: The pooler of each served task.
+        :param default_task: The task :attr:`pooler` serves (the runtime's default).
+        :param bucket_tokens: Round each step's token count up to a bucket
+            (:func:`~poolrunner.core.engine.buckets.bucket_num_tokens`) so kernels are reused: on the CPU."""
         self.backbone = model.base_model  # hidden states; heads belong to poolers
-        self.pooler = pooler
+        self.poolers = dict(poolers)
+        self.pooler = self.poolers[default_task]
         self.hooks = hooks
         self.model_config = model_config
         self.bucket_tokens = bucket_tokens
@@ -73,8 +84,22 @@ class ModelRunner:
         hidden, metadata = self._pooling_inputs(batch, finishing, hidden_states)
         for state in finished:  # now, not at release: with async scheduling that is a step later
             self.free(state.request_id)
-        output = self.hooks.pool(pooler=self.pooler, hidden_states=hidden, metadata=metadata)
-        return finished, self.hooks.process_output(output=output, batch=batch)
+        return finished, self.hooks.process_output(output=self._pool(hidden, metadata), batch=batch)
+
+    def _pool(self, hidden: torch.Tensor, metadata: PoolingMetadata) -> PoolerOutput:
+        """Each task's pooler on its own requests; one result per request, in packing order."""
+        tasks = [params.task for params in metadata.pooling_params]
+        if len(set(tasks)) == 1:  # the common case: the whole step is one task
+            return self.hooks.pool(pooler=self.poolers[tasks[0]], hidden_states=hidden, metadata=metadata)
+        results: list[Any] = [None] * len(tasks)
+        for task in dict.fromkeys(tasks):
+            members = [i for i, t in enumerate(tasks) if t == task]
+            rows, subset = _select(metadata, members)
+            output = self.hooks.pool(pooler=self.poolers[task], hidden_states=hidden.index_select(0, rows),
+                                     metadata=subset)
+            for i, result in zip(members, output, strict=True):  # a tensor iterates over its rows
+                results[i] = result
+        return results
 
     def forward(self, batch: InputBatch, finishing: list[bool]) -> torch.Tensor:
         """The backbone's last hidden states of the scheduled tokens, ``[num_tokens, hidden_size]``."""
@@ -151,3 +176,22 @@ class ModelRunner:
         return torch.cat(rows), PoolingMetadata(
             **metadata_args, query_start_loc=starts.to(batch.device), prompt_token_ids=token_ids.to(batch.device)
         )
+
+
+def _select(metadata: PoolingMetadata, members: list[int]) -> tuple[torch.Tensor, PoolingMetadata]:
+    """The hidden-state rows of requests ``members`` (packing order kept) and their own metadata."""
+    lengths = metadata.prompt_lens.tolist()
+    starts = [0]
+    for length in lengths:
+        starts.append(starts[-1] + length)
+    device = metadata.query_start_loc.device
+    rows = torch.cat([torch.arange(starts[i], starts[i] + lengths[i]) for i in members]).to(device)
+    prompt_lens = metadata.prompt_lens[members]
+    offsets = torch.zeros(len(members) + 1, dtype=torch.int64)
+    torch.cumsum(prompt_lens, 0, out=offsets[1:])
+    return rows, PoolingMetadata(
+        request_ids=tuple(metadata.request_ids[i] for i in members),
+        pooling_params=tuple(metadata.pooling_params[i] for i in members),
+        prompt_lens=prompt_lens, query_start_loc=offsets.to(device),
+        prompt_token_ids=metadata.prompt_token_ids.index_select(0, rows),
+    )

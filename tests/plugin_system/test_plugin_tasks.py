@@ -179,7 +179,7 @@ def test_hook_get_pooler(default_runtime):
     """A third-party get_pooler is asked first; returning None hands over to the built-in."""
     none = AlwaysNone()
     runtime = poolrunner.Runtime(plugins=[none], load_entrypoints=False, dtype="float32")
-    assert none.asked == ["embed"]  # once per runtime, for the runtime's task
+    assert none.asked == ["embed", "token_embed"]  # once per served task, the default first
     assert type(runtime.engine.runner.pooler).__name__ == "EmbeddingPooler"
     np.testing.assert_allclose(runtime.embed("text"), default_runtime.embed("text"), atol=1e-6)
 
