@@ -12,11 +12,14 @@ from typing import TYPE_CHECKING, Any
 from poolrunner.core.config import ModelOverrides, RuntimeConfig
 from poolrunner.core.engine.request import RequestState
 from poolrunner.core.errors import (
+    DimensionsNotSupportedError,
     InvalidRequestError,
     ModelLoadError,
     PluginConflictError,
     PluginLoadError,
     PoolrunnerError,
+    PromptTooLongError,
+    UnsupportedAttentionError,
     UnsupportedTaskError,
 )
 from poolrunner.core.hookspec import hookimpl
@@ -74,6 +77,7 @@ __all__ = [
     "POOLING_TASKS",
     "ClassificationResult",
     "DenseLayerSpec",
+    "DimensionsNotSupportedError",
     "InputBatch",
     "InvalidRequestError",
     "ModelConfig",
@@ -91,6 +95,7 @@ __all__ = [
     "PoolingTask",
     "PoolingType",
     "PoolrunnerError",
+    "PromptTooLongError",
     "RequestState",
     "RequestOutput",
     "RerankResult",
@@ -98,6 +103,7 @@ __all__ = [
     "RuntimeConfig",
     "SequenceHead",
     "StModule",
+    "UnsupportedAttentionError",
     "UnsupportedTaskError",
     "build_plugin_manager",
     "check_dimensions",

@@ -1,4 +1,6 @@
-"""Exceptions raised by poolrunner. Every one derives from :class:`PoolrunnerError`."""
+"""Exceptions raised by poolrunner, all in this one module. Every one derives from
+:class:`PoolrunnerError`; callers (the command line's hints, the server's status codes) key on
+these types, never on message text."""
 
 from __future__ import annotations
 
@@ -20,7 +22,14 @@ class PluginConflictError(PoolrunnerError):
 
 
 class UnsupportedTaskError(PoolrunnerError, ValueError):
-    """The requested pooling task is not served for this model by the installed plugins."""
+    """The requested pooling task is not served for this model by the installed plugins.
+
+    :ivar task: The task asked for, when one was named.
+    """
+
+    def __init__(self, message: str, *, task: str | None = None) -> None:
+        super().__init__(message)
+        self.task = task
 
 
 class ModelLoadError(PoolrunnerError, ValueError):
@@ -32,3 +41,38 @@ class InvalidRequestError(PoolrunnerError, ValueError):
 
     Raised before the request is admitted, so other requests are never affected.
     """
+
+
+class PromptTooLongError(InvalidRequestError):
+    """An input has more tokens than the model takes, and no truncation was asked for."""
+
+
+class DimensionsNotSupportedError(InvalidRequestError):
+    """Matryoshka ``dimensions`` were asked of a model not marked Matryoshka."""
+
+
+class UnsupportedAttentionError(ModelLoadError):
+    """A model's attention layer asks for something the packed attention does not implement."""
+
+
+class QueueFullError(PoolrunnerError):
+    """The loop already holds ``max_pending`` unfinished requests; nothing was queued."""
+
+
+class LoopClosedError(PoolrunnerError):
+    """The loop is stopping or stopped and takes no new requests."""
+
+
+class StepFailedError(PoolrunnerError):
+    """The engine step that ran this request failed; the cause is chained as ``__cause__``.
+
+    Only that step's requests fail; the loop keeps serving the others.
+    """
+
+
+class RayNotInstalledError(PoolrunnerError, ImportError):
+    """Ray Data (or pyarrow) is not installed: ``pip install 'poolrunner[ray]'``."""
+
+
+class JobConflictError(PoolrunnerError):
+    """The output folder holds the results of a job with other settings."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from poolrunner.core.errors import InvalidRequestError
+from poolrunner.core.errors import DimensionsNotSupportedError, InvalidRequestError
 from poolrunner.core.types import ModelConfig
 
 
@@ -16,7 +16,7 @@ def check_dimensions(model_config: ModelConfig, dimensions: int | None, size: in
         return
     name = model_config.name
     if not model_config.is_matryoshka:
-        raise InvalidRequestError(
+        raise DimensionsNotSupportedError(
             f"model {name} does not support Matryoshka dimensions (got dimensions={dimensions}): "
             "its config declares neither is_matryoshka nor matryoshka_dimensions; load it "
             "with is_matryoshka=True to allow it"

@@ -41,7 +41,7 @@ def resolve_task(
     raise UnsupportedTaskError(
         f"model {model_config.name!r} ({model_config.architecture}) does not support {asked}. "
         f"Supported: {sorted(supported)}. The model itself can do {sorted(model_config.model_tasks)}; "
-        f"pooling plugins: {plugins or 'none'}. {_REMEDY}"
+        f"pooling plugins: {plugins or 'none'}. {_REMEDY}", task=requested,
     )
 
 

@@ -11,7 +11,13 @@ import importlib_metadata
 
 from poolrunner.core.cli import classify, embed, encode, plugins, rerank, score, serve
 from poolrunner.core.cli.common import DISABLE_ENV, EXIT_USAGE, CliError, HelpFormatter, build_plugin_manager
-from poolrunner.core.errors import InvalidRequestError, PluginLoadError, PoolrunnerError, UnsupportedTaskError
+from poolrunner.core.errors import (
+    DimensionsNotSupportedError,
+    PluginLoadError,
+    PoolrunnerError,
+    PromptTooLongError,
+    UnsupportedTaskError,
+)
 
 PROG = "poolrunner"
 
@@ -101,16 +107,15 @@ def _report(exc: Exception) -> None:
 
 
 def _hint(exc: PoolrunnerError) -> str | None:
-    """Translate the Python API's advice into command-line options."""
-    message = str(exc)
+    """Translate the Python API's advice into command-line options, by the error's type."""
     if isinstance(exc, PluginLoadError):
         return f"leave a plugin out with --disable-plugin NAME or {DISABLE_ENV}=NAME"
-    if isinstance(exc, InvalidRequestError) and "more than the maximum" in message:  # no truncation asked
+    if isinstance(exc, PromptTooLongError):
         return "pass --truncate -1 to keep the model maximum, or --truncate N to keep N tokens"
-    if isinstance(exc, UnsupportedTaskError) and "does not support task 'classify'" in message:
+    if isinstance(exc, UnsupportedTaskError) and exc.task == "classify":
         return ("classify needs a *ForSequenceClassification model (config.json `architectures` names "
                 "the head): pass such a folder with --model")
-    if isinstance(exc, InvalidRequestError) and "is_matryoshka" in message:
+    if isinstance(exc, DimensionsNotSupportedError):
         return "pass --is-matryoshka if the model was trained for Matryoshka dimensions"
     return None
 

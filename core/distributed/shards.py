@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from poolrunner.core.errors import InvalidRequestError, PoolrunnerError
+from poolrunner.core.errors import InvalidRequestError, JobConflictError, RayNotInstalledError
 
 if TYPE_CHECKING:
     import pyarrow.fs
@@ -28,14 +28,6 @@ INPUT_FORMATS = ("jsonl", "parquet", "text")
 _SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 MANIFEST = "_poolrunner_job.json"
 """The file in the output folder that records the job's settings (a rerun must match them)."""
-
-
-class RayNotInstalledError(PoolrunnerError, ImportError):
-    """Ray Data (or pyarrow) is not installed: ``pip install 'poolrunner[ray]'``."""
-
-
-class JobConflictError(PoolrunnerError):
-    """The output folder holds the results of a job with other settings."""
 
 
 def require_ray() -> None:

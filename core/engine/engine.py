@@ -11,7 +11,7 @@ from poolrunner.core.engine.batch import InputBatch
 from poolrunner.core.engine.request import RequestState
 from poolrunner.core.engine.runner import ModelRunner
 from poolrunner.core.engine.scheduler import Scheduler
-from poolrunner.core.errors import InvalidRequestError
+from poolrunner.core.errors import InvalidRequestError, PromptTooLongError
 from poolrunner.core.hooks import Hooks
 from poolrunner.core.output import OutputHandle, RequestOutput
 from poolrunner.core.types import ModelConfig, PoolingRequest
@@ -56,7 +56,7 @@ class Engine:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in flight")
         limit = self.model_config.max_model_len
         if request.num_tokens > limit:
-            raise InvalidRequestError(
+            raise PromptTooLongError(
                 f"request {request.request_id!r} has {request.num_tokens} tokens, more than the "
                 f"maximum of {limit} (max_model_len of {self.model_config.name})"
             )

@@ -17,24 +17,9 @@ from typing import Protocol
 
 from poolrunner.core.engine.engine import Engine
 from poolrunner.core.engine.request import RequestState
-from poolrunner.core.errors import PoolrunnerError
+from poolrunner.core.errors import LoopClosedError, QueueFullError, StepFailedError
 from poolrunner.core.output import RequestOutput
 from poolrunner.core.types import PoolingRequest
-
-
-class QueueFullError(PoolrunnerError):
-    """The loop already holds ``max_pending`` unfinished requests; nothing was queued."""
-
-
-class LoopClosedError(PoolrunnerError):
-    """The loop is stopping or stopped and takes no new requests."""
-
-
-class StepFailedError(PoolrunnerError):
-    """The engine step that ran this request failed; the cause is chained as ``__cause__``.
-
-    Only that step's requests fail; the loop keeps serving the others.
-    """
 
 
 class LoopObserver(Protocol):

@@ -9,7 +9,7 @@ from numbers import Integral
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from poolrunner.core.errors import InvalidRequestError
+from poolrunner.core.errors import InvalidRequestError, PromptTooLongError
 from poolrunner.core.types import ModelConfig, TruncationSide
 
 PromptInput = str | Sequence[int]
@@ -208,7 +208,7 @@ class InputProcessor:
                 f"{self.model_config.name} did not truncate it); shorten it"
             )
         if len(ids) > limit:
-            raise InvalidRequestError(
+            raise PromptTooLongError(
                 f"input {index} has {len(ids)} tokens, more than the maximum of {limit} "
                 f"(max_model_len of {self.model_config.name}); shorten it or pass "
                 "truncate_prompt_tokens (-1 keeps the maximum)"

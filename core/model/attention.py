@@ -43,7 +43,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from poolrunner.core.errors import ModelLoadError
+from poolrunner.core.errors import UnsupportedAttentionError
 
 ATTENTION_NAME = "poolrunner_packed"
 LAYOUT_KWARG = "poolrunner_layout"
@@ -62,10 +62,6 @@ _INERT_KWARGS = frozenset({
 # Arguments whose meaning the layer's mask already carries: transformers' eager and sdpa
 # attention read the mask, not these.
 _MASK_KWARGS = frozenset({"sliding_window", "is_causal"})
-
-
-class UnsupportedAttentionError(ModelLoadError):
-    """A layer asked the attention function for something it does not implement."""
 
 
 @define(eq=False)

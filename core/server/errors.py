@@ -12,8 +12,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from poolrunner.core.engine.loop import LoopClosedError, QueueFullError, StepFailedError
-from poolrunner.core.errors import InvalidRequestError, UnsupportedTaskError
+from poolrunner.core.errors import (
+    InvalidRequestError,
+    LoopClosedError,
+    QueueFullError,
+    StepFailedError,
+    UnsupportedTaskError,
+)
 
 ERROR_TYPES = {
     400: "invalid_request_error",
