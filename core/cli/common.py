@@ -114,12 +114,12 @@ def add_output_option(group: argparse._ArgumentGroup, extra: str = "") -> None:
                        help=f"write to FILE instead of stdout{extra}")
 
 
-def add_task_option(model: argparse._ArgumentGroup, verb: str) -> None:
+def add_task_option(model: argparse._ArgumentGroup, verb: str, default: str = "the model's own default task") -> None:
     """``--task``: not argparse choices, since plugins declare tasks of their own (sparse_embed);
     the runtime checks the name when the model loads."""
     model.add_argument("--task", metavar="TASK",
                        help=f"task to {verb}: {', '.join(POOLING_TASKS)}, or one a plugin declares "
-                            "(e.g. sparse_embed); default: the model's own default task")
+                            f"(e.g. sparse_embed); default: {default}")
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:

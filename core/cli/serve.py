@@ -50,7 +50,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = add_command(subparsers, "serve", summary="serve the model over HTTP (OpenAI-compatible)",
                          description=DESCRIPTION, epilog=EPILOG)
     model = add_model_options(parser)
-    add_task_option(model, "serve")
+    add_task_option(model, "serve alone", default="every task the model and the plugins allow, each request "
+                                                  "naming its own (/pooling's task)")
     model.add_argument("--is-matryoshka", action="store_true",
                        help="accept dimensions although the model's config does not declare it")
     model.add_argument("--max-model-len", metavar="N", type=positive_int,
