@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 from attrs import frozen
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from poolrunner.core.config import RuntimeConfig, default_token_budget
+from poolrunner.core.config import ModelOverrides, RuntimeConfig, default_token_budget
 from poolrunner.core.engine import precision
 from poolrunner.core.engine.engine import Engine
 from poolrunner.core.engine.runner import ModelRunner
@@ -76,10 +76,7 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
     manager.freeze()
     hooks = Hooks(manager)
     path = metadata.resolve_model_path(config.model, config.revision)
-    hf_config = metadata.load_hf_config(path)
-    tokenizer = loader.load_tokenizer(path)
-    required = required_plugin(hooks, manager, path, metadata.architecture_name(hf_config))
-    model_config = metadata.load_model_config(path, hf_config, tokenizer.model_max_length, config.overrides, required)
+    hf_config, tokenizer, model_config = read_model(path, hooks, manager, config.overrides)
     task = resolve_task(hooks, manager, model_config, config.task)
     wanted = [task] if config.task else [task, *sorted(served_tasks(hooks, manager, model_config) - {task})]
     device = loader.resolve_device(config.device)
@@ -95,6 +92,21 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
                 sorted(tasks), task, device, dtype)
     return LoadedModel(config=config, plugin_manager=manager, hooks=hooks, model_config=model_config, task=task,
                        tasks=tasks, device=device, dtype=dtype, inputs=inputs, engine=engine)
+
+
+def read_model(
+    path: Path, hooks: Hooks, manager: PoolrunnerPluginManager, overrides: ModelOverrides,
+) -> tuple[PretrainedConfig, PreTrainedTokenizerBase, ModelConfig]:
+    """A local folder's config, tokenizer and :class:`ModelConfig`, with the plugin its format
+    needs as ``manager``'s plugins judge it (``claim_model_folder``); no weights are loaded.
+
+    :raises ModelLoadError: if the folder cannot be read or describes something poolrunner refuses.
+    """
+    hf_config = metadata.load_hf_config(path)
+    tokenizer = loader.load_tokenizer(path)
+    required = required_plugin(hooks, manager, path, metadata.architecture_name(hf_config))
+    model_config = metadata.load_model_config(path, hf_config, tokenizer.model_max_length, overrides, required)
+    return hf_config, tokenizer, model_config
 
 
 def _build_engine(

@@ -273,15 +273,14 @@ def _attend(
     scaling: float | None, softcap: float | None, sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """``[rows, heads, length, head_dim]`` queries over keys with ``block``'s rule (and ``key_mask``)."""
-    is_causal = block.kind == "causal" and key_mask is None
-    mask = None
-    if block.kind == "custom" or (block.kind == "causal" and key_mask is not None):
-        mask = block.mask if key_mask is None else key_mask & block.mask
-    elif key_mask is not None:
+    eager = softcap is not None or sinks is not None
+    # SDPA's own causal path needs no mask; a full block needs only the padding mask.
+    is_causal = block.kind == "causal" and key_mask is None and not eager
+    if block.kind == "full":
         mask = key_mask
-    if softcap is not None or sinks is not None:
-        if is_causal:
-            mask = block.mask
+    else:
+        mask = None if is_causal else block.mask if key_mask is None else key_mask & block.mask
+    if eager:
         return _eager(q, k, v, mask, scaling, softcap, sinks)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=k.shape[1] != q.shape[1],

@@ -32,9 +32,13 @@ def _first_token_head(module: nn.Module) -> Head:
     return lambda pooled: module(pooled.unsqueeze(1))
 
 
+def _pooled_then_classifier(pooler: nn.Module, classifier: nn.Module) -> tuple[str, Head]:
+    head = _first_token_head(pooler)
+    return "first", lambda pooled: classifier(head(pooled))
+
+
 def _bert(model: nn.Module) -> tuple[str, Head]:  # BERT, Ernie: pooler (dense + tanh on CLS) -> classifier
-    pooler = _first_token_head(model.base_model.pooler)
-    return "first", lambda pooled: model.classifier(pooler(pooled))
+    return _pooled_then_classifier(model.base_model.pooler, model.classifier)
 
 
 def _classification_head(model: nn.Module) -> tuple[str, Head]:  # RoBERTa, XLM-R, ELECTRA, MPNet
@@ -46,8 +50,7 @@ def _distilbert(model: nn.Module) -> tuple[str, Head]:  # pre_classifier -> ReLU
 
 
 def _deberta_v2(model: nn.Module) -> tuple[str, Head]:  # ContextPooler (dense + activation) -> classifier
-    pooler = _first_token_head(model.pooler)
-    return "first", lambda pooled: model.classifier(pooler(pooled))
+    return _pooled_then_classifier(model.pooler, model.classifier)
 
 
 def _modernbert(model: nn.Module) -> tuple[str, Head]:  # classifier_pooling -> head (dense, act, norm) -> classifier
@@ -112,11 +115,9 @@ class SequenceHead:
         if self.reads == "first":
             return hidden_states[starts]
         if self.reads == "mean":
-            lengths = (ends - starts).unsqueeze(1)
-            owner = torch.repeat_interleave(torch.arange(starts.numel(), device=starts.device), ends - starts,
-                                            output_size=hidden_states.shape[0])
+            owner = _owners(metadata.query_start_loc, hidden_states.shape[0])
             sums = hidden_states.new_zeros(starts.numel(), hidden_states.shape[1]).index_add_(0, owner, hidden_states)
-            return sums / lengths
+            return sums / (ends - starts).unsqueeze(1)
         return hidden_states[self._last_non_pad(metadata)]
 
     def _last_non_pad(self, metadata: PoolingMetadata) -> torch.Tensor:
@@ -125,11 +126,17 @@ class SequenceHead:
             return ends - 1
         token_ids = metadata.prompt_token_ids
         rows = torch.arange(token_ids.numel(), device=token_ids.device)
-        owner = torch.repeat_interleave(torch.arange(starts.numel(), device=starts.device), ends - starts,
-                                        output_size=token_ids.numel())
+        owner = _owners(metadata.query_start_loc, token_ids.numel())
         candidates = torch.where(token_ids != self.pad_token_id, rows, -1)
         last = torch.full_like(starts, -1).scatter_reduce_(0, owner, candidates, reduce="amax")
         return torch.where(last < 0, starts, last)
+
+
+def _owners(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``[num_tokens]``: the request each packed row belongs to."""
+    lengths = query_start_loc.diff()
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths,
+                                   output_size=num_tokens)
 
 
 def sequence_classifier_head(model: nn.Module, model_config: ModelConfig) -> SequenceHead:

@@ -273,17 +273,13 @@ def _load(path: Path, hooks: Any, pm: Any) -> tuple[ModelConfig, Any]:
     import torch
 
     from poolrunner.core.config import ModelOverrides
-    from poolrunner.core.model import loader, metadata
-    from poolrunner.core.selection import required_plugin
+    from poolrunner.core.loading import read_model
+    from poolrunner.core.model import loader
 
     path = Path(path)
     key = (path, tuple(sorted(name for name, _ in pm.list_name_plugin())))
     if key not in _LOADED:
-        hf_config = metadata.load_hf_config(path)
-        tokenizer = loader.load_tokenizer(path)
-        required = required_plugin(hooks, pm, path, metadata.architecture_name(hf_config))
-        model_config = metadata.load_model_config(path, hf_config, tokenizer.model_max_length, ModelOverrides(),
-                                                  required)
+        hf_config, _, model_config = read_model(path, hooks, pm, ModelOverrides())
         _LOADED[key] = model_config, loader.load_model(path, hf_config, torch.float32, torch.device("cpu"))
     return _LOADED[key]
 
