@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 # Nothing here touches os.environ: no code path reaches a model hub because every load passes
 # local_files_only=True, not because the process (and every project beside it) is forced offline.
 from poolrunner.core.config import ModelOverrides, RuntimeConfig
-from poolrunner.core.engine.request import RequestState
 from poolrunner.core.errors import (
     DimensionsNotSupportedError,
     InvalidRequestError,
@@ -22,14 +21,15 @@ from poolrunner.core.errors import (
     UnsupportedAttentionError,
     UnsupportedTaskError,
 )
-from poolrunner.core.hookspec import hookimpl
 from poolrunner.core.manager import ENTRY_POINT_GROUP, build_plugin_manager
+from poolrunner.core.plugin_api.hookspec import hookimpl
+from poolrunner.core.plugin_api.options import RequestOption
+from poolrunner.core.plugin_api.request import RequestState
 from poolrunner.core.types import (
     POOLING_TASKS,
     DenseLayerSpec,
     ModelConfig,
     PluginInfo,
-    PoolingMetadata,
     PoolingParams,
     PoolingRequest,
     PoolingTask,
@@ -39,11 +39,12 @@ from poolrunner.core.types import (
 _LAZY = {
     "check_dimensions": "poolrunner.core.matryoshka",
     "classifier_activation": "poolrunner.core.activation",
-    "InputBatch": "poolrunner.core.engine.batch",
-    "OutputHandle": "poolrunner.core.output",
-    "RequestOutput": "poolrunner.core.output",
-    "Pooler": "poolrunner.core.pooler",
-    "PoolerOutput": "poolrunner.core.pooler",
+    "InputBatch": "poolrunner.core.plugin_api.batch",
+    "PoolingMetadata": "poolrunner.core.plugin_api.batch",
+    "OutputHandle": "poolrunner.core.plugin_api.output",
+    "RequestOutput": "poolrunner.core.plugin_api.output",
+    "Pooler": "poolrunner.core.plugin_api.pooler",
+    "PoolerOutput": "poolrunner.core.plugin_api.pooler",
     "Runtime": "poolrunner.core.runtime",
     "SequenceHead": "poolrunner.core.model.heads",
     "StModule": "poolrunner.core.model.st_metadata",
@@ -56,12 +57,12 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from poolrunner.core.activation import classifier_activation
-    from poolrunner.core.engine.batch import InputBatch
     from poolrunner.core.matryoshka import check_dimensions
     from poolrunner.core.model.heads import SequenceHead, sequence_classifier_head, token_classifier_head
     from poolrunner.core.model.st_metadata import StModule, read_modules
-    from poolrunner.core.output import OutputHandle, RequestOutput
-    from poolrunner.core.pooler import Pooler, PoolerOutput
+    from poolrunner.core.plugin_api.batch import InputBatch, PoolingMetadata
+    from poolrunner.core.plugin_api.output import OutputHandle, RequestOutput
+    from poolrunner.core.plugin_api.pooler import Pooler, PoolerOutput
     from poolrunner.core.results import ClassificationResult, RerankResult
     from poolrunner.core.runtime import Runtime
 
@@ -96,6 +97,7 @@ __all__ = [
     "PoolingType",
     "PoolrunnerError",
     "PromptTooLongError",
+    "RequestOption",
     "RequestState",
     "RequestOutput",
     "RerankResult",

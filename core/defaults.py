@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from poolrunner.core.hookspec import hookimpl
+from poolrunner.core.plugin_api.hookspec import hookimpl
 
 if TYPE_CHECKING:  # torch loads with the first model, not with the plugin manager
     import torch
 
-    from poolrunner.core.output import OutputHandle
-    from poolrunner.core.pooler import Pooler, PoolerOutput
-    from poolrunner.core.types import PoolingMetadata
+    from poolrunner.core.plugin_api.batch import PoolingMetadata
+    from poolrunner.core.plugin_api.output import OutputHandle
+    from poolrunner.core.plugin_api.pooler import Pooler, PoolerOutput
 
 
 @hookimpl(trylast=True)
@@ -24,6 +24,6 @@ def pool(pooler: Pooler, hidden_states: torch.Tensor, metadata: PoolingMetadata)
 
 @hookimpl(trylast=True)
 def process_output(output: PoolerOutput) -> OutputHandle:
-    from poolrunner.core.output import SyncOutputHandle
+    from poolrunner.core.plugin_api.output import SyncOutputHandle
 
     return SyncOutputHandle(output)

@@ -10,6 +10,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from poolrunner.core.errors import PluginConflictError
+from poolrunner.core.plugin_api.options import DeclaredOption, RequestOptions
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -18,11 +19,11 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from poolrunner.core.engine.batch import InputBatch
-    from poolrunner.core.engine.request import RequestState
-    from poolrunner.core.output import OutputHandle, RequestOutput
-    from poolrunner.core.pooler import Pooler, PoolerOutput
-    from poolrunner.core.types import ModelConfig, PoolingMetadata, PoolingTask
+    from poolrunner.core.plugin_api.batch import InputBatch, PoolingMetadata
+    from poolrunner.core.plugin_api.output import OutputHandle, RequestOutput
+    from poolrunner.core.plugin_api.pooler import Pooler, PoolerOutput
+    from poolrunner.core.plugin_api.request import RequestState
+    from poolrunner.core.types import ModelConfig, PoolingTask
 
 # Forward keyword arguments the runner sets itself; no plugin may return them. Keep in sync
 # with ModelRunner.forward (``poolrunner_layout`` is core.model.attention.LAYOUT_KWARG);
@@ -69,6 +70,17 @@ class Hooks:
         others = [p for name, p in self._pm.list_name_plugin() if name not in plugins]
         caller = self._pm.subset_hook_caller("get_pooler", remove_plugins=others)
         return caller(model_config=model_config, task=task, model=model)
+
+    def request_options(self, *, model_config: ModelConfig) -> RequestOptions:
+        """Every plugin's declared request options, each with its plugin's name.
+
+        :raises PluginConflictError: when two plugins declare one name.
+        """
+        declared = []
+        for impl in reversed(self._hook.request_options.get_hookimpls()):
+            kwargs = {"model_config": model_config} if impl.argnames else {}
+            declared.extend(DeclaredOption(option, impl.plugin_name) for option in impl.function(**kwargs) or ())
+        return RequestOptions(declared)
 
     def implementers(self, hook_name: str) -> list[str]:
         """Names of the plugins implementing ``hook_name``, in call order."""

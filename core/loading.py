@@ -28,6 +28,7 @@ from poolrunner.core.hooks import Hooks
 from poolrunner.core.inputs.tokenize import InputProcessor
 from poolrunner.core.manager import PoolrunnerPluginManager, build_plugin_manager
 from poolrunner.core.model import loader, metadata
+from poolrunner.core.plugin_api.options import RequestOptions
 from poolrunner.core.selection import required_plugin, resolve_task, select_pooler, served_tasks
 from poolrunner.core.types import ModelConfig, PoolingParams, PoolingRequest, PoolingTask
 
@@ -48,6 +49,7 @@ class LoadedModel:
     :ivar device: Where the model runs.
     :ivar dtype: The weights' dtype (``auto`` resolved).
     :ivar inputs: Prompts, tokenization and truncation for this model.
+    :ivar options: The request options the plugins declare (``request_options``).
     :ivar engine: Scheduler, runner and pooler, ready for requests.
     """
 
@@ -60,6 +62,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     inputs: InputProcessor
+    options: RequestOptions
     engine: Engine
 
 
@@ -70,20 +73,19 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
     :raises ModelLoadError: if the model cannot be loaded or is refused.
     :raises UnsupportedTaskError: if ``config.task`` is not served for this model by the plugins.
     :raises PluginLoadError: if a plugin fails to import or names an unknown hook.
+    :raises PluginConflictError: if two plugins declare one request option.
     """
-    manager = build_plugin_manager(plugins=plugins, load_entrypoints=config.load_entrypoints,
-                                   disable=config.disable_plugins)
-    manager.freeze()
-    hooks = Hooks(manager)
+    manager, hooks = _plugins(config, plugins)
     path = metadata.resolve_model_path(config.model, config.revision)
     hf_config, tokenizer, model_config = read_model(path, hooks, manager, config.overrides)
     task = resolve_task(hooks, manager, model_config, config.task)
     wanted = [task] if config.task else [task, *sorted(served_tasks(hooks, manager, model_config) - {task})]
+    options = hooks.request_options(model_config=model_config)
     device = loader.resolve_device(config.device)
     inputs = InputProcessor(tokenizer, model_config)
     build = functools.partial(_build_engine, config, path, hf_config, hooks, manager, model_config, wanted, device)
     if config.dtype == "auto" and precision.native_bf16(device):
-        engine, dtype = precision.choose_cpu_dtype(build, _probe_requests(inputs, task))
+        engine, dtype = precision.choose_cpu_dtype(build, _probe_requests(inputs, task, options))
     else:
         dtype = loader.resolve_dtype(config.dtype, hf_config, device)
         engine = build(dtype)
@@ -91,7 +93,25 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
     logger.info("loaded %s (%s) for tasks %s (default %r) on %s as %s", path, model_config.architecture,
                 sorted(tasks), task, device, dtype)
     return LoadedModel(config=config, plugin_manager=manager, hooks=hooks, model_config=model_config, task=task,
-                       tasks=tasks, device=device, dtype=dtype, inputs=inputs, engine=engine)
+                       tasks=tasks, device=device, dtype=dtype, inputs=inputs, options=options, engine=engine)
+
+
+def declared_options(config: RuntimeConfig, plugins: Sequence[object] = ()) -> RequestOptions:
+    """The request options the plugins declare for ``config``'s model; no weights are loaded.
+
+    :raises ModelLoadError: if the folder cannot be read or describes something poolrunner refuses.
+    """
+    manager, hooks = _plugins(config, plugins)
+    path = metadata.resolve_model_path(config.model, config.revision)
+    _, _, model_config = read_model(path, hooks, manager, config.overrides)
+    return hooks.request_options(model_config=model_config)
+
+
+def _plugins(config: RuntimeConfig, plugins: Sequence[object]) -> tuple[PoolrunnerPluginManager, Hooks]:
+    manager = build_plugin_manager(plugins=plugins, load_entrypoints=config.load_entrypoints,
+                                   disable=config.disable_plugins)
+    manager.freeze()
+    return manager, Hooks(manager)
 
 
 def read_model(
@@ -136,9 +156,9 @@ def _build_engine(
     return Engine(runner, scheduler, hooks, model_config, device, async_scheduling=async_scheduling)
 
 
-def _probe_requests(inputs: InputProcessor, task: PoolingTask) -> list[PoolingRequest]:
-    """:data:`~poolrunner.core.engine.precision.PROBE_TEXTS` as requests of ``task``."""
+def _probe_requests(inputs: InputProcessor, task: PoolingTask, options: RequestOptions) -> list[PoolingRequest]:
+    """:data:`~poolrunner.core.engine.precision.PROBE_TEXTS` as requests of ``task`` (its options' defaults)."""
     encoded = inputs.encode(precision.PROBE_TEXTS, truncate_prompt_tokens=-1)
-    params = PoolingParams(task=task)
+    params = PoolingParams(task=task, extra_kwargs=options.resolve(task, {}))
     return [PoolingRequest(request_id=f"probe-{i}", prompt_token_ids=ids, params=params)
             for i, ids in enumerate(encoded)]

@@ -14,8 +14,8 @@ from typing import Any
 import importlib_metadata
 import pluggy
 
-from poolrunner.core import hookspec
 from poolrunner.core.errors import PluginConflictError, PluginLoadError
+from poolrunner.core.plugin_api import hookspec
 from poolrunner.core.types import PluginInfo, PluginSource
 
 logger = logging.getLogger(__name__)

@@ -2,47 +2,36 @@
 
 from __future__ import annotations
 
-import functools
-import itertools
+import asyncio
+import contextlib
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
-from attrs import frozen
 from tqdm.auto import tqdm
 
+from poolrunner.core import frontend
 from poolrunner.core.config import RuntimeConfig
-from poolrunner.core.engine.loop import EngineLoop
-from poolrunner.core.errors import InvalidRequestError, UnsupportedTaskError
+from poolrunner.core.engine.loop import EngineLoop, LoopObserver
+from poolrunner.core.errors import InvalidRequestError
+from poolrunner.core.frontend import ClassifyInput, Frontend, Result
 from poolrunner.core.inputs.tokenize import PromptInput
 from poolrunner.core.loading import LoadedModel, load
 from poolrunner.core.manager import PoolrunnerPluginManager
-from poolrunner.core.output import RequestOutput
+from poolrunner.core.plugin_api.output import RequestOutput
 from poolrunner.core.results import ClassificationResult, RerankResult
-from poolrunner.core.scoring import cosine, pair_up
-from poolrunner.core.types import ModelConfig, PoolingParams, PoolingRequest, PoolingTask, TruncationSide
-
-ClassifyInput = PromptInput | tuple[str, str]
-"""A text, token ids, or a ``(text, text_pair)`` pair."""
-
-
-@frozen(eq=False)
-class ScorePlan:
-    """From :meth:`Runtime.plan_score`: run ``requests``, then ``finish(outputs)`` (outputs in
-    request order) gives the ``[num_pairs]`` float32 scores."""
-
-    requests: list[PoolingRequest]
-    finish: Callable[[list[RequestOutput]], np.ndarray]
+from poolrunner.core.scoring import pair_up
+from poolrunner.core.types import ModelConfig, PoolingRequest, PoolingTask, TruncationSide
 
 
 class Runtime:
     """A loaded pooling model with its plugins, ready to serve requests.
 
     Methods may be called from several threads; calls take turns on the one engine, or share
-    its steps once an :class:`~poolrunner.core.engine.loop.EngineLoop` is attached (as the HTTP
-    server does; see :meth:`attach_loop`).
+    its steps inside :meth:`serving` (as the HTTP server does). Every method builds its
+    requests and reads their outputs through :attr:`frontend`, as every other surface does.
 
     Example::
 
@@ -85,14 +74,14 @@ class Runtime:
     def _serve(self, loaded: LoadedModel) -> None:
         self.config: RuntimeConfig = loaded.config
         self.plugin_manager: PoolrunnerPluginManager = loaded.plugin_manager
-        self._hooks = loaded.hooks
         self.model_config: ModelConfig = loaded.model_config
         self.task: PoolingTask = loaded.task
         self.supported_tasks: frozenset[PoolingTask] = loaded.tasks
         self.device, self.dtype = loaded.device, loaded.dtype
         self.inputs = loaded.inputs
-        self.engine = loaded.engine
-        self._request_ids = itertools.count()
+        self.frontend = Frontend(loaded.model_config, loaded.inputs, loaded.hooks, loaded.tasks, loaded.task,
+                                 loaded.options)
+        self.engine = loaded.engine  # internal: driven by this runtime alone (or its serving loop)
         self._engine_lock = threading.Lock()
         self._loop: EngineLoop | None = None
 
@@ -126,13 +115,12 @@ class Runtime:
         """
         single = isinstance(texts, str)
         inputs: list[PromptInput] = [texts] if single else list(texts)  # type: ignore[list-item]
-        params = self._check_task(PoolingParams(task="embed", dimensions=dimensions, normalize=normalize))
+        params = self.frontend.params("embed", dimensions=dimensions, normalize=normalize)
         if not inputs:
             return np.zeros((0, dimensions or self.model_config.embedding_size), dtype=np.float32)
-        requests = self.prepare(inputs, params, truncate_prompt_tokens=truncate_prompt_tokens,
-                                truncation_side=truncation_side, prompt=prompt, prompt_name=prompt_name)
-        outputs = self._run(requests, show_progress_bar)
-        vectors = np.stack([output.numpy() for output in outputs]).astype(np.float32, copy=False)
+        requests = self.frontend.prepare(inputs, params, truncate_prompt_tokens=truncate_prompt_tokens,
+                                         truncation_side=truncation_side, prompt=prompt, prompt_name=prompt_name)
+        vectors = np.stack(frontend.embeddings(self._run(requests, show_progress_bar)))
         return vectors[0] if single else vectors
 
     def encode(
@@ -150,14 +138,16 @@ class Runtime:
         prompt: str | None = None,
         prompt_name: str | None = None,
         show_progress_bar: bool = False,
-    ) -> list[np.ndarray | dict[str, np.ndarray]]:
+        **options: Any,
+    ) -> list[Result]:
         """Run any task this runtime serves and return each input's raw result.
 
         Shapes per input: ``embed`` ``[d]``; ``classify`` ``[num_labels]``; ``token_embed``
         ``[num_tokens, hidden_size]`` (or ``[num_tokens, dimensions]``); ``token_classify``
         ``[num_tokens, num_labels]``, or with STEP pooling ``[num_step_tags, num_columns]``;
         ``embed&token_classify`` a dict ``{"embedding": [hidden_size], "token_weights":
-        [num_tokens]}``. Results are ragged and never stacked across inputs. All float32.
+        [num_tokens]}``. Results are ragged and never stacked across inputs. Float outputs are
+        float32; integer ones (SPLADE's ``token_ids``) keep their dtype (int64).
 
         :param inputs: Texts, token-id lists, or ``(text, text_pair)`` pairs.
         :param task: One of :attr:`supported_tasks`; ``None`` is the runtime's default task.
@@ -167,17 +157,21 @@ class Runtime:
         :param use_activation: ``False`` returns raw logits (``classify``, ``token_classify``).
         :param step_tag_id: STEP pooling: keep only rows whose prompt token is this id.
         :param returned_token_ids: STEP pooling: keep only these label columns.
+        :param options: Request options the plugins declare for ``task`` (``poolrunner plugins``
+            lists them; SPLADE's ``top_k``, say); they reach the pooler in
+            ``PoolingParams.extra_kwargs``, defaults filled in.
         :returns: One array (or dict of arrays) per input, in order.
-        :raises InvalidRequestError: for bad input or options the task does not take.
+        :raises InvalidRequestError: for bad input, options the task does not take, or an
+            unknown or invalid plugin option (naming it and its plugin).
         """
-        items = [inputs] if isinstance(inputs, str) or _is_pair(inputs) else list(inputs)
-        params = self._check_task(PoolingParams(
-            task=task or self.task, dimensions=dimensions, normalize=normalize, use_activation=use_activation,
+        params = self.frontend.params(
+            task, options, dimensions=dimensions, normalize=normalize, use_activation=use_activation,
             step_tag_id=step_tag_id, returned_token_ids=returned_token_ids,
-        ))
-        requests = self.prepare(items, params, truncate_prompt_tokens=truncate_prompt_tokens,
-                                truncation_side=truncation_side, prompt=prompt, prompt_name=prompt_name)
-        return [_to_numpy(output) for output in self._run(requests, show_progress_bar)]
+        )
+        requests = self.frontend.prepare(frontend.as_items(inputs), params,
+                                         truncate_prompt_tokens=truncate_prompt_tokens,
+                                         truncation_side=truncation_side, prompt=prompt, prompt_name=prompt_name)
+        return [frontend.to_array(output) for output in self._run(requests, show_progress_bar)]
 
     def classify(
         self,
@@ -200,13 +194,10 @@ class Runtime:
         :returns: One :class:`ClassificationResult` per input, in order.
         :raises InvalidRequestError: for bad input, or if this runtime's task is not ``classify``.
         """
-        items = [inputs] if isinstance(inputs, str) or _is_pair(inputs) else list(inputs)
-        params = self._check_task(PoolingParams(task="classify", use_activation=use_activation))
-        requests = self.prepare(items, params, truncate_prompt_tokens=truncate_prompt_tokens,
-                                truncation_side=truncation_side)
-        outputs = self._run(requests, show_progress_bar)
-        labels = self.model_config.labels
-        return [ClassificationResult(probs=output.numpy().astype(np.float32), labels=labels) for output in outputs]
+        params = self.frontend.params("classify", use_activation=use_activation)
+        requests = self.frontend.prepare(frontend.as_items(inputs), params,
+                                         truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side)
+        return self.frontend.classifications(self._run(requests, show_progress_bar))
 
     def score(
         self,
@@ -229,61 +220,9 @@ class Runtime:
         :raises InvalidRequestError: for an empty side, or shapes other than 1:1, 1:N, N:N.
         :raises UnsupportedTaskError: for a runtime whose task cannot score pairs.
         """
-        plan = self.plan_score(pair_up(queries, documents), truncate_prompt_tokens=truncate_prompt_tokens,
-                               truncation_side=truncation_side, use_activation=use_activation)
+        plan = self.frontend.plan_score(pair_up(queries, documents), truncate_prompt_tokens=truncate_prompt_tokens,
+                                        truncation_side=truncation_side, use_activation=use_activation)
         return plan.finish(self._run(plan.requests, False))
-
-    def plan_score(
-        self, pairs: Sequence[tuple[str, str]], *, truncate_prompt_tokens: int | None = None,
-        truncation_side: TruncationSide = "right", use_activation: bool | None = None,
-    ) -> ScorePlan:
-        """The engine requests that scoring ``pairs`` needs, and how their outputs become scores.
-
-        The one scoring path of :meth:`score` and the HTTP server's ``/score`` and ``/rerank``:
-        the caller runs :attr:`ScorePlan.requests` (through the engine or its loop) and passes
-        their outputs, in request order, to :attr:`ScorePlan.finish`. Options as for :meth:`score`.
-
-        :raises InvalidRequestError: for bad input (nothing is tokenized past the first error).
-        :raises UnsupportedTaskError: for a runtime whose task cannot score pairs; from ``finish``
-            when the ``score_outputs`` plugins decline this runtime's task.
-        """
-        options: dict[str, Any] = {"truncate_prompt_tokens": truncate_prompt_tokens,
-                                   "truncation_side": truncation_side}
-        if self.task == "classify" and len(self.model_config.labels) == 1:
-            params = PoolingParams(task="classify", use_activation=use_activation)
-            return ScorePlan(self.prepare(pairs, params, **options), lambda outputs: np.array(
-                [output.numpy()[0] for output in outputs], dtype=np.float32))
-        if self.task != "embed" and not self._hooks.implementers("score_outputs"):
-            raise self._cannot_score()
-        texts = sorted({text for pair in pairs for text in pair})  # each distinct text is pooled once
-        requests = self.prepare(texts, PoolingParams(task=self.task), **options)
-        return ScorePlan(requests, functools.partial(self._score_pooled, pairs, texts))
-
-    def _score_pooled(self, pairs: Sequence[tuple[str, str]], texts: list[str],
-                      outputs: list[RequestOutput]) -> np.ndarray:
-        """Cosine of the embeddings (``embed``), else the plugins' ``score_outputs``; ``[num_pairs]`` float32."""
-        by_text = dict(zip(texts, outputs, strict=True))
-        if self.task == "embed":
-            vectors = {text: output.numpy() for text, output in by_text.items()}  # type: ignore[union-attr]
-            return cosine(np.stack([vectors[q] for q, _ in pairs]), np.stack([vectors[d] for _, d in pairs]))
-        scores = self._hooks.score_outputs(
-            model_config=self.model_config, task=self.task,
-            queries=[by_text[q] for q, _ in pairs], documents=[by_text[d] for _, d in pairs],
-        )
-        if scores is None:
-            raise self._cannot_score()
-        result = scores.detach().float().cpu().numpy()
-        if result.shape != (len(pairs),):
-            raise RuntimeError(f"score_outputs returned shape {list(result.shape)} for {len(pairs)} pairs")
-        return result
-
-    def _cannot_score(self) -> UnsupportedTaskError:
-        return UnsupportedTaskError(
-            f"score needs an embed model (bi-encoder) or a classify model with one label "
-            f"(cross-encoder); this runtime serves {self.task!r} with "
-            f"{len(self.model_config.labels)} labels, and no plugin scores {self.task!r} outputs "
-            "(see `poolrunner plugins --hook score_outputs`)."
-        )
 
     def rerank(
         self,
@@ -306,70 +245,33 @@ class Runtime:
             raise InvalidRequestError(f"query must be a string, got {query!r:.80}")
         if isinstance(documents, str):
             raise InvalidRequestError("documents must be a list of strings, not one string")
-        if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
-            raise InvalidRequestError(f"top_n must be a positive integer, got {top_n!r}")
+        frontend.check_top_n(top_n)
         scores = self.score(query, documents, truncate_prompt_tokens=truncate_prompt_tokens,
                             truncation_side=truncation_side)
-        order = sorted(range(len(scores)), key=lambda i: -scores[i])[:top_n]
-        return [
-            RerankResult(index=i, score=float(scores[i]), document=documents[i] if return_documents else None)
-            for i in order
-        ]
+        return frontend.rank(scores, documents, top_n=top_n, return_documents=return_documents)
 
-    def prepare(
-        self, inputs: Sequence[ClassifyInput], params: PoolingParams, *, truncate_prompt_tokens: int | None = None,
-        truncation_side: TruncationSide = "right", prompt: str | None = None, prompt_name: str | None = None,
-    ) -> list[PoolingRequest]:
-        """Validate and tokenize ``inputs`` into engine requests (fresh ids), in input order.
+    @contextlib.contextmanager
+    def serving(self, *, max_pending: int | None = None, observer: LoopObserver | None = None) -> Iterator[Serving]:
+        """Serve many callers at once: an engine loop owns the engine inside this block.
 
-        The one path from user input to :class:`PoolingRequest` for this API and the HTTP
-        server alike; options as for :meth:`encode`. ``params`` are checked against the engine
-        (e.g. ``dimensions``) only when the requests are admitted.
+        Requests given to the :class:`Serving` handle, and this runtime's own API calls
+        meanwhile, share the loop's steps (launching each step ahead of collecting the last when
+        ``async_scheduling`` is on). On exit the loop finishes what it accepted, and calls drive
+        the engine directly again.
 
-        :raises InvalidRequestError: for a task this runtime does not serve, or bad input
-            (naming its index and the limit it breaks).
+        :param max_pending: Most requests queued or running at once; more raise
+            :class:`~poolrunner.core.errors.QueueFullError`. ``None``: no limit.
+        :param observer: Receives per-step and per-request measurements (the server's metrics).
         """
-        self._check_task(params)
-        tokenized = self._tokenize(inputs, truncate_prompt_tokens, truncation_side, prompt, prompt_name)
-        return [
-            PoolingRequest(request_id=f"{params.task}-{next(self._request_ids)}", prompt_token_ids=ids,
-                           token_type_ids=types, params=params)
-            for ids, types in tokenized
-        ]
-
-    def attach_loop(self, loop: EngineLoop | None) -> None:
-        """Route this API's calls through ``loop`` (which owns the engine), or back to direct
-        driving with ``None``; waits for a call driving the engine directly to finish first."""
-        with self._engine_lock:
+        loop = EngineLoop(self.engine, max_pending=max_pending, observer=observer).start()
+        with self._engine_lock:  # waits for a call driving the engine directly to finish
             self._loop = loop
-
-    def _check_task(self, params: PoolingParams) -> PoolingParams:
-        if params.task not in self.supported_tasks:
-            raise InvalidRequestError(
-                f"this runtime serves tasks {sorted(self.supported_tasks)}, not {params.task!r}; load "
-                f"another with Runtime(..., task={params.task!r}) if the model supports it"
-            )
-        return params
-
-    def _tokenize(
-        self, items: Sequence[ClassifyInput], truncate_prompt_tokens: int | None, truncation_side: TruncationSide,
-        prompt: str | None = None, prompt_name: str | None = None,
-    ) -> list[tuple[tuple[int, ...], tuple[int, ...] | None]]:
-        """Tokenize single inputs and ``(text, text_pair)`` pairs, keeping input order."""
-        pair_at = [i for i, item in enumerate(items) if _is_pair(item)]
-        single_at = [i for i, item in enumerate(items) if not _is_pair(item)]
-        encoded: dict[int, tuple[tuple[int, ...], tuple[int, ...] | None]] = {}
-        options = {"truncate_prompt_tokens": truncate_prompt_tokens, "truncation_side": truncation_side}
-        if pair_at:
-            if prompt is not None or prompt_name is not None:
-                raise InvalidRequestError("prompt and prompt_name apply to single texts, not to pairs")
-            encoded.update(zip(pair_at, self.inputs.encode_pairs([items[i] for i in pair_at], **options),
-                               strict=True))
-        if single_at:
-            singles = self.inputs.encode([items[i] for i in single_at], prompt=prompt,  # type: ignore[misc]
-                                         prompt_name=prompt_name, **options)
-            encoded.update((i, (ids, None)) for i, ids in zip(single_at, singles, strict=True))
-        return [encoded[i] for i in range(len(items))]
+        try:
+            yield Serving(loop)
+        finally:
+            with self._engine_lock:
+                self._loop = None
+            loop.stop()
 
     def _run(self, requests: list[PoolingRequest], show_progress_bar: bool) -> list[RequestOutput]:
         """Run ``requests``; outputs in request order."""
@@ -392,11 +294,34 @@ class Runtime:
                     loop.abort(submission)
 
 
-def _is_pair(item: object) -> bool:
-    return isinstance(item, tuple) and len(item) == 2 and all(isinstance(text, str) for text in item)
+class Serving:
+    """A runtime's engine loop, from :meth:`Runtime.serving`: submit requests from any caller."""
 
+    def __init__(self, loop: EngineLoop) -> None:
+        self._loop = loop
 
-def _to_numpy(output: RequestOutput) -> np.ndarray | dict[str, np.ndarray]:
-    if isinstance(output, dict):
-        return {name: tensor.numpy() for name, tensor in output.items()}
-    return output.numpy()
+    @property
+    def pending(self) -> int:
+        """Requests submitted and not yet finished, failed or aborted."""
+        return self._loop.pending
+
+    @property
+    def alive(self) -> bool:
+        """The loop runs and takes requests."""
+        return self._loop.alive
+
+    async def run(self, requests: list[PoolingRequest]) -> list[RequestOutput]:
+        """Run ``requests`` batched with every other caller's; outputs in request order.
+
+        Cancelling the awaiting task aborts the requests still in the engine.
+
+        :raises QueueFullError: when ``max_pending`` would be passed (nothing was queued).
+        :raises InvalidRequestError: when a request is refused at admission (none of these run).
+        :raises StepFailedError: when the step running one of them failed.
+        """
+        submission = self._loop.submit(requests)
+        try:
+            return await asyncio.wrap_future(submission.future)
+        finally:
+            if not submission.future.done():
+                self._loop.abort(submission)

@@ -12,7 +12,7 @@ from poolrunner.core.hooks import Hooks
 from poolrunner.core.manager import PoolrunnerPluginManager
 from poolrunner.core.model.plugin_requirements import unclaimed_format
 from poolrunner.core.model.tasks import default_task
-from poolrunner.core.pooler import Pooler
+from poolrunner.core.plugin_api.pooler import Pooler
 from poolrunner.core.types import POOLING_TASKS, ModelConfig, PoolingTask, RequiredPlugin
 
 _REMEDY = "Pick a supported task, or install a plugin that serves it (see `poolrunner plugins --all`)."

@@ -1,8 +1,8 @@
 """Frozen value objects that cross the hook boundary.
 
 Everything a plugin receives is immutable (attrs ``@frozen``), so no plugin can change another
-plugin's input; derive variants with :func:`attrs.evolve`. Runner-owned mutable state lives in
-:mod:`poolrunner.core.engine.request`.
+plugin's input; derive variants with :func:`attrs.evolve`. The per-step objects (requests in the
+engine, the packed batch, pooling metadata) live in :mod:`poolrunner.core.plugin_api`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from poolrunner.core.validators import (
 )
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 BuiltinTask = Literal["embed", "classify", "token_embed", "token_classify", "embed&token_classify"]
 """The tasks core knows: one vector, one label distribution, per-token vectors, per-token
@@ -105,6 +105,9 @@ class PoolingParams:
         rows whose prompt token is this id.
     :ivar returned_token_ids: STEP pooling: keep only these label columns (the activation then
         runs over them alone).
+    :ivar extra_kwargs: The request options plugins declare (``request_options`` hook), checked
+        and with defaults filled in by the runtime before the request reaches the engine;
+        ``None`` when the task takes none. Read-only. vLLM's ``PoolingParams.extra_kwargs``.
     """
 
     task: PoolingTask = field(validator=task_name(POOLING_TASKS, PLUGIN_TASK_NAME))
@@ -115,11 +118,16 @@ class PoolingParams:
     returned_token_ids: tuple[int, ...] | None = field(
         default=None, converter=converters.optional(tuple), validator=non_negative_ints
     )
+    extra_kwargs: Mapping[str, Any] | None = field(
+        default=None, converter=converters.optional(_frozen_mapping), hash=False
+    )
 
     def given(self) -> frozenset[str]:
-        """Names of the options set on this request (everything but ``task`` that is not ``None``)."""
+        """Names of the core options set on this request (not ``None``; ``task`` and the plugins'
+        :attr:`extra_kwargs` aside)."""
         return frozenset(
-            f.name for f in fields(PoolingParams) if f.name != "task" and getattr(self, f.name) is not None
+            f.name for f in fields(PoolingParams)
+            if f.name not in ("task", "extra_kwargs") and getattr(self, f.name) is not None
         )
 
 
@@ -269,31 +277,6 @@ class ModelConfig:
         concatenated mode, as sentence-transformers' ``Pooling.get_embedding_dimension``;
         ``None`` (a folder without a Pooling module: CLS or LAST) is one mode."""
         return hidden_size * (len(pooling_type_parts(pooling_type)) if pooling_type else 1)
-
-
-@frozen(kw_only=True, eq=False)
-class PoolingMetadata:
-    """The scheduled requests of one step, as a pooler sees them.
-
-    Tokens of all requests are packed in one flat tensor without padding; request ``i`` owns
-    rows ``query_start_loc[i]:query_start_loc[i + 1]`` of the hidden states.
-
-    :ivar request_ids: One per scheduled request, in packing order.
-    :ivar pooling_params: One per scheduled request, in packing order.
-    :ivar prompt_lens: ``[num_reqs]`` int64 on the CPU: each request's token count.
-    :ivar query_start_loc: ``[num_reqs + 1]`` int64 on the model's device: row offsets.
-    :ivar prompt_token_ids: ``[num_tokens]`` int64 on the model's device: the packed ids.
-    """
-
-    request_ids: tuple[str, ...]
-    pooling_params: tuple[PoolingParams, ...]
-    prompt_lens: torch.Tensor
-    query_start_loc: torch.Tensor
-    prompt_token_ids: torch.Tensor
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.request_ids)
 
 
 PluginSource = Literal["builtin", "entrypoint", "programmatic"]

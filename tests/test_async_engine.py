@@ -17,8 +17,8 @@ import torch
 
 import poolrunner
 from poolrunner.core import PoolingParams, PoolingRequest, hookimpl
-from poolrunner.core.engine.batch import InputBatch
-from poolrunner.core.engine.request import RequestState
+from poolrunner.core.plugin_api.batch import InputBatch
+from poolrunner.core.plugin_api.request import RequestState
 from poolrunner.plugins.async_output.handle import AsyncOutputHandle
 from tests.helpers import MIN_COSINE, cosine_rows
 

@@ -299,7 +299,7 @@ def test_one_batch_mixes_pairs_and_single_texts(family, make_classifier_folder, 
     assert steps == [len(items)], "expected one mixed batch"
     np.testing.assert_allclose(got, reference.mixed_scores(items), rtol=RTOL, atol=ATOL)
     if family == "bert":  # types must have reached the pairs and only the pairs
-        encoded = runtime._tokenize(items, None, "right")
+        encoded = runtime.frontend._tokenize(items, None, "right")
         assert [types is not None for _, types in encoded] == [isinstance(item, tuple) for item in items]
 
 

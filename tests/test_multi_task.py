@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from poolrunner import InvalidRequestError, PoolingParams, Runtime
+from poolrunner import InvalidRequestError, Runtime
 from poolrunner.core.testing.server import ServerThread
 
 TEXTS = ["A cat sat on the mat.", "Pooling models return vectors.", "Short", "Dogs bark at night in the park."]
@@ -45,7 +45,7 @@ def test_tasks_share_a_step_and_equal_single_task_runtimes(multi, alone, monkeyp
     requests = [
         request
         for i, text in enumerate(TEXTS)
-        for request in multi.prepare([text], PoolingParams(task="embed" if i % 2 else "token_embed"))
+        for request in multi.frontend.prepare([text], multi.frontend.params("embed" if i % 2 else "token_embed"))
     ]
     outputs = dict(multi.engine.run(requests))
     assert steps == [["token_embed", "embed", "token_embed", "embed"]]  # one step, both tasks

@@ -178,7 +178,7 @@ def _error(answer: httpx.Response) -> str:
 def test_http_one_token_is_a_400_then_the_server_serves(server, runtime):
     message = _error(httpx.post(f"{server.url}/v1/embeddings", json={"input": [LONG], "truncate_prompt_tokens": 1}))
     assert message == _below(1, 2, runtime.model_config.name)
-    assert server.loop.pending == 0 and not runtime.engine.requests
+    assert server.serving.pending == 0 and not runtime.engine.requests
     for path, payload in (("/pooling", {"input": LONG, "truncate_prompt_tokens": 1}),
                           ("/score", {"text_1": "q", "text_2": [LONG], "truncate_prompt_tokens": 1})):
         assert _error(httpx.post(f"{server.url}{path}", json=payload)) == _below(1, 2, runtime.model_config.name)

@@ -66,6 +66,25 @@ def positive_int(value: str) -> int:
     return number
 
 
+def plugin_option(value: str) -> tuple[str, Any]:
+    """``NAME=VALUE`` as ``(NAME, VALUE)``, VALUE read as JSON (``64``, ``0.5``, ``true``,
+    ``"7"``) and as plain text when it is not JSON (``max``)."""
+    name, equals, text = value.partition("=")
+    if not equals or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {value!r}")
+    try:
+        return name, json.loads(text)
+    except ValueError:
+        return name, text
+
+
+def add_plugin_request_options(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--option", dest="options", metavar="NAME=VALUE", type=plugin_option, action="append",
+                       default=[], help="a request option a plugin declares (`poolrunner plugins --options MODEL` "
+                                        "lists them), "
+                                        "VALUE as JSON; repeat for several")
+
+
 def disabled_plugins(names: Iterable[str] = ()) -> list[str]:
     """``names`` (from ``--disable-plugin``) plus those of ``$POOLRUNNER_DISABLE_PLUGINS``, once each."""
     from_env = (name.strip() for name in os.environ.get(DISABLE_ENV, "").split(","))

@@ -15,6 +15,7 @@ from poolrunner.core.cli.common import (
     add_model_options,
     add_output_option,
     add_plugin_options,
+    add_plugin_request_options,
     add_task_option,
     add_truncation_options,
     check_output,
@@ -53,7 +54,7 @@ output:
 EPILOG = """\
 examples:
   poolrunner encode --task token_embed "A cat sat." --output tokens.npz
-  poolrunner encode --model ./splade --task sparse_embed "A cat sat."
+  poolrunner encode --model ./splade --task sparse_embed --option top_k=20 "A cat sat."
   poolrunner encode --model ./ner-model --task token_classify --input texts.txt
   poolrunner encode --model ./prm --task token_classify --step-tag-id 12902 --returned-token-ids 0 1 "step 1 ..."\
 """
@@ -86,6 +87,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                          help="STEP pooling (token_classify): keep only rows whose token is ID")
     request.add_argument("--returned-token-ids", metavar="ID", type=int, nargs="+",
                          help="STEP pooling: keep only these label columns")
+    add_plugin_request_options(request)
     add_truncation_options(request)
     add_plugin_options(parser)
     add_ray_options(parser)
@@ -99,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         return run_ray(args, args.task, {
             "dimensions": args.dimensions, "normalize": args.normalize, "use_activation": args.use_activation,
             "step_tag_id": args.step_tag_id, "returned_token_ids": args.returned_token_ids,
-            "truncate_prompt_tokens": args.truncate, "truncation_side": args.truncation_side,
+            "truncate_prompt_tokens": args.truncate, "truncation_side": args.truncation_side, **dict(args.options),
         })
     texts = read_texts(args.texts, args.input, args.text_field)
     if not texts:
@@ -112,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         texts, dimensions=args.dimensions, normalize=args.normalize, use_activation=args.use_activation,
         step_tag_id=args.step_tag_id, returned_token_ids=args.returned_token_ids,
         truncate_prompt_tokens=args.truncate, truncation_side=args.truncation_side,
-        show_progress_bar=len(texts) > PROGRESS_THRESHOLD,
+        show_progress_bar=len(texts) > PROGRESS_THRESHOLD, **dict(args.options),
     )
     if args.output is not None and args.output.lower().endswith(".npz"):
         arrays = {name: array for index, result in enumerate(results) for name, array in _named(index, result)}

@@ -26,6 +26,8 @@ examples:
   poolrunner plugins --all           built-ins too
   poolrunner plugins --hook pool     plugins that implement the `pool` hook
   poolrunner plugins --all --json    machine-readable
+  poolrunner plugins --options ./splade-model
+                                     the request options plugins declare for a model
 
 Plugins named in ${DISABLE_ENV} (comma-separated) are not registered, so not listed."""
 
@@ -41,11 +43,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--hook", metavar="NAME", help="only plugins implementing hook NAME")
     parser.add_argument("--json", action="store_true",
                         help="print a JSON list of {name, source, dist, version, hooks}")
+    parser.add_argument("--options", metavar="MODEL",
+                        help="list the request options the plugins declare for MODEL (a folder, or a hub id "
+                             "in the local cache; no weights are loaded): set them with `encode --option`, "
+                             "Runtime.encode keywords or /pooling body fields")
     parser.set_defaults(run=run)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.options is not None:
+        return _list_options(args.options, as_json=args.json)
     manager = build_plugin_manager()
     if args.hook is not None:
         known = sorted(name for name in vars(manager.hook) if not name.startswith("_"))
@@ -58,6 +66,23 @@ def run(args: argparse.Namespace) -> int:
         print(format_table(infos))
     else:
         print(_nothing_found(args.all, args.hook))
+    return 0
+
+
+def _list_options(model: str, *, as_json: bool) -> int:
+    from poolrunner.core.config import RuntimeConfig
+    from poolrunner.core.loading import declared_options
+
+    entries = list(declared_options(RuntimeConfig(model=model, disable_plugins=tuple(disabled_plugins()))))
+    rows = [{"name": e.option.name, "type": e.option.type.__name__, "default": e.option.default,
+             "tasks": sorted(e.option.tasks), "plugin": e.plugin, "help": e.option.help} for e in entries]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+    elif not rows:
+        print(f"no plugin declares request options for {model}")
+    for row in [] if as_json else rows:
+        print(f"{row['name']} ({row['type']}, default {row['default']!r}; tasks {', '.join(row['tasks'])}; "
+              f"plugin {row['plugin']})\n    {row['help']}")
     return 0
 
 

@@ -115,7 +115,7 @@ def run_job(
 
     start = time.perf_counter()
     config, plugins = _runtime_config(task, model, runtime_options)
-    request_options = _request_options(request_options)
+    request_options = _request_options(request_options, config, plugins)
     for name, value in (("num_actors", num_actors), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
@@ -178,19 +178,23 @@ def _runtime_config(
         raise InvalidRequestError(f"runtime_options: {exc}") from None
 
 
-def _request_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+def _request_options(options: Mapping[str, Any] | None, config: RuntimeConfig,
+                     plugins: Sequence[object]) -> dict[str, Any]:
+    """``options`` checked by name: :meth:`Runtime.encode`'s own, or a plugin's request option
+    for this model (which the plugins declare once its folder is read; no weights are loaded)."""
+    from poolrunner.core.loading import declared_options
     from poolrunner.core.runtime import Runtime
 
     options = dict(options or {})
-    _check_names(options, Runtime.encode, "request_options", exclude={"inputs", "task", "show_progress_bar"})
-    return options
-
-
-def _check_names(options: Mapping[str, Any], function: Any, what: str, *, exclude: set[str]) -> None:
-    known = set(inspect.signature(function).parameters) - {"self"} - exclude
+    known = set(inspect.signature(Runtime.encode).parameters) - {"self", "inputs", "task", "show_progress_bar",
+                                                                  "options"}
+    if set(options) - known:  # the rest must be request options the plugins declare for this model
+        known |= {entry.option.name for entry in declared_options(config, plugins)}
     unknown = sorted(set(options) - known)
     if unknown:
-        raise InvalidRequestError(f"unknown {what}: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        raise InvalidRequestError(
+            f"unknown request_options: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    return options
 
 
 def _recorded(function: Any, options: Mapping[str, Any]) -> dict[str, Any]:

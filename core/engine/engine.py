@@ -7,13 +7,13 @@ from collections.abc import Iterator, Sequence
 import torch
 from attrs import frozen
 
-from poolrunner.core.engine.batch import InputBatch
-from poolrunner.core.engine.request import RequestState
 from poolrunner.core.engine.runner import ModelRunner
 from poolrunner.core.engine.scheduler import Scheduler
 from poolrunner.core.errors import InvalidRequestError, PromptTooLongError
 from poolrunner.core.hooks import Hooks
-from poolrunner.core.output import OutputHandle, RequestOutput
+from poolrunner.core.plugin_api.batch import InputBatch
+from poolrunner.core.plugin_api.output import OutputHandle, RequestOutput
+from poolrunner.core.plugin_api.request import RequestState, advance
 from poolrunner.core.types import ModelConfig, PoolingRequest
 
 
@@ -45,6 +45,7 @@ class Engine:
         self.model_config = model_config
         self.device = device
         self.requests: dict[str, RequestState] = {}
+        self._inflight: _Inflight | None = None  # async scheduling: launched, not yet collected
 
     def add_request(self, request: PoolingRequest) -> None:
         """Admit ``request``.
@@ -83,41 +84,39 @@ class Engine:
             self._release(state)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests wait to be scheduled, or a launched step's results are still to collect."""
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     def step(self) -> list[tuple[str, RequestOutput]]:
-        """Run one batch; return ``(request_id, output)`` for each request it finished.
+        """Run one batch; return ``(request_id, output)`` for each request that finished.
 
-        A request prefilled in chunks yields nothing until its last chunk. If the step fails,
-        its requests are removed (their ``remove_request`` hooks run) and the error propagates;
+        With ``async_scheduling`` a step launches the next batch before it collects the batch
+        launched by the previous step, so copying those results to the CPU overlaps with
+        compute (and requests admitted meanwhile join the next batch). A request prefilled in
+        chunks yields nothing until its last chunk. If the step fails, the failing batch's
+        requests are removed (their ``remove_request`` hooks run) and the error propagates;
         waiting requests stay queued.
         """
-        inflight = self._launch()
-        return self._collect(inflight) if inflight is not None else []
+        if not self.async_scheduling:
+            inflight = self._launch()
+            return self._collect(inflight) if inflight is not None else []
+        launched = self._launch() if self.scheduler.has_unfinished() else None
+        previous, self._inflight = self._inflight, launched
+        return self._collect(previous) if previous is not None else []
 
     def run(self, requests: Sequence[PoolingRequest]) -> Iterator[tuple[str, RequestOutput]]:
         """Admit ``requests`` and yield ``(request_id, output)`` as each finishes.
 
-        All requests are validated before any runs. With ``async_scheduling`` the next step is
-        scheduled and launched before the previous step's results are collected, so copying
-        them to the CPU overlaps with compute. If the caller stops early or a step fails, every
-        remaining request of this call is aborted.
+        All requests are validated before any runs. If the caller stops early or a step fails,
+        every remaining request of this call is aborted.
         """
         admitted: list[str] = []
         try:
             for request in requests:
                 self.add_request(request)
                 admitted.append(request.request_id)
-            if not self.async_scheduling:
-                while self.has_unfinished_requests():
-                    yield from self.step()
-                return
-            pending: _Inflight | None = None
-            while self.has_unfinished_requests() or pending is not None:
-                current = self._launch() if self.has_unfinished_requests() else None
-                if pending is not None:
-                    yield from self._collect(pending)
-                pending = current
+            while self.has_unfinished_requests():
+                yield from self.step()
         finally:
             for request_id in admitted:
                 self.abort_request(request_id)
@@ -134,7 +133,7 @@ class Engine:
             self._release_all(scheduled.requests)
             raise
         for state, count in zip(scheduled.requests, scheduled.num_scheduled_tokens, strict=True):
-            state.num_computed_tokens += count
+            advance(state, count)
         return _Inflight(scheduled.requests, tuple(finished), handle)
 
     def _collect(self, inflight: _Inflight) -> list[tuple[str, RequestOutput]]:

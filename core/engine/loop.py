@@ -16,9 +16,9 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Protocol
 
 from poolrunner.core.engine.engine import Engine
-from poolrunner.core.engine.request import RequestState
 from poolrunner.core.errors import LoopClosedError, QueueFullError, StepFailedError
-from poolrunner.core.output import RequestOutput
+from poolrunner.core.plugin_api.output import RequestOutput
+from poolrunner.core.plugin_api.request import RequestState
 from poolrunner.core.types import PoolingRequest
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from poolrunner.core.engine.engine import Engine
-from poolrunner.core.output import RequestOutput
+from poolrunner.core.plugin_api.output import RequestOutput
 from poolrunner.core.types import PoolingRequest
 
 logger = logging.getLogger(__name__)

@@ -16,15 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from poolrunner.core.engine.batch import InputBatch
 from poolrunner.core.engine.buckets import bucket_num_tokens
-from poolrunner.core.engine.request import RequestState
 from poolrunner.core.hooks import Hooks
 from poolrunner.core.model.attention import ATTENTION_NAME, LAYOUT_KWARG, KVCache, PackedLayout, probe_attention
 from poolrunner.core.model.metadata import position_offset
-from poolrunner.core.output import OutputHandle
-from poolrunner.core.pooler import Pooler, PoolerOutput
-from poolrunner.core.types import ModelConfig, PoolingMetadata, PoolingTask
+from poolrunner.core.plugin_api.batch import InputBatch, PoolingMetadata
+from poolrunner.core.plugin_api.output import OutputHandle
+from poolrunner.core.plugin_api.pooler import Pooler, PoolerOutput
+from poolrunner.core.plugin_api.request import RequestState
+from poolrunner.core.types import ModelConfig, PoolingTask
 
 
 class ModelRunner:

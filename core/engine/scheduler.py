@@ -6,7 +6,7 @@ from collections import deque
 
 from attrs import frozen
 
-from poolrunner.core.engine.request import RequestState
+from poolrunner.core.plugin_api.request import RequestState
 
 
 @frozen

@@ -22,7 +22,8 @@ from torch import nn
 from transformers.modeling_layers import GenericForSequenceClassification, GenericForTokenClassification
 
 from poolrunner.core.errors import ModelLoadError
-from poolrunner.core.types import ModelConfig, PoolingMetadata
+from poolrunner.core.plugin_api.batch import PoolingMetadata
+from poolrunner.core.types import ModelConfig
 
 Head = Callable[[torch.Tensor], torch.Tensor]
 

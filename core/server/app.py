@@ -2,9 +2,9 @@
 
 Endpoints: ``POST /v1/embeddings`` (OpenAI), ``GET /v1/models``, ``POST /classify``, ``/score``,
 ``/rerank``, ``/pooling``, ``/tokenize`` (vLLM's shapes), ``GET /health``, ``GET /metrics``
-(Prometheus); FastAPI serves the OpenAPI page at ``/docs``. While the app runs, an
-:class:`EngineLoop` owns the runtime's engine and batches all clients' requests together; the
-runtime's own Python API goes through the same loop meanwhile.
+(Prometheus); FastAPI serves the OpenAPI page at ``/docs``. While the app runs, the runtime
+serves (:meth:`Runtime.serving`): one engine loop batches all clients' requests together, and
+the runtime's own Python API goes through the same loop meanwhile.
 """
 
 from __future__ import annotations
@@ -20,15 +20,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from poolrunner.core.engine.loop import EngineLoop
 from poolrunner.core.runtime import Runtime
 from poolrunner.core.server import protocol as p
 from poolrunner.core.server.errors import install_handlers
 from poolrunner.core.server.metrics import ServerMetrics
 from poolrunner.core.server.middleware import GuardMiddleware, ServerState
-from poolrunner.core.server.service import PoolingService, check_top_n, encode_array
+from poolrunner.core.server.service import PoolingService, encode_array
 from poolrunner.core.server.settings import ServerSettings
-from poolrunner.core.types import PoolingParams
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 
@@ -40,26 +38,24 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
     """An app serving ``runtime``; its engine loop runs from the app's startup to its shutdown.
 
     ``app.state.server`` is the :class:`ServerState` (set ``draining`` to refuse new requests
-    with 503); ``app.state.service.loop`` the engine loop.
+    with 503); ``app.state.service.serving`` the runtime's serving loop while the app runs.
     """
     settings = settings or ServerSettings()
     metrics = ServerMetrics()
     state = ServerState()
     model_name = settings.served_model_name or default_model_name(runtime)
-    loop = EngineLoop(runtime.engine, max_pending=settings.max_waiting_requests, observer=metrics)
-    metrics.pending.set_function(lambda: loop.pending)
+    service = PoolingService(runtime, settings, metrics, model_name)
+    metrics.pending.set_function(lambda: service.pending)
     metrics.in_flight.set_function(lambda: state.in_flight)
-    service = PoolingService(runtime, loop, settings, metrics, model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        loop.start()
-        runtime.attach_loop(loop)
-        try:
-            yield
-        finally:
-            runtime.attach_loop(None)
-            loop.stop()
+        with runtime.serving(max_pending=settings.max_waiting_requests, observer=metrics) as serving:
+            service.serving = serving
+            try:
+                yield
+            finally:
+                service.serving = None
 
     app = FastAPI(title="poolrunner", summary="Pooling models over HTTP (OpenAI and vLLM shapes)",
                   lifespan=lifespan)
@@ -106,15 +102,18 @@ def _add_routes(app: FastAPI, service: PoolingService, created: int) -> None:  #
         return p.ModelList(data=[p.ModelCard(id=service.model_name, created=created, task=runtime.task,
                                              max_model_len=runtime.model_config.max_model_len)])
 
-    @app.post("/pooling", response_model=p.PoolingResponse)
+    option_names = [entry.option.name for entry in runtime.frontend.options]
+
     async def pooling(body: p.PoolingHttpRequest, request: Request) -> p.PoolingResponse:
         """Any task the model serves; per-token tasks answer one ``[num_tokens, d]`` list each.
-        Each output keeps its dtype: integer outputs (SPLADE's ``token_ids``) are ints, or int64 in base64."""
+        Each output keeps its dtype: integer outputs (SPLADE's ``token_ids``) are ints, or int64 in base64.
+        The plugins' request options are body fields of their own."""
         service.check_model(body.model)
         items = service.inputs(body.input)
-        params = PoolingParams(task=body.task or runtime.task, dimensions=body.dimensions,  # type: ignore[arg-type]
-                               normalize=body.normalize, use_activation=body.use_activation)
-        outputs, num_tokens = await service.encode(request, items, params, body.truncate_prompt_tokens)
+        core = {"dimensions": body.dimensions, "normalize": body.normalize, "use_activation": body.use_activation}
+        options = {name: getattr(body, name) for name in option_names if getattr(body, name) is not None}
+        outputs, num_tokens = await service.encode(request, items, body.task, core, options,
+                                                   body.truncate_prompt_tokens)
 
         def encode(output: np.ndarray | dict[str, np.ndarray]) -> object:
             if isinstance(output, dict):
@@ -124,6 +123,11 @@ def _add_routes(app: FastAPI, service: PoolingService, created: int) -> None:  #
         data = [p.PoolingData(index=i, data=encode(output)) for i, output in enumerate(outputs)]  # type: ignore[arg-type]
         return p.PoolingResponse(id=_id("pool"), created=int(time.time()), model=service.model_name, data=data,
                                  usage=_usage(num_tokens))
+
+    # The body model has a field per plugin option, so it is built here; FastAPI reads the
+    # annotation (a string under postponed evaluation) from the function, so set the class itself.
+    pooling.__annotations__["body"] = p.pooling_request_model(runtime.frontend.options)
+    app.post("/pooling", response_model=p.PoolingResponse)(pooling)
 
     @app.post("/classify", response_model=p.ClassificationResponse)
     async def classify(body: p.ClassificationRequest, request: Request) -> p.ClassificationResponse:
@@ -150,14 +154,11 @@ def _add_routes(app: FastAPI, service: PoolingService, created: int) -> None:  #
     async def rerank(body: p.RerankRequest, request: Request) -> p.RerankResponse:
         """Documents ranked best first by relevance to ``query`` (ties keep input order)."""
         service.check_model(body.model)
-        check_top_n(body.top_n)
-        service.check_count(len(body.documents), "documents")
-        scores, num_tokens = await service.score(request, body.query, body.documents, None,
-                                                 body.truncate_prompt_tokens)
-        order = sorted(range(len(scores)), key=lambda i: -scores[i])[: body.top_n]
-        results = [p.RerankData(index=i, relevance_score=float(scores[i]),
-                                document=p.RerankDocument(text=body.documents[i]) if body.return_documents else None)
-                   for i in order]
+        ranked, num_tokens = await service.rerank(request, body.query, body.documents, body.top_n,
+                                                  body.return_documents, body.truncate_prompt_tokens)
+        results = [p.RerankData(index=r.index, relevance_score=r.score,
+                                document=p.RerankDocument(text=r.document) if r.document is not None else None)
+                   for r in ranked]
         return p.RerankResponse(id=_id("rerank"), model=service.model_name, usage=_usage(num_tokens),
                                 results=results)
 
@@ -171,7 +172,7 @@ def _add_routes(app: FastAPI, service: PoolingService, created: int) -> None:  #
     @app.get("/health")
     async def health() -> JSONResponse:
         """200 while serving; 503 once the engine loop stopped (and, from the middleware, while draining)."""
-        if not service.loop.alive:
+        if not service.alive:
             return JSONResponse({"status": "engine loop stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
 

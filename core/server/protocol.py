@@ -6,9 +6,11 @@ token id nor ``1.0`` for an integer: such input is a 400 naming the field.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, create_model
+
+from poolrunner.core.plugin_api.options import RequestOptions
 
 TokenIds = list[StrictInt]
 EncodingFormat = Literal["float", "base64"]
@@ -47,6 +49,28 @@ class PoolingHttpRequest(_Request):
     dimensions: StrictInt | None = None
     normalize: StrictBool | None = None
     use_activation: StrictBool | None = None
+
+
+_OPTION_FIELD_TYPES: dict[type, Any] = {
+    int: StrictInt, float: StrictInt | StrictFloat, bool: StrictBool, str: StrictStr,
+}
+
+
+def pooling_request_model(options: RequestOptions) -> type[PoolingHttpRequest]:
+    """:class:`PoolingHttpRequest` with one optional body field per plugin request option, so
+    the OpenAPI schema shows them and a wrongly typed value is a 400 naming the field."""
+    fields: dict[str, Any] = {
+        entry.option.name: (
+            _OPTION_FIELD_TYPES[entry.option.type] | None,
+            Field(default=None, description=f"{entry.option.help} Plugin {entry.plugin!r}; tasks "
+                                            f"{sorted(entry.option.tasks)}; default {entry.option.default!r}."),
+        )
+        for entry in options
+    }
+    if not fields:
+        return PoolingHttpRequest
+    return create_model("PoolingHttpRequest", __base__=PoolingHttpRequest, __doc__=PoolingHttpRequest.__doc__,
+                        **fields)
 
 
 class ClassificationRequest(_Request):

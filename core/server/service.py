@@ -1,27 +1,27 @@
-"""What each endpoint computes: validated requests in, the engine loop, answers out.
+"""What each endpoint computes: validated requests in, the runtime's serving loop, answers out.
 
-Inputs become engine requests through :meth:`Runtime.prepare`, the offline API's own path, and
-outputs are converted as the offline API converts them, so an answer equals what
+Requests are built, scores planned and outputs converted by the runtime's
+:class:`~poolrunner.core.frontend.Frontend`, the Python API's own path, so an answer equals what
 ``Runtime.embed`` / ``classify`` / ``score`` / ``rerank`` / ``encode`` return for the same input.
+Only the HTTP limits and the client's disconnects are handled here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from poolrunner.core.engine.loop import EngineLoop
-from poolrunner.core.errors import InvalidRequestError
-from poolrunner.core.output import RequestOutput
-from poolrunner.core.results import ClassificationResult
-from poolrunner.core.runtime import ClassifyInput, Runtime
+from poolrunner.core import frontend
+from poolrunner.core.frontend import ClassifyInput, Result
+from poolrunner.core.plugin_api.output import RequestOutput
+from poolrunner.core.results import ClassificationResult, RerankResult
+from poolrunner.core.runtime import Runtime, Serving
 from poolrunner.core.scoring import pair_up
 from poolrunner.core.server.errors import ApiError
 from poolrunner.core.server.metrics import ServerMetrics
@@ -33,15 +33,23 @@ CLIENT_CLOSED = 499
 
 
 class PoolingService:
-    """The runtime, its engine loop and the limits, shared by all routes of one app."""
+    """The runtime, its serving loop (while the app runs) and the limits, shared by all routes."""
 
-    def __init__(self, runtime: Runtime, loop: EngineLoop, settings: ServerSettings, metrics: ServerMetrics,
-                 model_name: str) -> None:
+    def __init__(self, runtime: Runtime, settings: ServerSettings, metrics: ServerMetrics, model_name: str) -> None:
         self.runtime = runtime
-        self.loop = loop
+        self.frontend = runtime.frontend
         self.settings = settings
         self.metrics = metrics
         self.model_name = model_name
+        self.serving: Serving | None = None  # set by the app's lifespan
+
+    @property
+    def alive(self) -> bool:
+        return self.serving is not None and self.serving.alive
+
+    @property
+    def pending(self) -> int:
+        return self.serving.pending if self.serving is not None else 0
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -79,17 +87,18 @@ class PoolingService:
         :raises ApiError: 499 when the client disconnected; its requests are aborted then.
         """
         requests: list[PoolingRequest] = await run_in_threadpool(
-            self.runtime.prepare, items, params, truncate_prompt_tokens=truncate_prompt_tokens,
+            self.frontend.prepare, items, params, truncate_prompt_tokens=truncate_prompt_tokens,
             truncation_side=truncation_side,
         )
         return await self.run_requests(request, requests)
 
     async def run_requests(self, request: Request, requests: list[PoolingRequest]) -> tuple[list[RequestOutput], int]:
         """Run prepared ``requests`` through the loop, batched with other clients'; as :meth:`run`."""
+        if self.serving is None:
+            raise ApiError(503, "the server is not serving (starting up or shut down)")
         num_tokens = sum(r.num_tokens for r in requests)
         self.metrics.request_tokens.observe(num_tokens)
-        submission = self.loop.submit(requests)
-        result = asyncio.wrap_future(submission.future)
+        result = asyncio.ensure_future(self.serving.run(requests))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -98,46 +107,53 @@ class PoolingService:
             return result.result(), num_tokens
         finally:
             gone.cancel()
-            if not submission.future.done():
-                self.loop.abort(submission)
+            result.cancel()  # a no-op once done; else its requests leave the engine
 
     async def embed(self, request: Request, items: Sequence[ClassifyInput], dimensions: int | None,
                     truncate_prompt_tokens: int | None) -> tuple[list[np.ndarray], int]:
         """Like ``Runtime.embed``: one float32 ``[d]`` vector per input."""
-        params = PoolingParams(task="embed", dimensions=dimensions)
+        params = self.frontend.params("embed", dimensions=dimensions)
         outputs, num_tokens = await self.run(request, items, params, truncate_prompt_tokens)
-        return [output.numpy().astype(np.float32, copy=False) for output in outputs], num_tokens
+        return frontend.embeddings(outputs), num_tokens
 
     async def classify(self, request: Request, items: Sequence[ClassifyInput], use_activation: bool | None,
                        truncate_prompt_tokens: int | None) -> tuple[list[ClassificationResult], int]:
         """Like ``Runtime.classify``."""
-        params = PoolingParams(task="classify", use_activation=use_activation)
+        params = self.frontend.params("classify", use_activation=use_activation)
         outputs, num_tokens = await self.run(request, items, params, truncate_prompt_tokens)
-        labels = self.runtime.model_config.labels
-        return [ClassificationResult(probs=output.numpy().astype(np.float32), labels=labels)
-                for output in outputs], num_tokens
+        return self.frontend.classifications(outputs), num_tokens
 
     async def score(self, request: Request, queries: str | list[str], documents: str | list[str],
                     use_activation: bool | None, truncate_prompt_tokens: int | None) -> tuple[np.ndarray, int]:
-        """``Runtime.score``'s own path (:meth:`Runtime.plan_score`): cosine of embeddings
+        """``Runtime.score``'s own path (:meth:`Frontend.plan_score`): cosine of embeddings
         (bi-encoder), a one-label classifier's score of each pair (cross-encoder), or a plugin's
         ``score_outputs`` (SPLADE, ColBERT); ``[num_pairs]`` float32 and the token count."""
         pairs = pair_up(queries, documents)
         self.check_count(len(pairs), "pairs")
-        plan = await run_in_threadpool(self.runtime.plan_score, pairs, truncate_prompt_tokens=truncate_prompt_tokens,
+        plan = await run_in_threadpool(self.frontend.plan_score, pairs, truncate_prompt_tokens=truncate_prompt_tokens,
                                        use_activation=use_activation)
         outputs, num_tokens = await self.run_requests(request, plan.requests)
         return await run_in_threadpool(plan.finish, outputs), num_tokens
 
-    async def encode(self, request: Request, items: Sequence[ClassifyInput], params: PoolingParams,
-                     truncate_prompt_tokens: int | None) -> tuple[list[np.ndarray | dict[str, np.ndarray]], int]:
+    async def rerank(self, request: Request, query: str, documents: list[str], top_n: int | None,
+                     return_documents: bool, truncate_prompt_tokens: int | None) -> tuple[list[RerankResult], int]:
+        """Like ``Runtime.rerank``: best first, ties in input order."""
+        frontend.check_top_n(top_n)
+        self.check_count(len(documents), "documents")
+        scores, num_tokens = await self.score(request, query, documents, None, truncate_prompt_tokens)
+        return frontend.rank(scores, documents, top_n=top_n, return_documents=return_documents), num_tokens
+
+    async def encode(self, request: Request, items: Sequence[ClassifyInput], task: str | None,
+                     core: Mapping[str, Any], options: Mapping[str, Any],
+                     truncate_prompt_tokens: int | None) -> tuple[list[Result], int]:
         """Like ``Runtime.encode``: the raw result of any task the runtime serves, float outputs as
         float32 and integer ones (SPLADE's ``token_ids``) kept as they are (int64)."""
+        params = self.frontend.params(task, options, **core)
         outputs, num_tokens = await self.run(request, items, params, truncate_prompt_tokens)
-        return [_to_numpy(output) for output in outputs], num_tokens
+        return [frontend.to_array(output) for output in outputs], num_tokens
 
     async def tokenize(self, text: str) -> list[int]:
-        ids = await run_in_threadpool(self.runtime.inputs.encode, [text])
+        ids = await run_in_threadpool(self.frontend.inputs.encode, [text])
         return list(ids[0])
 
 
@@ -147,19 +163,6 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _to_numpy(output: RequestOutput) -> np.ndarray | dict[str, np.ndarray]:
-    if isinstance(output, dict):
-        return {name: _as_array(tensor) for name, tensor in output.items()}
-    return _as_array(output)
-
-
-def _as_array(tensor: torch.Tensor) -> np.ndarray:
-    """Floats as float32 (whatever the model's dtype); integers keep their dtype."""
-    if tensor.is_floating_point():
-        return tensor.float().numpy()
-    return tensor.numpy()
-
-
 def encode_array(array: np.ndarray, encoding_format: str) -> Any:
     """Nested lists (integer arrays as ints), or the base64 of the array's little-endian bytes,
     row-major: float32 for float arrays, int64 for integer arrays."""
@@ -167,8 +170,3 @@ def encode_array(array: np.ndarray, encoding_format: str) -> Any:
         dtype = "<i8" if np.issubdtype(array.dtype, np.integer) else "<f4"
         return base64.b64encode(np.ascontiguousarray(array, dtype=dtype).tobytes()).decode("ascii")
     return array.tolist()
-
-
-def check_top_n(top_n: int | None) -> None:
-    if top_n is not None and top_n < 1:
-        raise InvalidRequestError(f"top_n must be a positive integer, got {top_n}")

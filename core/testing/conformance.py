@@ -66,7 +66,8 @@ def builtin_output_spec(task: PoolingTask, model_config: ModelConfig, num_tokens
 
 class PoolingPluginConformance:
     """Checks that a plugin registers, validates, is installed, serves what it claims with
-    well-formed outputs, keeps no per-request state and imports without touching an accelerator."""
+    well-formed outputs, takes and checks the request options it declares, keeps no per-request
+    state and imports without touching an accelerator."""
 
     # ---- fixtures to override ----
 
@@ -91,6 +92,12 @@ class PoolingPluginConformance:
     def task_models(self, claimed_tasks: set[str], poolrunner_tiny_model: Callable[..., Path]) -> dict[str, Path]:
         """A model folder on which each claimed task is served (default: a tiny ``BertModel``)."""
         return dict.fromkeys(claimed_tasks, poolrunner_tiny_model())
+
+    @pytest.fixture
+    def option_values(self) -> dict[str, Any]:
+        """A valid value of each request option you declare (``request_options``) whose default
+        is ``None``; a request runs with each option set (default: the option's own default)."""
+        return {}
 
     @pytest.fixture
     def sample_texts(self) -> list[str]:
@@ -198,6 +205,34 @@ class PoolingPluginConformance:
             for ids, output in zip(prompts, outputs, strict=True):
                 _check_output(task, output, self.output_spec(task, runtime.model_config, len(ids)))
 
+    def test_declared_request_options_are_taken_and_checked(
+        self, plugin: object, plugin_name: str, claimed_tasks: set[str], task_models: dict[str, Path],
+        option_values: dict[str, Any], sample_texts: list[str], plugin_hooks,
+    ) -> None:
+        """Each option you declare is for tasks you claim; a request of its task runs with a valid
+        value (well-formed output), and a value of the wrong type is refused naming your plugin."""
+        from poolrunner.core import InvalidRequestError
+
+        hooks, pm = plugin_hooks()
+        for task, path in sorted(task_models.items()):
+            model_config, _ = _load(path, hooks, pm)
+            declared = [e.option for e in hooks.request_options(model_config=model_config) if e.plugin == plugin_name]
+            for option in declared:
+                assert option.tasks <= set(claimed_tasks), f"option {option.name!r} is for unclaimed tasks"
+            mine = [option for option in declared if task in option.tasks]
+            if not mine:
+                continue
+            runtime = make_runtime([plugin], model=path, task=task, builtins=not claimed_tasks)
+            ids = list(runtime.inputs.encode(sample_texts[:1])[0])
+            for option in mine:
+                value = option_values.get(option.name, option.default)
+                assert value is not None, f"give a valid {option.name!r} in the option_values fixture"
+                [output] = runtime.encode([ids], task=task, **{option.name: value})
+                _check_output(task, output, self.output_spec(task, runtime.model_config, len(ids)))
+                wrong = _WRONG_TYPE[option.type]
+                with pytest.raises(InvalidRequestError, match=f"option {option.name}=.* \\(plugin '{plugin_name}'\\)"):
+                    runtime.encode([ids], task=task, **{option.name: wrong})
+
     def test_request_lifecycle_leaves_no_state(self, claimed_tasks: set[str], task_models: dict[str, Path],
                                                plugin_name: str, plugin_hooks,
                                                poolrunner_tiny_model: Callable[..., Path]) -> None:
@@ -258,6 +293,10 @@ class PoolingPluginConformance:
         """)
         result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+_WRONG_TYPE: dict[type, Any] = {int: "1", float: "1.0", bool: 1, str: 1}
+"""A value of another type for each option type, which every declared option must refuse."""
 
 
 def _others(pm: Any, keep: list[str]) -> list[object]:

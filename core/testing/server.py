@@ -20,7 +20,7 @@ class ServerThread:
     """``with ServerThread(runtime, settings) as server:`` serves until the block ends.
 
     :ivar url: ``http://127.0.0.1:PORT``.
-    :ivar app: The FastAPI app (``app.state.service.loop`` is its engine loop).
+    :ivar app: The FastAPI app.
     """
 
     def __init__(self, runtime: Any, settings: ServerSettings | None = None) -> None:
@@ -34,8 +34,9 @@ class ServerThread:
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
 
     @property
-    def loop(self) -> Any:
-        return self.app.state.service.loop
+    def serving(self) -> Any:
+        """The runtime's serving loop while the server runs (``pending``, ``alive``)."""
+        return self.app.state.service.serving
 
     def __enter__(self) -> ServerThread:
         self._thread.start()

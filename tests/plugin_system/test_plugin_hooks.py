@@ -22,7 +22,7 @@ from poolrunner.core import (
     hookimpl,
 )
 from poolrunner.core.hooks import RUNNER_INPUT_KEYS
-from poolrunner.core.output import SyncOutputHandle
+from poolrunner.core.plugin_api.output import SyncOutputHandle
 from tests.plugin_system.builtin_plugins import builtins_implementing
 
 TEXTS = ["first request", "the second one is a little longer", "third", "fourth request here", "fifth"]

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from poolrunner.core import hookspec
 from poolrunner.core.hooks import Hooks
+from poolrunner.core.plugin_api import hookspec
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
@@ -27,7 +27,8 @@ FIRSTRESULT = {"get_pooler", "pool", "process_output", "score_outputs"}
 
 
 def test_the_spec_module_declares_the_documented_hooks():
-    assert set(SPECS) == {"claim_model_folder", "supported_tasks", "get_pooler", "add_request", "remove_request",
+    assert set(SPECS) == {"claim_model_folder", "supported_tasks", "get_pooler", "request_options", "add_request",
+                          "remove_request",
                           "prepare_inputs", "pool", "process_output", "score_outputs"}
     for name, function in SPECS.items():
         options = getattr(function, f"{hookspec.PROJECT_NAME}_spec")

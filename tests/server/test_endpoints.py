@@ -177,7 +177,7 @@ def test_bad_requests_are_400_and_the_server_still_serves(server, runtime, sanit
     answer = httpx.post(f"{server.url}{path}", content=content, headers={"content-type": "application/json"})
     assert message in _error(answer, 400)
     assert answer.json()["error"]["type"] == "invalid_request_error"
-    assert server.loop.pending == 0 and not runtime.engine.requests
+    assert server.serving.pending == 0 and not runtime.engine.requests
     vector = httpx.post(f"{server.url}/v1/embeddings", json={"input": SANITY_TEXT}).json()["data"][0]["embedding"]
     assert cosine_rows(vector, sanity_reference)[0] >= MIN_COSINE
 

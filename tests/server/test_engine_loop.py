@@ -27,7 +27,7 @@ def test_a_failing_step_fails_only_its_requests_and_the_loop_keeps_serving(runti
         assert failed.status_code == 500
         assert failed.json()["error"]["message"] == (
             "the engine step running this request failed: RuntimeError('simulated device failure')")
-        assert running.loop.alive and running.loop.pending == 0 and not runtime.engine.requests
+        assert running.serving.alive and running.serving.pending == 0 and not runtime.engine.requests
         vector = client.post("/v1/embeddings", json={"input": SANITY_TEXT}).json()["data"][0]["embedding"]
         assert cosine_rows(vector, sanity_reference)[0] >= MIN_COSINE
 

@@ -131,7 +131,7 @@ def test_64_clients_get_every_answer_once_and_share_steps(runtime, sentences, ca
     with ServerThread(runtime) as running:
         wall = asyncio.run(main(running.url))
         metrics = httpx.get(f"{running.url}/metrics").text
-        assert running.loop.pending == 0 and not runtime.engine.requests
+        assert running.serving.pending == 0 and not runtime.engine.requests
     errors = [(number, r.status_code) for number, got in enumerate(answers) for r in got if r.status_code != 200]
     assert not errors
     assert all(len(got) == 1 for got in answers)  # exactly one answer per request
@@ -171,7 +171,7 @@ def test_a_full_queue_answers_429_at_once_and_loses_nothing(runtime, sentences):
                 assert re.fullmatch(r"the request queue is full: \d+ requests are waiting or running and 4 more "
                                     r"would pass the limit of 8 \(max_waiting_requests\); retry later",
                                     response.json()["error"]["message"])
-        assert running.loop.pending == 0 and not runtime.engine.requests
+        assert running.serving.pending == 0 and not runtime.engine.requests
         metrics = httpx.get(f"{running.url}/metrics").text
         rejected = statuses.count(429)
         assert f'poolrunner_requests_total{{endpoint="/v1/embeddings",status="429"}} {rejected}.0' in metrics
@@ -192,11 +192,11 @@ def test_a_client_that_disconnects_leaves_no_state(runtime, lee_long_docs, sanit
             raw.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
             deadline = time.monotonic() + 30
-            while running.loop.pending == 0:  # wait until its requests are in the engine
+            while running.serving.pending == 0:  # wait until its requests are in the engine
                 assert time.monotonic() < deadline
                 time.sleep(0.005)
         deadline = time.monotonic() + 10
-        while running.loop.pending or runtime.engine.requests:
+        while running.serving.pending or runtime.engine.requests:
             assert time.monotonic() < deadline, "the disconnected client's requests were not aborted"
             time.sleep(0.01)
         metrics = httpx.get(f"{running.url}/metrics").text

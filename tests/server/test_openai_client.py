@@ -84,7 +84,7 @@ def test_dimensions_on_a_plain_model_is_a_bad_request(client, keyed_server, runt
     assert caught.value.status_code == 400
     error = caught.value.body
     assert error["type"] == "invalid_request_error" and error["code"] == 400
-    assert keyed_server.loop.pending == 0 and not runtime.engine.requests
+    assert keyed_server.serving.pending == 0 and not runtime.engine.requests
     assert len(client.embeddings.create(model=MODEL, input=SANITY_TEXT).data) == 1
 
 

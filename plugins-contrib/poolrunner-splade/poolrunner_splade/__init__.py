@@ -1,7 +1,8 @@
 """poolrunner plugin: SPLADE sparse embeddings from a masked-LM head.
 
 Serves the plugin-declared task ``sparse_embed`` for ``*ForMaskedLM`` models and scores pairs of
-its outputs with a sparse dot product (``Runtime.score``, ``Runtime.rerank``). A
+its outputs with a sparse dot product (``Runtime.score``, ``Runtime.rerank``). The request
+option ``top_k`` keeps only the ``k`` largest weights (sentence-transformers' ``max_active_dims``). A
 sentence-transformers ``SparseEncoder`` folder (``modules.json`` with ``MLMTransformer`` /
 ``SpladePooling``) is served by this plugin alone, with ``sparse_embed`` as its default task.
 """
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from poolrunner.core import ModelConfig, PoolingTask, hookimpl, read_modules
+from poolrunner.core import ModelConfig, PoolingTask, RequestOption, hookimpl, read_modules
 
 if TYPE_CHECKING:  # import-cheap: torch loads with the pooler, never at plugin import
     import torch
@@ -49,6 +50,21 @@ def serves(model_config: ModelConfig) -> bool:
 @hookimpl
 def supported_tasks(model_config: ModelConfig) -> frozenset[PoolingTask]:
     return frozenset({TASK}) if serves(model_config) else frozenset()
+
+
+def _at_least_one(value: int) -> str | None:
+    return None if value >= 1 else "must be at least 1"
+
+
+TOP_K = RequestOption(
+    name="top_k", type=int, tasks={TASK}, check=_at_least_one,
+    help="Keep only the k largest sparse weights (sentence-transformers' max_active_dims); all when unset.",
+)
+
+
+@hookimpl
+def request_options(model_config: ModelConfig) -> list[RequestOption]:
+    return [TOP_K] if serves(model_config) else []
 
 
 @hookimpl

@@ -75,11 +75,9 @@ class SpladePooler(Pooler):
 
     Output per request: ``{"token_ids": int64 [k], "weights": float32 [k]}``, sorted by
     descending weight (ties by ascending token id), where ``k`` is the number of non-zero
-    weights, or at most ``dimensions`` when the request sets it (the ``k`` largest, as
+    weights, or at most the request option ``top_k`` when set (the ``k`` largest, as
     sentence-transformers' ``max_active_dims``).
     """
-
-    accepted_params = frozenset({"dimensions"})
 
     def __init__(self, head: nn.Module, vocab_size: int, strategy: str = "max", activation: str = "relu") -> None:
         super().__init__()
@@ -99,10 +97,11 @@ class SpladePooler(Pooler):
 
     def check_params(self, params: PoolingParams) -> None:
         super().check_params(params)
-        if params.dimensions is not None and params.dimensions > self.vocab_size:
+        top_k = _top_k(params)
+        if top_k is not None and top_k > self.vocab_size:
             raise InvalidRequestError(
-                f"dimensions={params.dimensions} exceeds the vocabulary size {self.vocab_size} "
-                "(dimensions keeps the k largest sparse weights)"
+                f"top_k={top_k} exceeds the vocabulary size {self.vocab_size} "
+                "(top_k keeps the k largest sparse weights)"
             )
 
     def weights(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -121,6 +120,11 @@ class SpladePooler(Pooler):
             dense = self.weights(request_rows)
             ids = torch.nonzero(dense, as_tuple=True)[0]
             weights, order = torch.sort(dense[ids], descending=True, stable=True)
-            keep = order[: params.dimensions] if params.dimensions is not None else order
+            keep = order[: _top_k(params)]
             outputs.append({"token_ids": ids[keep], "weights": weights[: len(keep)]})
         return outputs
+
+
+def _top_k(params: PoolingParams) -> int | None:
+    """The request's ``top_k`` option (declared in this plugin's ``request_options``), if set."""
+    return (params.extra_kwargs or {}).get("top_k")

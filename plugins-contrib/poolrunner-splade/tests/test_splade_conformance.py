@@ -21,6 +21,10 @@ class TestSpladeConformance(PoolingPluginConformance):
     def task_models(self, poolrunner_tiny_model):
         return {"sparse_embed": poolrunner_tiny_model("BertForMaskedLM")}
 
+    @pytest.fixture
+    def option_values(self):
+        return {"top_k": 5}
+
     def output_spec(self, task, model_config, num_tokens):
         if task == "sparse_embed":  # k non-zero weights, k unknown in advance
             return {"token_ids": ((None,), "int64"), "weights": ((None,), "float32")}

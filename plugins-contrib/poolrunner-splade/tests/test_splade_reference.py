@@ -88,22 +88,45 @@ def test_sparse_embed_matches_transformers(request, model, poolrunner_runtime_fa
 def test_splade_tiny_expands_the_query(splade_tiny, poolrunner_runtime_factory):
     runtime = splade_runtime(poolrunner_runtime_factory, splade_tiny)
     tokenizer = AutoTokenizer.from_pretrained(splade_tiny, local_files_only=True)
-    top = tokenizer.convert_ids_to_tokens(runtime.encode(TEXTS[0], dimensions=30)[0]["token_ids"].tolist())
+    top = tokenizer.convert_ids_to_tokens(runtime.encode(TEXTS[0], top_k=30)[0]["token_ids"].tolist())
     assert {"capital", "france", "paris"} <= set(top)  # "paris" is not in the query: a learned expansion
 
 
-def test_dimensions_keeps_the_largest_weights(splade_tiny, poolrunner_runtime_factory):
+def test_top_k_keeps_the_largest_weights_of_the_reference(splade_tiny, poolrunner_runtime_factory):
     runtime = splade_runtime(poolrunner_runtime_factory, splade_tiny)
-    full = runtime.encode(TEXTS[1])[0]
-    top = runtime.encode(TEXTS[1], dimensions=5)[0]
-    np.testing.assert_array_equal(top["token_ids"], full["token_ids"][:5])
-    np.testing.assert_array_equal(top["weights"], full["weights"][:5])
+    want = reference(splade_tiny, [TEXTS[1]])[0]
+    largest = np.argsort(-want, kind="stable")[:5]
+    top = runtime.encode(TEXTS[1], top_k=5)[0]
+    np.testing.assert_array_equal(top["token_ids"], largest)
+    np.testing.assert_allclose(top["weights"], want[largest], atol=1e-4)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"top_k": 40000}, "top_k=40000 exceeds the vocabulary size 30522 (top_k keeps the k largest sparse weights)"),
+    ({"top_k": 0}, "option top_k=0 (plugin 'splade') must be at least 1"),
+    ({"top_k": "5"}, "option top_k='5' (plugin 'splade') must be an integer"),
+    ({"top_k": True}, "option top_k=True (plugin 'splade') must be an integer"),
+    ({"top_kk": 5}, "unknown option 'top_kk' for task 'sparse_embed'; it takes ['top_k']"),
+    ({"dimensions": 5}, "dimensions does not apply to task 'sparse_embed' (got 5)"),
+])
+def test_a_bad_top_k_is_refused_and_the_runtime_still_serves(splade_tiny, poolrunner_runtime_factory, options,
+                                                            message):
+    runtime = splade_runtime(poolrunner_runtime_factory, splade_tiny)
     with pytest.raises(InvalidRequestError) as caught:
-        runtime.encode(TEXTS[1], dimensions=40000)
-    assert str(caught.value) == (
-        "dimensions=40000 exceeds the vocabulary size 30522 (dimensions keeps the k largest sparse weights)"
-    )
-    np.testing.assert_array_equal(runtime.encode(TEXTS[1])[0]["token_ids"], full["token_ids"])  # still serves
+        runtime.encode(TEXTS[1], **options)
+    assert str(caught.value) == message
+    served = runtime.encode(TEXTS[1], top_k=3)[0]
+    np.testing.assert_array_equal(served["token_ids"], np.argsort(-reference(splade_tiny, [TEXTS[1]])[0])[:3])
+
+
+def test_top_k_is_only_for_sparse_embed(splade_tiny, poolrunner_runtime_factory):
+    runtime = poolrunner_runtime_factory([poolrunner_splade], model=splade_tiny, builtins=True)  # every task
+    assert {"embed", "sparse_embed"} <= runtime.supported_tasks
+    with pytest.raises(InvalidRequestError) as caught:
+        runtime.encode(TEXTS[1], task="embed", top_k=5)
+    assert str(caught.value) == "option 'top_k' (plugin 'splade') applies to tasks ['sparse_embed'], not 'embed'"
+    top = runtime.encode(TEXTS[1], task="sparse_embed", top_k=2)[0]
+    np.testing.assert_array_equal(top["token_ids"], np.argsort(-reference(splade_tiny, [TEXTS[1]])[0])[:2])
 
 
 def test_score_is_the_sparse_dot_product(splade_tiny, poolrunner_runtime_factory):
@@ -163,5 +186,5 @@ def test_poolrunner_plugins_lists_the_distribution(capsys):
     assert listed["splade"] == {
         "name": "splade", "source": "entrypoint", "dist": "poolrunner-splade",
         "version": importlib_metadata.version("poolrunner-splade"),
-        "hooks": ["claim_model_folder", "get_pooler", "score_outputs", "supported_tasks"],
+        "hooks": ["claim_model_folder", "get_pooler", "request_options", "score_outputs", "supported_tasks"],
     }

@@ -125,7 +125,7 @@ def test_score_requests_share_engine_steps_with_other_clients(server, sparse_enc
         score = pool.submit(httpx.post, f"{server.url}/score", json={"text_1": QUERY, "text_2": DOCUMENTS[0]},
                             timeout=60)
         pooling = pool.submit(httpx.post, f"{server.url}/pooling", json={"input": DOCUMENTS[1]}, timeout=60)
-        while server.loop.pending < 4:  # the blocker, /score's two texts, /pooling's one
+        while server.serving.pending < 4:  # the blocker, /score's two texts, /pooling's one
             assert not (score.done() or pooling.done()), (score.result().text, pooling.result().text)
             threading.Event().wait(0.01)
         release.set()
@@ -135,13 +135,51 @@ def test_score_requests_share_engine_steps_with_other_clients(server, sparse_enc
     assert steps == [1, 3]  # /score's two requests and /pooling's one in a single step
 
 
-def test_a_bad_dimensions_on_pooling_is_a_400_and_the_server_keeps_serving(server, offline):
-    answer = httpx.post(f"{server.url}/pooling", json={"input": QUERY, "dimensions": 40000})
+def test_top_k_over_pooling_equals_the_python_api(server, sparse_encoder):
+    want = sparse_encoder.encode(QUERY, top_k=4)[0]
+    answer = httpx.post(f"{server.url}/pooling", json={"input": QUERY, "top_k": 4})
+    assert answer.status_code == 200, answer.text
+    data = answer.json()["data"][0]["data"]
+    assert data["token_ids"] == want["token_ids"].tolist() and len(data["token_ids"]) == 4
+    np.testing.assert_array_equal(np.array(data["weights"], dtype=np.float32), want["weights"])
+
+
+def test_the_openapi_schema_shows_top_k(server):
+    schema = httpx.get(f"{server.url}/openapi.json").json()["components"]["schemas"]["PoolingHttpRequest"]
+    field = schema["properties"]["top_k"]
+    assert {"type": "integer"} in field["anyOf"]
+    assert field["description"].startswith("Keep only the k largest sparse weights")
+    assert "'sparse_embed'" in field["description"]
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"top_k": 40000}, "top_k=40000 exceeds the vocabulary size 30522 (top_k keeps the k largest sparse weights)"),
+    ({"top_k": 0}, "option top_k=0 (plugin 'splade') must be at least 1"),
+    ({"dimensions": 5}, "dimensions does not apply to task 'sparse_embed' (got 5)"),
+])
+def test_a_bad_option_on_pooling_is_a_400_and_the_server_keeps_serving(server, offline, body, message):
+    answer = httpx.post(f"{server.url}/pooling", json={"input": QUERY, **body})
     assert answer.status_code == 400
-    assert answer.json()["error"]["message"] == (
-        "dimensions=40000 exceeds the vocabulary size 30522 (dimensions keeps the k largest sparse weights)")
+    assert answer.json()["error"]["message"] == message
     again = httpx.post(f"{server.url}/pooling", json={"input": QUERY}).json()
     assert again["data"][0]["data"]["token_ids"] == offline["encode"][0]["token_ids"].tolist()
+
+
+def test_a_mistyped_top_k_on_pooling_is_a_400_naming_the_field(server):
+    answer = httpx.post(f"{server.url}/pooling", json={"input": QUERY, "top_k": "5"})
+    assert answer.status_code == 400
+    assert "top_k" in answer.json()["error"]["message"]
+
+
+def test_top_k_from_the_command_line(splade_tiny, capsys):
+    want = poolrunner.Runtime(splade_tiny, task="sparse_embed", device="cpu", dtype="float32").encode(QUERY, top_k=6)
+    argv = ["encode", "--model", str(splade_tiny), "--task", "sparse_embed", "--dtype", "float32", "--device", "cpu",
+            "--option", "top_k=6", QUERY]
+    assert main(argv) == 0
+    [line] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert line["output"]["token_ids"] == want[0]["token_ids"].tolist()
+    assert main([*argv[:-1], "--option", "top_k=0", QUERY]) == 2
+    assert "option top_k=0 (plugin 'splade') must be at least 1" in capsys.readouterr().err
 
 
 def test_encode_task_sparse_embed_from_the_command_line(splade_tiny, tmp_path, capsys):

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from poolrunner.core.errors import InvalidRequestError
-from poolrunner.core.types import PoolingMetadata, PoolingParams, PoolingTask
+from poolrunner.core.plugin_api.batch import PoolingMetadata
+from poolrunner.core.types import PoolingParams, PoolingTask
 
 PoolerOutput: TypeAlias = torch.Tensor | list[torch.Tensor] | list[dict[str, torch.Tensor]]
 """One result per scheduled request, in packing order: either one tensor ``[num_reqs, ...]``

@@ -1,4 +1,5 @@
-"""The packed inputs of one step."""
+"""One step's scheduled requests, packed: as the model inputs see them (:class:`InputBatch`)
+and as a pooler sees them (:class:`PoolingMetadata`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from collections.abc import Sequence
 import torch
 from attrs import frozen
 
-from poolrunner.core.engine.request import RequestState
+from poolrunner.core.plugin_api.request import RequestState
+from poolrunner.core.types import PoolingParams
 
 
 @frozen(kw_only=True, eq=False)
@@ -68,6 +70,31 @@ class InputBatch:
             query_start_loc=_to_device(offsets, device),
             query_start_loc_cpu=offsets,
         )
+
+
+@frozen(kw_only=True, eq=False)
+class PoolingMetadata:
+    """The scheduled requests of one step, as a pooler sees them.
+
+    Tokens of all requests are packed in one flat tensor without padding; request ``i`` owns
+    rows ``query_start_loc[i]:query_start_loc[i + 1]`` of the hidden states.
+
+    :ivar request_ids: One per scheduled request, in packing order.
+    :ivar pooling_params: One per scheduled request, in packing order.
+    :ivar prompt_lens: ``[num_reqs]`` int64 on the CPU: each request's token count.
+    :ivar query_start_loc: ``[num_reqs + 1]`` int64 on the model's device: row offsets.
+    :ivar prompt_token_ids: ``[num_tokens]`` int64 on the model's device: the packed ids.
+    """
+
+    request_ids: tuple[str, ...]
+    pooling_params: tuple[PoolingParams, ...]
+    prompt_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    prompt_token_ids: torch.Tensor
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.request_ids)
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from poolrunner.core.pooler import PoolerOutput
+from poolrunner.core.plugin_api.pooler import PoolerOutput
 
 RequestOutput = torch.Tensor | dict[str, torch.Tensor]
 """One request's result on the CPU: a tensor, or named tensors for multi-output tasks."""

@@ -7,6 +7,7 @@ The runner (:mod:`poolrunner.core.engine`) calls these through the typed facade 
 A request's life::
 
     load        claim_model_folder -> supported_tasks -> get_pooler   once per runtime
+                request_options                             once per runtime
     admit       add_request                                 once per request
     each step   prepare_inputs -> model -> pool -> process_output
     leave       remove_request                              finished or aborted
@@ -26,11 +27,12 @@ if TYPE_CHECKING:  # keep this module import-cheap: type-only imports
     import torch
     from torch import nn
 
-    from poolrunner.core.engine.batch import InputBatch
-    from poolrunner.core.engine.request import RequestState
-    from poolrunner.core.output import OutputHandle, RequestOutput
-    from poolrunner.core.pooler import Pooler, PoolerOutput
-    from poolrunner.core.types import ModelConfig, PoolingMetadata, PoolingTask
+    from poolrunner.core.plugin_api.batch import InputBatch, PoolingMetadata
+    from poolrunner.core.plugin_api.options import RequestOption
+    from poolrunner.core.plugin_api.output import OutputHandle, RequestOutput
+    from poolrunner.core.plugin_api.pooler import Pooler, PoolerOutput
+    from poolrunner.core.plugin_api.request import RequestState
+    from poolrunner.core.types import ModelConfig, PoolingTask
 
 PROJECT_NAME = "poolrunner"
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -92,9 +94,28 @@ def get_pooler(model_config: ModelConfig, task: PoolingTask, model: nn.Module) -
     :param task: The task the runtime serves.
     :param model: The loaded transformers model, head included, in eval mode on its device;
         a pooler may reuse its head modules (a classifier, an LM head).
-    :returns: A :class:`~poolrunner.core.pooler.Pooler`, or ``None`` to let the next plugin answer.
+    :returns: A :class:`~poolrunner.core.plugin_api.pooler.Pooler`, or ``None`` to let the next plugin answer.
 
     .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def request_options(model_config: ModelConfig) -> Iterable[RequestOption]:
+    """Declare the request options your tasks take beyond the core ones (SPLADE's ``top_k``).
+
+    Called once at load. Results are collected from every plugin; two plugins declaring one
+    name fail the load with :class:`~poolrunner.core.errors.PluginConflictError`. A declared
+    option is taken by ``Runtime.encode(..., NAME=VALUE)``, ``poolrunner encode --option
+    NAME=VALUE`` and as a body field of ``/pooling`` (shown in the OpenAPI schema); it is
+    checked against its type and rule, defaults are filled in, and the pooler reads it from
+    ``params.extra_kwargs[NAME]``. A request setting an option its task does not take, or an
+    unknown one, is refused naming the option and the plugin.
+
+    :param model_config: Frozen description of the loaded model.
+    :returns: :class:`~poolrunner.core.plugin_api.options.RequestOption` objects, possibly none.
+
+    .. versionadded:: 0.3
     """
 
 
@@ -187,7 +208,7 @@ def process_output(output: PoolerOutput, batch: InputBatch) -> OutputHandle | No
     :param output: The step's pooled results, on the model's device: one per request that
         finished this step (a request prefilled in chunks finishes with its last chunk).
     :param batch: The packed requests of this step.
-    :returns: An :class:`~poolrunner.core.output.OutputHandle`, or ``None``.
+    :returns: An :class:`~poolrunner.core.plugin_api.output.OutputHandle`, or ``None``.
 
     .. versionadded:: 0.1
     """
