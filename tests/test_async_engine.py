@@ -7,6 +7,7 @@ poolrunner's own output.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -102,6 +103,24 @@ def test_default_model_matches_sentence_transformers_in_both_modes(
         assert overlapped(events), events
     else:
         assert events == [(kind, k) for k in range(13) for kind in ("launch", "collect")]
+    assert not rt.engine.requests and not rt.engine.scheduler.has_unfinished()
+
+
+@pytest.mark.parametrize("async_mode", [True, False], ids=["async", "sync"])
+def test_the_serving_loop_launches_ahead_when_async_scheduling_is_on(
+    async_mode, task_runtime, st_model, lee_docs, monkeypatch
+):
+    """The server's path (Runtime.serving): with async scheduling each step is launched before the
+    last one is collected, as in the offline API, and the answers stay sentence-transformers'."""
+    rt = task_runtime(None, async_scheduling=async_mode, max_num_seqs=4)
+    events = record_pipeline(monkeypatch, rt.engine)
+    requests = rt.frontend.prepare(lee_docs[:20], rt.frontend.params("embed"))
+    with rt.serving() as serving:
+        outputs = asyncio.run(serving.run(requests))
+    expected = st_model.encode(lee_docs[:20], convert_to_numpy=True)
+    assert cosine_rows(np.stack([output.numpy() for output in outputs]), expected).min() >= MIN_COSINE
+    assert_every_step_collected_once_in_order(events)
+    assert overlapped(events) is async_mode, events
     assert not rt.engine.requests and not rt.engine.scheduler.has_unfinished()
 
 

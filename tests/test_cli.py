@@ -154,8 +154,9 @@ def test_bad_option_value_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -
 # --- embed: inputs and outputs ----------------------------------------------------------------
 
 
-def test_embed_arguments_to_stdout(capsys: pytest.CaptureFixture[str], reference: Reference) -> None:
-    code, out, err = run_cli(capsys, "embed", *TEXTS)
+@pytest.mark.parametrize("flags", [[], ["--async-scheduling"], ["--no-async-scheduling"]])
+def test_embed_arguments_to_stdout(capsys: pytest.CaptureFixture[str], reference: Reference, flags: list[str]) -> None:
+    code, out, err = run_cli(capsys, "embed", *flags, *TEXTS)
     assert code == 0, err
     vectors = parse_jsonl(out)
     assert vectors.shape == (3, 384)

@@ -161,6 +161,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
                        help="token budget of one forward pass (default: 2048 on the CPU, 16384 on CUDA)")
     model.add_argument("--max-num-seqs", metavar="N", type=positive_int, default=256,
                        help="most inputs in one forward pass")
+    model.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="launch each forward pass before collecting the last one's results (default: on "
+                            "with CUDA, off on the CPU)")
     return model
 
 
@@ -190,6 +193,7 @@ def runtime_options(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model, "revision": args.revision, "dtype": args.dtype, "device": args.device,
         "load_entrypoints": args.load_entrypoints, "disable_plugins": disabled_plugins(args.disable_plugin),
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
+        "async_scheduling": args.async_scheduling,
     }
 
 
