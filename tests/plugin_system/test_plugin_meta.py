@@ -126,3 +126,19 @@ def test_import_linter_keeps_the_engine_private(tmp_path, module, contract):
     result = _lint_imports(root)
     assert result.returncode == 1
     assert contract in result.stdout
+
+
+def test_every_package_folder_is_in_the_distribution():
+    """A wheel holds only the packages pyproject lists: a new folder must be listed there."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    roots = {"core/_root": "poolrunner", "core": "poolrunner.core", "plugins": "poolrunner.plugins"}
+    found = set()
+    for folder, package in roots.items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            relative = init.parent.relative_to(REPO / folder)
+            if folder == "core" and relative.parts[:1] == ("_root",):
+                continue
+            found.add(".".join([package, *relative.parts]))
+    assert found == listed
