@@ -27,11 +27,10 @@ from poolrunner.core.server.metrics import ServerMetrics
 from poolrunner.core.server.middleware import GuardMiddleware, ServerState
 from poolrunner.core.server.service import PoolingService, encode_array
 from poolrunner.core.server.settings import ServerSettings
+from poolrunner.core.server.tei import add_tei_routes
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 
-ENDPOINTS = frozenset({"/v1/embeddings", "/v1/models", "/classify", "/score", "/rerank", "/pooling", "/tokenize",
-                       "/health", "/metrics"})
 
 
 def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> FastAPI:
@@ -62,10 +61,12 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
     app.state.server = state
     app.state.service = service
     app.state.metrics = metrics
-    app.add_middleware(GuardMiddleware, state=state, metrics=metrics, api_key=settings.api_key,
-                       max_request_bytes=settings.max_request_bytes, endpoints=ENDPOINTS)
     install_handlers(app)
     _add_routes(app, service, int(time.time()))
+    add_tei_routes(app, service)
+    endpoints = frozenset(route.path for route in app.routes)  # metrics label every other path "other"
+    app.add_middleware(GuardMiddleware, state=state, metrics=metrics, api_key=settings.api_key,
+                       max_request_bytes=settings.max_request_bytes, endpoints=endpoints)
     return app
 
 
