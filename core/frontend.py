@@ -100,6 +100,7 @@ class Frontend:
     def plan_score(
         self, pairs: Sequence[tuple[str, str]], *, truncate_prompt_tokens: int | None = None,
         truncation_side: TruncationSide = "right", use_activation: bool | None = None,
+        max_document_tokens: int | None = None,
     ) -> ScorePlan:
         """The requests scoring ``pairs`` needs, and how their outputs become scores.
 
@@ -107,12 +108,17 @@ class Frontend:
         model pools each distinct text once and scores the cosine (a bi-encoder); any other
         default task pools each text once and asks the ``score_outputs`` plugins.
 
+        :param max_document_tokens: Cut each document (the pair's second text) to its first
+            this many tokens, special tokens not counted, before pairing (Cohere's and vLLM's
+            ``max_tokens_per_doc``); the query is never cut. ``None``: documents stay whole.
         :raises InvalidRequestError: for bad input (nothing is tokenized past the first error).
         :raises UnsupportedTaskError: for a runtime whose task cannot score pairs; from ``finish``
             when the ``score_outputs`` plugins decline this runtime's task.
         """
         options: dict[str, Any] = {"truncate_prompt_tokens": truncate_prompt_tokens,
                                    "truncation_side": truncation_side}
+        if max_document_tokens is not None:
+            pairs = self._cut_documents(pairs, max_document_tokens)
         task = self.default_task
         if task == "classify" and len(self.model_config.labels) == 1:
             params = self.params("classify", use_activation=use_activation)
@@ -123,6 +129,29 @@ class Frontend:
         texts = sorted({text for pair in pairs for text in pair})  # each distinct text is pooled once
         requests = self.prepare(texts, self.params(task), **options)
         return ScorePlan(requests, functools.partial(self._score_pooled, pairs, texts))
+
+    def _cut_documents(self, pairs: Sequence[tuple[str, str]], max_tokens: int) -> list[tuple[str, str]]:
+        """``pairs`` with each distinct document cut to its first ``max_tokens`` tokens."""
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise InvalidRequestError(f"max_document_tokens must be a positive integer, got {max_tokens!r}")
+        cut = {document: self._first_tokens(document, max_tokens) for _, document in pairs}
+        return [(query, cut[document]) for query, document in pairs]
+
+    def _first_tokens(self, text: str, max_tokens: int) -> str:
+        """``text`` if it has at most ``max_tokens`` tokens (special tokens not counted), else the
+        decoded text of its first ``max_tokens`` tokens, which the tokenizer reads back as them.
+
+        A text longer than the model maximum is only cut when ``max_tokens`` is below it; else
+        it stays whole and pairing it answers the usual too-long error.
+        """
+        # One token more than kept tells whether the text was longer; the locked encode is
+        # safe next to other requests (the tokenizer's truncation is shared state).
+        keep = min(max_tokens + 1 + self.inputs.num_special_tokens[False], self.model_config.max_model_len)
+        ids = self.inputs.encode([text], truncate_prompt_tokens=keep)[0]
+        content = _strip_special(self.inputs.tokenizer, ids)
+        if len(content) <= max_tokens:
+            return text
+        return self.inputs.tokenizer.decode(content[:max_tokens])
 
     def _score_pooled(self, pairs: Sequence[tuple[str, str]], texts: list[str],
                       outputs: list[RequestOutput]) -> np.ndarray:
@@ -177,6 +206,18 @@ class Frontend:
         """One :class:`ClassificationResult` per ``classify`` output, over the model's labels."""
         labels = self.model_config.labels
         return [ClassificationResult(probs=to_array(output), labels=labels) for output in outputs]  # type: ignore[arg-type]
+
+
+def _strip_special(tokenizer: Any, ids: Sequence[int]) -> list[int]:
+    """``ids`` without the special tokens at either end (those the tokenizer added); an
+    unknown-token id inside the text stays."""
+    mask = tokenizer.get_special_tokens_mask(list(ids), already_has_special_tokens=True)
+    start, stop = 0, len(ids)
+    while start < stop and mask[start]:
+        start += 1
+    while stop > start and mask[stop - 1]:
+        stop -= 1
+    return list(ids[start:stop])
 
 
 def is_pair(item: object) -> bool:

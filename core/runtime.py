@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from poolrunner.core import frontend
+from poolrunner.core import frontend, similarity
 from poolrunner.core.config import RuntimeConfig
 from poolrunner.core.engine.loop import EngineLoop, LoopObserver
 from poolrunner.core.errors import InvalidRequestError
@@ -23,6 +23,7 @@ from poolrunner.core.manager import PoolrunnerPluginManager
 from poolrunner.core.plugin_api.output import RequestOutput
 from poolrunner.core.results import ClassificationResult, RerankResult
 from poolrunner.core.scoring import pair_up
+from poolrunner.core.similarity import SimilarityFn, check_similarity_fn
 from poolrunner.core.types import ModelConfig, PoolingRequest, PoolingTask, TruncationSide
 
 
@@ -123,6 +124,46 @@ class Runtime:
         vectors = np.stack(frontend.embeddings(self._run(requests, show_progress_bar)))
         return vectors[0] if single else vectors
 
+    def encode_query(self, texts: PromptInput | Sequence[PromptInput], **options: Any) -> np.ndarray:
+        """:meth:`embed` for search queries, as sentence-transformers' ``encode_query``: with the
+        model's ``query`` prompt, or no prompt at all (not even the default one) when it has none;
+        a ``prompt`` or ``prompt_name`` the caller gives wins. Options as for :meth:`embed`."""
+        return self.embed(texts, **self._role_prompt("query", options))
+
+    def encode_document(self, texts: PromptInput | Sequence[PromptInput], **options: Any) -> np.ndarray:
+        """:meth:`embed` for documents, as sentence-transformers' ``encode_document``: with the
+        model's ``document`` prompt, or no prompt at all when it has none (sentence-transformers
+        6 defines an empty ``document`` prompt for every model, so ``passage`` and ``corpus``
+        prompts are not used). Options as for :meth:`embed`."""
+        return self.embed(texts, **self._role_prompt("document", options))
+
+    def _role_prompt(self, role: str, options: dict[str, Any]) -> dict[str, Any]:
+        if options.get("prompt") is not None or options.get("prompt_name") is not None:
+            return options
+        if role in self.model_config.prompts:
+            return {**options, "prompt_name": role}
+        return {**options, "prompt": ""}
+
+    def similarity(self, left: np.ndarray, right: np.ndarray, *, similarity_fn_name: SimilarityFn | None = None,
+                   ) -> np.ndarray:
+        """Every embedding of ``left`` ``[n, d]`` against every one of ``right`` ``[m, d]``:
+        ``[n, m]`` float32, as sentence-transformers' ``model.similarity``.
+
+        :param similarity_fn_name: ``cosine``, ``dot``, ``euclidean`` or ``manhattan`` (negative
+            distances); ``None``: the model's own (``similarity_fn_name`` of a
+            sentence-transformers folder, else ``cosine``).
+        :raises InvalidRequestError: for another name, or embeddings of different widths.
+        """
+        fn = check_similarity_fn(similarity_fn_name or self.model_config.similarity_fn_name)
+        return similarity.similarity(left, right, fn)
+
+    def similarity_pairwise(self, left: np.ndarray, right: np.ndarray, *,
+                            similarity_fn_name: SimilarityFn | None = None) -> np.ndarray:
+        """Row ``i`` of ``left`` against row ``i`` of ``right``: ``[n]`` float32, as
+        sentence-transformers' ``model.similarity_pairwise``; options as for :meth:`similarity`."""
+        fn = check_similarity_fn(similarity_fn_name or self.model_config.similarity_fn_name)
+        return similarity.similarity_pairwise(left, right, fn)
+
     def encode(
         self,
         inputs: ClassifyInput | Sequence[ClassifyInput],
@@ -216,13 +257,18 @@ class Runtime:
         text is pooled once and a plugin's ``score_outputs`` hook scores the pairs (SPLADE's
         sparse dot product, ColBERT's MaxSim).
 
-        :returns: ``[num_pairs]`` float32, in pair order.
-        :raises InvalidRequestError: for an empty side, or shapes other than 1:1, 1:N, N:N.
+        :returns: ``[num_pairs]`` float32, in pair order; a float32 scalar for one query string
+            and one document string (as sentence-transformers' ``CrossEncoder.predict`` answers
+            one pair); ``[0]`` when both sides are empty.
+        :raises InvalidRequestError: for one empty side, or shapes other than 1:1, 1:N, N:N.
         :raises UnsupportedTaskError: for a runtime whose task cannot score pairs.
         """
+        if _empty(queries) and _empty(documents):
+            return np.zeros(0, dtype=np.float32)
         plan = self.frontend.plan_score(pair_up(queries, documents), truncate_prompt_tokens=truncate_prompt_tokens,
                                         truncation_side=truncation_side, use_activation=use_activation)
-        return plan.finish(self._run(plan.requests, False))
+        scores = plan.finish(self._run(plan.requests, False))
+        return scores[0] if isinstance(queries, str) and isinstance(documents, str) else scores
 
     def rerank(
         self,
@@ -246,7 +292,7 @@ class Runtime:
         if isinstance(documents, str):
             raise InvalidRequestError("documents must be a list of strings, not one string")
         frontend.check_top_n(top_n)
-        scores = self.score(query, documents, truncate_prompt_tokens=truncate_prompt_tokens,
+        scores = self.score(query, list(documents), truncate_prompt_tokens=truncate_prompt_tokens,
                             truncation_side=truncation_side)
         return frontend.rank(scores, documents, top_n=top_n, return_documents=return_documents)
 
@@ -292,6 +338,10 @@ class Runtime:
             finally:
                 if not submission.future.done():  # interrupted: free the engine of these requests
                     loop.abort(submission)
+
+
+def _empty(side: str | Sequence[str]) -> bool:
+    return not isinstance(side, str) and len(side) == 0
 
 
 class Serving:

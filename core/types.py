@@ -221,6 +221,8 @@ class ModelConfig:
     :ivar dense_layers: sentence-transformers Dense projections, applied in order after pooling.
     :ivar prompts: Named prompt prefixes (``config_sentence_transformers.json``).
     :ivar default_prompt_name: Prompt used when the caller names none.
+    :ivar similarity_fn_name: How the model's embeddings compare (``cosine``, ``dot``,
+        ``euclidean``, ``manhattan``): a sentence-transformers folder's own, else ``cosine``.
     :ivar labels: Label names of a classification head, by class index (``id2label``).
     :ivar problem_type: Hugging Face ``problem_type`` of the head (``single_label_classification``,
         ``multi_label_classification``, ``regression``), when the config sets it.
@@ -256,6 +258,7 @@ class ModelConfig:
         factory=dict, converter=_frozen_mapping, eq=False, hash=False
     )
     default_prompt_name: str | None = None
+    similarity_fn_name: str = "cosine"
     labels: tuple[str, ...] = field(default=(), converter=tuple)
     problem_type: str | None = None
     classifier_activation: str | None = None

@@ -65,7 +65,8 @@ def test_bi_encoder_score_is_sentence_transformers_cosine(shape, runtime, st_cos
     queries, documents, pairs = BI_ENCODER_SHAPES[shape]
     scores = runtime.score(queries, documents)
     assert runtime.task == "embed"
-    assert scores.dtype == np.float32 and scores.shape == (len(pairs),)
+    single = isinstance(queries, str) and isinstance(documents, str)  # one pair: a scalar, as CrossEncoder.predict
+    assert scores.dtype == np.float32 and scores.shape == (() if single else (len(pairs),))
     np.testing.assert_allclose(scores, st_cosine(pairs), rtol=0, atol=1e-5)
 
 
@@ -184,8 +185,8 @@ def test_cross_encoder_score_shapes(ce_runtime):
     np.testing.assert_allclose(ce_runtime.score([queries[0]], documents), one_to_n, rtol=0, atol=1e-6)
     np.testing.assert_allclose(one_to_n[0], n_to_n[0], rtol=0, atol=1e-6)
     one_to_one = ce_runtime.score(queries[1], documents[1])
-    assert one_to_one.shape == (1,)
-    np.testing.assert_allclose(one_to_one[0], n_to_n[1], rtol=0, atol=1e-6)
+    assert isinstance(one_to_one, np.float32)  # a scalar for one pair, as sentence-transformers' CrossEncoder.predict
+    np.testing.assert_allclose(one_to_one, n_to_n[1], rtol=0, atol=1e-6)
 
 
 def test_cross_encoder_is_batch_invariant(ce_runtime):
@@ -193,7 +194,7 @@ def test_cross_encoder_is_batch_invariant(ce_runtime):
     (raw logits, the most sensitive output)."""
     queries, documents = [q for q, _ in PAIRS], [d for _, d in PAIRS]
     batch = ce_runtime.score(queries, documents, use_activation=False)
-    alone = np.array([ce_runtime.score(q, d, use_activation=False)[0] for q, d in PAIRS])
+    alone = np.array([ce_runtime.score(q, d, use_activation=False) for q, d in PAIRS])
     order = list(range(len(PAIRS)))
     random.Random(3).shuffle(order)
     assert order != sorted(order)

@@ -183,6 +183,7 @@ def load_model_config(
         dense_layers=dense,
         prompts=st.prompts if st else {},
         default_prompt_name=st.default_prompt_name if st else None,
+        similarity_fn_name=st.similarity_fn_name if st else "cosine",
         labels=_labels(hf_config) if tasks & {"classify", "token_classify"} else (),
         problem_type=getattr(hf_config, "problem_type", None),
         classifier_activation=_classifier_activation(path, hf_config),

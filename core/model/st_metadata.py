@@ -16,6 +16,7 @@ from typing import Any
 from attrs import field, frozen
 
 from poolrunner.core.errors import ModelLoadError
+from poolrunner.core.similarity import SIMILARITY_FNS
 from poolrunner.core.types import POOLING_TYPE_SEPARATOR, DenseLayerSpec, PoolingType
 
 # sentence-transformers' pooling modes (Pooling.POOLING_MODES, in its order) and their pooling_type.
@@ -54,6 +55,7 @@ class SentenceTransformerMetadata:
     :ivar max_seq_length: From ``sentence_bert_config.json``, if set.
     :ivar prompts: Named prompts from ``config_sentence_transformers.json``.
     :ivar default_prompt_name: Prompt applied when the caller names none.
+    :ivar similarity_fn_name: The similarity the model was trained for (``cosine`` when unset).
     """
 
     pooling_type: str | None
@@ -62,6 +64,7 @@ class SentenceTransformerMetadata:
     max_seq_length: int | None = None
     prompts: dict[str, str] = field(factory=dict)
     default_prompt_name: str | None = None
+    similarity_fn_name: str = "cosine"
 
 
 def read_st_metadata(folder: Path) -> SentenceTransformerMetadata | None:
@@ -101,6 +104,7 @@ def read_st_metadata(folder: Path) -> SentenceTransformerMetadata | None:
                 "(supported: Transformer, Pooling, Dense, Normalize)"
             )
     prompts, default_prompt_name = _prompts(folder / "config_sentence_transformers.json")
+    similarity_fn_name = _similarity_fn_name(folder / "config_sentence_transformers.json")
     bert_config = _read_optional_json(folder / "sentence_bert_config.json")
     return SentenceTransformerMetadata(
         pooling_type=pooling_type,
@@ -109,6 +113,7 @@ def read_st_metadata(folder: Path) -> SentenceTransformerMetadata | None:
         max_seq_length=bert_config.get("max_seq_length"),
         prompts=prompts,
         default_prompt_name=default_prompt_name,
+        similarity_fn_name=similarity_fn_name,
     )
 
 
@@ -193,6 +198,21 @@ def _prompts(config_file: Path) -> tuple[dict[str, str], str | None]:
             f"prompts: {sorted(prompts)}"
         )
     return {name: text or "" for name, text in prompts.items()}, default
+
+
+def _similarity_fn_name(config_file: Path) -> str:
+    """``similarity_fn_name`` of ``config_sentence_transformers.json``; ``cosine`` when unset, as
+    sentence-transformers reads it.
+
+    :raises ModelLoadError: for a name sentence-transformers does not define.
+    """
+    config = _read_optional_json(config_file)
+    name = config.get("similarity_fn_name") if isinstance(config, dict) else None
+    if name is None:
+        return "cosine"
+    if name not in SIMILARITY_FNS:
+        raise ModelLoadError(f"{config_file}: similarity_fn_name {name!r} is not one of {list(SIMILARITY_FNS)}")
+    return name
 
 
 def _dense_layer(folder: Path) -> DenseLayerSpec:

@@ -1,16 +1,26 @@
-"""Every error answer in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+"""Error answers: OpenAI's shape everywhere, ``{"error": {"message", "type", "param", "code"}}``,
+except on the routes of Text Embeddings Inference's API, which answer TEI's own shape.
 
-``code`` is the HTTP status, as vLLM sends it; ``type`` is OpenAI's name for the class of error.
+OpenAI's ``code`` is the HTTP status, as vLLM sends it; ``type`` is OpenAI's name for the class of
+error. TEI's shape is ``{"error": "...", "error_type": "Validation"}``, the status following from
+the type as in TEI (:data:`TEI_STATUS`); TEI's routes use :class:`TeiRoute`, which answers every
+error they raise in that shape, including the body validation FastAPI does before the route runs.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from collections.abc import Callable, Coroutine
+from typing import Literal
+
+import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
+from starlette.responses import Response
 
 from poolrunner.core.errors import (
     InvalidRequestError,
@@ -93,3 +103,72 @@ def _describe(errors: Any) -> tuple[str, str | None]:
         lines.append(f"{location or 'body'}: {error.get('msg')}")
     more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
     return "; ".join(lines) + more, fields[0].split(".")[0] or None
+
+
+# --------------------------------------------------------------------------- TEI's shape
+
+TeiErrorType = Literal["Validation", "Tokenizer", "Backend", "Overloaded", "Empty", "Unhealthy"]
+
+TEI_STATUS: dict[str, int] = {
+    "Validation": 422, "Tokenizer": 422, "Backend": 424, "Overloaded": 429, "Empty": 400, "Unhealthy": 503,
+}
+"""TEI's status for each ``error_type`` (its ``ErrorType`` -> ``StatusCode`` map)."""
+
+
+class TeiError(Exception):
+    """An error answered in TEI's shape.
+
+    :param error_type: TEI's class of error; it sets the status unless ``status`` is given.
+    :param status: Only for a status TEI does not derive from the type (413: the body is too large).
+    """
+
+    def __init__(self, error_type: TeiErrorType, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.error_type = error_type
+        self.status = status or TEI_STATUS[error_type]
+
+
+def tei_error_response(error: TeiError) -> JSONResponse:
+    """``{"error": message, "error_type": type}`` with the error's status."""
+    return JSONResponse({"error": str(error), "error_type": error.error_type}, status_code=error.status)
+
+
+def as_tei_error(exc: Exception) -> TeiError | None:
+    """What ``exc`` is in TEI's terms; ``None`` for an exception that is not a client's answer
+    (a bug: the server's 500)."""
+    if isinstance(exc, TeiError):
+        return exc
+    if isinstance(exc, RequestValidationError | pydantic.ValidationError):
+        return TeiError("Validation", _describe(exc.errors())[0])
+    if isinstance(exc, InvalidRequestError | UnsupportedTaskError):
+        return TeiError("Validation", str(exc))
+    if isinstance(exc, QueueFullError):
+        return TeiError("Overloaded", str(exc))
+    if isinstance(exc, StepFailedError):  # TEI: an inference failure is the backend's (424)
+        return TeiError("Backend", str(exc))
+    if isinstance(exc, LoopClosedError):
+        return TeiError("Unhealthy", str(exc))
+    if isinstance(exc, ApiError):  # the service's own limits: not serving (503), else bad input
+        return TeiError("Unhealthy" if exc.status == 503 else "Validation", str(exc),
+                        status=exc.status if exc.status in (499, 503) else None)
+    if isinstance(exc, HTTPException):  # the body-size limit, raised while FastAPI reads the body
+        return TeiError("Validation", str(exc.detail), status=exc.status_code)
+    return None
+
+
+class TeiRoute(APIRoute):
+    """A route that answers every error in TEI's shape (give it to TEI's ``APIRouter``)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handle = super().get_route_handler()
+
+        async def handle_in_tei_shape(request: Request) -> Response:
+            try:
+                return await handle(request)
+            except Exception as exc:
+                error = as_tei_error(exc)
+                if error is None:
+                    raise
+                return tei_error_response(error)
+
+        return handle_in_tei_shape

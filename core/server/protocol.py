@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, create_model
 
 from poolrunner.core.plugin_api.options import RequestOptions
+from poolrunner.core.server.errors import ApiError
 
 TokenIds = list[StrictInt]
 EncodingFormat = Literal["float", "base64"]
@@ -78,26 +79,135 @@ class ClassificationRequest(_Request):
     use_activation: StrictBool | None = None
 
 
-class ScoreRequest(_Request):
-    """vLLM's ``/score``: ``text_1`` against ``text_2`` as 1:1, 1:N or N:N."""
+ScoreSide = StrictStr | list[StrictStr]
+"""One side of a score request: a text, or a list of texts."""
 
-    text_1: StrictStr | list[StrictStr]
-    text_2: StrictStr | list[StrictStr]
+SCORE_FORMS: tuple[tuple[str, str], ...] = (
+    ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"),
+)
+"""The field pairs of vLLM's score bodies, newest first; a request uses exactly one."""
+
+
+class ScoreRequest(_Request):
+    """vLLM's ``/score``: the first side against the second as 1:1, 1:N or N:N, sent as one of
+    :data:`SCORE_FORMS` (``queries``/``documents`` today; ``items``, ``data_1``/``data_2`` and
+    ``text_1``/``text_2`` from older clients). Text only: vLLM's multimodal items are refused."""
+
+    queries: ScoreSide | None = None
+    documents: ScoreSide | None = None
+    items: ScoreSide | None = None
+    data_1: ScoreSide | None = None
+    data_2: ScoreSide | None = None
+    text_1: ScoreSide | None = None
+    text_2: ScoreSide | None = None
     use_activation: StrictBool | None = None
+
+    def sides(self) -> tuple[tuple[str, str], ScoreSide, ScoreSide]:
+        """The form used (its two field names) and its two sides.
+
+        :raises ApiError: 400 unless the body sets exactly the two fields of one form.
+        """
+        given = [name for name in _SCORE_FIELDS if getattr(self, name) is not None]
+        for form in SCORE_FORMS:
+            if set(given) == set(form):
+                return form, getattr(self, form[0]), getattr(self, form[1])
+        forms = ", ".join(f"{first} + {second}" for first, second in SCORE_FORMS)
+        raise ApiError(400, f"send exactly one pair of fields ({forms}); got {', '.join(given) or 'none of them'}",
+                       param=given[0] if given else None)
+
+
+_SCORE_FIELDS = tuple(dict.fromkeys(name for form in SCORE_FORMS for name in form))
+
+
+class RerankDocumentInput(BaseModel):
+    """A document sent as an object (Cohere v1, Jina): ``text`` is ranked; Cohere v1 keeps any
+    other field, so they come back in the result's ``document``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    text: StrictStr
 
 
 class RerankRequest(_Request):
+    """vLLM's, Jina's and Cohere's (v1 and v2) rerank body; or TEI's (``texts``) on ``/rerank``.
+
+    ``documents`` is a list of texts or ``{"text": ...}`` objects, or one text (one document, as
+    vLLM takes it). ``max_tokens_per_doc`` keeps each document's first tokens (special tokens
+    not counted); the query is never cut. TEI's body has ``texts`` and its own fields instead:
+    :meth:`api` tells which one a body is.
+    """
+
     query: StrictStr
-    documents: list[StrictStr]
+    documents: StrictStr | list[StrictStr | RerankDocumentInput] | None = None
     top_n: StrictInt | None = None
-    return_documents: StrictBool = False
+    return_documents: StrictBool | None = Field(default=None, description="Default false (Cohere v1's default).")
+    max_tokens_per_doc: StrictInt | None = Field(
+        default=None, description="Keep each document's first tokens (Cohere, vLLM); special tokens not counted.")
+    priority: StrictInt | None = Field(default=None, description="Accepted (Cohere v2, vLLM); requests run in order.")
+    texts: list[StrictStr] | None = Field(default=None, description="TEI's documents; the answer is then TEI's.")
+    raw_scores: StrictBool | None = Field(default=None, description="TEI: scores without the activation.")
+    return_text: StrictBool | None = Field(default=None, description="TEI: each result carries its text.")
+    truncate: StrictBool | None = Field(default=None, description="TEI: cut over-long pairs to the model maximum.")
+    truncation_direction: Literal["Left", "Right", "left", "right"] | None = Field(
+        default=None, description="TEI: which end truncate keeps (default Right).")
+
+    def api(self) -> Literal["tei", "rerank"]:
+        """``"tei"`` for TEI's body (``texts``), else ``"rerank"`` (vLLM, Jina, Cohere).
+
+        :raises ApiError: 400 for a body that mixes the two, or that has neither list.
+        """
+        tei = [name for name in _TEI_RERANK_FIELDS if name in self.model_fields_set]
+        rerank = [name for name in _RERANK_FIELDS if name in self.model_fields_set]
+        if tei and rerank:
+            raise ApiError(400, f"{', '.join(rerank)} cannot be combined with TEI's fields ({', '.join(tei)}): send "
+                                "documents (vLLM, Jina, Cohere) or texts (TEI)", param=rerank[0])
+        if self.texts is None and self.documents is None:
+            raise ApiError(400, "send documents (vLLM, Jina, Cohere) or texts (TEI)", param="documents")
+        if self.texts is None and tei:
+            raise ApiError(400, f"{', '.join(tei)} belong to TEI's body, which sends texts", param=tei[0])
+        return "tei" if self.texts is not None else "rerank"
+
+    def document_list(self) -> list[StrictStr | RerankDocumentInput]:
+        """``documents`` as a list (one text is one document)."""
+        return [self.documents] if isinstance(self.documents, str) else list(self.documents or [])
+
+
+_TEI_RERANK_FIELDS = ("texts", "raw_scores", "return_text", "truncate", "truncation_direction")
+_RERANK_FIELDS = ("documents", "top_n", "return_documents", "max_tokens_per_doc", "truncate_prompt_tokens")
 
 
 class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize`` (``prompt``), or TEI's (``inputs``: a text or texts); the answer
+    follows the body."""
+
     model_config = ConfigDict(extra="forbid")
 
     model: StrictStr | None = None
-    prompt: StrictStr
+    prompt: StrictStr | None = None
+    inputs: StrictStr | list[StrictStr] | None = None
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool | None = Field(default=None, description="vLLM: also answer each token's string.")
+
+    def api(self) -> Literal["tei", "vllm"]:
+        """``"tei"`` for ``inputs``, ``"vllm"`` for ``prompt``.
+
+        :raises ApiError: 400 unless exactly one of them is sent, or for TEI with vLLM's fields.
+        """
+        if (self.prompt is None) == (self.inputs is None):
+            raise ApiError(400, "send prompt (vLLM) or inputs (TEI), exactly one of them",
+                           param="inputs" if self.inputs is not None else "prompt")
+        if self.inputs is not None and self.return_token_strs is not None:
+            raise ApiError(400, "return_token_strs belongs to vLLM's body, which sends prompt", param="return_token_strs")
+        return "tei" if self.inputs is not None else "vllm"
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``/detokenize``: token ids back to text, special tokens kept."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    tokens: TokenIds
 
 
 class Usage(BaseModel):
@@ -161,6 +271,10 @@ class ScoreResponse(_ListResponse):
 
 
 class RerankDocument(BaseModel):
+    """A result's document: ``text``, plus any other field a Cohere v1 document object had."""
+
+    model_config = ConfigDict(extra="allow")
+
     text: str
 
 
@@ -170,17 +284,59 @@ class RerankData(BaseModel):
     document: RerankDocument | None = None
 
 
+class ApiVersion(BaseModel):
+    version: str
+
+
+class BilledUnits(BaseModel):
+    search_units: int
+
+
+class RerankMeta(BaseModel):
+    """Cohere's ``meta``: the API version and the billed units (one search unit per 100 documents)."""
+
+    api_version: ApiVersion
+    billed_units: BilledUnits
+
+
 class RerankResponse(BaseModel):
+    """vLLM's and Jina's rerank answer; ``meta`` (Cohere) on ``/v1/rerank`` and ``/v2/rerank`` only."""
+
     id: str
     model: str
     usage: Usage
     results: list[RerankData]
+    meta: RerankMeta | None = None
+
+
+class TeiRank(BaseModel):
+    """One of TEI's ``/rerank`` results; ``text`` only with ``return_text``."""
+
+    index: int
+    score: float
+    text: str | None = None
+
+
+class TeiToken(BaseModel):
+    """One of TEI's ``/tokenize`` tokens: ``start``/``stop`` are UTF-8 byte offsets into the
+    input, ``None`` for the special tokens the tokenizer adds (whose ``text`` is the token)."""
+
+    id: int
+    text: str
+    special: bool
+    start: int | None
+    stop: int | None
 
 
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):
