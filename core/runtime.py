@@ -21,6 +21,7 @@ from poolrunner.core.inputs.tokenize import PromptInput
 from poolrunner.core.loading import LoadedModel, load
 from poolrunner.core.manager import PoolrunnerPluginManager
 from poolrunner.core.plugin_api.output import RequestOutput
+from poolrunner.core.quantize import Precision, check_precision, quantize
 from poolrunner.core.results import ClassificationResult, RerankResult
 from poolrunner.core.scoring import pair_up
 from poolrunner.core.similarity import SimilarityFn, check_similarity_fn
@@ -96,9 +97,11 @@ class Runtime:
         truncation_side: TruncationSide = "right",
         prompt: str | None = None,
         prompt_name: str | None = None,
+        precision: Precision = "float32",
+        ranges: np.ndarray | None = None,
         show_progress_bar: bool = False,
     ) -> np.ndarray:
-        """Embed texts (or token-id lists) into one float32 vector each.
+        """Embed texts (or token-id lists) into one vector each.
 
         :param texts: One input or a sequence of them; a text is tokenized with the model's
             tokenizer (special tokens added), a list of ints is used as ``prompt_token_ids``.
@@ -110,18 +113,26 @@ class Runtime:
         :param truncation_side: ``right`` keeps the start, ``left`` keeps the end.
         :param prompt: Literal prefix for every text.
         :param prompt_name: Name of one of the model's prompts.
+        :param precision: ``float32``, or sentence-transformers' ``int8``, ``uint8``, ``binary``,
+            ``ubinary`` (:mod:`poolrunner.core.quantize`), applied after ``dimensions`` and
+            normalization.
+        :param ranges: ``[2, d]`` per-dimension minima and maxima for ``int8`` / ``uint8``;
+            without them the range is calibrated on this call's embeddings (sentence-transformers'
+            default), so a vector's codes depend on the other inputs.
         :param show_progress_bar: Show a tqdm bar over finished inputs.
-        :returns: ``[num_inputs, d]`` float32 for a sequence of inputs, ``[d]`` for a single text.
+        :returns: ``[num_inputs, d]`` for a sequence of inputs, ``[d]`` for a single text: float32,
+            or the ``precision``'s dtype and width.
         :raises InvalidRequestError: naming the input and the limit it breaks; nothing runs then.
         """
         single = isinstance(texts, str)
         inputs: list[PromptInput] = [texts] if single else list(texts)  # type: ignore[list-item]
         params = self.frontend.params("embed", dimensions=dimensions, normalize=normalize)
+        check_precision(precision)
         if not inputs:
-            return np.zeros((0, dimensions or self.model_config.embedding_size), dtype=np.float32)
+            return quantize(np.zeros((0, dimensions or self.model_config.embedding_size), np.float32), precision)
         requests = self.frontend.prepare(inputs, params, truncate_prompt_tokens=truncate_prompt_tokens,
                                          truncation_side=truncation_side, prompt=prompt, prompt_name=prompt_name)
-        vectors = np.stack(frontend.embeddings(self._run(requests, show_progress_bar)))
+        vectors = quantize(np.stack(frontend.embeddings(self._run(requests, show_progress_bar))), precision, ranges)
         return vectors[0] if single else vectors
 
     def encode_query(self, texts: PromptInput | Sequence[PromptInput], **options: Any) -> np.ndarray:

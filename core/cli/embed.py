@@ -9,6 +9,7 @@ import numpy as np
 
 from poolrunner.core.cli.common import (
     PROGRESS_THRESHOLD,
+    CliError,
     add_command,
     add_input_option,
     add_model_options,
@@ -25,6 +26,7 @@ from poolrunner.core.cli.common import (
 )
 from poolrunner.core.cli.ray_job import EPILOG as RAY_EPILOG
 from poolrunner.core.cli.ray_job import add_ray_options, run_ray
+from poolrunner.core.quantize import PRECISIONS
 
 __all__ = ["add_parser", "run", "write_vectors"]
 
@@ -58,7 +60,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     files = parser.add_argument_group("input and output")
     add_input_option(files, "texts")
-    add_output_option(files, "; a name ending in .npy writes a float32 numpy array [n, d]")
+    add_output_option(files, "; a name ending in .npy writes a numpy array [n, d] (float32, or --precision's dtype)")
 
     model = add_model_options(parser)
     model.add_argument("--is-matryoshka", action="store_true",
@@ -71,6 +73,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                               "only for Matryoshka models")
     request.add_argument("--no-normalize", dest="normalize", action="store_const", const=False,
                          default=None, help="do not L2-normalize (default: the model's setting)")
+    request.add_argument("--precision", choices=PRECISIONS, default="float32",
+                         help="sentence-transformers' quantization after --dimensions and normalization: int8 / "
+                              "uint8 calibrate each dimension's range on all the inputs of the run; binary / "
+                              "ubinary pack one bit per dimension (.npy keeps the dtype)")
     add_truncation_options(request)
     prompt = request.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", metavar="STR", help="literal prefix prepended to every text")
@@ -86,6 +92,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Read the texts, load the model, embed, write. Input and option errors come before loading."""
     if args.ray is not None:
+        if args.precision != "float32":
+            raise CliError("--precision runs on one machine only: a --ray job writes float32 vectors")
         return run_ray(args, "embed", {
             "dimensions": args.dimensions, "normalize": args.normalize, "truncate_prompt_tokens": args.truncate,
             "truncation_side": args.truncation_side, "prompt": args.prompt, "prompt_name": args.prompt_name,
@@ -98,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     vectors = runtime.embed(
         texts, dimensions=args.dimensions, normalize=args.normalize,
         truncate_prompt_tokens=args.truncate, truncation_side=args.truncation_side,
-        prompt=args.prompt, prompt_name=args.prompt_name,
+        prompt=args.prompt, prompt_name=args.prompt_name, precision=args.precision,
         show_progress_bar=len(texts) > PROGRESS_THRESHOLD,
     )
     write_vectors(vectors, args.output)
@@ -106,8 +114,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def write_vectors(vectors: np.ndarray, output: str | None) -> None:
-    """JSONL to stdout or ``output``, or a float32 ``.npy`` array when ``output`` ends in ``.npy``."""
+    """JSONL to stdout or ``output``, or a ``.npy`` array in the vectors' dtype (float32, or a
+    quantized precision's int8 / uint8) when ``output`` ends in ``.npy``."""
     if output is not None and output != "-" and output.lower().endswith(".npy"):
-        write_output(output, lambda file: np.save(file, np.asarray(vectors, dtype=np.float32)), binary=True)
+        write_output(output, lambda file: np.save(file, vectors), binary=True)
         return
     write_jsonl(({"index": index, "embedding": vector.tolist()} for index, vector in enumerate(vectors)), output)

@@ -1,0 +1,78 @@
+"""``precision`` int8 / uint8 / binary / ubinary against sentence-transformers'
+``quantize_embeddings`` and ``SentenceTransformer.encode(precision=...)``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sentence_transformers.util import quantize_embeddings
+
+import poolrunner
+from poolrunner import InvalidRequestError
+from tests.test_cli import parse_jsonl, run_cli
+
+TEXTS = ["A cat sat on the mat.", "Paris is the capital of France.", "The stock market fell sharply.",
+         "A man is playing a guitar.", "Rain is expected tomorrow."]
+PRECISIONS = ["int8", "uint8", "binary", "ubinary"]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_quantized_embeddings_equal_sentence_transformers(runtime, st_model, precision):
+    floats = runtime.embed(TEXTS)
+    got = runtime.embed(TEXTS, precision=precision)
+    expected = quantize_embeddings(floats, precision=precision)  # the same floats: the codes must be identical
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    np.testing.assert_array_equal(got, expected)
+    # End to end against sentence-transformers' own vectors: codes agree but for floats on a bucket edge.
+    reference = st_model.encode(TEXTS, precision=precision)
+    assert np.mean(got == reference) >= 0.995 and np.abs(got.astype(int) - reference.astype(int)).max() <= 1
+
+
+@pytest.mark.parametrize("precision", ["int8", "uint8"])
+def test_ranges_make_the_codes_independent_of_the_batch(runtime, precision):
+    floats = runtime.embed(TEXTS)
+    ranges = np.vstack([floats.min(axis=0), floats.max(axis=0)])
+    alone = runtime.embed(TEXTS[0], precision=precision, ranges=ranges)
+    np.testing.assert_array_equal(alone, quantize_embeddings(floats[:1], precision=precision, ranges=ranges)[0])
+    np.testing.assert_array_equal(runtime.embed(TEXTS, precision=precision, ranges=ranges)[0], alone)
+
+
+@pytest.fixture(scope="module")
+def matryoshka_runtime():
+    return poolrunner.Runtime(is_matryoshka=True, dtype="float32")
+
+
+def test_dimensions_apply_before_quantizing(matryoshka_runtime):
+    floats = matryoshka_runtime.embed(TEXTS, dimensions=64)
+    packed = matryoshka_runtime.embed(TEXTS, dimensions=64, precision="ubinary")
+    assert packed.shape == (5, 8)
+    np.testing.assert_array_equal(packed, quantize_embeddings(floats, precision="ubinary"))
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"precision": "int4"}, "precision must be one of ['float32', 'int8', 'uint8', 'binary', 'ubinary'], got 'int4'"),
+    ({"precision": "int8"}, "int8 needs ranges, or at least two embeddings in the call to calibrate them on; got 1"),
+    ({"precision": "uint8", "ranges": np.zeros((2, 3))},
+     "ranges must have shape [2, 384] (minima, maxima per dimension), got [2, 3]"),
+])
+def test_bad_precision_options_are_refused(runtime, options, message):
+    with pytest.raises(InvalidRequestError) as caught:
+        runtime.embed([TEXTS[0]], **options)
+    assert str(caught.value) == message
+    assert runtime.embed(TEXTS[:2], precision="int8").dtype == np.int8  # still serves
+
+
+def test_empty_input_keeps_the_precision_shape(runtime):
+    assert runtime.embed([], precision="binary").shape == (0, 48)
+    assert runtime.embed([], precision="int8").dtype == np.int8
+
+
+def test_the_command_line_keeps_the_dtype(capsys, tmp_path, runtime):
+    floats = runtime.embed(TEXTS)
+    out = tmp_path / "codes.npy"
+    code, _, err = run_cli(capsys, "embed", "--precision", "ubinary", "--output", str(out), *TEXTS)
+    assert code == 0, err
+    np.testing.assert_array_equal(np.load(out), quantize_embeddings(floats, precision="ubinary"))
+    code, printed, err = run_cli(capsys, "embed", "--precision", "int8", *TEXTS)
+    assert code == 0, err
+    np.testing.assert_array_equal(parse_jsonl(printed), quantize_embeddings(floats, precision="int8"))
