@@ -225,11 +225,21 @@ def is_pair(item: object) -> bool:
     return isinstance(item, tuple) and len(item) == 2 and all(isinstance(text, str) for text in item)
 
 
+def is_single(inputs: object) -> bool:
+    """One input rather than a sequence of them: a text, one token-id list (ints, as the HTTP
+    routes read it) or one ``(text, text_pair)`` tuple."""
+    return isinstance(inputs, str) or is_pair(inputs) or is_token_ids(inputs)
+
+
+def is_token_ids(value: object) -> bool:
+    """A non-empty list or tuple of integers (numpy's too; booleans are not token ids)."""
+    return (isinstance(value, list | tuple) and len(value) > 0
+            and all(isinstance(item, int | np.integer) and not isinstance(item, bool) for item in value))
+
+
 def as_items(inputs: ClassifyInput | Sequence[ClassifyInput]) -> list[ClassifyInput]:
-    """``inputs`` as a list: one text or one ``(text, text_pair)`` tuple is one input."""
-    if isinstance(inputs, str) or is_pair(inputs):
-        return [inputs]  # type: ignore[list-item]
-    return list(inputs)  # type: ignore[arg-type]
+    """``inputs`` as a list of inputs (see :func:`is_single`)."""
+    return [inputs] if is_single(inputs) else list(inputs)  # type: ignore[list-item, arg-type]
 
 
 def to_array(output: RequestOutput) -> Result:

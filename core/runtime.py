@@ -104,7 +104,8 @@ class Runtime:
         """Embed texts (or token-id lists) into one vector each.
 
         :param texts: One input or a sequence of them; a text is tokenized with the model's
-            tokenizer (special tokens added), a list of ints is used as ``prompt_token_ids``.
+            tokenizer (special tokens added), a list of ints is one input's ``prompt_token_ids``
+            (used as given).
         :param dimensions: Matryoshka size ``d``: keep ``[:d]``, then normalize. Only for
             Matryoshka models; ``1 <= d <= embedding_size``.
         :param normalize: L2-normalize; ``None`` keeps the model's default.
@@ -120,12 +121,12 @@ class Runtime:
             without them the range is calibrated on this call's embeddings (sentence-transformers'
             default), so a vector's codes depend on the other inputs.
         :param show_progress_bar: Show a tqdm bar over finished inputs.
-        :returns: ``[num_inputs, d]`` for a sequence of inputs, ``[d]`` for a single text: float32,
-            or the ``precision``'s dtype and width.
+        :returns: ``[num_inputs, d]`` for a sequence of inputs, ``[d]`` for one text or one
+            token-id list: float32, or the ``precision``'s dtype and width.
         :raises InvalidRequestError: naming the input and the limit it breaks; nothing runs then.
         """
-        single = isinstance(texts, str)
-        inputs: list[PromptInput] = [texts] if single else list(texts)  # type: ignore[list-item]
+        single = isinstance(texts, str) or frontend.is_token_ids(texts)
+        inputs: list[PromptInput] = frontend.as_items(texts)  # type: ignore[assignment]
         params = self.frontend.params("embed", dimensions=dimensions, normalize=normalize)
         check_precision(precision)
         if not inputs:

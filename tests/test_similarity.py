@@ -1,6 +1,7 @@
 """sentence-transformers' conveniences on a Runtime: ``similarity`` (each function),
 ``similarity_pairwise``, ``encode_query`` / ``encode_document`` with the model's prompts, and
-``score``'s shapes. References: sentence-transformers on the same folders."""
+``score``'s shapes, a flat token-id list as one input. References: sentence-transformers on the
+same folders."""
 
 from __future__ import annotations
 
@@ -98,3 +99,13 @@ def test_a_folder_similarity_function_is_the_default(prompted):
     vectors = runtime.embed(QUERIES)
     np.testing.assert_allclose(runtime.similarity(vectors, vectors), st.similarity(vectors, vectors).numpy(),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_a_flat_token_id_list_is_one_input(runtime, st_model):
+    """As the HTTP routes read it (and vLLM's prompt_token_ids): one input, not one input per id."""
+    ids = list(runtime.inputs.encode([QUERIES[0]])[0])
+    vector = runtime.embed(ids)
+    assert vector.shape == (384,)
+    assert cosine_rows(vector[None], st_model.encode([QUERIES[0]])).min() >= MIN_COSINE
+    assert len(runtime.encode(ids)) == 1 and runtime.embed([ids, ids]).shape == (2, 384)
+    assert runtime.embed(tuple(np.array(ids))).shape == (384,)  # numpy integers too

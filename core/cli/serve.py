@@ -75,6 +75,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "it is answered 429 at once")
     server.add_argument("--drain-timeout", metavar="SECONDS", type=float, default=30.0,
                         help="how long requests in flight may take to finish after SIGTERM")
+    server.add_argument("--auto-truncate", metavar="BOOL", nargs="?", type=_boolean, const=True, default=False,
+                        help="TEI's routes (/embed, /predict...) truncate an over-long input to the model maximum "
+                             "when the request does not set truncate (as TEI's --auto-truncate; default: false, "
+                             "such an input is a 422)")
     server.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
                         help="uvicorn's log level")
     add_plugin_options(parser)
@@ -95,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
             max_inputs_per_request=args.max_inputs_per_request, max_request_bytes=args.max_request_bytes,
             max_waiting_requests=args.max_waiting_requests, drain_timeout=args.drain_timeout,
+            auto_truncate=args.auto_truncate,
         )
     except ValueError as exc:
         raise CliError(str(exc), hint="raise --max-waiting-requests or lower --max-inputs-per-request") from exc
@@ -103,3 +108,11 @@ def run(args: argparse.Namespace) -> int:
     serve(create_app(runtime, settings), host=args.host, port=args.port, drain_timeout=args.drain_timeout,
           log_level=args.log_level)
     return 0
+
+
+def _boolean(value: str) -> bool:
+    """argparse ``type`` for ``--auto-truncate [true|false]`` (TEI takes the flag alone or with a value)."""
+    answer = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(value.lower())
+    if answer is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    return answer

@@ -1,28 +1,34 @@
 """The FastAPI app: ``create_app(runtime, settings)`` serves one :class:`Runtime` over HTTP.
 
-Endpoints: ``POST /v1/embeddings`` (OpenAI), ``GET /v1/models``, ``POST /classify``, ``/score``,
-``/rerank``, ``/pooling``, ``/tokenize`` (vLLM's shapes), ``GET /health``, ``GET /metrics``
-(Prometheus); FastAPI serves the OpenAPI page at ``/docs``. While the app runs, the runtime
-serves (:meth:`Runtime.serving`): one engine loop batches all clients' requests together, and
-the runtime's own Python API goes through the same loop meanwhile.
+Endpoints: ``POST /v1/embeddings`` and ``/embeddings`` (OpenAI), ``GET /v1/models`` and
+``/v1/models/{id}``, ``POST /classify``, ``/score`` and ``/v1/score`` (vLLM's four body forms),
+``/rerank``, ``/v1/rerank``, ``/v2/rerank`` (vLLM, Jina, Cohere v1/v2 bodies; TEI's on
+``/rerank``), ``/pooling``, ``/tokenize`` (vLLM's or TEI's body), ``/detokenize`` (vLLM's shapes),
+``GET /health``, ``GET /metrics`` (Prometheus); TEI's other routes come from :mod:`.tei`. FastAPI
+serves the OpenAPI page at ``/docs``. While the app runs, the runtime serves
+(:meth:`Runtime.serving`): one engine loop batches all clients' requests together, and the
+runtime's own Python API goes through the same loop meanwhile.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from poolrunner.core import frontend
 from poolrunner.core.runtime import Runtime
 from poolrunner.core.server import protocol as p
-from poolrunner.core.server.errors import install_handlers
+from poolrunner.core.server.errors import as_tei_error, install_handlers, tei_error_response
 from poolrunner.core.server.metrics import ServerMetrics
 from poolrunner.core.server.middleware import GuardMiddleware, ServerState
 from poolrunner.core.server.service import PoolingService, encode_array
@@ -64,10 +70,20 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
     install_handlers(app)
     _add_routes(app, service, int(time.time()))
     add_tei_routes(app, service)
-    endpoints = frozenset(route.path for route in app.routes)  # metrics label every other path "other"
+    endpoints = frozenset(_paths(app.routes))  # metrics label every other path "other"
     app.add_middleware(GuardMiddleware, state=state, metrics=metrics, api_key=settings.api_key,
                        max_request_bytes=settings.max_request_bytes, endpoints=endpoints)
     return app
+
+
+def _paths(routes: Iterable[Any]) -> Iterator[str]:
+    """Every route's path, those of included routers too (FastAPI keeps an included router as
+    one entry; TEI's router has no prefix, so its paths are the routes' own)."""
+    for route in routes:
+        if isinstance(getattr(route, "path", None), str):
+            yield route.path
+        elif hasattr(route, "original_router"):
+            yield from _paths(route.original_router.routes)
 
 
 def default_model_name(runtime: Runtime) -> str:
@@ -88,7 +104,6 @@ def _id(prefix: str) -> str:
 def _add_routes(app: FastAPI, service: PoolingService, created: int) -> None:  # noqa: C901 (one route each)
     runtime = service.runtime
 
-    @app.post("/v1/embeddings", response_model=p.EmbeddingResponse)
     async def embeddings(body: p.EmbeddingRequest, request: Request) -> p.EmbeddingResponse:
         """OpenAI's embeddings: one vector per input, in input order."""
         service.check_model(body.model)
@@ -98,10 +113,22 @@ def _add_routes(app: FastAPI, service: PoolingService, created: int) -> None:  #
                 for i, v in enumerate(vectors)]
         return p.EmbeddingResponse(data=data, model=service.model_name, usage=_usage(num_tokens))
 
+    for path in ("/v1/embeddings", "/embeddings"):  # vLLM serves both
+        app.post(path, response_model=p.EmbeddingResponse)(embeddings)
+
+    def card() -> p.ModelCard:
+        return p.ModelCard(id=service.model_name, created=created, task=runtime.task,
+                           max_model_len=runtime.model_config.max_model_len)
+
     @app.get("/v1/models", response_model=p.ModelList)
     async def models() -> p.ModelList:
-        return p.ModelList(data=[p.ModelCard(id=service.model_name, created=created, task=runtime.task,
-                                             max_model_len=runtime.model_config.max_model_len)])
+        return p.ModelList(data=[card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=p.ModelCard)
+    async def model(model_id: str) -> p.ModelCard:
+        """OpenAI's retrieve: the served model's card; 404 for any other id."""
+        service.check_model(model_id)
+        return card()
 
     option_names = [entry.option.name for entry in runtime.frontend.options]
 
@@ -141,34 +168,40 @@ def _add_routes(app: FastAPI, service: PoolingService, created: int) -> None:  #
         return p.ClassificationResponse(id=_id("classify"), created=int(time.time()), model=service.model_name,
                                         data=data, usage=_usage(num_tokens))
 
-    @app.post("/score", response_model=p.ScoreResponse)
     async def score(body: p.ScoreRequest, request: Request) -> p.ScoreResponse:
-        """``text_1`` against ``text_2`` (1:1, 1:N or N:N): one score per pair, in pair order."""
+        """vLLM's score: the first side against the second (1:1, 1:N or N:N), one score per pair in
+        pair order; the body is ``queries``/``documents``, ``queries``/``items``, ``data_1``/``data_2``
+        or ``text_1``/``text_2``."""
         service.check_model(body.model)
-        scores, num_tokens = await service.score(request, body.text_1, body.text_2, body.use_activation,
+        _form, first, second = body.sides()
+        scores, num_tokens = await service.score(request, first, second, body.use_activation,
                                                  body.truncate_prompt_tokens)
         data = [p.ScoreData(index=i, score=float(s)) for i, s in enumerate(scores)]
         return p.ScoreResponse(id=_id("score"), created=int(time.time()), model=service.model_name, data=data,
                                usage=_usage(num_tokens))
 
-    @app.post("/rerank", response_model=p.RerankResponse, response_model_exclude_none=True)
-    async def rerank(body: p.RerankRequest, request: Request) -> p.RerankResponse:
-        """Documents ranked best first by relevance to ``query`` (ties keep input order)."""
-        service.check_model(body.model)
-        ranked, num_tokens = await service.rerank(request, body.query, body.documents, body.top_n,
-                                                  body.return_documents, body.truncate_prompt_tokens)
-        results = [p.RerankData(index=r.index, relevance_score=r.score,
-                                document=p.RerankDocument(text=r.document) if r.document is not None else None)
-                   for r in ranked]
-        return p.RerankResponse(id=_id("rerank"), model=service.model_name, usage=_usage(num_tokens),
-                                results=results)
+    for path in ("/score", "/v1/score"):  # vLLM serves both
+        app.post(path, response_model=p.ScoreResponse)(score)
 
-    @app.post("/tokenize", response_model=p.TokenizeResponse)
-    async def tokenize(body: p.TokenizeRequest) -> p.TokenizeResponse:
-        """The model's ``prompt_token_ids`` for ``prompt``, special tokens included."""
+    for path, version in (("/rerank", None), ("/v1/rerank", "1"), ("/v2/rerank", "2")):
+        app.post(path, response_model=p.RerankResponse | list[p.TeiRank],
+                 response_model_exclude_none=True)(_rerank_route(service, version))
+
+    @app.post("/tokenize", response_model=p.TokenizeResponse | list[list[p.TeiToken]])
+    async def tokenize(body: p.TokenizeRequest) -> JSONResponse | list[list[p.TeiToken]]:
+        """vLLM's tokenize (``prompt``: the ``prompt_token_ids``, special tokens included unless
+        ``add_special_tokens`` is false), or TEI's (``inputs``: each text's tokens with their spans)."""
         service.check_model(body.model)
-        tokens = await service.tokenize(body.prompt)
-        return p.TokenizeResponse(count=len(tokens), max_model_len=runtime.model_config.max_model_len, tokens=tokens)
+        if body.api() == "tei":
+            return await _tei_tokens(service, body.inputs, body.add_special_tokens)  # type: ignore[arg-type]
+        # TEI's null spans stay; vLLM's answer has token_strs only when asked
+        return JSONResponse((await _vllm_tokens(service, body)).model_dump(exclude_none=True))
+
+    @app.post("/detokenize", response_model=p.DetokenizeResponse)
+    async def detokenize(body: p.DetokenizeRequest) -> p.DetokenizeResponse:
+        """vLLM's detokenize: ``tokens`` decoded as the tokenizer decodes them (special tokens kept)."""
+        service.check_model(body.model)
+        return p.DetokenizeResponse(prompt=await service.detokenize(body.tokens))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -180,3 +213,93 @@ def _add_routes(app: FastAPI, service: PoolingService, created: int) -> None:  #
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _rerank_route(service: PoolingService, version: str | None) -> Any:
+    """The handler of one rerank path: Cohere's ``meta`` with API ``version`` ("1", "2") or
+    none (``/rerank``, as vLLM); a TEI body (``texts``) is answered in TEI's shape."""
+
+    async def rerank(body: p.RerankRequest, request: Request) -> p.RerankResponse | list[p.TeiRank] | Response:
+        """Documents best first by relevance to ``query`` (ties keep input order), as vLLM, Jina
+        and Cohere answer; TEI's body (``query``, ``texts``) gets TEI's list of ``{index, score, text?}``."""
+        service.check_model(body.model)
+        if body.api() == "tei":
+            try:
+                return await _tei_rerank(service, body, request)
+            except Exception as exc:  # once the body is TEI's, errors are TEI's too
+                error = as_tei_error(exc)
+                if error is None:
+                    raise
+                return tei_error_response(error)
+        return await _rerank(service, body, request, version)
+
+    return rerank
+
+
+async def _rerank(service: PoolingService, body: p.RerankRequest, request: Request,
+                  version: str | None) -> p.RerankResponse:
+    """vLLM's, Jina's and Cohere's rerank; ``meta`` only for a Cohere ``version``."""
+    documents = body.document_list()
+    texts = [d if isinstance(d, str) else d.text for d in documents]
+    ranked, num_tokens = await service.rerank(request, body.query, texts, body.top_n, bool(body.return_documents),
+                                              body.truncate_prompt_tokens, body.max_tokens_per_doc)
+    results = [p.RerankData(index=r.index, relevance_score=r.score,
+                            document=_document(documents[r.index]) if r.document is not None else None)
+               for r in ranked]
+    meta = None
+    if version is not None:  # Cohere bills one search unit per (up to) 100 documents
+        meta = p.RerankMeta(api_version=p.ApiVersion(version=version),
+                            billed_units=p.BilledUnits(search_units=max(1, math.ceil(len(documents) / 100))))
+    return p.RerankResponse(id=_id("rerank"), model=service.model_name, usage=_usage(num_tokens), results=results,
+                            meta=meta)
+
+
+def _document(document: str | p.RerankDocumentInput) -> p.RerankDocument:
+    """A result's document as sent: the text, and a Cohere v1 object's other fields too."""
+    if isinstance(document, str):
+        return p.RerankDocument(text=document)
+    return p.RerankDocument(**document.model_dump())
+
+
+async def _tei_rerank(service: PoolingService, body: p.RerankRequest, request: Request) -> list[p.TeiRank]:
+    """TEI's rerank: every text, best first; ``raw_scores`` skips the cross-encoder's activation,
+    ``truncate`` (default: the server's ``auto_truncate``) keeps the model maximum of each pair."""
+    texts = body.texts or []
+    service.check_count(len(texts), "texts")
+    truncate = body.truncate if body.truncate is not None else service.settings.auto_truncate
+    side = "left" if (body.truncation_direction or "right").lower() == "left" else "right"
+    scores, _ = await service.score(request, body.query, texts, False if body.raw_scores else None,
+                                    -1 if truncate else None, side)
+    ranked = frontend.rank(scores, texts, return_documents=bool(body.return_text))
+    return [p.TeiRank(index=r.index, score=r.score, text=r.document) for r in ranked]
+
+
+async def _vllm_tokens(service: PoolingService, body: p.TokenizeRequest) -> p.TokenizeResponse:
+    """vLLM's tokenize answer for ``body.prompt``."""
+    max_model_len = service.runtime.model_config.max_model_len
+    if body.add_special_tokens and not body.return_token_strs:  # the front end's own path, length-checked
+        ids = await service.tokenize(body.prompt)  # type: ignore[arg-type]
+        return p.TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids)
+    tokens = (await service.tokens([body.prompt], body.add_special_tokens))[0]  # type: ignore[list-item]
+    return p.TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=[t.id for t in tokens],
+                              token_strs=[t.token for t in tokens] if body.return_token_strs else None)
+
+
+async def _tei_tokens(service: PoolingService, inputs: str | list[str], add_special_tokens: bool
+                      ) -> list[list[p.TeiToken]]:
+    """TEI's tokenize: a list of tokens per input (one list for one text), spans in UTF-8 bytes
+    and the input's own text for each token; a special token's text is the token itself."""
+    texts = [inputs] if isinstance(inputs, str) else inputs
+    service.check_count(len(texts), "inputs")
+    answer = []
+    for text, tokens in zip(texts, await service.tokens(texts, add_special_tokens), strict=True):
+        row = []
+        for token in tokens:
+            if token.span is None:
+                row.append(p.TeiToken(id=token.id, text=token.token, special=True, start=None, stop=None))
+                continue
+            start, stop = (len(text[:offset].encode()) for offset in token.span)
+            row.append(p.TeiToken(id=token.id, text=text[token.span[0]:token.span[1]], special=False,
+                                  start=start, stop=stop))
+        answer.append(row)
+    return answer

@@ -9,10 +9,8 @@ error they raise in that shape, including the body validation FastAPI does befor
 
 from __future__ import annotations
 
-from typing import Any
-
 from collections.abc import Callable, Coroutine
-from typing import Literal
+from typing import Any, Literal
 
 import pydantic
 from fastapi import FastAPI, Request

@@ -197,7 +197,8 @@ class TokenizeRequest(BaseModel):
             raise ApiError(400, "send prompt (vLLM) or inputs (TEI), exactly one of them",
                            param="inputs" if self.inputs is not None else "prompt")
         if self.inputs is not None and self.return_token_strs is not None:
-            raise ApiError(400, "return_token_strs belongs to vLLM's body, which sends prompt", param="return_token_strs")
+            raise ApiError(400, "return_token_strs belongs to vLLM's body, which sends prompt",
+                           param="return_token_strs")
         return "tei" if self.inputs is not None else "vllm"
 
 

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from attrs import frozen
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
@@ -124,23 +127,31 @@ class PoolingService:
         return self.frontend.classifications(outputs), num_tokens
 
     async def score(self, request: Request, queries: str | list[str], documents: str | list[str],
-                    use_activation: bool | None, truncate_prompt_tokens: int | None) -> tuple[np.ndarray, int]:
+                    use_activation: bool | None, truncate_prompt_tokens: int | None,
+                    truncation_side: TruncationSide = "right",
+                    max_tokens_per_doc: int | None = None) -> tuple[np.ndarray, int]:
         """``Runtime.score``'s own path (:meth:`Frontend.plan_score`): cosine of embeddings
         (bi-encoder), a one-label classifier's score of each pair (cross-encoder), or a plugin's
-        ``score_outputs`` (SPLADE, ColBERT); ``[num_pairs]`` float32 and the token count."""
+        ``score_outputs`` (SPLADE, ColBERT); ``[num_pairs]`` float32 and the token count.
+        ``max_tokens_per_doc`` cuts each document to its first tokens (Cohere's, vLLM's field)."""
+        check_max_tokens_per_doc(max_tokens_per_doc)
         pairs = pair_up(queries, documents)
         self.check_count(len(pairs), "pairs")
         plan = await run_in_threadpool(self.frontend.plan_score, pairs, truncate_prompt_tokens=truncate_prompt_tokens,
-                                       use_activation=use_activation)
+                                       truncation_side=truncation_side, use_activation=use_activation,
+                                       max_document_tokens=max_tokens_per_doc)
         outputs, num_tokens = await self.run_requests(request, plan.requests)
         return await run_in_threadpool(plan.finish, outputs), num_tokens
 
     async def rerank(self, request: Request, query: str, documents: list[str], top_n: int | None,
-                     return_documents: bool, truncate_prompt_tokens: int | None) -> tuple[list[RerankResult], int]:
-        """Like ``Runtime.rerank``: best first, ties in input order."""
+                     return_documents: bool, truncate_prompt_tokens: int | None,
+                     max_tokens_per_doc: int | None = None) -> tuple[list[RerankResult], int]:
+        """Like ``Runtime.rerank``: best first, ties in input order; results carry the whole
+        documents even when ``max_tokens_per_doc`` scored their first tokens only."""
         frontend.check_top_n(top_n)
         self.check_count(len(documents), "documents")
-        scores, num_tokens = await self.score(request, query, documents, None, truncate_prompt_tokens)
+        scores, num_tokens = await self.score(request, query, documents, None, truncate_prompt_tokens,
+                                              max_tokens_per_doc=max_tokens_per_doc)
         return frontend.rank(scores, documents, top_n=top_n, return_documents=return_documents), num_tokens
 
     async def encode(self, request: Request, items: Sequence[ClassifyInput], task: str | None,
@@ -153,8 +164,62 @@ class PoolingService:
         return [frontend.to_array(output) for output in outputs], num_tokens
 
     async def tokenize(self, text: str) -> list[int]:
+        """The model's ``prompt_token_ids`` for ``text``, checked against the model maximum."""
         ids = await run_in_threadpool(self.frontend.inputs.encode, [text])
         return list(ids[0])
+
+    async def tokens(self, texts: list[str], add_special_tokens: bool) -> list[list[Token]]:
+        """Each text's tokens with their character spans (``None`` for added special tokens),
+        untruncated; in a worker thread, on :attr:`tokenizer`."""
+        return await run_in_threadpool(_tokens, self.tokenizer, texts, add_special_tokens)
+
+    async def detokenize(self, ids: list[int]) -> str:
+        """vLLM's ``/detokenize``: ``ids`` decoded as the tokenizer does, special tokens kept.
+
+        :raises ApiError: 400 for an id outside the vocabulary.
+        """
+        vocab_size = self.frontend.inputs.vocab_size
+        bad = next((i for i, token in enumerate(ids) if not 0 <= token < vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"tokens[{bad}] = {ids[bad]} is outside the vocabulary [0, {vocab_size})",
+                           param="tokens")
+        return await run_in_threadpool(self.tokenizer.decode, ids)
+
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        """A copy of the model's tokenizer for the tokenize routes: their calls change the
+        tokenizer's truncation settings, which the front end's shared tokenizer keeps per call."""
+        return copy.deepcopy(self.frontend.inputs.tokenizer)
+
+
+@frozen
+class Token:
+    """One token of :meth:`PoolingService.tokens`: ``span`` is ``(start, stop)`` in characters,
+    ``None`` for a special token the tokenizer added."""
+
+    id: int
+    token: str
+    special: bool
+    span: tuple[int, int] | None
+
+
+def _tokens(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[list[Token]]:
+    encoded = tokenizer(texts, add_special_tokens=add_special_tokens, return_offsets_mapping=True,
+                        return_special_tokens_mask=True, return_attention_mask=False,
+                        return_token_type_ids=False, verbose=False)
+    return [
+        [Token(id=token_id, token=token, special=bool(special), span=None if special else tuple(span))
+         for token_id, token, special, span in zip(encoded["input_ids"][row], encoded.tokens(row),
+                                                   encoded["special_tokens_mask"][row],
+                                                   encoded["offset_mapping"][row], strict=True)]
+        for row in range(len(texts))
+    ]
+
+
+def check_max_tokens_per_doc(value: int | None) -> None:
+    """:raises ApiError: 400 unless ``value`` is ``None`` or a positive integer."""
+    if value is not None and value < 1:
+        raise ApiError(400, f"max_tokens_per_doc must be a positive integer, got {value}", param="max_tokens_per_doc")
 
 
 async def _disconnected(request: Request) -> None:

@@ -20,6 +20,9 @@ class ServerSettings:
     :ivar max_waiting_requests: Most inputs queued or running in the engine at once, over all
         clients; a request that would pass it is answered 429 at once.
     :ivar drain_timeout: Seconds that requests in flight get to finish after SIGTERM.
+    :ivar auto_truncate: TEI's ``--auto-truncate``: TEI's routes (``/embed``, ``/predict``...) keep
+        the model maximum of tokens of an over-long input when the request does not say
+        ``truncate``; off, such an input is a 422 unless the request asks for ``truncate: true``.
     """
 
     served_model_name: str | None = None
@@ -28,6 +31,7 @@ class ServerSettings:
     max_request_bytes: int = field(default=16 * 1024 * 1024, validator=positive_int)
     max_waiting_requests: int = field(default=8192, validator=positive_int)
     drain_timeout: float = 30.0
+    auto_truncate: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.max_inputs_per_request > self.max_waiting_requests:

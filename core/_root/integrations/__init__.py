@@ -1,0 +1,1 @@
+"""``poolrunner.integrations``: adapters for other projects' harnesses (:mod:`poolrunner.core.integrations`)."""

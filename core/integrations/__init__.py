@@ -1,0 +1,1 @@
+"""Adapters that let other projects' harnesses drive a :class:`~poolrunner.core.runtime.Runtime`."""
