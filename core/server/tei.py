@@ -174,10 +174,7 @@ class TeiApi:
 
     def _batch(self, inputs: t.EmbedInputs) -> list[ClassifyInput]:
         """TEI's ``Input`` as a list: a text or one token-id list is one input."""
-        if isinstance(inputs, str) or (inputs and all(isinstance(token, int) for token in inputs)):
-            items: list[Any] = [inputs]
-        else:
-            items = list(inputs)
+        items = frontend.as_items(inputs)  # type: ignore[arg-type]
         self._check_items(items)
         return items
 
