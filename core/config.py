@@ -64,6 +64,11 @@ class RuntimeConfig:
     :ivar max_num_batched_tokens: Token budget of one step (one forward pass); ``None`` picks
         :func:`default_token_budget` for the device.
     :ivar max_num_seqs: Most requests in one step.
+    :ivar max_embed_len: Accept ``embed`` inputs longer than the model's ``max_model_len``, up to
+        this many tokens: each runs in windows of ``max_model_len`` tokens whose vectors are
+        combined (vLLM's chunked processing; MEAN pooling only; see
+        :mod:`poolrunner.core.chunking`). Must be above ``max_model_len``. ``None``: such inputs
+        are an error unless truncated.
     :ivar overrides: Settings that win over the model folder's.
 
     Fields marked :data:`SPEED_ONLY` change speed, never results.
@@ -82,6 +87,7 @@ class RuntimeConfig:
     async_scheduling: bool | None = field(default=None, validator=optional_bool, metadata={SPEED_ONLY: True})
     max_num_batched_tokens: int | None = field(default=None, validator=positive_int, metadata={SPEED_ONLY: True})
     max_num_seqs: int = field(default=256, validator=positive_int, metadata={SPEED_ONLY: True})
+    max_embed_len: int | None = field(default=None, validator=positive_int)
     overrides: ModelOverrides = field(factory=ModelOverrides)
 
     @classmethod

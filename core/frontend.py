@@ -16,6 +16,7 @@ import attrs
 import numpy as np
 from attrs import frozen
 
+from poolrunner.core.chunking import LongInputs
 from poolrunner.core.errors import InvalidRequestError, UnsupportedTaskError
 from poolrunner.core.hooks import Hooks
 from poolrunner.core.inputs.tokenize import InputProcessor, PromptInput
@@ -50,10 +51,12 @@ class Frontend:
     :param tasks: Every task the runtime serves.
     :param default_task: The task of a request that names none.
     :param options: The request options the plugins declare.
+    :param max_embed_len: Embed inputs longer than ``max_model_len``, up to this many tokens, in
+        windows (:mod:`poolrunner.core.chunking`); ``None``: such inputs are refused.
     """
 
     def __init__(self, model_config: ModelConfig, inputs: InputProcessor, hooks: Hooks, tasks: frozenset[PoolingTask],
-                 default_task: PoolingTask, options: RequestOptions) -> None:
+                 default_task: PoolingTask, options: RequestOptions, *, max_embed_len: int | None = None) -> None:
         self.model_config = model_config
         self.inputs = inputs
         self.tasks = tasks
@@ -61,6 +64,7 @@ class Frontend:
         self.options = options
         self._hooks = hooks
         self._request_ids = itertools.count()
+        self.long_inputs = LongInputs(inputs, max_embed_len) if max_embed_len is not None else None
 
     def params(self, task: PoolingTask | None = None, options: Mapping[str, Any] | None = None,
                **core: Any) -> PoolingParams:
@@ -82,15 +86,28 @@ class Frontend:
     def prepare(
         self, inputs: Sequence[ClassifyInput], params: PoolingParams, *, truncate_prompt_tokens: int | None = None,
         truncation_side: TruncationSide = "right", prompt: str | None = None, prompt_name: str | None = None,
+        add_special_tokens: bool = True,
     ) -> list[PoolingRequest]:
         """Validate and tokenize ``inputs`` into engine requests (fresh ids), in input order.
 
         ``params`` come from :meth:`params`; they are checked against the pooler (e.g.
-        ``dimensions``) when the requests are admitted.
+        ``dimensions``) when the requests are admitted. ``add_special_tokens=False`` tokenizes
+        texts (and pairs) without the tokenizer's special tokens (vLLM's ``add_special_tokens``).
+
+        With ``max_embed_len`` set, an ``embed`` input (not a pair, not truncated) over
+        ``max_model_len`` becomes one :class:`~poolrunner.core.chunking.WindowedRequest`, which
+        the runtime runs in windows and answers with one combined vector.
 
         :raises InvalidRequestError: for bad input, naming its index and the limit it breaks.
         """
-        tokenized = self._tokenize(inputs, truncate_prompt_tokens, truncation_side, prompt, prompt_name)
+        if (self.long_inputs is not None and params.task == "embed" and truncate_prompt_tokens is None
+                and not any(is_pair(item) for item in inputs)):
+            encoded = self.long_inputs.encode(inputs, truncation_side=truncation_side, prompt=prompt,  # type: ignore[arg-type]
+                                              prompt_name=prompt_name, add_special_tokens=add_special_tokens)
+            return [self.long_inputs.request(f"{params.task}-{next(self._request_ids)}", ids, params)
+                    for ids in encoded]
+        tokenized = self._tokenize(inputs, truncate_prompt_tokens, truncation_side, prompt, prompt_name,
+                                   add_special_tokens=add_special_tokens)
         return [
             PoolingRequest(request_id=f"{params.task}-{next(self._request_ids)}", prompt_token_ids=ids,
                            token_type_ids=types, params=params)
@@ -182,13 +199,14 @@ class Frontend:
 
     def _tokenize(
         self, items: Sequence[ClassifyInput], truncate_prompt_tokens: int | None, truncation_side: TruncationSide,
-        prompt: str | None = None, prompt_name: str | None = None,
+        prompt: str | None = None, prompt_name: str | None = None, *, add_special_tokens: bool = True,
     ) -> list[tuple[tuple[int, ...], tuple[int, ...] | None]]:
         """Tokenize single inputs and ``(text, text_pair)`` pairs, keeping input order."""
         pair_at = [i for i, item in enumerate(items) if is_pair(item)]
         single_at = [i for i, item in enumerate(items) if not is_pair(item)]
         encoded: dict[int, tuple[tuple[int, ...], tuple[int, ...] | None]] = {}
-        options = {"truncate_prompt_tokens": truncate_prompt_tokens, "truncation_side": truncation_side}
+        options = {"truncate_prompt_tokens": truncate_prompt_tokens, "truncation_side": truncation_side,
+                   "add_special_tokens": add_special_tokens}
         if pair_at:
             if prompt is not None or prompt_name is not None:
                 raise InvalidRequestError("prompt and prompt_name apply to single texts, not to pairs")

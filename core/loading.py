@@ -18,6 +18,7 @@ import torch
 from attrs import frozen
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from poolrunner.core import chunking
 from poolrunner.core.config import ModelOverrides, RuntimeConfig, default_token_budget
 from poolrunner.core.engine import precision
 from poolrunner.core.engine.engine import Engine
@@ -70,7 +71,8 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
     """Load ``config``'s model with its plugins (``plugins`` registered beside the built-ins and,
     if ``config.load_entrypoints``, the installed entry points).
 
-    :raises ModelLoadError: if the model cannot be loaded or is refused.
+    :raises ModelLoadError: if the model cannot be loaded or is refused, or ``config.max_embed_len``
+        does not fit it (see :func:`~poolrunner.core.chunking.check_config`).
     :raises UnsupportedTaskError: if ``config.task`` is not served for this model by the plugins.
     :raises PluginLoadError: if a plugin fails to import or names an unknown hook.
     :raises PluginConflictError: if two plugins declare one request option.
@@ -80,6 +82,7 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
     hf_config, tokenizer, model_config = read_model(path, hooks, manager, config.overrides)
     task = resolve_task(hooks, manager, model_config, config.task)
     wanted = [task] if config.task else [task, *sorted(served_tasks(hooks, manager, model_config) - {task})]
+    chunking.check_config(config.max_embed_len, model_config, wanted)
     options = hooks.request_options(model_config=model_config)
     device = loader.resolve_device(config.device)
     inputs = InputProcessor(tokenizer, model_config)

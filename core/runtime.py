@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from poolrunner.core import frontend, similarity
+from poolrunner.core import chunking, frontend, similarity
 from poolrunner.core.config import RuntimeConfig
 from poolrunner.core.engine.loop import EngineLoop, LoopObserver
 from poolrunner.core.errors import InvalidRequestError
@@ -48,7 +48,8 @@ class Runtime:
     :param plugins: Extra plugin objects to register, beside built-ins and entry points.
     :param options: Any field of :class:`~poolrunner.core.config.RuntimeConfig` (``revision``,
         ``task``, ``dtype``, ``device``, ``load_entrypoints``, ``disable_plugins``,
-        ``pooler_plugin``, ``max_num_batched_tokens``, ``max_num_seqs``, ``async_scheduling``) or
+        ``pooler_plugin``, ``max_num_batched_tokens``, ``max_num_seqs``, ``async_scheduling``,
+        ``max_embed_len``) or
         of :class:`~poolrunner.core.config.ModelOverrides` (``pooling_type``, ``normalize``,
         ``max_model_len``, ``is_matryoshka``, ``matryoshka_dimensions``). ``dtype="auto"``: on
         CUDA the config's half dtype; on a CPU with native bf16 (AVX512-BF16, AMX) bfloat16 if the
@@ -82,7 +83,7 @@ class Runtime:
         self.device, self.dtype = loaded.device, loaded.dtype
         self.inputs = loaded.inputs
         self.frontend = Frontend(loaded.model_config, loaded.inputs, loaded.hooks, loaded.tasks, loaded.task,
-                                 loaded.options)
+                                 loaded.options, max_embed_len=loaded.config.max_embed_len)
         self.engine = loaded.engine  # internal: driven by this runtime alone (or its serving loop)
         self._engine_lock = threading.Lock()
         self._loop: EngineLoop | None = None
@@ -109,8 +110,10 @@ class Runtime:
         :param dimensions: Matryoshka size ``d``: keep ``[:d]``, then normalize. Only for
             Matryoshka models; ``1 <= d <= embedding_size``.
         :param normalize: L2-normalize; ``None`` keeps the model's default.
-        :param truncate_prompt_tokens: ``None``: no truncation (longer input is an error);
-            ``k``: keep ``k`` tokens; ``-1``: keep the model maximum.
+        :param truncate_prompt_tokens: ``None``: no truncation (longer input is an error, or,
+            with ``max_embed_len`` set, up to that many tokens are embedded in windows of
+            ``max_model_len``: :mod:`poolrunner.core.chunking`); ``k``: keep ``k`` tokens;
+            ``-1``: keep the model maximum.
         :param truncation_side: ``right`` keeps the start, ``left`` keeps the end.
         :param prompt: Literal prefix for every text.
         :param prompt_name: Name of one of the model's prompts.
@@ -332,7 +335,10 @@ class Runtime:
             loop.stop()
 
     def _run(self, requests: list[PoolingRequest], show_progress_bar: bool) -> list[RequestOutput]:
-        """Run ``requests``; outputs in request order."""
+        """Run ``requests``; outputs in request order. A long ``embed`` input
+        (:class:`~poolrunner.core.chunking.WindowedRequest`) runs as its windows, and the bar
+        counts each window."""
+        requests, combine = chunking.expand(requests)
         position = {request.request_id: i for i, request in enumerate(requests)}
         results: list[Any] = [None] * len(requests)
         with tqdm(total=len(requests), disable=not show_progress_bar, unit="input") as bar:
@@ -342,11 +348,11 @@ class Runtime:
                     for request_id, output in self.engine.run(requests):
                         results[position[request_id]] = output
                         bar.update()
-                    return results
+                    return combine(results)
             # Attached: the loop batches these with other callers' requests in shared steps.
             submission = loop.submit(requests, on_output=bar.update)
             try:
-                return submission.result()
+                return combine(submission.result())
             finally:
                 if not submission.future.done():  # interrupted: free the engine of these requests
                     loop.abort(submission)
@@ -380,10 +386,14 @@ class Serving:
         :raises QueueFullError: when ``max_pending`` would be passed (nothing was queued).
         :raises InvalidRequestError: when a request is refused at admission (none of these run).
         :raises StepFailedError: when the step running one of them failed.
+
+        A long ``embed`` input (:class:`~poolrunner.core.chunking.WindowedRequest`) runs as its
+        windows (each counts towards ``max_pending``) and is answered by their combination.
         """
+        requests, combine = chunking.expand(requests)
         submission = self._loop.submit(requests)
         try:
-            return await asyncio.wrap_future(submission.future)
+            return combine(await asyncio.wrap_future(submission.future))
         finally:
             if not submission.future.done():
                 self._loop.abort(submission)

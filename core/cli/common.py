@@ -164,6 +164,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     model.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="launch each forward pass before collecting the last one's results (default: on "
                             "with CUDA, off on the CPU)")
+    model.add_argument("--max-embed-len", metavar="N", type=positive_int, default=None,
+                       help="embed inputs longer than the model maximum, up to N tokens, in windows of the model "
+                            "maximum whose vectors are averaged by token count (vLLM's chunked processing; MEAN "
+                            "pooling models only); default: such inputs are an error unless truncated")
     return model
 
 
@@ -193,7 +197,7 @@ def runtime_options(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model, "revision": args.revision, "dtype": args.dtype, "device": args.device,
         "load_entrypoints": args.load_entrypoints, "disable_plugins": disabled_plugins(args.disable_plugin),
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
-        "async_scheduling": args.async_scheduling,
+        "async_scheduling": args.async_scheduling, "max_embed_len": args.max_embed_len,
     }
 
 

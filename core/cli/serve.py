@@ -25,9 +25,10 @@ Serve one model over HTTP until SIGTERM or Ctrl-C; requests from all clients are
 together in the same engine steps.
 
 endpoints:
-  POST /v1/embeddings   OpenAI embeddings (float or base64, dimensions, usage)
+  POST /v1/embeddings   OpenAI embeddings with vLLM's fields (float, base64 or bytes; embed_dtype,
+                        endianness, dimensions, normalize, precision; messages: a chat)
   GET  /v1/models       the served model
-  POST /classify        label scores (classify models)
+  POST /classify        label scores (classify models): texts, [text, text_pair] pairs, or messages
   POST /score           text_1 against text_2: cosine (embed) or cross-encoder score
   POST /rerank          query and documents, ranked best first (top_n, return_documents)
   POST /pooling         any task the model serves, per-token outputs included
@@ -43,7 +44,8 @@ EPILOG = f"""\
 examples:
   poolrunner serve                                     all-MiniLM-L6-v2 on 127.0.0.1:8000
   poolrunner serve --model ./reranker --port 8080 --api-key secret
-  {API_KEY_ENV}=secret poolrunner serve --host 0.0.0.0"""
+  {API_KEY_ENV}=secret poolrunner serve --host 0.0.0.0
+  poolrunner serve --served-model-name minilm sentence-transformers/all-MiniLM-L6-v2"""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -64,8 +66,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--api-key", metavar="KEY",
                         help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
                              f"(default: ${API_KEY_ENV}; none: open)")
-    server.add_argument("--served-model-name", metavar="NAME",
-                        help="model name clients pass and /v1/models lists (default: the folder's name)")
+    server.add_argument("--served-model-name", metavar="NAME", nargs="+",
+                        help="model names clients may pass (aliases, as vLLM's); answers report the first and "
+                             "/v1/models lists each (default: the folder's name)")
+    server.add_argument("--allow-extra-fields", action="store_true",
+                        help="accept request bodies with fields an endpoint does not know, logging them (as vLLM "
+                             "does); default: such a request is a 400 naming the field")
     server.add_argument("--max-inputs-per-request", metavar="N", type=positive_int, default=2048,
                         help="most inputs (texts, pairs, documents) in one request; more is a 400")
     server.add_argument("--max-request-bytes", metavar="N", type=positive_int, default=16 * 1024 * 1024,
@@ -99,10 +105,11 @@ def run(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
             max_inputs_per_request=args.max_inputs_per_request, max_request_bytes=args.max_request_bytes,
             max_waiting_requests=args.max_waiting_requests, drain_timeout=args.drain_timeout,
-            auto_truncate=args.auto_truncate,
+            auto_truncate=args.auto_truncate, allow_extra_fields=args.allow_extra_fields,
         )
     except ValueError as exc:
-        raise CliError(str(exc), hint="raise --max-waiting-requests or lower --max-inputs-per-request") from exc
+        hint = "raise --max-waiting-requests or lower --max-inputs-per-request" if "max_inputs" in str(exc) else None
+        raise CliError(str(exc), hint=hint) from exc
     runtime = load_runtime(args, task=args.task, is_matryoshka=True if args.is_matryoshka else None,
                            max_model_len=args.max_model_len)
     serve(create_app(runtime, settings), host=args.host, port=args.port, drain_timeout=args.drain_timeout,

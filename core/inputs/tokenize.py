@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from numbers import Integral
+from typing import Any
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -103,18 +105,23 @@ class InputProcessor:
         prompt_name: str | None = None,
         truncate_prompt_tokens: int | None = None,
         truncation_side: TruncationSide = "right",
+        add_special_tokens: bool = True,
     ) -> list[tuple[int, ...]]:
         """Tokenize ``inputs`` and check each against the model's limits.
 
+        :param add_special_tokens: ``False`` tokenizes text without the special tokens the
+            tokenizer adds (vLLM's ``add_special_tokens``; e.g. no ``[CLS]``/``[SEP]``), so
+            ``truncate_prompt_tokens`` then has no minimum. Token-id inputs are taken as given.
         :returns: One ``prompt_token_ids`` tuple per input, in order.
         :raises InvalidRequestError: naming the input's index and the limit it breaks.
         """
         if truncation_side not in ("left", "right"):
             raise InvalidRequestError(f"truncation_side must be 'left' or 'right', got {truncation_side!r}")
         texts = {i: item for i, item in enumerate(inputs) if isinstance(item, str)}
-        keep = self.check_truncation(truncate_prompt_tokens, pair=False if texts else None)
+        keep = self.check_truncation(truncate_prompt_tokens, pair=False if texts and add_special_tokens else None)
         prefix = self.resolve_prompt(prompt, prompt_name)
-        encoded = self._tokenize([prefix + text for text in texts.values()], keep, truncation_side)
+        encoded = self._tokenize([prefix + text for text in texts.values()], keep, truncation_side,
+                                 add_special_tokens)
         by_index = dict(zip(texts, encoded, strict=True))
         results = []
         for index, item in enumerate(inputs):
@@ -133,11 +140,13 @@ class InputProcessor:
         *,
         truncate_prompt_tokens: int | None = None,
         truncation_side: TruncationSide = "right",
+        add_special_tokens: bool = True,
     ) -> list[tuple[tuple[int, ...], tuple[int, ...] | None]]:
         """Tokenize (query, document) pairs as the model's tokenizer pairs them.
 
         Truncation uses the tokenizer's pair strategy (``longest_first``, special tokens kept),
-        as sentence-transformers' CrossEncoder does.
+        as sentence-transformers' CrossEncoder does. ``add_special_tokens=False`` joins the two
+        texts' tokens without the special tokens (no truncation minimum then).
 
         :returns: ``(prompt_token_ids, token_type_ids)`` per pair; ``token_type_ids`` is ``None``
             for models without token types (``type_vocab_size < 2``, e.g. RoBERTa).
@@ -145,7 +154,7 @@ class InputProcessor:
         """
         if truncation_side not in ("left", "right"):
             raise InvalidRequestError(f"truncation_side must be 'left' or 'right', got {truncation_side!r}")
-        keep = self.check_truncation(truncate_prompt_tokens, pair=True)
+        keep = self.check_truncation(truncate_prompt_tokens, pair=True if add_special_tokens else None)
         for index, pair in enumerate(pairs):
             if not (isinstance(pair, tuple | list) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
                 raise InvalidRequestError(f"pair {index}: expected two texts (query, document), got {pair!r:.80}")
@@ -153,7 +162,7 @@ class InputProcessor:
             self.tokenizer.truncation_side = truncation_side
             encoded = self.tokenizer(
                 [query for query, _ in pairs], [document for _, document in pairs],
-                add_special_tokens=True, truncation=keep is not None, max_length=keep,
+                add_special_tokens=add_special_tokens, truncation=keep is not None, max_length=keep,
                 return_attention_mask=False, return_token_type_ids=True, verbose=False,
             )
         with_types = self.model_config.type_vocab_size >= 2 and "token_type_ids" in encoded
@@ -163,13 +172,58 @@ class InputProcessor:
             results.append((self._check_length(index, tuple(ids), keep), types))
         return results
 
-    def _tokenize(self, texts: list[str], keep: int | None, side: TruncationSide) -> list[tuple[int, ...]]:
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The text of a chat conversation, rendered with the tokenizer's own chat template
+        (``tokenizer.apply_chat_template(..., tokenize=False)``), as vLLM renders the ``messages``
+        of its pooling requests. Tokenize the text with ``add_special_tokens=False`` (vLLM's
+        default for chat): the template writes the special tokens it wants.
+
+        :param messages: ``{"role", "content", ...}`` mappings; ``content`` a string.
+        :param chat_template_kwargs: Extra variables for the template (e.g. ``enable_thinking``);
+            none may be a parameter of ``apply_chat_template`` itself.
+        :raises InvalidRequestError: when the tokenizer has no chat template, both
+            ``add_generation_prompt`` and ``continue_final_message`` are set, a variable is
+            reserved, or the template fails on these messages (its message is kept).
+        """
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise InvalidRequestError(
+                f"the tokenizer of model {self.model_config.name} has no chat template, so messages cannot be "
+                "rendered; send the text as input instead"
+            )
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be true")
+        variables = dict(chat_template_kwargs or {})
+        reserved = sorted(set(variables) & _CHAT_TEMPLATE_PARAMETERS)
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(reserved)}: "
+                                      "it is an argument of the rendering, not a template variable")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [dict(message) for message in messages], tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **variables,
+            )
+        except Exception as exc:  # jinja2's TemplateError, transformers' ValueError: the messages don't fit
+            raise InvalidRequestError(f"the chat template of model {self.model_config.name} cannot render these "
+                                      f"messages: {exc}") from exc
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"the chat template of model {self.model_config.name} did not render a text")
+        return text
+
+    def _tokenize(self, texts: list[str], keep: int | None, side: TruncationSide,
+                  add_special_tokens: bool = True) -> list[tuple[int, ...]]:
         if not texts:
             return []
         with self._lock:  # truncation_side is tokenizer state (the call argument is ignored)
             self.tokenizer.truncation_side = side
             encoded = self.tokenizer(
-                texts, add_special_tokens=True, truncation=keep is not None, max_length=keep,
+                texts, add_special_tokens=add_special_tokens, truncation=keep is not None, max_length=keep,
                 return_attention_mask=False, return_token_type_ids=False, verbose=False,
             )
         return [tuple(ids) for ids in encoded["input_ids"]]
@@ -214,6 +268,14 @@ class InputProcessor:
                 "truncate_prompt_tokens (-1 keeps the maximum)"
             )
         return ids
+
+
+_CHAT_TEMPLATE_PARAMETERS = frozenset(
+    name for name in inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    if name not in ("self", "kwargs")
+) | {"messages"}
+"""Names ``chat_template_kwargs`` may not use: the arguments of ``apply_chat_template`` itself
+(and ``messages``, the conversation the template reads)."""
 
 
 def _num_special_tokens(tokenizer: PreTrainedTokenizerBase, pair: bool) -> int:

@@ -4,7 +4,8 @@ Endpoints: ``POST /v1/embeddings`` and ``/embeddings`` (OpenAI), ``GET /v1/model
 ``/v1/models/{id}``, ``POST /classify``, ``/score`` and ``/v1/score`` (vLLM's four body forms),
 ``/rerank``, ``/v1/rerank``, ``/v2/rerank`` (vLLM, Jina, Cohere v1/v2 bodies; TEI's on
 ``/rerank``), ``/pooling``, ``/tokenize`` (vLLM's or TEI's body), ``/detokenize`` (vLLM's shapes),
-``GET /health``, ``GET /metrics`` (Prometheus); TEI's other routes come from :mod:`.tei`. FastAPI
+``GET /health``, ``GET /metrics`` (Prometheus), ``POST /invocations`` (SageMaker: vLLM's or TEI's
+bodies); TEI's other routes come from :mod:`.tei`. FastAPI
 serves the OpenAPI page at ``/docs``. While the app runs, the runtime serves
 (:meth:`Runtime.serving`): one engine loop batches all clients' requests together, and the
 runtime's own Python API goes through the same loop meanwhile.
@@ -18,22 +19,24 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
-from fastapi import FastAPI, Request
+import pydantic
+from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 
 from poolrunner.core import frontend
 from poolrunner.core.runtime import Runtime
 from poolrunner.core.server import protocol as p
-from poolrunner.core.server.errors import as_tei_error, install_handlers, tei_error_response
+from poolrunner.core.server.errors import ApiError, as_tei_error, install_handlers, tei_error_response
 from poolrunner.core.server.metrics import ServerMetrics
 from poolrunner.core.server.middleware import GuardMiddleware, ServerState
-from poolrunner.core.server.service import PoolingService, encode_array
+from poolrunner.core.server.service import PoolingService, bytes_response, encode_array
 from poolrunner.core.server.settings import ServerSettings
-from poolrunner.core.server.tei import add_tei_routes
+from poolrunner.core.server.tei import TeiApi, add_tei_routes
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 
@@ -48,8 +51,8 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
     settings = settings or ServerSettings()
     metrics = ServerMetrics()
     state = ServerState()
-    model_name = settings.served_model_name or default_model_name(runtime)
-    service = PoolingService(runtime, settings, metrics, model_name)
+    model_names = settings.served_model_name or (default_model_name(runtime),)
+    service = PoolingService(runtime, settings, metrics, model_names)
     metrics.pending.set_function(lambda: service.pending)
     metrics.in_flight.set_function(lambda: state.in_flight)
 
@@ -68,11 +71,12 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
     app.state.service = service
     app.state.metrics = metrics
     install_handlers(app)
-    _add_routes(app, service, int(time.time()))
-    add_tei_routes(app, service)
+    vllm_routes = _add_routes(app, service, int(time.time()))
+    _add_invocations(app, vllm_routes, add_tei_routes(app, service))
     endpoints = frozenset(_paths(app.routes))  # metrics label every other path "other"
     app.add_middleware(GuardMiddleware, state=state, metrics=metrics, api_key=settings.api_key,
-                       max_request_bytes=settings.max_request_bytes, endpoints=endpoints)
+                       max_request_bytes=settings.max_request_bytes, endpoints=endpoints,
+                       allow_extra_fields=settings.allow_extra_fields)
     return app
 
 
@@ -97,60 +101,102 @@ def _usage(num_tokens: int) -> p.Usage:
     return p.Usage(prompt_tokens=num_tokens, total_tokens=num_tokens)
 
 
-def _id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def _id(prefix: str, request_id: str | None = None) -> str:
+    """An answer's id: ``prefix-`` and the request's own ``request_id`` (vLLM), else a random one."""
+    return f"{prefix}-{request_id or uuid.uuid4().hex}"
 
 
-def _add_routes(app: FastAPI, service: PoolingService, created: int) -> None:  # noqa: C901 (one route each)
+def _encoded(body: Any, arrays: list[np.ndarray] | list[Any]) -> list[Any]:
+    """Each array as ``body.encoding_format`` asks (float or base64; ``embed_dtype``, ``endianness``)."""
+    def encode(output: np.ndarray | dict[str, np.ndarray]) -> object:
+        if isinstance(output, dict):
+            return {name: encode_array(array, body.encoding_format, body.embed_dtype, body.endianness)
+                    for name, array in output.items()}
+        return encode_array(output, body.encoding_format, body.embed_dtype, body.endianness)
+
+    return [encode(array) for array in arrays]
+
+
+def _check_encoding(body: Any) -> None:
+    """:raises ApiError: 400 for ``embed_dtype`` with a quantized ``precision`` (its payload is
+    the integer codes)."""
+    if body.precision != "float32" and "embed_dtype" in body.model_fields_set and body.embed_dtype != "float32":
+        raise ApiError(400, f"embed_dtype={body.embed_dtype} applies to float embeddings; precision="
+                            f"{body.precision} sends its {body.precision} codes", param="embed_dtype")
+
+
+def _bytes(body: Any, service: PoolingService, arrays: list[Any], prefix: str, num_tokens: int) -> Response:
+    """vLLM's ``bytes`` / ``bytes_only`` answer (:func:`bytes_response`) for ``arrays``.
+
+    :raises ApiError: 400 for named outputs (one array per input is needed).
+    """
+    if any(isinstance(array, dict) for array in arrays):
+        raise ApiError(400, f"encoding_format={body.encoding_format} needs one array per input; this task "
+                            "answers named outputs: use float or base64", param="encoding_format")
+    return bytes_response(arrays, embed_dtype=body.embed_dtype, endianness=body.endianness,
+                          metadata=body.encoding_format == "bytes", response_id=_id(prefix, body.request_id),
+                          created=int(time.time()), model=service.model_name, num_tokens=num_tokens,
+                          precision=body.precision)
+
+
+def _add_routes(app: FastAPI, service: PoolingService, created: int) -> list[tuple[type[BaseModel], Any]]:  # noqa: C901
+    """vLLM's and OpenAI's routes (one handler each); returns ``(body model, handler)`` of those
+    ``/invocations`` dispatches to, in vLLM's order, the task-specific ones only where served."""
     runtime = service.runtime
 
-    async def embeddings(body: p.EmbeddingRequest, request: Request) -> p.EmbeddingResponse:
-        """OpenAI's embeddings: one vector per input, in input order."""
+    async def embeddings(body: p.EmbeddingRequest, request: Request) -> p.EmbeddingResponse | Response:
+        """OpenAI's embeddings with vLLM's fields: one vector per input (or one for ``messages``),
+        in input order; ``bytes`` answers vLLM's octet-stream body with its ``metadata`` header."""
         service.check_model(body.model)
-        items = service.inputs(body.input)
-        vectors, num_tokens = await service.embed(request, items, body.dimensions, body.truncate_prompt_tokens)
-        data = [p.EmbeddingData(index=i, embedding=encode_array(v, body.encoding_format))
-                for i, v in enumerate(vectors)]
-        return p.EmbeddingResponse(data=data, model=service.model_name, usage=_usage(num_tokens))
+        _check_encoding(body)
+        items, add_special_tokens = await service.prompts(body)
+        vectors, num_tokens = await service.embed(
+            request, items, body.dimensions, body.truncate_prompt_tokens, normalize=body.normalize,
+            use_activation=body.use_activation, add_special_tokens=add_special_tokens, precision=body.precision,
+            ranges=body.ranges)
+        if body.encoding_format in ("bytes", "bytes_only"):
+            return _bytes(body, service, vectors, "embd", num_tokens)
+        data = [p.EmbeddingData(index=i, embedding=e) for i, e in enumerate(_encoded(body, vectors))]
+        return p.EmbeddingResponse(id=_id("embd", body.request_id), created=int(time.time()), data=data,
+                                   model=service.model_name, usage=_usage(num_tokens))
 
     for path in ("/v1/embeddings", "/embeddings"):  # vLLM serves both
         app.post(path, response_model=p.EmbeddingResponse)(embeddings)
 
-    def card() -> p.ModelCard:
-        return p.ModelCard(id=service.model_name, created=created, task=runtime.task,
+    def card(name: str) -> p.ModelCard:
+        return p.ModelCard(id=name, created=created, task=runtime.task,
                            max_model_len=runtime.model_config.max_model_len)
 
     @app.get("/v1/models", response_model=p.ModelList)
     async def models() -> p.ModelList:
-        return p.ModelList(data=[card()])
+        """Every served name (vLLM lists each alias), the reported one first."""
+        return p.ModelList(data=[card(name) for name in service.model_names])
 
     @app.get("/v1/models/{model_id:path}", response_model=p.ModelCard)
     async def model(model_id: str) -> p.ModelCard:
-        """OpenAI's retrieve: the served model's card; 404 for any other id."""
+        """OpenAI's retrieve: the card of a served name; 404 for any other id."""
         service.check_model(model_id)
-        return card()
+        return card(model_id)
 
     option_names = [entry.option.name for entry in runtime.frontend.options]
 
-    async def pooling(body: p.PoolingHttpRequest, request: Request) -> p.PoolingResponse:
+    async def pooling(body: p.PoolingHttpRequest, request: Request) -> p.PoolingResponse | Response:
         """Any task the model serves; per-token tasks answer one ``[num_tokens, d]`` list each.
         Each output keeps its dtype: integer outputs (SPLADE's ``token_ids``) are ints, or int64 in base64.
         The plugins' request options are body fields of their own."""
         service.check_model(body.model)
-        items = service.inputs(body.input)
+        _check_encoding(body)
+        items, add_special_tokens = await service.prompts(body)
         core = {"dimensions": body.dimensions, "normalize": body.normalize, "use_activation": body.use_activation}
         options = {name: getattr(body, name) for name in option_names if getattr(body, name) is not None}
         outputs, num_tokens = await service.encode(request, items, body.task, core, options,
-                                                   body.truncate_prompt_tokens)
-
-        def encode(output: np.ndarray | dict[str, np.ndarray]) -> object:
-            if isinstance(output, dict):
-                return {name: encode_array(array, body.encoding_format) for name, array in output.items()}
-            return encode_array(output, body.encoding_format)
-
-        data = [p.PoolingData(index=i, data=encode(output)) for i, output in enumerate(outputs)]  # type: ignore[arg-type]
-        return p.PoolingResponse(id=_id("pool"), created=int(time.time()), model=service.model_name, data=data,
-                                 usage=_usage(num_tokens))
+                                                   body.truncate_prompt_tokens, add_special_tokens=add_special_tokens,
+                                                   precision=body.precision, ranges=body.ranges)
+        if body.encoding_format in ("bytes", "bytes_only"):
+            return _bytes(body, service, outputs, "pool", num_tokens)
+        data = [p.PoolingData(index=i, data=d) for i, d in enumerate(_encoded(body, outputs))]
+        return p.PoolingResponse(id=_id("pool", body.request_id), created=int(time.time()), model=service.model_name,
+                                 data=data, usage=_usage(num_tokens))
 
     # The body model has a field per plugin option, so it is built here; FastAPI reads the
     # annotation (a string under postponed evaluation) from the function, so set the class itself.
@@ -159,14 +205,15 @@ def _add_routes(app: FastAPI, service: PoolingService, created: int) -> None:  #
 
     @app.post("/classify", response_model=p.ClassificationResponse)
     async def classify(body: p.ClassificationRequest, request: Request) -> p.ClassificationResponse:
+        """vLLM's classify: texts, token ids, ``[text, text_pair]`` pairs or a chat (``messages``)."""
         service.check_model(body.model)
-        items = service.inputs(body.input)
+        items, add_special_tokens = await service.prompts(body)
         results, num_tokens = await service.classify(request, items, body.use_activation,
-                                                     body.truncate_prompt_tokens)
+                                                     body.truncate_prompt_tokens, add_special_tokens=add_special_tokens)
         data = [p.ClassificationData(index=i, label=r.label, probs=r.probs.tolist(), num_classes=len(r.probs))
                 for i, r in enumerate(results)]
-        return p.ClassificationResponse(id=_id("classify"), created=int(time.time()), model=service.model_name,
-                                        data=data, usage=_usage(num_tokens))
+        return p.ClassificationResponse(id=_id("classify", body.request_id), created=int(time.time()),
+                                        model=service.model_name, data=data, usage=_usage(num_tokens))
 
     async def score(body: p.ScoreRequest, request: Request) -> p.ScoreResponse:
         """vLLM's score: the first side against the second (1:1, 1:N or N:N), one score per pair in
@@ -177,8 +224,8 @@ def _add_routes(app: FastAPI, service: PoolingService, created: int) -> None:  #
         scores, num_tokens = await service.score(request, first, second, body.use_activation,
                                                  body.truncate_prompt_tokens)
         data = [p.ScoreData(index=i, score=float(s)) for i, s in enumerate(scores)]
-        return p.ScoreResponse(id=_id("score"), created=int(time.time()), model=service.model_name, data=data,
-                               usage=_usage(num_tokens))
+        return p.ScoreResponse(id=_id("score", body.request_id), created=int(time.time()), model=service.model_name,
+                               data=data, usage=_usage(num_tokens))
 
     for path in ("/score", "/v1/score"):  # vLLM serves both
         app.post(path, response_model=p.ScoreResponse)(score)
@@ -213,6 +260,40 @@ def _add_routes(app: FastAPI, service: PoolingService, created: int) -> None:  #
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    tasks = runtime.supported_tasks
+    return [
+        *([(p.EmbeddingRequest, embeddings)] if "embed" in tasks else []),
+        *([(p.ClassificationRequest, classify)] if "classify" in tasks else []),
+        (p.ScoreRequest, score), (p.RerankRequest, _rerank_route(service, None)),
+        (pooling.__annotations__["body"], pooling),
+    ]
+
+
+def _add_invocations(app: FastAPI, vllm_routes: list[tuple[type[BaseModel], Any]], tei: TeiApi) -> None:
+    """SageMaker's ``POST /invocations``, which vLLM and TEI both serve: a TEI body (``inputs``)
+    is answered as TEI's ``POST /`` (TEI's errors), any other by the first of ``vllm_routes`` whose
+    body it is, as vLLM dispatches it (request bodies refuse unknown fields, so one form fits)."""
+
+    @app.post("/invocations")
+    async def invocations(request: Request, body: Annotated[dict[str, Any], Body()]) -> Any:
+        if "inputs" in body:
+            try:
+                return await tei.default_route(request, body)
+            except Exception as exc:
+                error = as_tei_error(exc)
+                if error is None:
+                    raise
+                return tei_error_response(error)
+        for model, handler in vllm_routes:
+            try:
+                parsed = model.model_validate(body)
+            except pydantic.ValidationError:
+                continue
+            return await handler(parsed, request)
+        names = ", ".join(model.__name__ for model, _ in vllm_routes)
+        raise ApiError(400, f"/invocations takes the body of one of {names}, or TEI's (inputs); this body is none "
+                            "of them")
 
 
 def _rerank_route(service: PoolingService, version: str | None) -> Any:
@@ -250,8 +331,8 @@ async def _rerank(service: PoolingService, body: p.RerankRequest, request: Reque
     if version is not None:  # Cohere bills one search unit per (up to) 100 documents
         meta = p.RerankMeta(api_version=p.ApiVersion(version=version),
                             billed_units=p.BilledUnits(search_units=max(1, math.ceil(len(documents) / 100))))
-    return p.RerankResponse(id=_id("rerank"), model=service.model_name, usage=_usage(num_tokens), results=results,
-                            meta=meta)
+    return p.RerankResponse(id=_id("rerank", body.request_id), model=service.model_name, usage=_usage(num_tokens),
+                            results=results, meta=meta)
 
 
 def _document(document: str | p.RerankDocumentInput) -> p.RerankDocument:

@@ -1,4 +1,5 @@
-"""One ASGI middleware in front of every route: draining, auth, body size, request metrics.
+"""One ASGI middleware in front of every route: draining, auth, body size, request metrics, and
+whether request bodies may carry unknown fields (``allow_extra_fields``).
 
 Plain ASGI rather than Starlette's ``BaseHTTPMiddleware``, so that routes still receive the
 client's ``http.disconnect`` (they abort their engine requests on it).
@@ -15,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from poolrunner.core.server.errors import error_body
 from poolrunner.core.server.metrics import ServerMetrics
+from poolrunner.core.server.protocol import ALLOW_EXTRA_FIELDS
 
 OPEN_PATHS = frozenset({"/health"})
 """Paths answered without the API key."""
@@ -42,16 +44,18 @@ class ServerState:
 
 class GuardMiddleware:
     """Answers 503 while draining, 401 without the key, 413 for a body over the limit, and
-    counts every answer by endpoint and status."""
+    counts every answer by endpoint and status. With ``allow_extra_fields`` the request's body
+    models drop (and log) fields they do not know (:data:`~.protocol.ALLOW_EXTRA_FIELDS`)."""
 
     def __init__(self, app: ASGIApp, *, state: ServerState, metrics: ServerMetrics, api_key: str | None,
-                 max_request_bytes: int, endpoints: frozenset[str]) -> None:
+                 max_request_bytes: int, endpoints: frozenset[str], allow_extra_fields: bool = False) -> None:
         self.app = app
         self.state = state
         self.metrics = metrics
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
         self.endpoints = endpoints
+        self.allow_extra_fields = allow_extra_fields
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -67,6 +71,7 @@ class GuardMiddleware:
             await send(message)
 
         self.state.in_flight += 1
+        extra_fields = ALLOW_EXTRA_FIELDS.set(self.allow_extra_fields)  # this request's task only
         try:
             refusal = self._refusal(scope, path)
             if refusal is not None:
@@ -74,6 +79,7 @@ class GuardMiddleware:
                 return
             await self.app(scope, self._limited(receive), counted_send)
         finally:
+            ALLOW_EXTRA_FIELDS.reset(extra_fields)
             self.state.in_flight -= 1
             self.metrics.requests.labels(endpoint, str(status[0])).inc()
 

@@ -1,52 +1,166 @@
 """Request and response bodies, in the OpenAI shape for ``/v1/embeddings`` and vLLM's for the rest.
 
 Request models forbid unknown fields and use strict types, so ``"1"`` is never taken for a
-token id nor ``1.0`` for an integer: such input is a 400 naming the field.
+token id nor ``1.0`` for an integer: such input is a 400 naming the field. A server started
+with ``allow_extra_fields`` sets :data:`ALLOW_EXTRA_FIELDS` for its requests: unknown fields are
+then dropped and logged (vLLM's behaviour) instead.
 """
 
 from __future__ import annotations
 
+import logging
+from contextvars import ContextVar
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, create_model
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    create_model,
+    model_validator,
+)
 
 from poolrunner.core.plugin_api.options import RequestOptions
+from poolrunner.core.quantize import Precision
 from poolrunner.core.server.errors import ApiError
 
+logger = logging.getLogger("poolrunner.core.server")
+
+ALLOW_EXTRA_FIELDS: ContextVar[bool] = ContextVar("poolrunner_allow_extra_fields", default=False)
+"""True while a request of a server with ``allow_extra_fields`` is read (set by its middleware)."""
+
 TokenIds = list[StrictInt]
-EncodingFormat = Literal["float", "base64"]
-Vector = list[float] | str
-"""A float list, or with ``encoding_format="base64"`` the base64 of its little-endian float32 bytes."""
+EncodingFormat = Literal["float", "base64", "bytes", "bytes_only"]
+"""``float``: JSON numbers; ``base64``: each array's bytes in base64; ``bytes`` (vLLM): one
+``application/octet-stream`` body of every array's bytes in input order, described by the
+``metadata`` header (JSON); ``bytes_only``: the same body without the header."""
+EmbedDType = Literal["float32", "float16", "bfloat16"]
+"""The element type of float arrays in ``base64`` and ``bytes`` payloads (vLLM's ``embed_dtype``)."""
+Endianness = Literal["native", "big", "little"]
+"""Byte order of ``base64`` and ``bytes`` payloads; ``native`` is the server's (vLLM's default)."""
+Vector = list[float] | list[int] | str
+"""A float list (ints for a quantized ``precision``), or with ``encoding_format="base64"`` the
+base64 of its bytes (``embed_dtype``, ``endianness``; int8/uint8 bytes for a quantized one)."""
 PoolingArray = list[int] | list[float] | list[list[int]] | list[list[float]] | str
 """One ``/pooling`` output in its own dtype: ints (e.g. SPLADE's ``token_ids``) stay JSON ints, floats
-are float32; with ``encoding_format="base64"`` the base64 of its little-endian, row-major bytes,
-int64 for integer outputs and float32 for float ones."""
+are float32; with ``encoding_format="base64"`` the base64 of its row-major bytes, int64 for integer
+outputs and ``embed_dtype`` (default float32) for float ones, in ``endianness`` order."""
+Pair = tuple[StrictStr, StrictStr]
+"""A ``[text, text_pair]`` pair, tokenized as the model's tokenizer pairs two texts."""
 
 
-class _Request(BaseModel):
+class _Body(BaseModel):
+    """A request body: unknown fields are a 400 unless the server allows them
+    (:data:`ALLOW_EXTRA_FIELDS`); then they are logged and dropped."""
+
     model_config = ConfigDict(extra="forbid")
 
-    model: StrictStr | None = Field(default=None, description="Must be the served model name when given.")
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_extra_fields(cls, data: Any) -> Any:
+        if not ALLOW_EXTRA_FIELDS.get() or not isinstance(data, dict):
+            return data
+        known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+        extra = [name for name in data if name not in known]
+        if not extra:
+            return data
+        logger.warning("ignoring fields the request sent that %s does not know: %s", cls.__name__,
+                       ", ".join(map(str, extra)))
+        return {name: value for name, value in data.items() if name in known}
+
+
+class _Request(_Body):
+    model: StrictStr | None = Field(default=None, description="Must be a served model name when given.")
     truncate_prompt_tokens: StrictInt | None = Field(
         default=None, description="Keep this many tokens of each input (-1: the model maximum); "
                                   "without it a too long input is a 400.")
+    user: StrictStr | None = Field(default=None, description="Accepted (OpenAI, vLLM); unused.")
+    priority: StrictInt | None = Field(
+        default=None, description="Accepted (vLLM); no effect: requests are scheduled first come, first served.")
+    request_id: StrictStr | None = Field(
+        default=None, description="vLLM: the answer's id is the endpoint's prefix and this id (default: random).")
 
 
-class EmbeddingRequest(_Request):
-    """OpenAI's embeddings request: ``input`` is a text, texts, token ids or token-id lists."""
+class ContentPart(_Body):
+    """A part of a chat message's content: text only (vLLM's ``{"type": "text", "text": ...}``)."""
 
-    input: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    """One chat message (OpenAI's shape): ``role`` and ``content`` (a text, or text parts, which
+    are joined with newlines as vLLM's ``string`` content format joins them); any other field
+    (``name``...) reaches the chat template as sent."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: StrictStr
+    content: StrictStr | list[ContentPart] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template reads it: ``content`` as one text."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "\n".join(part.text for part in self.content)
+        return message
+
+
+class _Chat(_Body):
+    """vLLM's chat form of the pooling requests: ``messages`` instead of ``input``."""
+
+    messages: list[ChatMessage] | None = Field(
+        default=None, description="A chat instead of input, rendered with the model's chat template (vLLM).")
+    add_generation_prompt: StrictBool = False
+    continue_final_message: StrictBool = False
+    chat_template: StrictStr | None = Field(
+        default=None, description="Refused: the model's own chat template renders messages.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="Extra variables for the chat template.")
+    add_special_tokens: StrictBool | None = Field(
+        default=None, description="Add the tokenizer's special tokens to each text (default true for input, "
+                                  "false for messages: the chat template writes its own).")
+
+
+class _Encoding(_Body):
     encoding_format: EncodingFormat = "float"
+    embed_dtype: EmbedDType = Field(
+        default="float32", description="Element type of float arrays in base64 and bytes payloads; "
+                                       "JSON floats are float32 values.")
+    endianness: Endianness = Field(default="native", description="Byte order of base64 and bytes payloads.")
+
+
+class _Quantize(_Body):
+    precision: Precision = Field(
+        default="float32", description="poolrunner: sentence-transformers' precision (int8, uint8, binary, "
+                                       "ubinary) after dimensions and normalization; JSON ints, or their bytes.")
+    ranges: list[list[StrictFloat | StrictInt]] | None = Field(
+        default=None, description="int8/uint8: [2, d] per-dimension minima and maxima (default: calibrated on "
+                                  "this request's embeddings).")
+
+
+Inputs = StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+
+
+class EmbeddingRequest(_Request, _Chat, _Encoding, _Quantize):
+    """OpenAI's embeddings request with vLLM's fields: ``input`` (a text, texts, token ids or
+    token-id lists) or ``messages`` (vLLM's chat form)."""
+
+    input: Inputs | None = None
     dimensions: StrictInt | None = None
-    user: StrictStr | None = None  # accepted for OpenAI compatibility; unused
+    normalize: StrictBool | None = None
+    use_activation: StrictBool | None = Field(default=None, description="vLLM: normalize (normalize wins).")
 
 
-class PoolingHttpRequest(_Request):
+class PoolingHttpRequest(_Request, _Chat, _Encoding, _Quantize):
     """vLLM's ``/pooling``: any task this server's runtime serves, per-token outputs included."""
 
-    input: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+    input: Inputs | None = None
     task: StrictStr | None = Field(default=None, description="Defaults to the served task.")
-    encoding_format: EncodingFormat = "float"
     dimensions: StrictInt | None = None
     normalize: StrictBool | None = None
     use_activation: StrictBool | None = None
@@ -74,8 +188,11 @@ def pooling_request_model(options: RequestOptions) -> type[PoolingHttpRequest]:
                         **fields)
 
 
-class ClassificationRequest(_Request):
-    input: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+class ClassificationRequest(_Request, _Chat):
+    """vLLM's ``/classify``: texts, token ids, ``[text, text_pair]`` pairs (cross-encoders, pair
+    classifiers; a list may mix pairs and texts), or a chat as ``messages``."""
+
+    input: Inputs | list[StrictStr | Pair] | None = None
     use_activation: StrictBool | None = None
 
 
@@ -176,11 +293,9 @@ _TEI_RERANK_FIELDS = ("texts", "raw_scores", "return_text", "truncate", "truncat
 _RERANK_FIELDS = ("documents", "top_n", "return_documents", "max_tokens_per_doc", "truncate_prompt_tokens")
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     """vLLM's ``/tokenize`` (``prompt``), or TEI's (``inputs``: a text or texts); the answer
     follows the body."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: StrictStr | None = None
     prompt: StrictStr | None = None
@@ -202,10 +317,8 @@ class TokenizeRequest(BaseModel):
         return "tei" if self.inputs is not None else "vllm"
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
     """vLLM's ``/detokenize``: token ids back to text, special tokens kept."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: StrictStr | None = None
     tokens: TokenIds
@@ -223,7 +336,11 @@ class EmbeddingData(BaseModel):
 
 
 class EmbeddingResponse(BaseModel):
+    """OpenAI's embeddings answer, with vLLM's ``id`` and ``created``."""
+
+    id: str
     object: Literal["list"] = "list"
+    created: int
     data: list[EmbeddingData]
     model: str
     usage: Usage
@@ -235,7 +352,7 @@ class PoolingData(BaseModel):
     data: PoolingArray | dict[str, PoolingArray] = Field(
         description="The task's output, or one array per name for named outputs (SPLADE's "
                     "{token_ids, weights}); integer arrays are JSON ints, or with encoding_format=base64 "
-                    "little-endian int64 bytes; float arrays little-endian float32 bytes.")
+                    "int64 bytes; float arrays embed_dtype bytes (default float32), in endianness order.")
 
 
 class ClassificationData(BaseModel):

@@ -12,17 +12,22 @@ import asyncio
 import base64
 import copy
 import functools
+import json
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 from attrs import frozen
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
+from starlette.responses import Response
 
 from poolrunner.core import frontend
 from poolrunner.core.frontend import ClassifyInput, Result
 from poolrunner.core.plugin_api.output import RequestOutput
+from poolrunner.core.quantize import Precision, quantize
 from poolrunner.core.results import ClassificationResult, RerankResult
 from poolrunner.core.runtime import Runtime, Serving
 from poolrunner.core.scoring import pair_up
@@ -38,12 +43,14 @@ CLIENT_CLOSED = 499
 class PoolingService:
     """The runtime, its serving loop (while the app runs) and the limits, shared by all routes."""
 
-    def __init__(self, runtime: Runtime, settings: ServerSettings, metrics: ServerMetrics, model_name: str) -> None:
+    def __init__(self, runtime: Runtime, settings: ServerSettings, metrics: ServerMetrics,
+                 model_name: str | Sequence[str]) -> None:
         self.runtime = runtime
         self.frontend = runtime.frontend
         self.settings = settings
         self.metrics = metrics
-        self.model_name = model_name
+        self.model_names: tuple[str, ...] = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+        self.model_name = self.model_names[0]  # the name answers report (vLLM: the first served name)
         self.serving: Serving | None = None  # set by the app's lifespan
 
     @property
@@ -55,9 +62,41 @@ class PoolingService:
         return self.serving.pending if self.serving is not None else 0
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"the model {model!r} does not exist: this server serves {self.model_name!r}",
+        """:raises ApiError: 404 unless ``model`` is ``None`` or one of the served names."""
+        if model is not None and model not in self.model_names:
+            aliases = f" (aliases: {', '.join(map(repr, self.model_names[1:]))})" if len(self.model_names) > 1 else ""
+            raise ApiError(404, f"the model {model!r} does not exist: this server serves {self.model_name!r}{aliases}",
                            param="model")
+
+    async def prompts(self, body: Any) -> tuple[list[ClassifyInput], bool]:
+        """A pooling body's inputs and whether to add special tokens: ``input`` as
+        :meth:`inputs` reads it, or vLLM's chat form, ``messages`` rendered with the model's chat
+        template into one text (special tokens then not added unless ``add_special_tokens``).
+
+        :raises ApiError: 400 for both or neither of ``input`` and ``messages``, or ``chat_template``.
+        :raises InvalidRequestError: when the messages cannot be rendered (no chat template...).
+        """
+        chat_fields = [name for name in ("add_generation_prompt", "continue_final_message", "chat_template",
+                                         "chat_template_kwargs") if name in body.model_fields_set]
+        if body.messages is None:
+            if body.input is None:
+                raise ApiError(400, "send input (texts or token ids) or messages (a chat)", param="input")
+            if chat_fields:
+                raise ApiError(400, f"{chat_fields[0]} applies to messages, not to input", param=chat_fields[0])
+            return self.inputs(body.input), body.add_special_tokens is not False
+        if body.input is not None:
+            raise ApiError(400, "send input or messages, not both", param="messages")
+        if body.chat_template is not None:
+            raise ApiError(400, "chat_template is not accepted: messages are rendered with the model's own chat "
+                                "template", param="chat_template")
+        if not body.messages:
+            raise ApiError(400, "messages is empty: send at least one message", param="messages")
+        text = await run_in_threadpool(
+            self.frontend.inputs.render_chat, [message.for_template() for message in body.messages],
+            add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
+            chat_template_kwargs=body.chat_template_kwargs,
+        )
+        return [text], bool(body.add_special_tokens)
 
     def inputs(self, value: str | list[Any], what: str = "input") -> list[ClassifyInput]:
         """A text, texts, token ids or token-id lists as a list of inputs, within the limits."""
@@ -73,6 +112,10 @@ class PoolingService:
         for index, item in enumerate(items):
             if isinstance(item, str) and not item:
                 raise ApiError(400, f"{what}[{index}] is an empty string", param=what)
+            if frontend.is_pair(item):
+                for side, text in enumerate(item):
+                    if not text:
+                        raise ApiError(400, f"{what}[{index}][{side}] is an empty string", param=what)
         return items
 
     def check_count(self, count: int, what: str) -> None:
@@ -83,7 +126,8 @@ class PoolingService:
 
     async def run(
         self, request: Request, items: Sequence[ClassifyInput], params: PoolingParams,
-        truncate_prompt_tokens: int | None, truncation_side: TruncationSide = "right",
+        truncate_prompt_tokens: int | None, truncation_side: TruncationSide = "right", *,
+        add_special_tokens: bool = True,
     ) -> tuple[list[RequestOutput], int]:
         """Tokenize (in a worker thread), run through the loop; outputs in order and their token count.
 
@@ -91,7 +135,7 @@ class PoolingService:
         """
         requests: list[PoolingRequest] = await run_in_threadpool(
             self.frontend.prepare, items, params, truncate_prompt_tokens=truncate_prompt_tokens,
-            truncation_side=truncation_side,
+            truncation_side=truncation_side, add_special_tokens=add_special_tokens,
         )
         return await self.run_requests(request, requests)
 
@@ -113,17 +157,28 @@ class PoolingService:
             result.cancel()  # a no-op once done; else its requests leave the engine
 
     async def embed(self, request: Request, items: Sequence[ClassifyInput], dimensions: int | None,
-                    truncate_prompt_tokens: int | None) -> tuple[list[np.ndarray], int]:
-        """Like ``Runtime.embed``: one float32 ``[d]`` vector per input."""
-        params = self.frontend.params("embed", dimensions=dimensions)
-        outputs, num_tokens = await self.run(request, items, params, truncate_prompt_tokens)
-        return frontend.embeddings(outputs), num_tokens
+                    truncate_prompt_tokens: int | None, *, normalize: bool | None = None,
+                    use_activation: bool | None = None, add_special_tokens: bool = True,
+                    precision: Precision = "float32", ranges: Sequence[Sequence[float]] | None = None,
+                    ) -> tuple[list[np.ndarray], int]:
+        """Like ``Runtime.embed``: one float32 ``[d]`` vector per input, or at a quantized
+        ``precision`` (int8/uint8 ``[d]``, binary/ubinary ``[ceil(d / 8)]``) after ``dimensions``
+        and normalization, calibrated on this request's embeddings unless ``ranges`` are given."""
+        check_ranges(precision, ranges)
+        params = self.frontend.params("embed", dimensions=dimensions, normalize=normalize,
+                                      use_activation=use_activation)
+        outputs, num_tokens = await self.run(request, items, params, truncate_prompt_tokens,
+                                             add_special_tokens=add_special_tokens)
+        vectors = frontend.embeddings(outputs)
+        return _quantized(vectors, precision, ranges) if precision != "float32" else vectors, num_tokens
 
     async def classify(self, request: Request, items: Sequence[ClassifyInput], use_activation: bool | None,
-                       truncate_prompt_tokens: int | None) -> tuple[list[ClassificationResult], int]:
-        """Like ``Runtime.classify``."""
+                       truncate_prompt_tokens: int | None, *, add_special_tokens: bool = True,
+                       ) -> tuple[list[ClassificationResult], int]:
+        """Like ``Runtime.classify`` (texts, token ids and ``(text, text_pair)`` pairs)."""
         params = self.frontend.params("classify", use_activation=use_activation)
-        outputs, num_tokens = await self.run(request, items, params, truncate_prompt_tokens)
+        outputs, num_tokens = await self.run(request, items, params, truncate_prompt_tokens,
+                                             add_special_tokens=add_special_tokens)
         return self.frontend.classifications(outputs), num_tokens
 
     async def score(self, request: Request, queries: str | list[str], documents: str | list[str],
@@ -156,12 +211,26 @@ class PoolingService:
 
     async def encode(self, request: Request, items: Sequence[ClassifyInput], task: str | None,
                      core: Mapping[str, Any], options: Mapping[str, Any],
-                     truncate_prompt_tokens: int | None) -> tuple[list[Result], int]:
+                     truncate_prompt_tokens: int | None, *, add_special_tokens: bool = True,
+                     precision: Precision = "float32", ranges: Sequence[Sequence[float]] | None = None,
+                     ) -> tuple[list[Result], int]:
         """Like ``Runtime.encode``: the raw result of any task the runtime serves, float outputs as
-        float32 and integer ones (SPLADE's ``token_ids``) kept as they are (int64)."""
+        float32 and integer ones (SPLADE's ``token_ids``) kept as they are (int64); ``embed``
+        results at a quantized ``precision`` as :meth:`embed` gives them.
+
+        :raises ApiError: 400 for a quantized ``precision`` on a task other than ``embed``.
+        """
+        check_ranges(precision, ranges)
         params = self.frontend.params(task, options, **core)
-        outputs, num_tokens = await self.run(request, items, params, truncate_prompt_tokens)
-        return [frontend.to_array(output) for output in outputs], num_tokens
+        if precision != "float32" and params.task != "embed":
+            raise ApiError(400, f"precision={precision} applies to task 'embed', not {params.task!r}",
+                           param="precision")
+        outputs, num_tokens = await self.run(request, items, params, truncate_prompt_tokens,
+                                             add_special_tokens=add_special_tokens)
+        results = [frontend.to_array(output) for output in outputs]
+        if precision != "float32":
+            results = _quantized(results, precision, ranges)  # type: ignore[arg-type]
+        return results, num_tokens
 
     async def tokenize(self, text: str) -> list[int]:
         """The model's ``prompt_token_ids`` for ``text``, checked against the model maximum."""
@@ -228,10 +297,80 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def encode_array(array: np.ndarray, encoding_format: str) -> Any:
-    """Nested lists (integer arrays as ints), or the base64 of the array's little-endian bytes,
-    row-major: float32 for float arrays, int64 for integer arrays."""
+def check_ranges(precision: str, ranges: object) -> None:
+    """:raises ApiError: 400 for ``ranges`` with a precision other than int8 / uint8."""
+    if ranges is not None and precision not in ("int8", "uint8"):
+        raise ApiError(400, f"ranges applies to precision int8 or uint8, not {precision}", param="ranges")
+
+
+def _quantized(vectors: list[np.ndarray], precision: Precision, ranges: Sequence[Sequence[float]] | None,
+               ) -> list[np.ndarray]:
+    """The request's ``[d]`` vectors at ``precision`` (:func:`~poolrunner.core.quantize.quantize`,
+    as ``Runtime.embed(precision=...)``), calibrated on them unless ``ranges`` are given."""
+    try:
+        calibration = None if ranges is None else np.asarray(ranges, dtype=np.float32)
+    except ValueError as exc:  # ragged lists
+        raise ApiError(400, f"ranges must be two lists of d numbers (minima, maxima): {exc}", param="ranges") from exc
+    return list(quantize(np.stack(vectors), precision, calibration))
+
+
+_FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def array_bytes(array: np.ndarray, embed_dtype: str = "float32", endianness: str = "native") -> bytes:
+    """The array's row-major bytes in ``endianness`` order (``native``: the server's): float
+    arrays as ``embed_dtype`` (rounded to nearest, as ``torch.Tensor.to`` rounds), int8 / uint8
+    arrays (quantized embeddings) as they are, other integer arrays as int64."""
+    if np.issubdtype(array.dtype, np.integer):
+        data = np.ascontiguousarray(array if array.dtype in (np.int8, np.uint8) else array.astype(np.int64))
+    else:
+        tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).to(_FLOAT_DTYPES[embed_dtype])
+        if embed_dtype == "bfloat16":  # numpy has no bfloat16: its bits as int16
+            tensor = tensor.view(torch.int16)
+        data = tensor.numpy()
+    order = sys.byteorder if endianness == "native" else endianness
+    if order != sys.byteorder and data.dtype.itemsize > 1:
+        data = data.byteswap()
+    return data.tobytes()
+
+
+def encode_array(array: np.ndarray, encoding_format: str, embed_dtype: str = "float32",
+                 endianness: str = "native") -> Any:
+    """Nested lists (integer arrays as ints, floats as float32 values whatever ``embed_dtype``),
+    or the base64 of :func:`array_bytes`."""
     if encoding_format == "base64":
-        dtype = "<i8" if np.issubdtype(array.dtype, np.integer) else "<f4"
-        return base64.b64encode(np.ascontiguousarray(array, dtype=dtype).tobytes()).decode("ascii")
+        return base64.b64encode(array_bytes(array, embed_dtype, endianness)).decode("ascii")
     return array.tolist()
+
+
+def payload_dtype(array: np.ndarray, embed_dtype: str, precision: str = "float32") -> str:
+    """The element type ``bytes`` metadata names for ``array``: ``embed_dtype`` for floats, the
+    ``precision`` of a quantized embedding, ``int64`` for other integer outputs."""
+    if not np.issubdtype(array.dtype, np.integer):
+        return embed_dtype
+    return precision if precision != "float32" else "int64"
+
+
+def bytes_response(arrays: Sequence[np.ndarray], *, embed_dtype: str, endianness: str, metadata: bool,
+                   response_id: str, created: int, model: str, num_tokens: int,
+                   precision: str = "float32") -> Response:
+    """vLLM's ``encoding_format="bytes"`` answer: an ``application/octet-stream`` body of every
+    array's bytes (:func:`array_bytes`) in input order, and a ``metadata`` header, the JSON of
+    ``{id, created, model, data, usage}`` whose ``data`` gives each array's ``index``,
+    ``embed_dtype``, ``endianness``, ``start`` and ``end`` (byte offsets) and ``shape``;
+    ``bytes_only`` (``metadata=False``) sends the body alone."""
+    chunks, items, offset = [], [], 0
+    for index, array in enumerate(arrays):
+        chunk = array_bytes(array, embed_dtype, endianness)
+        items.append({"index": index, "embed_dtype": payload_dtype(array, embed_dtype, precision),
+                      "endianness": endianness, "start": offset, "end": offset + len(chunk),
+                      "shape": list(array.shape)})
+        chunks.append(chunk)
+        offset += len(chunk)
+    headers = None
+    if metadata:
+        headers = {"metadata": json.dumps({
+            "id": response_id, "created": created, "model": model, "data": items,
+            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+        })}
+    return Response(b"".join(chunks), media_type="application/octet-stream", headers=headers)

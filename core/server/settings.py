@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from attrs import field, frozen
 
 from poolrunner.core.validators import positive_int
+
+
+def _names(names: str | Sequence[str] | None) -> tuple[str, ...] | None:
+    """``served_model_name`` as a tuple of distinct names in order (``None`` stays ``None``).
+
+    :raises ValueError: for an empty list or an empty (or non-string) name.
+    """
+    if names is None:
+        return None
+    names = (names,) if isinstance(names, str) else tuple(names)
+    if not names or not all(isinstance(name, str) and name for name in names):
+        raise ValueError(f"served_model_name must be one or more non-empty names, got {list(names)!r}")
+    return tuple(dict.fromkeys(names))
 
 
 @frozen(kw_only=True)
 class ServerSettings:
     """Settings of one server app; the defaults are those of ``poolrunner serve``.
 
-    :ivar served_model_name: The name clients pass as ``model`` and ``/v1/models`` lists;
-        ``None``: the model folder's name (``all-MiniLM-L6-v2`` for the default model).
+    :ivar served_model_name: The names clients may pass as ``model`` (a name, or several as vLLM's
+        ``--served-model-name`` takes them: aliases of the one model); answers report the first,
+        ``/v1/models`` lists each. Kept as a tuple. ``None``: the model folder's name
+        (``all-MiniLM-L6-v2`` for the default model).
     :ivar api_key: When set, every endpoint but ``/health`` needs ``Authorization: Bearer KEY``.
     :ivar max_inputs_per_request: Most inputs (texts, token-id lists, documents) in one request
         (OpenAI's embeddings limit is 2048); more is a 400.
@@ -23,15 +40,18 @@ class ServerSettings:
     :ivar auto_truncate: TEI's ``--auto-truncate``: TEI's routes (``/embed``, ``/predict``...) keep
         the model maximum of tokens of an over-long input when the request does not say
         ``truncate``; off, such an input is a 422 unless the request asks for ``truncate: true``.
+    :ivar allow_extra_fields: Accept request bodies with fields the endpoint does not know, and
+        log them (vLLM's behaviour) instead of answering a 400 naming the field.
     """
 
-    served_model_name: str | None = None
+    served_model_name: tuple[str, ...] | None = field(default=None, converter=_names)
     api_key: str | None = None
     max_inputs_per_request: int = field(default=2048, validator=positive_int)
     max_request_bytes: int = field(default=16 * 1024 * 1024, validator=positive_int)
     max_waiting_requests: int = field(default=8192, validator=positive_int)
     drain_timeout: float = 30.0
     auto_truncate: bool = False
+    allow_extra_fields: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.max_inputs_per_request > self.max_waiting_requests:
@@ -39,3 +59,4 @@ class ServerSettings:
                 f"max_inputs_per_request ({self.max_inputs_per_request}) is larger than "
                 f"max_waiting_requests ({self.max_waiting_requests}): such a request could never be queued"
             )
+

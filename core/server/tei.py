@@ -2,13 +2,14 @@
 error shape, computed by the runtime's front end like every other route.
 
 Routes (TEI's ``router/src/http/server.rs``): ``POST /embed``, ``/embed_all``, ``/embed_sparse``,
-``/predict``, ``/similarity``, ``/decode``, ``GET /info``, and ``POST /`` and ``/invocations``
-(SageMaker), which answer as the served model's own route, as TEI does (``huggingface_hub``'s
-``InferenceClient(base_url=...)`` posts there). ``/rerank`` and ``/tokenize`` are the vLLM routes,
-which take TEI's bodies too. Errors are TEI's ``{"error", "error_type"}`` (see
-:mod:`poolrunner.core.server.errors`): 400 Empty, 422 Validation / Tokenizer, 424 Backend (the
-model does not serve the route's task), 429 Overloaded, 413 for a chunked body over the size
-limit (a Content-Length over it is refused by the middleware first, in OpenAI's shape).
+``/predict``, ``/similarity``, ``/decode``, ``GET /info``, and ``POST /`` (also SageMaker's
+``/invocations`` for a TEI body, see :mod:`.app`), which answers as the served model's own route,
+as TEI's does (``huggingface_hub``'s ``InferenceClient(base_url=...)`` posts there).
+``/rerank`` and ``/tokenize`` are the vLLM routes, which take TEI's bodies too. Errors are TEI's
+``{"error", "error_type"}`` (see :mod:`poolrunner.core.server.errors`): 400 Empty, 422 Validation
+/ Tokenizer, 424 Backend (the model does not serve the route's task), 429 Overloaded, 413 for a
+chunked body over the size limit (a Content-Length over it is refused by the middleware first,
+in OpenAI's shape).
 
 Where poolrunner's rules are stricter than TEI's they stay: ``dimensions`` only for Matryoshka
 models, an over-long input is an error unless ``truncate`` (or ``--auto-truncate``) asks to keep
@@ -47,8 +48,9 @@ TEI_POOLING = {"CLS": "cls", "MEAN": "mean", "LAST": "last_token"}
 """TEI's names of the pooling types it shares with poolrunner (``/info``); others are lowercased."""
 
 
-def add_tei_routes(app: FastAPI, service: PoolingService) -> None:
-    """TEI's routes (``/embed``, ``/embed_all``, ...) over ``service``; every error in TEI's shape."""
+def add_tei_routes(app: FastAPI, service: PoolingService) -> TeiApi:
+    """TEI's routes (``/embed``, ``/embed_all``, ...) over ``service``; every error in TEI's shape.
+    Returns the handlers, for ``/invocations`` (which the app serves for vLLM's bodies too)."""
     api = TeiApi(service)
     routes: list[tuple[str, str, Any, Any]] = [
         ("POST", "/embed", api.embed, list[list[float]]),
@@ -59,13 +61,13 @@ def add_tei_routes(app: FastAPI, service: PoolingService) -> None:
         ("POST", "/decode", api.decode, list[str]),
         ("GET", "/info", api.info, t.Info),
         ("POST", "/", api.default_route, None),
-        ("POST", "/invocations", api.default_route, None),
     ]
     for method, path, endpoint, response_model in routes:
         # On the app's router itself: create_app reads every route's path (include_router would add one
         # entry without a path), and TeiRoute answers the route's errors in TEI's shape.
         app.router.add_api_route(path, endpoint, methods=[method], response_model=response_model,
                                  route_class_override=TeiRoute, tags=["Text Embeddings Inference"])
+    return api
 
 
 class TeiApi:
@@ -154,7 +156,7 @@ class TeiApi:
         )
 
     async def default_route(self, request: Request, body: Annotated[dict[str, Any], Body()]) -> Any:
-        """``POST /`` (and SageMaker's ``/invocations``): the served model's own route, as TEI
+        """``POST /`` (and SageMaker's ``/invocations`` for a TEI body): the served model's own route, as TEI
         picks it: ``/predict`` for a classifier, ``/embed_sparse`` for SPLADE, else ``/embed``;
         a ``sentence-similarity`` body (``inputs`` an object) goes to ``/similarity``, where TEI
         needs its ``TASK`` variable set to say so."""

@@ -1,5 +1,5 @@
-"""LlamaIndex's OpenAI-compatible embeddings (``llama-index-embeddings-openai-like``) against a
-real server: unchanged but for the model name and the base URL, the Python API's vectors."""
+"""LlamaIndex's OpenAI embeddings (``llama-index-embeddings-openai-like``, and
+``llama-index-embeddings-openai`` with its defaults) against a real server: the Python API's vectors."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from llama_index.embeddings.openai_like import OpenAILikeEmbedding
 
+from poolrunner.core.server import ServerSettings
+from poolrunner.core.testing.server import ServerThread
 from tests.helpers import MIN_COSINE, cosine_rows
 from tests.server.conftest import API_KEY
 
@@ -39,4 +41,17 @@ def test_async_embeddings_equal_the_python_api(keyed_server, runtime):
             return await client.aget_text_embedding_batch(TEXTS)
 
     vectors = np.array(asyncio.run(embed()), dtype=np.float32)
+    np.testing.assert_allclose(vectors, runtime.embed(TEXTS), rtol=0, atol=1e-6)
+
+
+def test_openai_embedding_defaults_work_through_a_served_name_alias(runtime):
+    """``llama-index-embeddings-openai`` with its defaults asks for text-embedding-ada-002: serving
+    that name as an alias (``--served-model-name all-MiniLM-L6-v2 text-embedding-ada-002``) is
+    the one setting it needs."""
+    from llama_index.embeddings.openai import OpenAIEmbedding
+
+    settings = ServerSettings(served_model_name=[MODEL, "text-embedding-ada-002"])
+    with ServerThread(runtime, settings) as server:
+        embedding = OpenAIEmbedding(api_base=f"{server.url}/v1", api_key="unused", max_retries=0)
+        vectors = np.array(embedding.get_text_embedding_batch(TEXTS), dtype=np.float32)
     np.testing.assert_allclose(vectors, runtime.embed(TEXTS), rtol=0, atol=1e-6)
