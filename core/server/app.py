@@ -34,7 +34,8 @@ from poolrunner.core.server import protocol as p
 from poolrunner.core.server.errors import ApiError, as_tei_error, install_handlers, tei_error_response
 from poolrunner.core.server.metrics import ServerMetrics
 from poolrunner.core.server.middleware import GuardMiddleware, ServerState
-from poolrunner.core.server.service import PoolingService, bytes_response, encode_array
+from poolrunner.core.server.payload import bytes_response, encode_array
+from poolrunner.core.server.service import PoolingService
 from poolrunner.core.server.settings import ServerSettings
 from poolrunner.core.server.tei import TeiApi, add_tei_routes
 

@@ -1,0 +1,76 @@
+"""How arrays travel in an answer: JSON lists, base64, or vLLM's ``bytes`` body with its
+``metadata`` header; float element type (``embed_dtype``) and byte order (``endianness``) as vLLM
+writes them."""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from starlette.responses import Response
+
+_FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def array_bytes(array: np.ndarray, embed_dtype: str = "float32", endianness: str = "native") -> bytes:
+    """The array's row-major bytes in ``endianness`` order (``native``: the server's): float
+    arrays as ``embed_dtype`` (rounded to nearest, as ``torch.Tensor.to`` rounds), int8 / uint8
+    arrays (quantized embeddings) as they are, other integer arrays as int64."""
+    if np.issubdtype(array.dtype, np.integer):
+        data = np.ascontiguousarray(array if array.dtype in (np.int8, np.uint8) else array.astype(np.int64))
+    else:
+        tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).to(_FLOAT_DTYPES[embed_dtype])
+        if embed_dtype == "bfloat16":  # numpy has no bfloat16: its bits as int16
+            tensor = tensor.view(torch.int16)
+        data = tensor.numpy()
+    order = sys.byteorder if endianness == "native" else endianness
+    if order != sys.byteorder and data.dtype.itemsize > 1:
+        data = data.byteswap()
+    return data.tobytes()
+
+
+def encode_array(array: np.ndarray, encoding_format: str, embed_dtype: str = "float32",
+                 endianness: str = "native") -> Any:
+    """Nested lists (integer arrays as ints, floats as float32 values whatever ``embed_dtype``),
+    or the base64 of :func:`array_bytes`."""
+    if encoding_format == "base64":
+        return base64.b64encode(array_bytes(array, embed_dtype, endianness)).decode("ascii")
+    return array.tolist()
+
+
+def payload_dtype(array: np.ndarray, embed_dtype: str, precision: str = "float32") -> str:
+    """The element type ``bytes`` metadata names for ``array``: ``embed_dtype`` for floats, the
+    ``precision`` of a quantized embedding, ``int64`` for other integer outputs."""
+    if not np.issubdtype(array.dtype, np.integer):
+        return embed_dtype
+    return precision if precision != "float32" else "int64"
+
+
+def bytes_response(arrays: Sequence[np.ndarray], *, embed_dtype: str, endianness: str, metadata: bool,
+                   response_id: str, created: int, model: str, num_tokens: int,
+                   precision: str = "float32") -> Response:
+    """vLLM's ``encoding_format="bytes"`` answer: an ``application/octet-stream`` body of every
+    array's bytes (:func:`array_bytes`) in input order, and a ``metadata`` header, the JSON of
+    ``{id, created, model, data, usage}`` whose ``data`` gives each array's ``index``,
+    ``embed_dtype``, ``endianness``, ``start`` and ``end`` (byte offsets) and ``shape``;
+    ``bytes_only`` (``metadata=False``) sends the body alone."""
+    chunks, items, offset = [], [], 0
+    for index, array in enumerate(arrays):
+        chunk = array_bytes(array, embed_dtype, endianness)
+        items.append({"index": index, "embed_dtype": payload_dtype(array, embed_dtype, precision),
+                      "endianness": endianness, "start": offset, "end": offset + len(chunk),
+                      "shape": list(array.shape)})
+        chunks.append(chunk)
+        offset += len(chunk)
+    headers = None
+    if metadata:
+        headers = {"metadata": json.dumps({
+            "id": response_id, "created": created, "model": model, "data": items,
+            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+        })}
+    return Response(b"".join(chunks), media_type="application/octet-stream", headers=headers)
