@@ -160,8 +160,11 @@ def _build_engine(
 
 
 def _probe_requests(inputs: InputProcessor, task: PoolingTask, options: RequestOptions) -> list[PoolingRequest]:
-    """:data:`~poolrunner.core.engine.precision.PROBE_TEXTS` as requests of ``task`` (its options' defaults)."""
-    encoded = inputs.encode(precision.PROBE_TEXTS, truncate_prompt_tokens=-1)
+    """:func:`~poolrunner.core.engine.precision.probe_texts` as requests of ``task`` (its options'
+    defaults), each at most ``LONG_PROBE_TOKENS`` long."""
+    texts = precision.probe_texts(inputs.tokenizer, inputs.model_config.max_model_len)
+    keep = min(inputs.model_config.max_model_len, precision.LONG_PROBE_TOKENS)
+    encoded = inputs.encode(texts, truncate_prompt_tokens=keep)
     params = PoolingParams(task=task, extra_kwargs=options.resolve(task, {}))
     return [PoolingRequest(request_id=f"probe-{i}", prompt_token_ids=ids, params=params)
             for i, ids in enumerate(encoded)]
