@@ -40,7 +40,13 @@ class InvalidRequestError(PoolrunnerError, ValueError):
     """A request, its parameters or a runtime argument were rejected before reaching the engine.
 
     Raised before the request is admitted, so other requests are never affected.
+
+    :ivar param: The request field at fault, when one is (the HTTP error's ``param``).
     """
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class PromptTooLongError(InvalidRequestError):

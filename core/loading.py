@@ -88,7 +88,7 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
     inputs = InputProcessor(tokenizer, model_config)
     build = functools.partial(_build_engine, config, path, hf_config, hooks, manager, model_config, wanted, device)
     if config.dtype == "auto" and precision.native_bf16(device):
-        engine, dtype = precision.choose_cpu_dtype(build, _probe_requests(inputs, task, options))
+        engine, dtype = precision.choose_cpu_dtype(build, _probe_requests(inputs, wanted, options))
     else:
         dtype = loader.resolve_dtype(config.dtype, hf_config, device)
         engine = build(dtype)
@@ -159,12 +159,16 @@ def _build_engine(
     return Engine(runner, scheduler, hooks, model_config, device, async_scheduling=async_scheduling)
 
 
-def _probe_requests(inputs: InputProcessor, task: PoolingTask, options: RequestOptions) -> list[PoolingRequest]:
-    """:func:`~poolrunner.core.engine.precision.probe_texts` as requests of ``task`` (its options'
-    defaults), each at most ``LONG_PROBE_TOKENS`` long."""
+def _probe_requests(inputs: InputProcessor, tasks: Sequence[PoolingTask],
+                    options: RequestOptions) -> list[PoolingRequest]:
+    """:func:`~poolrunner.core.engine.precision.probe_texts` as requests of each of ``tasks``
+    (with their options' defaults), each at most ``LONG_PROBE_TOKENS`` long: every task the
+    runtime serves is held to the bar, not only its default one."""
     texts = precision.probe_texts(inputs.tokenizer, inputs.model_config.max_model_len)
     keep = min(inputs.model_config.max_model_len, precision.LONG_PROBE_TOKENS)
     encoded = inputs.encode(texts, truncate_prompt_tokens=keep)
-    params = PoolingParams(task=task, extra_kwargs=options.resolve(task, {}))
-    return [PoolingRequest(request_id=f"probe-{i}", prompt_token_ids=ids, params=params)
-            for i, ids in enumerate(encoded)]
+    return [
+        PoolingRequest(request_id=f"probe-{task}-{i}", prompt_token_ids=ids,
+                       params=PoolingParams(task=task, extra_kwargs=options.resolve(task, {})))
+        for task in tasks for i, ids in enumerate(encoded)
+    ]

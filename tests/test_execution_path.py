@@ -110,3 +110,7 @@ def test_the_probe_error_is_relative_per_output():
     output = {"a": torch.tensor([3.0, 4.05], dtype=torch.float64), "b": torch.tensor([1.0])}
     assert precision._relative_error(reference, output) == pytest.approx(0.05 / 5)
     assert precision._relative_error(torch.zeros(2), torch.zeros(2)) == 0.0
+    # Outputs that cannot be compared element by element refuse bf16 (SPLADE's non-zero entries).
+    assert precision._relative_error(torch.ones(14), torch.ones(15)) == float("inf")
+    assert precision._relative_error(torch.tensor([3, 5]), torch.tensor([3, 6])) == float("inf")
+    assert precision._relative_error(torch.tensor([3, 5]), torch.tensor([3, 5])) == 0.0

@@ -78,11 +78,24 @@ def plugin_option(value: str) -> tuple[str, Any]:
         return name, text
 
 
+def plugin_options(pairs: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """``--option`` pairs as keyword arguments.
+
+    :raises CliError: for an option given twice (which value was meant is unknowable).
+    """
+    options: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in options:
+            raise CliError(f"--option {name} is given twice ({options[name]!r} and {value!r}): give it once")
+        options[name] = value
+    return options
+
+
 def add_plugin_request_options(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--option", dest="options", metavar="NAME=VALUE", type=plugin_option, action="append",
                        default=[], help="a request option a plugin declares (`poolrunner plugins --options MODEL` "
                                         "lists them), "
-                                        "VALUE as JSON; repeat for several")
+                                        "VALUE as JSON; repeat for several options")
 
 
 def disabled_plugins(names: Iterable[str] = ()) -> list[str]:

@@ -21,6 +21,7 @@ from poolrunner.core.cli.common import (
     check_output,
     load_runtime,
     no_inputs,
+    plugin_options,
     positive_int,
     read_texts,
     write_jsonl,
@@ -97,11 +98,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Read the inputs, load the model, encode, write. Input and option errors come before loading."""
+    options = plugin_options(args.options)
     if args.ray is not None:
         return run_ray(args, args.task, {
             "dimensions": args.dimensions, "normalize": args.normalize, "use_activation": args.use_activation,
             "step_tag_id": args.step_tag_id, "returned_token_ids": args.returned_token_ids,
-            "truncate_prompt_tokens": args.truncate, "truncation_side": args.truncation_side, **dict(args.options),
+            "truncate_prompt_tokens": args.truncate, "truncation_side": args.truncation_side, **options,
         })
     texts = read_texts(args.texts, args.input, args.text_field)
     if not texts:
@@ -114,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         texts, dimensions=args.dimensions, normalize=args.normalize, use_activation=args.use_activation,
         step_tag_id=args.step_tag_id, returned_token_ids=args.returned_token_ids,
         truncate_prompt_tokens=args.truncate, truncation_side=args.truncation_side,
-        show_progress_bar=len(texts) > PROGRESS_THRESHOLD, **dict(args.options),
+        show_progress_bar=len(texts) > PROGRESS_THRESHOLD, **options,
     )
     if args.output is not None and args.output.lower().endswith(".npz"):
         arrays = {name: array for index, result in enumerate(results) for name, array in _named(index, result)}

@@ -17,6 +17,7 @@ model takes (up to :data:`LONG_PROBE_TOKENS`).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -85,11 +86,14 @@ def choose_cpu_dtype(
     The fp32 engine is freed before the bf16 one is built, so peak memory stays one model.
 
     :param build: Builds the whole engine (model, pooler, runner) in the given dtype.
-    :param probes: Requests of the runtime's task; their outputs are compared per request and
-        per named output.
+    :param probes: Requests of every task the runtime may serve (those of a task whose pooler
+        was not built are left out); outputs are compared per request and per named output.
     :returns: The engine to serve with and its dtype.
     """
-    reference = _run(build(torch.float32), probes)
+    engine = build(torch.float32)
+    probes = [probe for probe in probes if probe.params.task in engine.runner.poolers]
+    reference = _run(engine, probes)
+    del engine
     engine = build(torch.bfloat16)
     error = max(_relative_error(ref, out) for ref, out in zip(reference, _run(engine, probes), strict=True))
     if error <= MAX_RELATIVE_ERROR:
@@ -106,8 +110,15 @@ def _run(engine: Engine, probes: Sequence[PoolingRequest]) -> list[RequestOutput
 
 
 def _relative_error(reference: RequestOutput, output: RequestOutput) -> float:
+    """``||output - reference|| / ||reference||``; infinite where the two cannot be compared
+    element by element: shapes that differ (SPLADE keeps the non-zero weights, whose number
+    bf16 may change) or integer outputs that differ (token ids)."""
     if isinstance(reference, dict):
         return max(_relative_error(reference[name], output[name]) for name in reference)  # type: ignore[index]
+    if reference.shape != output.shape:  # type: ignore[union-attr]
+        return math.inf
+    if not reference.is_floating_point():  # type: ignore[union-attr]
+        return 0.0 if torch.equal(reference, output) else math.inf  # type: ignore[arg-type]
     reference, output = reference.double(), output.double()  # type: ignore[union-attr]
     scale = torch.linalg.vector_norm(reference).item()
     return torch.linalg.vector_norm(output - reference).item() / max(scale, torch.finfo(torch.float32).tiny)

@@ -123,7 +123,8 @@ class RequestOptions:
         return self._by_name.get(name)
 
     def resolve(self, task: PoolingTask, given: Mapping[str, Any]) -> Mapping[str, Any] | None:
-        """``given`` checked for ``task``, with every default filled in; ``None`` when empty.
+        """``given`` checked for ``task``, with every default filled in; ``None`` when empty. A
+        ``None`` value is an option left out (as a JSON ``null`` field is, or a keyword's default).
 
         :raises InvalidRequestError: naming the option, its plugin and the rule a value breaks,
             or the options ``task`` takes when a name is unknown to it.
@@ -131,12 +132,14 @@ class RequestOptions:
         known = {entry.option.name: entry for entry in self.for_task(task)}
         resolved: dict[str, Any] = {}
         for name, value in given.items():
+            if value is None:
+                continue
             entry = known.get(name)
             if entry is None:
-                raise InvalidRequestError(self._unknown(name, task, known))
+                raise InvalidRequestError(self._unknown(name, task, known), param=name)
             problem = entry.option.problem(value)
             if problem:
-                raise InvalidRequestError(f"option {name}={value!r} (plugin {entry.plugin!r}) {problem}")
+                raise InvalidRequestError(f"option {name}={value!r} (plugin {entry.plugin!r}) {problem}", param=name)
             resolved[name] = value
         for name, entry in known.items():
             if name not in resolved and entry.option.default is not None:

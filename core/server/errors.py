@@ -82,7 +82,7 @@ def install_handlers(app: FastAPI) -> None:
 
 def _status_handler(status: int):
     async def handle(_request: Request, exc: Exception) -> JSONResponse:
-        return error_response(status, str(exc))
+        return error_response(status, str(exc), getattr(exc, "param", None))
 
     return handle
 

@@ -166,19 +166,20 @@ class PoolingHttpRequest(_Request, _Chat, _Encoding, _Quantize):
     use_activation: StrictBool | None = None
 
 
-_OPTION_FIELD_TYPES: dict[type, Any] = {
-    int: StrictInt, float: StrictInt | StrictFloat, bool: StrictBool, str: StrictStr,
-}
+_JSON_TYPES = {int: "integer", float: "number", bool: "boolean", str: "string"}
 
 
 def pooling_request_model(options: RequestOptions) -> type[PoolingHttpRequest]:
     """:class:`PoolingHttpRequest` with one optional body field per plugin request option, so
-    the OpenAPI schema shows them and a wrongly typed value is a 400 naming the field."""
+    the OpenAPI schema shows them (with their JSON type). The fields take any JSON value: the
+    runtime's :class:`~poolrunner.core.plugin_api.options.RequestOptions` checks it, so a wrong
+    type gets the message the Python API and the CLI give, naming the plugin."""
     fields: dict[str, Any] = {
         entry.option.name: (
-            _OPTION_FIELD_TYPES[entry.option.type] | None,
-            Field(default=None, description=f"{entry.option.help} Plugin {entry.plugin!r}; tasks "
-                                            f"{sorted(entry.option.tasks)}; default {entry.option.default!r}."),
+            Any,
+            Field(default=None, json_schema_extra={"type": _JSON_TYPES[entry.option.type]},
+                  description=f"{entry.option.help} Plugin {entry.plugin!r}; tasks "
+                              f"{sorted(entry.option.tasks)}; default {entry.option.default!r}."),
         )
         for entry in options
     }

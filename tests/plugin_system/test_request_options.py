@@ -98,6 +98,14 @@ def test_hook_request_options(head_mean, hf_hidden):
     assert runtime.frontend.params("embed").extra_kwargs is None  # embed takes no plugin option
 
 
+def test_none_is_an_option_left_out(head_mean, hf_hidden):
+    plugin, runtime = head_mean
+    plugin.pooler.seen.clear()
+    [output] = runtime.encode(TEXTS[0], task=TASK, first=None, scale=None)
+    assert plugin.pooler.seen == [{"scale": 1.0}]  # as if neither were given: the default fills in
+    np.testing.assert_allclose(output, reference(hf_hidden, list(runtime.inputs.encode([TEXTS[0]])[0])), atol=1e-5)
+
+
 def test_an_int_is_taken_for_a_float_option(head_mean, hf_hidden):
     _, runtime = head_mean
     ids = list(runtime.inputs.encode([TEXTS[0]])[0])
@@ -145,7 +153,9 @@ def test_pooling_takes_options_as_body_fields_equal_to_the_api(head_mean):
         assert refused.status_code == 400
         assert refused.json()["error"]["message"] == "option scale=0 (plugin 'HeadMean') must be greater than 0"
         mistyped = httpx.post(f"{server.url}/pooling", json={"input": TEXTS, "task": TASK, "first": "4"})
-        assert mistyped.status_code == 400 and "first" in mistyped.json()["error"]["message"]
+        assert mistyped.status_code == 400
+        assert mistyped.json()["error"]["message"] == "option first='4' (plugin 'HeadMean') must be an integer"
+        assert mistyped.json()["error"]["param"] == "first"
         schema = httpx.get(f"{server.url}/openapi.json").json()["components"]["schemas"]["PoolingHttpRequest"]
         assert schema["properties"]["scale"]["description"] == (
             "Multiply the mean by this factor. Plugin 'HeadMean'; tasks ['head_mean']; default 1.0.")

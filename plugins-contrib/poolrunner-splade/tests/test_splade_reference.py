@@ -22,6 +22,7 @@ from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
 
 import poolrunner
 from poolrunner.core import InvalidRequestError, ModelLoadError
+from poolrunner.core.engine import precision
 
 TEXTS = [
     "what is the capital of france",
@@ -127,6 +128,18 @@ def test_top_k_is_only_for_sparse_embed(splade_tiny, poolrunner_runtime_factory)
     assert str(caught.value) == "option 'top_k' (plugin 'splade') applies to tasks ['sparse_embed'], not 'embed'"
     top = runtime.encode(TEXTS[1], task="sparse_embed", top_k=2)[0]
     np.testing.assert_array_equal(top["token_ids"], np.argsort(-reference(splade_tiny, [TEXTS[1]])[0])[:2])
+
+
+@pytest.mark.parametrize("task", ["sparse_embed", None])
+def test_auto_dtype_holds_the_bar_for_sparse_outputs(splade_tiny, monkeypatch, task):
+    """dtype auto with its bf16 probe (forced on, so it runs on any CPU): the probe compares
+    SPLADE's variable-length outputs, and every served task, not only the default one."""
+    monkeypatch.setattr(precision, "native_bf16", lambda device: True)
+    runtime = poolrunner.Runtime(splade_tiny, task=task)  # default dtype: auto
+    outputs = runtime.encode(TEXTS, task="sparse_embed")
+    for output, want in zip(outputs, reference(splade_tiny, TEXTS), strict=True):
+        got = densify(output, 30522)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) <= precision.MAX_RELATIVE_ERROR
 
 
 def test_score_is_the_sparse_dot_product(splade_tiny, poolrunner_runtime_factory):

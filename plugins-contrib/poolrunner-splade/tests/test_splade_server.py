@@ -147,7 +147,7 @@ def test_top_k_over_pooling_equals_the_python_api(server, sparse_encoder):
 def test_the_openapi_schema_shows_top_k(server):
     schema = httpx.get(f"{server.url}/openapi.json").json()["components"]["schemas"]["PoolingHttpRequest"]
     field = schema["properties"]["top_k"]
-    assert {"type": "integer"} in field["anyOf"]
+    assert field["type"] == "integer"
     assert field["description"].startswith("Keep only the k largest sparse weights")
     assert "'sparse_embed'" in field["description"]
 
@@ -165,10 +165,15 @@ def test_a_bad_option_on_pooling_is_a_400_and_the_server_keeps_serving(server, o
     assert again["data"][0]["data"]["token_ids"] == offline["encode"][0]["token_ids"].tolist()
 
 
-def test_a_mistyped_top_k_on_pooling_is_a_400_naming_the_field(server):
-    answer = httpx.post(f"{server.url}/pooling", json={"input": QUERY, "top_k": "5"})
+@pytest.mark.parametrize(("value", "shown"), [("5", "'5'"), (5.0, "5.0"), (True, "True")])
+def test_a_mistyped_top_k_on_pooling_is_the_python_apis_400(server, offline, value, shown):
+    answer = httpx.post(f"{server.url}/pooling", json={"input": QUERY, "top_k": value})
     assert answer.status_code == 400
-    assert "top_k" in answer.json()["error"]["message"]
+    error = answer.json()["error"]
+    assert (error["message"], error["param"]) == (f"option top_k={shown} (plugin 'splade') must be an integer",
+                                                  "top_k")
+    again = httpx.post(f"{server.url}/pooling", json={"input": QUERY, "top_k": None}).json()  # null: left out
+    assert again["data"][0]["data"]["token_ids"] == offline["encode"][0]["token_ids"].tolist()
 
 
 def test_top_k_from_the_command_line(splade_tiny, capsys):
@@ -178,8 +183,11 @@ def test_top_k_from_the_command_line(splade_tiny, capsys):
     assert main(argv) == 0
     [line] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert line["output"]["token_ids"] == want[0]["token_ids"].tolist()
-    assert main([*argv[:-1], "--option", "top_k=0", QUERY]) == 2
+    base = argv[:-3]  # without --option top_k=6 and the query
+    assert main([*base, "--option", "top_k=0", QUERY]) == 2
     assert "option top_k=0 (plugin 'splade') must be at least 1" in capsys.readouterr().err
+    assert main([*base, "--option", "top_k=5", "--option", "top_k=3", QUERY]) == 2
+    assert "poolrunner: error: --option top_k is given twice (5 and 3): give it once" in capsys.readouterr().err
 
 
 def test_encode_task_sparse_embed_from_the_command_line(splade_tiny, tmp_path, capsys):
