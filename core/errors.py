@@ -77,7 +77,7 @@ class StepFailedError(PoolrunnerError):
 
 
 class RayNotInstalledError(PoolrunnerError, ImportError):
-    """Ray Data (or pyarrow) is not installed: ``pip install 'poolrunner[ray]'``."""
+    """Ray Data (or pyarrow) is not installed: ``pip install -e '.[ray]'`` in a poolrunner checkout."""
 
 
 class JobConflictError(PoolrunnerError):

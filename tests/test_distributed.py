@@ -161,7 +161,7 @@ def test_without_ray_the_flag_says_what_to_install(tmp_path, monkeypatch, capsys
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     assert "poolrunner: error: distributed jobs need Ray Data and pyarrow" in err
-    assert "install them with: pip install 'poolrunner[ray]'" in err and "Traceback" not in err
+    assert "install them with: pip install -e '.[ray]' (in the poolrunner checkout)" in err and "Traceback" not in err
     with pytest.raises(RayNotInstalledError):
         run_job(str(tmp_path / "a.txt"), str(tmp_path / "out"))
 

@@ -16,7 +16,7 @@ distributed (--ray):
   files, local or any URI pyarrow reads (s3://, gs://, hdfs://...), readable from every
   node; --output names a folder, with one Parquet file per input file: row (index in
   the file), the id column, and the results. Rerunning a failed job skips the files
-  already written. Needs Ray: pip install 'poolrunner[ray]'."""
+  already written. Needs Ray: pip install -e '.[ray]' in the poolrunner checkout."""
 
 
 def add_ray_options(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,7 @@
 """Batch jobs over large datasets on Ray: Ray Data ``map_batches`` over an actor pool in which each
 actor holds one :class:`~poolrunner.core.runtime.Runtime`.
 
-Ray is an optional dependency (``pip install 'poolrunner[ray]'``); importing this package works
+Ray is an optional dependency (``pip install -e '.[ray]'`` in a poolrunner checkout); importing this package works
 without it, and :func:`run_job` raises :class:`RayNotInstalledError` then.
 
 Example::

@@ -105,7 +105,7 @@ def run_job(
     :param address: Ray cluster to connect to (``auto``, ``ray://host:10001``...); ``None``: the
         one Ray is already initialized with, else ``ray.init()``'s default (``$RAY_ADDRESS``, a
         running local cluster, or a new one).
-    :raises RayNotInstalledError: without Ray Data: ``pip install 'poolrunner[ray]'``.
+    :raises RayNotInstalledError: without Ray Data: ``pip install -e '.[ray]'`` in a poolrunner checkout.
     :raises InvalidRequestError: for bad inputs or options, or a row the runtime rejects (named
         by file); output files committed before then are kept.
     :raises JobConflictError: if ``output`` holds a job with other settings.

@@ -37,7 +37,8 @@ def require_ray() -> None:
         import ray.data  # noqa: F401
     except ImportError as exc:
         raise RayNotInstalledError(
-            f"distributed jobs need Ray Data and pyarrow ({exc}); install them with: pip install 'poolrunner[ray]'"
+            f"distributed jobs need Ray Data and pyarrow ({exc}); install them with: "
+            "pip install -e '.[ray]' (in the poolrunner checkout)"
         ) from exc
 
 

@@ -251,6 +251,7 @@ def _add_routes(app: FastAPI, service: PoolingService, created: int) -> list[tup
         service.check_model(body.model)
         return p.DetokenizeResponse(prompt=await service.detokenize(body.tokens))
 
+    @app.head("/health", include_in_schema=False)  # load balancers probe with either method
     @app.get("/health")
     async def health() -> JSONResponse:
         """200 while serving; 503 once the engine loop stopped (and, from the middleware, while draining)."""

@@ -140,6 +140,7 @@ def test_tokenize_and_models(server, hf_tokenizer):
     models = httpx.get(f"{server.url}/v1/models").json()
     assert models["data"][0]["id"] == "all-MiniLM-L6-v2" and models["data"][0]["task"] == "embed"
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert httpx.head(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/openapi.json").json()["paths"].keys() >= {"/v1/embeddings", "/rerank"}
 
 
