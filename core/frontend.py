@@ -77,8 +77,9 @@ class Frontend:
         params = PoolingParams(task=task or self.default_task, **core)  # a malformed value fails first
         if params.task not in self.tasks:
             raise InvalidRequestError(
-                f"this runtime serves tasks {sorted(self.tasks)}, not {params.task!r}; load another with "
-                f"Runtime(..., task={params.task!r}) if the model supports it"
+                f"this runtime serves tasks {sorted(self.tasks)}, not {params.task!r}; if the model supports "
+                f"{params.task!r}, load it without a task or with that task (Runtime(..., task=...), --task)",
+                param="task",
             )
         extra_kwargs = self.options.resolve(params.task, options or {})
         return attrs.evolve(params, extra_kwargs=extra_kwargs) if extra_kwargs else params

@@ -64,8 +64,8 @@ def test_the_api_takes_the_task_per_call(multi, alone):
 
 def test_a_task_named_at_load_is_the_only_one_served(alone):
     with pytest.raises(InvalidRequestError, match=(
-            r"^this runtime serves tasks \['embed'\], not 'token_embed'; load another with "
-            r"Runtime\(\.\.\., task='token_embed'\) if the model supports it$")):
+            r"^this runtime serves tasks \['embed'\], not 'token_embed'; if the model supports 'token_embed', "
+            r"load it without a task or with that task \(Runtime\(\.\.\., task=\.\.\.\), --task\)$")):
         alone["embed"].encode(TEXTS, task="token_embed")
     assert alone["embed"].embed(TEXTS).shape == (4, 384)  # still serving
 
