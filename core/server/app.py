@@ -31,7 +31,7 @@ from pydantic import BaseModel
 from poolrunner.core import frontend
 from poolrunner.core.runtime import Runtime
 from poolrunner.core.server import protocol as p
-from poolrunner.core.server.errors import ApiError, as_tei_error, install_handlers, tei_error_response
+from poolrunner.core.server.errors import ApiError, TeiError, as_tei_error, install_handlers, tei_error_response
 from poolrunner.core.server.metrics import ServerMetrics
 from poolrunner.core.server.middleware import GuardMiddleware, ServerState
 from poolrunner.core.server.payload import bytes_response, encode_array
@@ -241,7 +241,13 @@ def _add_routes(app: FastAPI, service: PoolingService, created: int) -> list[tup
         ``add_special_tokens`` is false), or TEI's (``inputs``: each text's tokens with their spans)."""
         service.check_model(body.model)
         if body.api() == "tei":
-            return await _tei_tokens(service, body.inputs, body.add_special_tokens)  # type: ignore[arg-type]
+            try:
+                return await _tei_tokens(service, body.inputs, body.add_special_tokens)  # type: ignore[arg-type]
+            except Exception as exc:  # once the body is TEI's, errors are TEI's too
+                error = as_tei_error(exc)
+                if error is None:
+                    raise
+                return tei_error_response(error)
         # TEI's null spans stay; vLLM's answer has token_strs only when asked
         return JSONResponse((await _vllm_tokens(service, body)).model_dump(exclude_none=True))
 
@@ -373,6 +379,8 @@ async def _tei_tokens(service: PoolingService, inputs: str | list[str], add_spec
     """TEI's tokenize: a list of tokens per input (one list for one text), spans in UTF-8 bytes
     and the input's own text for each token; a special token's text is the token itself."""
     texts = [inputs] if isinstance(inputs, str) else inputs
+    if not texts:
+        raise TeiError("Empty", "inputs is empty: send at least one text")
     service.check_count(len(texts), "inputs")
     answer = []
     for text, tokens in zip(texts, await service.tokens(texts, add_special_tokens), strict=True):

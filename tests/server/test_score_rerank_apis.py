@@ -354,6 +354,15 @@ def test_tei_tokenize(server, hf_tokenizer):
     assert len(single) == 1 and [t["id"] for t in single[0]] == hf_tokenizer(texts[0])["input_ids"]
 
 
+def test_tei_tokenize_of_no_text_is_tei_empty_error(server, hf_tokenizer):
+    with httpx.Client(base_url=server.url) as client:  # one keep-alive connection: it must survive
+        empty = client.post("/tokenize", json={"inputs": []})
+        assert (empty.status_code, empty.json()) == (400, {"error": "inputs is empty: send at least one text",
+                                                           "error_type": "Empty"})
+        again = client.post("/tokenize", json={"inputs": ["ok"]})
+        assert [t["id"] for t in again.json()[0]] == hf_tokenizer("ok")["input_ids"]
+
+
 def test_vllm_tokenize_and_detokenize(server, hf_tokenizer):
     old = _ok(httpx.post(f"{server.url}/tokenize", json={"prompt": SANITY_TEXT}))
     assert old == {"count": len(old["tokens"]), "max_model_len": 256, "tokens": hf_tokenizer(SANITY_TEXT)["input_ids"]}
