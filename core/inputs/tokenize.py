@@ -118,6 +118,8 @@ class InputProcessor:
         if truncation_side not in ("left", "right"):
             raise InvalidRequestError(f"truncation_side must be 'left' or 'right', got {truncation_side!r}")
         texts = {i: item for i, item in enumerate(inputs) if isinstance(item, str)}
+        for index, text in texts.items():
+            check_text(text, f"input {index}")
         keep = self.check_truncation(truncate_prompt_tokens, pair=False if texts and add_special_tokens else None)
         prefix = self.resolve_prompt(prompt, prompt_name)
         encoded = self._tokenize([prefix + text for text in texts.values()], keep, truncation_side,
@@ -158,6 +160,8 @@ class InputProcessor:
         for index, pair in enumerate(pairs):
             if not (isinstance(pair, tuple | list) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
                 raise InvalidRequestError(f"pair {index}: expected two texts (query, document), got {pair!r:.80}")
+            for side, text in enumerate(pair):
+                check_text(text, f"pair {index}, text {side + 1}")
         with self._lock:  # truncation_side is tokenizer state (the call argument is ignored)
             self.tokenizer.truncation_side = truncation_side
             encoded = self.tokenizer(
@@ -284,3 +288,18 @@ def _num_special_tokens(tokenizer: PreTrainedTokenizerBase, pair: bool) -> int:
         return int(tokenizer.num_special_tokens_to_add(pair=pair))
     except (AttributeError, NotImplementedError, TypeError, ValueError):
         return 0
+
+
+def check_text(text: str, where: str) -> None:
+    """Refuse text that is not valid Unicode: a lone surrogate (``"\\ud800"``, half of an emoji
+    cut by a JavaScript client) cannot be encoded as UTF-8, so no tokenizer can read it.
+
+    :raises InvalidRequestError: naming ``where``, the character's position and its code point.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{where} is not valid Unicode text: character {exc.start} is U+{ord(text[exc.start]):04X}, a lone "
+            "surrogate (half of a UTF-16 pair); send whole characters"
+        ) from None

@@ -21,6 +21,7 @@ from starlette.requests import Request
 
 from poolrunner.core import frontend
 from poolrunner.core.frontend import ClassifyInput, Result
+from poolrunner.core.inputs.tokenize import check_text
 from poolrunner.core.plugin_api.output import RequestOutput
 from poolrunner.core.quantize import Precision, quantize
 from poolrunner.core.results import ClassificationResult, RerankResult
@@ -230,6 +231,8 @@ class PoolingService:
     async def tokens(self, texts: list[str], add_special_tokens: bool) -> list[list[Token]]:
         """Each text's tokens with their character spans (``None`` for added special tokens),
         untruncated; in a worker thread, on :attr:`tokenizer`."""
+        for index, text in enumerate(texts):
+            check_text(text, f"input {index}")
         return await run_in_threadpool(_tokens, self.tokenizer, texts, add_special_tokens)
 
     async def detokenize(self, ids: list[int]) -> str:

@@ -1,0 +1,47 @@
+"""Text that is not valid Unicode (a lone surrogate, e.g. half an emoji cut by a JavaScript
+client): a 400 naming the input and the character on every route family, the keep-alive
+connection survives, and the Python API refuses it the same way."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+
+from poolrunner import InvalidRequestError
+
+BROKEN = "caf\u00e9 \ud83d"  # the first half of an emoji's UTF-16 pair, alone
+MESSAGE = ("is not valid Unicode text: character 5 is U+D83D, a lone surrogate (half of a UTF-16 pair); "
+           "send whole characters")
+
+
+def test_the_python_api_refuses_it_and_still_serves(runtime):
+    with pytest.raises(InvalidRequestError) as caught:
+        runtime.embed(["fine", BROKEN])
+    assert str(caught.value) == f"input 1 {MESSAGE}"
+    with pytest.raises(InvalidRequestError) as caught:
+        runtime.score("fine", [BROKEN])
+    assert str(caught.value) == f"input 0 {MESSAGE}"  # score pools the distinct texts, sorted: "caf..." first
+    assert runtime.embed("fine").shape == (384,)
+
+
+@pytest.mark.parametrize(("path", "body", "answer"), [
+    ("/v1/embeddings", {"input": ["fine", BROKEN]}, {"error": f"input 1 {MESSAGE}"}),
+    ("/pooling", {"input": [BROKEN]}, {"error": f"input 0 {MESSAGE}"}),
+    ("/tokenize", {"prompt": BROKEN}, {"error": f"input 0 {MESSAGE}"}),
+    ("/tokenize", {"inputs": [BROKEN]}, {"tei": f"input 0 {MESSAGE}"}),
+    ("/embed", {"inputs": BROKEN}, {"tei": f"input 0 {MESSAGE}"}),
+])
+def test_every_route_answers_400_and_the_connection_survives(server, runtime, path, body, answer):
+    with httpx.Client(base_url=server.url) as client:  # one keep-alive connection for both requests
+        # json.dumps escapes the surrogate as \\ud83d, as a JavaScript client sends it (httpx's own
+        # encoder would refuse to write it).
+        refused = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+        if "tei" in answer:
+            assert (refused.status_code, refused.json()) == (422, {"error": answer["tei"], "error_type": "Validation"})
+        else:
+            assert refused.status_code == 400 and refused.json()["error"]["message"] == answer["error"]
+        again = client.post("/v1/embeddings", json={"input": "fine", "encoding_format": "float"})
+        np.testing.assert_allclose(again.json()["data"][0]["embedding"], runtime.embed("fine"), rtol=0, atol=1e-6)
