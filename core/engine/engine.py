@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from attrs import frozen
@@ -15,6 +16,16 @@ from poolrunner.core.plugin_api.batch import InputBatch
 from poolrunner.core.plugin_api.output import OutputHandle, RequestOutput
 from poolrunner.core.plugin_api.request import RequestState, advance
 from poolrunner.core.types import ModelConfig, PoolingRequest
+
+
+@frozen
+class _Ready:
+    """An :class:`OutputHandle` whose outputs are already on the CPU (collected by :meth:`Engine._bisect`)."""
+
+    outputs: tuple[RequestOutput, ...]
+
+    def get_output(self) -> list[RequestOutput]:
+        return list(self.outputs)
 
 
 @frozen
@@ -45,6 +56,7 @@ class Engine:
         self.model_config = model_config
         self.device = device
         self.requests: dict[str, RequestState] = {}
+        self._failures: dict[str, Exception] = {}  # requests that failed on their own, until taken
         self._inflight: _Inflight | None = None  # async scheduling: launched, not yet collected
 
     def add_request(self, request: PoolingRequest) -> None:
@@ -93,9 +105,11 @@ class Engine:
         With ``async_scheduling`` a step launches the next batch before it collects the batch
         launched by the previous step, so copying those results to the CPU overlaps with
         compute (and requests admitted meanwhile join the next batch). A request prefilled in
-        chunks yields nothing until its last chunk. If the step fails, the failing batch's
-        requests are removed (their ``remove_request`` hooks run) and the error propagates;
-        waiting requests stay queued.
+        chunks yields nothing until its last chunk. If the step fails and its requests ran whole
+        prompts, they are retried in halves: the others finish, and each request that fails
+        alone is removed, its error kept for :meth:`take_failures`.
+        Otherwise the step's requests are removed (their ``remove_request`` hooks run) and the
+        error propagates; waiting requests stay queued.
         """
         if not self.async_scheduling:
             inflight = self._launch()
@@ -104,11 +118,18 @@ class Engine:
         previous, self._inflight = self._inflight, launched
         return self._collect(previous) if previous is not None else []
 
+    def take_failures(self) -> list[tuple[str, Exception]]:
+        """``(request_id, error)`` of each request that failed on its own (see :meth:`step`)
+        since the last call; those requests have left the engine."""
+        failures, self._failures = list(self._failures.items()), {}
+        return failures
+
     def run(self, requests: Sequence[PoolingRequest]) -> Iterator[tuple[str, RequestOutput]]:
         """Admit ``requests`` and yield ``(request_id, output)`` as each finishes.
 
         All requests are validated before any runs. If the caller stops early or a step fails,
-        every remaining request of this call is aborted.
+        every remaining request of this call is aborted; a request that failed on its own
+        raises its error.
         """
         admitted: list[str] = []
         try:
@@ -117,24 +138,67 @@ class Engine:
                 admitted.append(request.request_id)
             while self.has_unfinished_requests():
                 yield from self.step()
+                for _, error in self.take_failures():  # this call's own: it is the only caller
+                    raise error
         finally:
             for request_id in admitted:
                 self.abort_request(request_id)
 
     def _launch(self) -> _Inflight | None:
-        """Schedule and run one step; its results are collected later."""
+        """Schedule and run one step; its results are collected later.
+
+        When the step raises and every request in it runs its whole prompt, the requests are run
+        again in halves (:meth:`_bisect`), so only a request that fails on its own fails.
+        """
         scheduled = self.scheduler.schedule()
         if not scheduled.requests:
             return None
         try:
-            batch = InputBatch.build(scheduled.requests, scheduled.num_scheduled_tokens, self.device)
-            finished, handle = self.runner.execute(batch)
+            finished, handle = self._execute(scheduled.requests, scheduled.num_scheduled_tokens)
+        except Exception:
+            whole = all(state.num_computed_tokens == 0 and count == state.num_tokens
+                        for state, count in zip(scheduled.requests, scheduled.num_scheduled_tokens, strict=True))
+            if whole and len(scheduled.requests) > 1:
+                return self._bisect(scheduled.requests)
+            self._release_all(scheduled.requests)
+            raise
         except BaseException:
             self._release_all(scheduled.requests)
             raise
         for state, count in zip(scheduled.requests, scheduled.num_scheduled_tokens, strict=True):
             advance(state, count)
         return _Inflight(scheduled.requests, tuple(finished), handle)
+
+    def _execute(self, states: Sequence[RequestState], counts: Sequence[int]) -> tuple[list[RequestState], Any]:
+        batch = InputBatch.build(states, counts, self.device)
+        return self.runner.execute(batch)
+
+    def _bisect(self, states: Sequence[RequestState]) -> _Inflight:
+        """Run whole-prompt requests whose shared step failed in ever smaller steps, so the
+        innocent finish: a request that fails alone leaves the engine, its error kept for
+        :meth:`take_failures`. Their results are collected at once (no overlap on this rare path)."""
+        finished: list[RequestState] = []
+        outputs: list[RequestOutput] = []
+        groups = [list(states)]
+        while groups:
+            group = groups.pop()
+            for state in group:
+                self.runner.free(state.request_id)  # nothing of the failed attempt is kept
+            try:
+                done, handle = self._execute(group, [state.num_tokens for state in group])
+                results = handle.get_output() if handle is not None else []
+            except Exception as exc:
+                if len(group) == 1:
+                    self._failures[group[0].request_id] = exc
+                    self._release(group[0])
+                else:
+                    groups += [group[len(group) // 2:], group[:len(group) // 2]]
+                continue
+            for state in group:
+                advance(state, state.num_tokens)
+            finished += done
+            outputs += results
+        return _Inflight(tuple(finished), tuple(finished), _Ready(outputs))
 
     def _collect(self, inflight: _Inflight) -> list[tuple[str, RequestOutput]]:
         """Wait for a launched step's results; release the requests it finished."""

@@ -232,6 +232,12 @@ class EngineLoop:
             return
         now = time.monotonic()
         self._observe_step(states, computed, began)
+        for request_id, exc in self.engine.take_failures():  # one request's own failure: its submission alone
+            owner = self._owner.get(request_id)
+            if owner is not None:
+                error = StepFailedError(f"the engine step running this request failed: {exc!r}")
+                error.__cause__ = exc
+                self._drop(owner[0], error)
         for request_id, output in finished:
             owner = self._owner.pop(request_id, None)
             if owner is None:

@@ -8,7 +8,9 @@ client's ``http.disconnect`` (they abort their engine requests on it).
 from __future__ import annotations
 
 import json
+import logging
 import secrets
+import uuid
 from typing import Any
 
 from starlette.exceptions import HTTPException
@@ -20,6 +22,8 @@ from poolrunner.core.server.protocol import ALLOW_EXTRA_FIELDS
 
 OPEN_PATHS = frozenset({"/health"})
 """Paths answered without the API key."""
+
+logger = logging.getLogger("poolrunner.core.server")
 
 
 class BodyTooLargeError(HTTPException):
@@ -63,7 +67,7 @@ class GuardMiddleware:
             return
         path = scope["path"]
         endpoint = path if path in self.endpoints else "other"
-        status = [500]
+        status: list[int | None] = [None]  # set once the answer starts
 
         async def counted_send(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -78,10 +82,18 @@ class GuardMiddleware:
                 await _send_error(counted_send, *refusal)
                 return
             await self.app(scope, self._limited(receive), counted_send)
+        except Exception:
+            if status[0] is not None:  # the answer is on its way: nothing valid can follow it
+                raise
+            # A bug, not the client's doing: a JSON 500 in the API's shape, on a connection that
+            # stays open, and the traceback in the log under an id the client can quote.
+            error_id = uuid.uuid4().hex[:12]
+            logger.exception("unexpected error %s answering %s %s", error_id, scope.get("method"), path)
+            await _send_error(counted_send, 500, f"internal server error (id {error_id}); the server logged it")
         finally:
             ALLOW_EXTRA_FIELDS.reset(extra_fields)
             self.state.in_flight -= 1
-            self.metrics.requests.labels(endpoint, str(status[0])).inc()
+            self.metrics.requests.labels(endpoint, str(status[0] or 500)).inc()
 
     def _refusal(self, scope: Scope, path: str) -> tuple[int, str] | None:
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}

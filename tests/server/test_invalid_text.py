@@ -1,6 +1,7 @@
-"""Text that is not valid Unicode (a lone surrogate, e.g. half an emoji cut by a JavaScript
-client): a 400 naming the input and the character on every route family, the keep-alive
-connection survives, and the Python API refuses it the same way."""
+"""Answers that must not break a connection: text that is not valid Unicode (a lone surrogate,
+e.g. half an emoji cut by a JavaScript client) is a 400 naming the input and the character on
+every route family, and the Python API refuses it the same way; a server bug is a JSON 500 with
+an id. The keep-alive connection survives both."""
 
 from __future__ import annotations
 
@@ -43,5 +44,26 @@ def test_every_route_answers_400_and_the_connection_survives(server, runtime, pa
             assert (refused.status_code, refused.json()) == (422, {"error": answer["tei"], "error_type": "Validation"})
         else:
             assert refused.status_code == 400 and refused.json()["error"]["message"] == answer["error"]
+        again = client.post("/v1/embeddings", json={"input": "fine", "encoding_format": "float"})
+        np.testing.assert_allclose(again.json()["data"][0]["embedding"], runtime.embed("fine"), rtol=0, atol=1e-6)
+
+
+def test_a_bug_is_a_json_500_with_an_id_and_the_connection_survives(server, runtime, monkeypatch, caplog):
+    """Not the client's doing (here a bug injected into the front end): OpenAI's error shape,
+    the traceback logged under the id the answer quotes, and the next request served."""
+    real = runtime.frontend.params
+
+    def broken(*args, **kwargs):
+        monkeypatch.setattr(runtime.frontend, "params", real)  # fails once
+        raise RuntimeError("injected bug")
+
+    monkeypatch.setattr(runtime.frontend, "params", broken)
+    with httpx.Client(base_url=server.url) as client, caplog.at_level("ERROR", logger="poolrunner.core.server"):
+        failed = client.post("/v1/embeddings", json={"input": "fine"})
+        assert failed.status_code == 500
+        error = failed.json()["error"]
+        assert error["message"].startswith("internal server error (id ") and error["code"] == 500
+        error_id = error["message"].split("(id ")[1].split(")")[0]
+        assert any(error_id in record.getMessage() and record.exc_info for record in caplog.records)
         again = client.post("/v1/embeddings", json={"input": "fine", "encoding_format": "float"})
         np.testing.assert_allclose(again.json()["data"][0]["embedding"], runtime.embed("fine"), rtol=0, atol=1e-6)
