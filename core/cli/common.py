@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -345,10 +346,14 @@ def check_output(output: str | None) -> None:
         raise CliError(f"output {str(path)!r} is a directory; name a file")
     if not path.parent.is_dir():
         raise CliError(f"cannot write output file {str(path)!r}: folder {str(path.parent)!r} does not exist")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise CliError(f"cannot write output file {str(path)!r}: folder {str(path.parent)!r} is not writable")
 
 
 def write_output(output: str | None, write: Any, *, binary: bool = False) -> None:
-    """Call ``write(file)`` on stdout (``output`` ``None`` or ``-``) or on ``output`` opened for writing.
+    """Call ``write(file)`` on stdout (``output`` ``None`` or ``-``) or on a new file that
+    replaces ``output`` only once ``write`` has returned: a run that fails or is interrupted
+    (Ctrl-C) midway leaves the previous ``output`` as it was, and no partial file.
 
     A broken pipe on stdout propagates (``main`` handles it); a file that cannot be written is a CliError.
     """
@@ -356,11 +361,31 @@ def write_output(output: str | None, write: Any, *, binary: bool = False) -> Non
         write(sys.stdout)
         sys.stdout.flush()
         return
+    target = Path(output)
+    partial: Path | None = None
     try:
-        with open(output, "wb") if binary else open(output, "w", encoding="utf-8") as file:
+        with tempfile.NamedTemporaryFile("wb" if binary else "w", encoding=None if binary else "utf-8",
+                                         dir=target.parent, prefix=f".{target.name}.", suffix=".partial",
+                                         delete=False) as file:
+            partial = Path(file.name)
             write(file)
-    except OSError as exc:
-        raise CliError(f"cannot write output file {output!r}: {exc.strerror or exc}") from None
+        os.chmod(partial, _file_mode(target))  # a temporary file is private (0600); the output is not
+        os.replace(partial, target)
+    except BaseException as exc:
+        if partial is not None:
+            partial.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise CliError(f"cannot write output file {output!r}: {exc.strerror or exc}") from None
+        raise
+
+
+def _file_mode(path: Path) -> int:
+    """The permission bits ``path`` keeps (it exists) or a new file gets under the umask."""
+    if path.exists():
+        return path.stat().st_mode & 0o777
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def write_jsonl(records: Iterable[Mapping[str, Any]], output: str | None) -> None:

@@ -10,7 +10,7 @@ from attrs import frozen
 
 from poolrunner.core.engine.runner import ModelRunner
 from poolrunner.core.engine.scheduler import Scheduler
-from poolrunner.core.errors import InvalidRequestError, PromptTooLongError
+from poolrunner.core.errors import InvalidRequestError, PoolrunnerError, PromptTooLongError
 from poolrunner.core.hooks import Hooks
 from poolrunner.core.plugin_api.batch import InputBatch
 from poolrunner.core.plugin_api.output import OutputHandle, RequestOutput
@@ -147,18 +147,20 @@ class Engine:
     def _launch(self) -> _Inflight | None:
         """Schedule and run one step; its results are collected later.
 
-        When the step raises and every request in it runs its whole prompt, the requests are run
-        again in halves (:meth:`_bisect`), so only a request that fails on its own fails.
+        When the step raises (anything but poolrunner's own errors, which every step would
+        raise alike) and every request in it runs its whole prompt, the requests are run again in
+        halves (:meth:`_bisect`), so only a request that fails on its own fails.
         """
         scheduled = self.scheduler.schedule()
         if not scheduled.requests:
             return None
         try:
             finished, handle = self._execute(scheduled.requests, scheduled.num_scheduled_tokens)
-        except Exception:
+        except Exception as exc:
             whole = all(state.num_computed_tokens == 0 and count == state.num_tokens
                         for state, count in zip(scheduled.requests, scheduled.num_scheduled_tokens, strict=True))
-            if whole and len(scheduled.requests) > 1:
+            # poolrunner's own errors here (two plugins setting one input...) fail every step alike
+            if whole and len(scheduled.requests) > 1 and not isinstance(exc, PoolrunnerError):
                 return self._bisect(scheduled.requests)
             self._release_all(scheduled.requests)
             raise
