@@ -28,16 +28,15 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-from poolrunner.core import frontend
 from poolrunner.core.runtime import Runtime
 from poolrunner.core.server import protocol as p
-from poolrunner.core.server.errors import ApiError, TeiError, as_tei_error, install_handlers, tei_error_response
+from poolrunner.core.server.errors import ApiError, as_tei_error, install_handlers, tei_error_response
 from poolrunner.core.server.metrics import ServerMetrics
 from poolrunner.core.server.middleware import GuardMiddleware, ServerState
 from poolrunner.core.server.payload import bytes_response, encode_array
 from poolrunner.core.server.service import PoolingService
 from poolrunner.core.server.settings import ServerSettings
-from poolrunner.core.server.tei import TeiApi, add_tei_routes
+from poolrunner.core.server.tei import TeiApi, add_tei_routes, tei_rerank, tei_tokens
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 
@@ -242,7 +241,7 @@ def _add_routes(app: FastAPI, service: PoolingService, created: int) -> list[tup
         service.check_model(body.model)
         if body.api() == "tei":
             try:
-                return await _tei_tokens(service, body.inputs, body.add_special_tokens)  # type: ignore[arg-type]
+                return await tei_tokens(service, body.inputs, body.add_special_tokens)  # type: ignore[arg-type]
             except Exception as exc:  # once the body is TEI's, errors are TEI's too
                 error = as_tei_error(exc)
                 if error is None:
@@ -314,7 +313,7 @@ def _rerank_route(service: PoolingService, version: str | None) -> Any:
         service.check_model(body.model)
         if body.api() == "tei":
             try:
-                return await _tei_rerank(service, body, request)
+                return await tei_rerank(service, body, request)
             except Exception as exc:  # once the body is TEI's, errors are TEI's too
                 error = as_tei_error(exc)
                 if error is None:
@@ -350,19 +349,6 @@ def _document(document: str | p.RerankDocumentInput) -> p.RerankDocument:
     return p.RerankDocument(**document.model_dump())
 
 
-async def _tei_rerank(service: PoolingService, body: p.RerankRequest, request: Request) -> list[p.TeiRank]:
-    """TEI's rerank: every text, best first; ``raw_scores`` skips the cross-encoder's activation,
-    ``truncate`` (default: the server's ``auto_truncate``) keeps the model maximum of each pair."""
-    texts = body.texts or []
-    service.check_count(len(texts), "texts")
-    truncate = body.truncate if body.truncate is not None else service.settings.auto_truncate
-    side = "left" if (body.truncation_direction or "right").lower() == "left" else "right"
-    scores, _ = await service.score(request, body.query, texts, False if body.raw_scores else None,
-                                    -1 if truncate else None, side)
-    ranked = frontend.rank(scores, texts, return_documents=bool(body.return_text))
-    return [p.TeiRank(index=r.index, score=r.score, text=r.document) for r in ranked]
-
-
 async def _vllm_tokens(service: PoolingService, body: p.TokenizeRequest) -> p.TokenizeResponse:
     """vLLM's tokenize answer for ``body.prompt``."""
     max_model_len = service.runtime.model_config.max_model_len
@@ -372,25 +358,3 @@ async def _vllm_tokens(service: PoolingService, body: p.TokenizeRequest) -> p.To
     tokens = (await service.tokens([body.prompt], body.add_special_tokens))[0]  # type: ignore[list-item]
     return p.TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=[t.id for t in tokens],
                               token_strs=[t.token for t in tokens] if body.return_token_strs else None)
-
-
-async def _tei_tokens(service: PoolingService, inputs: str | list[str], add_special_tokens: bool
-                      ) -> list[list[p.TeiToken]]:
-    """TEI's tokenize: a list of tokens per input (one list for one text), spans in UTF-8 bytes
-    and the input's own text for each token; a special token's text is the token itself."""
-    texts = [inputs] if isinstance(inputs, str) else inputs
-    if not texts:
-        raise TeiError("Empty", "inputs is empty: send at least one text")
-    service.check_count(len(texts), "inputs")
-    answer = []
-    for text, tokens in zip(texts, await service.tokens(texts, add_special_tokens), strict=True):
-        row = []
-        for token in tokens:
-            if token.span is None:
-                row.append(p.TeiToken(id=token.id, text=token.token, special=True, start=None, stop=None))
-                continue
-            start, stop = (len(text[:offset].encode()) for offset in token.span)
-            row.append(p.TeiToken(id=token.id, text=text[token.span[0]:token.span[1]], special=False,
-                                  start=start, stop=stop))
-        answer.append(row)
-    return answer

@@ -31,6 +31,7 @@ from poolrunner.core.errors import PromptTooLongError
 from poolrunner.core.frontend import ClassifyInput
 from poolrunner.core.plugin_api.output import RequestOutput
 from poolrunner.core.scoring import cosine
+from poolrunner.core.server import protocol as p
 from poolrunner.core.server import tei_protocol as t
 from poolrunner.core.server.errors import TeiError, TeiRoute
 from poolrunner.core.server.service import PoolingService
@@ -229,6 +230,44 @@ class TeiApi:
             return {"embedding": t.EmbeddingModel(pooling="splade")}
         return {"embedding": t.EmbeddingModel(pooling=TEI_POOLING.get(config.pooling_type,
                                                                       config.pooling_type.lower()))}
+
+
+# ---- TEI's bodies on the routes it shares with vLLM (/rerank, /tokenize; see :mod:`.app`) ----
+
+
+async def tei_rerank(service: PoolingService, body: p.RerankRequest, request: Request) -> list[p.TeiRank]:
+    """TEI's rerank: every text, best first; ``raw_scores`` skips the cross-encoder's activation,
+    ``truncate`` (default: the server's ``auto_truncate``) keeps the model maximum of each pair."""
+    texts = body.texts or []
+    service.check_count(len(texts), "texts")
+    truncate = body.truncate if body.truncate is not None else service.settings.auto_truncate
+    side = "left" if (body.truncation_direction or "right").lower() == "left" else "right"
+    scores, _ = await service.score(request, body.query, texts, False if body.raw_scores else None,
+                                    -1 if truncate else None, side)
+    ranked = frontend.rank(scores, texts, return_documents=bool(body.return_text))
+    return [p.TeiRank(index=r.index, score=r.score, text=r.document) for r in ranked]
+
+
+async def tei_tokens(service: PoolingService, inputs: str | list[str], add_special_tokens: bool
+                      ) -> list[list[p.TeiToken]]:
+    """TEI's tokenize: a list of tokens per input (one list for one text), spans in UTF-8 bytes
+    and the input's own text for each token; a special token's text is the token itself."""
+    texts = [inputs] if isinstance(inputs, str) else inputs
+    if not texts:
+        raise TeiError("Empty", "inputs is empty: send at least one text")
+    service.check_count(len(texts), "inputs")
+    answer = []
+    for text, tokens in zip(texts, await service.tokens(texts, add_special_tokens), strict=True):
+        row = []
+        for token in tokens:
+            if token.span is None:
+                row.append(p.TeiToken(id=token.id, text=token.token, special=True, start=None, stop=None))
+                continue
+            start, stop = (len(text[:offset].encode()) for offset in token.span)
+            row.append(p.TeiToken(id=token.id, text=text[token.span[0]:token.span[1]], special=False,
+                                  start=start, stop=stop))
+        answer.append(row)
+    return answer
 
 
 def _predict_items(inputs: t.PredictInputs) -> tuple[list[ClassifyInput], bool]:
