@@ -112,3 +112,33 @@ def test_calls_from_several_threads_each_get_their_own_vectors(st_model, lee_doc
     for k in range(4):
         assert cosine_rows(results[k], reference[k::4]).min() >= MIN_COSINE
     assert not shared.engine.requests
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_concurrent_load_moves_a_vector_only_within_the_stated_bound(lee_docs, dtype):
+    """README's promise: whatever a text is batched with, under concurrent callers through the
+    serving loop (the server's path), its vector stays within 1e-6 of the text alone in float32
+    (rounding only), and within cosine 0.9999 in bfloat16."""
+    import threading
+
+    runtime = poolrunner.Runtime(load_entrypoints=False, dtype=dtype, max_num_seqs=8)
+    texts = [doc.strip() for doc in lee_docs[:32]]
+    alone = np.stack([runtime.embed(text, truncate_prompt_tokens=-1) for text in texts])
+    results: dict[int, np.ndarray] = {}
+
+    def embed_share(k: int) -> None:
+        results[k] = runtime.embed(texts[k::8], truncate_prompt_tokens=-1)
+
+    with runtime.serving():
+        threads = [threading.Thread(target=embed_share, args=(k,)) for k in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    together = np.empty_like(alone)
+    for k in range(8):
+        together[k::8] = results[k]
+    if dtype == "float32":
+        assert np.abs(together - alone).max() <= 1e-6
+    else:
+        assert cosine_rows(together, alone).min() >= MIN_COSINE
