@@ -235,7 +235,7 @@ def _add_routes(app: FastAPI, service: PoolingService, created: int) -> list[tup
                  response_model_exclude_none=True)(_rerank_route(service, version))
 
     @app.post("/tokenize", response_model=p.TokenizeResponse | list[list[p.TeiToken]])
-    async def tokenize(body: p.TokenizeRequest) -> JSONResponse | list[list[p.TeiToken]]:
+    async def tokenize(body: p.TokenizeRequest, request: Request) -> JSONResponse | list[list[p.TeiToken]]:
         """vLLM's tokenize (``prompt``: the ``prompt_token_ids``, special tokens included unless
         ``add_special_tokens`` is false), or TEI's (``inputs``: each text's tokens with their spans)."""
         service.check_model(body.model)
@@ -246,7 +246,7 @@ def _add_routes(app: FastAPI, service: PoolingService, created: int) -> list[tup
                 error = as_tei_error(exc)
                 if error is None:
                     raise
-                return tei_error_response(error)
+                return tei_error_response(error, request)
         # TEI's null spans stay; vLLM's answer has token_strs only when asked
         return JSONResponse((await _vllm_tokens(service, body)).model_dump(exclude_none=True))
 
@@ -291,7 +291,7 @@ def _add_invocations(app: FastAPI, vllm_routes: list[tuple[type[BaseModel], Any]
                 error = as_tei_error(exc)
                 if error is None:
                     raise
-                return tei_error_response(error)
+                return tei_error_response(error, request)
         for model, handler in vllm_routes:
             try:
                 parsed = model.model_validate(body)
@@ -318,7 +318,7 @@ def _rerank_route(service: PoolingService, version: str | None) -> Any:
                 error = as_tei_error(exc)
                 if error is None:
                     raise
-                return tei_error_response(error)
+                return tei_error_response(error, request)
         return await _rerank(service, body, request, version)
 
     return rerank

@@ -62,8 +62,8 @@ def install_handlers(app: FastAPI) -> None:
     """Map poolrunner's errors, FastAPI's validation errors and Starlette's HTTP errors."""
 
     @app.exception_handler(ApiError)
-    async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, str(exc), exc.param)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, public_text(request, str(exc)), exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -81,8 +81,8 @@ def install_handlers(app: FastAPI) -> None:
 
 
 def _status_handler(status: int):
-    async def handle(_request: Request, exc: Exception) -> JSONResponse:
-        return error_response(status, str(exc), getattr(exc, "param", None))
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(status, public_text(request, str(exc)), getattr(exc, "param", None))
 
     return handle
 
@@ -126,9 +126,17 @@ class TeiError(Exception):
         self.status = status or TEI_STATUS[error_type]
 
 
-def tei_error_response(error: TeiError) -> JSONResponse:
-    """``{"error": message, "error_type": type}`` with the error's status."""
-    return JSONResponse({"error": str(error), "error_type": error.error_type}, status_code=error.status)
+def tei_error_response(error: TeiError, request: Request) -> JSONResponse:
+    """``{"error": message, "error_type": type}`` with the error's status (:func:`public_text`)."""
+    return JSONResponse({"error": public_text(request, str(error)), "error_type": error.error_type},
+                        status_code=error.status)
+
+
+def public_text(request: Request, text: str) -> str:
+    """``text`` as a client may read it: the model's folder (a path on this machine, as the
+    Python API names the model) replaced by the served model name."""
+    service = getattr(request.app.state, "service", None)
+    return service.public_text(text) if service is not None else text
 
 
 def as_tei_error(exc: Exception) -> TeiError | None:
@@ -167,6 +175,6 @@ class TeiRoute(APIRoute):
                 error = as_tei_error(exc)
                 if error is None:
                     raise
-                return tei_error_response(error)
+                return tei_error_response(error, request)
 
         return handle_in_tei_shape

@@ -49,6 +49,15 @@ class PoolingService:
         self.model_name = self.model_names[0]  # the name answers report (vLLM: the first served name)
         self.serving: Serving | None = None  # set by the app's lifespan
 
+    def public_text(self, text: str) -> str:
+        """``text`` with the model's folder path (how core names the model) replaced by the
+        served model name: a client never learns paths on this machine."""
+        config = self.runtime.model_config
+        for local in sorted({config.name, config.path}, key=len, reverse=True):
+            if len(local) > 1:
+                text = text.replace(local, self.model_name)
+        return text
+
     @property
     def alive(self) -> bool:
         return self.serving is not None and self.serving.alive

@@ -227,3 +227,13 @@ def test_metrics_count_requests_by_endpoint_and_status(runtime):
     assert "poolrunner_request_prompt_tokens_count 3.0" in text  # the rejected request never tokenized
     assert "poolrunner_batch_size_sum 6.0" in text
     assert "poolrunner_pending_requests 0.0" in text
+
+
+def test_messages_name_the_served_model_never_a_local_path(server, runtime):
+    path = runtime.model_config.path
+    for route, body in [("/v1/embeddings", {"input": "a", "dimensions": 8}),
+                        ("/v1/embeddings", {"input": "a " * 300}),
+                        ("/embed", {"inputs": "a", "prompt_name": "query"})]:
+        answer = httpx.post(f"{server.url}{route}", json=body)
+        text = answer.text
+        assert answer.status_code in (400, 422) and path not in text and "all-MiniLM-L6-v2" in text, text

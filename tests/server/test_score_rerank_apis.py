@@ -8,6 +8,8 @@ the server. Every rejected request is followed by one that must still be served.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import cohere
 import httpx
 import numpy as np
@@ -329,7 +331,8 @@ def test_tei_rerank_errors_are_tei_shaped(cross_encoder, text_with_tokens):
         runtime.score(QUERY, [long_text])
     answer = httpx.post(f"{running.url}/rerank", json={"query": QUERY, "texts": [long_text]})
     assert answer.status_code == 422, answer.text
-    assert answer.json() == {"error": str(offline.value), "error_type": "Validation"}
+    served = str(offline.value).replace(runtime.model_config.name, Path(runtime.model_config.name).name)
+    assert answer.json() == {"error": served, "error_type": "Validation"}  # the served name, not the path
     _still_serves(running.url, runtime)
 
 

@@ -128,7 +128,7 @@ def test_add_special_tokens_false_tokenizes_without_them(server, runtime, hf_tok
     np.testing.assert_allclose(_vectors(body)[0], runtime.embed(ids[1][:3]), atol=2e-6)
     assert body["usage"]["prompt_tokens"] == 3
     message = _error(httpx.post(f"{server.url}/v1/embeddings", json={"input": TEXTS[1], "truncate_prompt_tokens": 1}))
-    assert message == (f"truncate_prompt_tokens=1 is below the 2 special tokens model {runtime.model_config.name} adds "
+    assert message == ("truncate_prompt_tokens=1 is below the 2 special tokens model all-MiniLM-L6-v2 adds "
                        "to every input; use at least 2 (or -1 for the model maximum)")
     _still_serves(server.url, runtime)
 
@@ -264,7 +264,7 @@ def test_dimensions_apply_before_quantizing_and_are_checked_against_the_float_si
                                atol=1e-3)
     message = _error(httpx.post(f"{running.url}/v1/embeddings", json={"input": TEXTS, "dimensions": 385,
                                                                      "precision": "binary"}))
-    assert message == f"dimensions=385 is out of range for model {runtime.model_config.name}: 1..384"
+    assert message == "dimensions=385 is out of range for model all-MiniLM-L6-v2: 1..384"
     _still_serves(running.url, runtime)
 
 
@@ -303,7 +303,7 @@ BAD_FIELDS = [
 def test_bad_fields_are_400_and_the_server_still_serves(server, runtime, path, fields, message):
     body = {"input": TEXTS, **fields}
     answer = httpx.post(f"{server.url}{path}", json={name: value for name, value in body.items() if value is not None})
-    assert _error(answer) == message.format(name=runtime.model_config.name)
+    assert _error(answer) == message.format(name="all-MiniLM-L6-v2")  # the served name, never a path
     assert server.serving.pending == 0 and not runtime.engine.requests
     _still_serves(server.url, runtime)
 
