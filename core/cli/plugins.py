@@ -78,9 +78,10 @@ def _list_options(model: str, *, as_json: bool) -> int:
              "tasks": sorted(e.option.tasks), "plugin": e.plugin, "help": e.option.help} for e in entries]
     if as_json:
         print(json.dumps(rows, indent=2))
-    elif not rows:
+        return 0
+    if not rows:
         print(f"no plugin declares request options for {model}")
-    for row in [] if as_json else rows:
+    for row in rows:
         print(f"{row['name']} ({row['type']}, default {row['default']!r}; tasks {', '.join(row['tasks'])}; "
               f"plugin {row['plugin']})\n    {row['help']}")
     return 0

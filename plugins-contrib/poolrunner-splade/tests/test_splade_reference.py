@@ -201,3 +201,15 @@ def test_poolrunner_plugins_lists_the_distribution(capsys):
         "version": importlib_metadata.version("poolrunner-splade"),
         "hooks": ["claim_model_folder", "get_pooler", "request_options", "score_outputs", "supported_tasks"],
     }
+
+
+def test_poolrunner_plugins_lists_the_top_k_option(splade_tiny, capsys):
+    from poolrunner.core.cli.main import main
+
+    assert main(["plugins", "--options", str(splade_tiny), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == [{
+        "name": "top_k", "type": "int", "default": None, "tasks": ["sparse_embed"], "plugin": "splade",
+        "help": "Keep only the k largest sparse weights (sentence-transformers' max_active_dims); all when unset.",
+    }]
+    assert main(["plugins", "--options", str(splade_tiny)]) == 0
+    assert capsys.readouterr().out.startswith("top_k (int, default None; tasks sparse_embed; plugin splade)\n")
