@@ -43,7 +43,6 @@ the model never saw positions past ``max_model_len``. sentence-transformers trun
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -162,10 +161,7 @@ class LongInputs:
         self.model_config = inputs.model_config
         self.window = inputs.model_config.max_model_len
         self.max_embed_len = max_embed_len
-        # The same rules with no length limit (checked below against max_embed_len, with its own
-        # message); the tokenizer's truncation side is shared state, so its lock is shared too.
-        self._inputs = InputProcessor(inputs.tokenizer, attrs.evolve(inputs.model_config, max_model_len=sys.maxsize))
-        self._inputs._lock = inputs._lock
+        self._inputs = inputs.without_length_limit()  # checked below against max_embed_len, own message
 
     def encode(self, items: Sequence[PromptInput], *, truncation_side: TruncationSide = "right",
                prompt: str | None = None, prompt_name: str | None = None,

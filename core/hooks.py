@@ -6,8 +6,8 @@ call and merges collect-all results by the rule the spec documents.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from poolrunner.core.errors import PluginConflictError
 from poolrunner.core.plugin_api.options import DeclaredOption, RequestOptions
@@ -40,13 +40,8 @@ class Hooks:
 
     def claim_model_folder(self, *, folder: Path, architecture: str) -> dict[str, str]:
         """Each claiming plugin's name and reason (every implementation asked on its own)."""
-        arguments = {"folder": folder, "architecture": architecture}
-        claims = {}
-        for impl in reversed(self._hook.claim_model_folder.get_hookimpls()):
-            reason = impl.function(**{name: arguments[name] for name in impl.argnames})
-            if reason is not None:
-                claims[impl.plugin_name] = str(reason)
-        return claims
+        return {plugin: str(reason) for plugin, reason in
+                self._each("claim_model_folder", folder=folder, architecture=architecture) if reason is not None}
 
     def supported_tasks(self, *, model_config: ModelConfig) -> frozenset[PoolingTask]:
         results = self._hook.supported_tasks(model_config=model_config)
@@ -54,11 +49,8 @@ class Hooks:
 
     def tasks_by_plugin(self, *, model_config: ModelConfig) -> dict[str, frozenset[PoolingTask]]:
         """Each plugin's own answer to ``supported_tasks``, for error messages and listings."""
-        answers = {}
-        for impl in self._hook.supported_tasks.get_hookimpls():
-            kwargs = {"model_config": model_config} if impl.argnames else {}
-            answers[impl.plugin_name] = frozenset(impl.function(**kwargs) or ())
-        return answers
+        answers = self._each("supported_tasks", call_order=False, model_config=model_config)
+        return {plugin: frozenset(tasks or ()) for plugin, tasks in answers}
 
     def get_pooler(self, *, model_config: ModelConfig, task: PoolingTask, model: nn.Module) -> Pooler | None:
         return self._hook.get_pooler(model_config=model_config, task=task, model=model)
@@ -76,11 +68,16 @@ class Hooks:
 
         :raises PluginConflictError: when two plugins declare one name.
         """
-        declared = []
-        for impl in reversed(self._hook.request_options.get_hookimpls()):
-            kwargs = {"model_config": model_config} if impl.argnames else {}
-            declared.extend(DeclaredOption(option, impl.plugin_name) for option in impl.function(**kwargs) or ())
-        return RequestOptions(declared)
+        return RequestOptions(DeclaredOption(option, plugin)
+                              for plugin, options in self._each("request_options", model_config=model_config)
+                              for option in options or ())
+
+    def _each(self, hook_name: str, *, call_order: bool = True, **arguments: Any) -> Iterator[tuple[str, Any]]:
+        """``(plugin name, answer)`` of every implementation of ``hook_name``, each asked on its
+        own with the arguments it names, in call order (else in registration order)."""
+        impls = getattr(self._hook, hook_name).get_hookimpls()
+        for impl in reversed(impls) if call_order else impls:
+            yield impl.plugin_name, impl.function(**{name: arguments[name] for name in impl.argnames})
 
     def implementers(self, hook_name: str) -> list[str]:
         """Names of the plugins implementing ``hook_name``, in call order."""

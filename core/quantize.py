@@ -27,6 +27,13 @@ def check_precision(precision: object) -> Precision:
     return precision  # type: ignore[return-value]
 
 
+def check_ranges(precision: str, ranges: object) -> None:
+    """:raises InvalidRequestError: for ``ranges`` with a precision other than int8 / uint8 (the
+    others have no range to calibrate)."""
+    if ranges is not None and precision not in ("int8", "uint8"):
+        raise InvalidRequestError(f"ranges applies to precision int8 or uint8, not {precision}", param="ranges")
+
+
 def quantize(embeddings: np.ndarray, precision: Precision, ranges: np.ndarray | None = None) -> np.ndarray:
     """``embeddings`` ``[n, d]`` float32 at ``precision``.
 

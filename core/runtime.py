@@ -21,7 +21,7 @@ from poolrunner.core.inputs.tokenize import PromptInput
 from poolrunner.core.loading import LoadedModel, load
 from poolrunner.core.manager import PoolrunnerPluginManager
 from poolrunner.core.plugin_api.output import RequestOutput
-from poolrunner.core.quantize import Precision, check_precision, quantize
+from poolrunner.core.quantize import Precision, check_precision, check_ranges, quantize
 from poolrunner.core.results import ClassificationResult, RerankResult
 from poolrunner.core.scoring import pair_up
 from poolrunner.core.similarity import SimilarityFn, check_similarity_fn
@@ -132,6 +132,7 @@ class Runtime:
         inputs: list[PromptInput] = frontend.as_items(texts)  # type: ignore[assignment]
         params = self.frontend.params("embed", dimensions=dimensions, normalize=normalize)
         check_precision(precision)
+        check_ranges(precision, ranges)
         if not inputs:
             return quantize(np.zeros((0, dimensions or self.model_config.embedding_size), np.float32), precision)
         requests = self.frontend.prepare(inputs, params, truncate_prompt_tokens=truncate_prompt_tokens,

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from numbers import Integral
 from typing import Any
 
+import attrs
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
@@ -40,6 +42,14 @@ class InputProcessor:
         # Special tokens the tokenizer adds to one text, and to a (text, text_pair) pair.
         self.num_special_tokens = {pair: _num_special_tokens(tokenizer, pair) for pair in (False, True)}
         self._lock = threading.Lock()
+
+    def without_length_limit(self) -> InputProcessor:
+        """The same tokenizer, prompts and checks with no ``max_model_len`` limit, for inputs a
+        caller checks against a limit of its own (:class:`~poolrunner.core.chunking.LongInputs`).
+        The lock is shared: the tokenizer's truncation side is state of the one tokenizer."""
+        other = InputProcessor(self.tokenizer, attrs.evolve(self.model_config, max_model_len=sys.maxsize))
+        other._lock = self._lock
+        return other
 
     def resolve_prompt(self, prompt: str | None, prompt_name: str | None) -> str:
         """The literal prefix to prepend to every text.

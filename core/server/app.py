@@ -30,7 +30,7 @@ from pydantic import BaseModel
 
 from poolrunner.core.runtime import Runtime
 from poolrunner.core.server import protocol as p
-from poolrunner.core.server.errors import ApiError, as_tei_error, install_handlers, tei_error_response
+from poolrunner.core.server.errors import ApiError, in_tei_shape, install_handlers
 from poolrunner.core.server.metrics import ServerMetrics
 from poolrunner.core.server.middleware import GuardMiddleware, ServerState
 from poolrunner.core.server.payload import bytes_response, encode_array
@@ -240,13 +240,9 @@ def _add_routes(app: FastAPI, service: PoolingService, created: int) -> list[tup
         ``add_special_tokens`` is false), or TEI's (``inputs``: each text's tokens with their spans)."""
         service.check_model(body.model)
         if body.api() == "tei":
-            try:
-                return await tei_tokens(service, body.inputs, body.add_special_tokens)  # type: ignore[arg-type]
-            except Exception as exc:  # once the body is TEI's, errors are TEI's too
-                error = as_tei_error(exc)
-                if error is None:
-                    raise
-                return tei_error_response(error, request)
+            # once the body is TEI's, errors are TEI's too
+            return await in_tei_shape(request, tei_tokens(service, body.inputs,  # type: ignore[arg-type]
+                                                          body.add_special_tokens))
         # TEI's null spans stay; vLLM's answer has token_strs only when asked
         return JSONResponse((await _vllm_tokens(service, body)).model_dump(exclude_none=True))
 
@@ -285,13 +281,7 @@ def _add_invocations(app: FastAPI, vllm_routes: list[tuple[type[BaseModel], Any]
     @app.post("/invocations")
     async def invocations(request: Request, body: Annotated[dict[str, Any], Body()]) -> Any:
         if "inputs" in body:
-            try:
-                return await tei.default_route(request, body)
-            except Exception as exc:
-                error = as_tei_error(exc)
-                if error is None:
-                    raise
-                return tei_error_response(error, request)
+            return await in_tei_shape(request, tei.default_route(request, body))
         for model, handler in vllm_routes:
             try:
                 parsed = model.model_validate(body)
@@ -312,13 +302,7 @@ def _rerank_route(service: PoolingService, version: str | None) -> Any:
         and Cohere answer; TEI's body (``query``, ``texts``) gets TEI's list of ``{index, score, text?}``."""
         service.check_model(body.model)
         if body.api() == "tei":
-            try:
-                return await tei_rerank(service, body, request)
-            except Exception as exc:  # once the body is TEI's, errors are TEI's too
-                error = as_tei_error(exc)
-                if error is None:
-                    raise
-                return tei_error_response(error, request)
+            return await in_tei_shape(request, tei_rerank(service, body, request))  # TEI's errors too
         return await _rerank(service, body, request, version)
 
     return rerank

@@ -23,7 +23,7 @@ from poolrunner.core import frontend
 from poolrunner.core.frontend import ClassifyInput, Result
 from poolrunner.core.inputs.tokenize import check_text
 from poolrunner.core.plugin_api.output import RequestOutput
-from poolrunner.core.quantize import Precision, quantize
+from poolrunner.core.quantize import Precision, check_ranges, quantize
 from poolrunner.core.results import ClassificationResult, RerankResult
 from poolrunner.core.runtime import Runtime, Serving
 from poolrunner.core.scoring import pair_up
@@ -297,12 +297,6 @@ async def _disconnected(request: Request) -> None:
     """Return once the client has gone (the body was read already, so only that can arrive)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def check_ranges(precision: str, ranges: object) -> None:
-    """:raises ApiError: 400 for ``ranges`` with a precision other than int8 / uint8."""
-    if ranges is not None and precision not in ("int8", "uint8"):
-        raise ApiError(400, f"ranges applies to precision int8 or uint8, not {precision}", param="ranges")
 
 
 def _quantized(vectors: list[np.ndarray], precision: Precision, ranges: Sequence[Sequence[float]] | None,
