@@ -43,11 +43,12 @@ import ceiling  # noqa: E402
 import peers  # noqa: E402
 from profiles import PROFILES, Profile, load_texts  # noqa: E402
 
-FAMILIES = ("sentence-transformers", "transformers", "openvino", "vllm", "poolrunner")
+FAMILIES = ("sentence-transformers", "transformers", "openvino", "vllm", "poolrunner", "poolrunner-eager")
 DTYPES = ("float32", "bfloat16", "auto")  # auto: poolrunner only
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "auto": "auto"}
 LABELS = {"sentence-transformers": "sentence-transformers", "transformers": "transformers padded",
-          "openvino": "ST OpenVINO", "vllm": "vLLM", "poolrunner": "poolrunner"}
+          "openvino": "ST OpenVINO", "vllm": "vLLM", "poolrunner": "poolrunner",
+          "poolrunner-eager": "poolrunner eager"}
 # The fp32 reference every other system's vectors are compared with, per model.
 REFERENCE = {"minilm": ("sentence-transformers", "float32"), "smollm2": ("transformers", "float32")}
 RESULTS = BENCH / ".results"
@@ -73,7 +74,7 @@ def variants(model: str, families: list[str], dtypes: list[str]) -> list[Variant
             continue  # the reference is its only dtype; OpenVINO here serves MiniLM only
         for dtype in dtypes:
             variant = Variant(family, dtype)
-            if (dtype != "auto" or family == "poolrunner") and variant != reference:
+            if (dtype != "auto" or family.startswith("poolrunner")) and variant != reference:
                 found.append(variant)
     return found
 
@@ -354,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
             else run_profile(profile, model, args, missing, gflops.get(profile.model, {}), workdir))
         print_profile(profile.name, report["profiles"][profile.name], args.markdown)
         (RESULTS / "last.json").write_text(json.dumps(report, indent=1))
-    if args.calls and "poolrunner" in args.systems:
+    if args.calls and {"poolrunner", "poolrunner-eager"} & set(args.systems):
         report["latency"] = measure_latency(args, models["minilm"], workdir)
         print_latency(report["latency"], args.markdown)
     report["load_average"] = os.getloadavg()
@@ -369,7 +370,8 @@ def measure_latency(args: argparse.Namespace, model: dict, workdir: Path) -> lis
     job = {**model, "texts_file": str(texts_file), "mode": "latency", "warmup": 10, "calls": args.calls}
     rows = []
     chosen = [Variant("sentence-transformers", "float32")]
-    chosen += [Variant("poolrunner", d) for d in args.dtypes]
+    chosen += [Variant(family, d) for family in ("poolrunner", "poolrunner-eager") if family in args.systems
+               for d in args.dtypes]
     for variant in chosen:
         print(f"latency: {variant.label}", file=sys.stderr, flush=True)
         result = run_worker(variant, job, workdir, args.timeout)

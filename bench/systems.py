@@ -17,12 +17,19 @@ Embed = Callable[[list[str]], np.ndarray]
 BATCH_SIZE = 32  # sentence-transformers' default, used by every batching peer
 
 
-def poolrunner_system(spec: dict) -> Embed:
+def poolrunner_system(spec: dict, compile: str = "auto") -> Embed:
     """poolrunner as a user runs it: the lead adjusts the invocation here only."""
     from poolrunner import Runtime, RuntimeConfig
 
-    runtime = Runtime.from_config(RuntimeConfig(model=spec["model"], dtype=spec["dtype"], load_entrypoints=False))
+    config = RuntimeConfig(model=spec["model"], dtype=spec["dtype"], compile=compile, load_entrypoints=False)
+    runtime = Runtime.from_config(config)
     return lambda texts: runtime.embed(texts, truncate_prompt_tokens=-1)
+
+
+def poolrunner_eager_system(spec: dict) -> Embed:
+    """poolrunner with ``compile="off"``: transformers' modules as they are, the path before the
+    oneDNN fast path."""
+    return poolrunner_system(spec, compile="off")
 
 
 def sentence_transformers_system(spec: dict) -> Embed:
@@ -92,6 +99,7 @@ def vllm_system(spec: dict) -> Embed:
 
 SYSTEMS: dict[str, Callable[[dict], Embed]] = {
     "poolrunner": poolrunner_system,
+    "poolrunner-eager": poolrunner_eager_system,
     "sentence-transformers": sentence_transformers_system,
     "transformers": transformers_system,
     "openvino": openvino_system,

@@ -15,7 +15,8 @@ from attrs import asdict, converters, field, fields, frozen
 from poolrunner.core.types import PLUGIN_TASK_NAME, POOLING_TASKS, POOLING_TYPES, PoolingTask, PoolingType
 from poolrunner.core.validators import one_of, optional_bool, positive_int, task_name
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "bf16-mixed")
+COMPILE_MODES = ("auto", "off")
 SPEED_ONLY = "poolrunner_speed_only"
 """Field metadata key: the setting changes how fast results come, never what they are (a Ray job
 resumed with another value still writes the same results)."""
@@ -52,10 +53,15 @@ class RuntimeConfig:
         (all-MiniLM-L6-v2).
     :ivar revision: Branch, tag or commit hash of a hub id ``model``; ``None`` is ``main``.
     :ivar task: Task to serve; ``None`` picks the model's default.
-    :ivar dtype: ``auto`` (on CUDA the config's half-precision dtype; on the CPU bfloat16 where it is
-        native and holds the accuracy bar, see :mod:`poolrunner.core.engine.precision`, else
-        float32), ``float32``, ``bfloat16`` or ``float16``.
+    :ivar dtype: ``auto`` (on CUDA the config's half-precision dtype; on a CPU with native bf16 the
+        first of ``bfloat16`` and ``bf16-mixed`` that holds the accuracy bar, see
+        :mod:`poolrunner.core.engine.precision`, else float32), ``float32``, ``bfloat16``,
+        ``float16`` or ``bf16-mixed`` (float32 weights and activations, bfloat16 matrix products;
+        the CPU with ``compile="auto"`` only).
     :ivar device: ``auto`` (CUDA when present, else CPU) or a torch device string.
+    :ivar compile: ``auto``: on the CPU, linear layers run with weights prepacked for oneDNN once at
+        load, bias and known activations fused into the matmul (:mod:`poolrunner.core.model.onednn`);
+        ``off``: transformers' modules as they are.
     :ivar load_entrypoints: Load the ``poolrunner.plugins`` entry-point group.
     :ivar disable_plugins: Names of plugins to leave out (built-ins too).
     :ivar pooler_plugin: Plugin whose pooler to use when several non-built-in plugins offer one.
@@ -81,6 +87,7 @@ class RuntimeConfig:
     )
     dtype: str = field(default="auto", validator=one_of(DTYPES))
     device: str = field(default="auto", metadata={SPEED_ONLY: True})
+    compile: str = field(default="auto", validator=one_of(COMPILE_MODES), metadata={SPEED_ONLY: True})
     load_entrypoints: bool = True
     disable_plugins: tuple[str, ...] = field(default=(), converter=tuple)
     pooler_plugin: str | None = None

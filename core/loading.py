@@ -3,7 +3,8 @@
 plugin manager -> model folder, config, tokenizer -> the plugin a folder format needs
 (``claim_model_folder``) -> :class:`ModelConfig` -> task check (before
 the slow weight load, so a wrong task fails fast) -> device -> weights in each candidate dtype
-(the CPU's ``auto`` probes bfloat16 against float32) -> pooler, runner, scheduler, engine.
+(the CPU's ``auto`` probes bfloat16 against float32), prepacked for oneDNN on the CPU -> pooler,
+runner, scheduler, engine.
 :class:`~poolrunner.core.runtime.Runtime` serves what this returns; nothing here serves.
 """
 
@@ -28,7 +29,7 @@ from poolrunner.core.errors import ModelLoadError, PluginConflictError, Unsuppor
 from poolrunner.core.hooks import Hooks
 from poolrunner.core.inputs.tokenize import InputProcessor
 from poolrunner.core.manager import PoolrunnerPluginManager, build_plugin_manager
-from poolrunner.core.model import loader, metadata
+from poolrunner.core.model import loader, metadata, onednn
 from poolrunner.core.plugin_api.options import RequestOptions
 from poolrunner.core.selection import required_plugin, resolve_task, select_pooler, served_tasks
 from poolrunner.core.types import ModelConfig, PoolingParams, PoolingRequest, PoolingTask
@@ -48,7 +49,7 @@ class LoadedModel:
     :ivar tasks: Every task served: the named one alone, else each task the model's head and the
         plugins allow whose pooler could be built (requests choose theirs).
     :ivar device: Where the model runs.
-    :ivar dtype: The weights' dtype (``auto`` resolved).
+    :ivar precision: How it computes (``dtype="auto"`` resolved).
     :ivar inputs: Prompts, tokenization and truncation for this model.
     :ivar options: The request options the plugins declare (``request_options``).
     :ivar engine: Scheduler, runner and pooler, ready for requests.
@@ -61,7 +62,7 @@ class LoadedModel:
     task: PoolingTask
     tasks: frozenset[PoolingTask]
     device: torch.device
-    dtype: torch.dtype
+    precision: precision.Precision
     inputs: InputProcessor
     options: RequestOptions
     engine: Engine
@@ -87,16 +88,35 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
     device = loader.resolve_device(config.device)
     inputs = InputProcessor(tokenizer, model_config)
     build = functools.partial(_build_engine, config, path, hf_config, hooks, manager, model_config, wanted, device)
+    fast_path = config.compile == "auto" and onednn.supported(device, torch.float32)
     if config.dtype == "auto" and precision.native_bf16(device):
-        engine, dtype = precision.choose_cpu_dtype(build, _probe_requests(inputs, wanted, options))
+        candidates = precision.AUTO_CANDIDATES if fast_path else (precision.BFLOAT16,)
+        engine, chosen = precision.choose_cpu_precision(build, _probe_requests(inputs, wanted, options), candidates)
     else:
-        dtype = loader.resolve_dtype(config.dtype, hf_config, device)
-        engine = build(dtype)
+        chosen = _explicit_precision(config, hf_config, device, fast_path)
+        engine = build(chosen)
     tasks = frozenset(engine.runner.poolers)
     logger.info("loaded %s (%s) for tasks %s (default %r) on %s as %s", path, model_config.architecture,
-                sorted(tasks), task, device, dtype)
+                sorted(tasks), task, device, chosen.name)
     return LoadedModel(config=config, plugin_manager=manager, hooks=hooks, model_config=model_config, task=task,
-                       tasks=tasks, device=device, dtype=dtype, inputs=inputs, options=options, engine=engine)
+                       tasks=tasks, device=device, precision=chosen, inputs=inputs, options=options, engine=engine)
+
+
+def _explicit_precision(
+    config: RuntimeConfig, hf_config: PretrainedConfig, device: torch.device, fast_path: bool,
+) -> precision.Precision:
+    """The precision a ``dtype`` other than a measured ``auto`` names.
+
+    :raises ModelLoadError: for ``bf16-mixed`` off the CPU's fast path, which alone runs it.
+    """
+    if config.dtype == "auto":
+        return precision.PRECISIONS[str(loader.auto_dtype(hf_config, device)).removeprefix("torch.")]
+    if config.dtype == precision.BF16_MIXED.name and not fast_path:
+        raise ModelLoadError(
+            f"dtype {config.dtype!r} needs the CPU fast path (compile='auto' on a CPU with oneDNN); "
+            f"this runtime has device {device.type!r} and compile={config.compile!r}"
+        )
+    return precision.PRECISIONS[config.dtype]
 
 
 def declared_options(config: RuntimeConfig, plugins: Sequence[object] = ()) -> RequestOptions:
@@ -134,15 +154,18 @@ def read_model(
 
 def _build_engine(
     config: RuntimeConfig, path: Path, hf_config: PretrainedConfig, hooks: Hooks, manager: PoolrunnerPluginManager,
-    model_config: ModelConfig, tasks: list[PoolingTask], device: torch.device, dtype: torch.dtype,
+    model_config: ModelConfig, tasks: list[PoolingTask], device: torch.device, chosen: precision.Precision,
 ) -> Engine:
-    """Load the weights in ``dtype`` and assemble the poolers, runner, scheduler and engine.
+    """Load the weights in ``chosen``'s dtype, prepack them for oneDNN where the fast path runs,
+    and assemble the poolers, runner, scheduler and engine.
 
     ``tasks[0]`` is the default task: its pooler must build. Another task whose pooler cannot be
     built (no plugin offers one, two conflict, the folder lacks a file it needs) is left out of
     the served set, with a log line; a request for it then gets the usual clear error.
     """
-    model = loader.load_model(path, hf_config, dtype, device)
+    model = loader.load_model(path, hf_config, chosen.weights, device)
+    if config.compile == "auto" and onednn.supported(device, chosen.weights):
+        onednn.prepack(model.base_model, chosen.matmul)
     poolers = {}
     for task in tasks:
         try:

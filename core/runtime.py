@@ -47,14 +47,15 @@ class Runtime:
         the same spelling.
     :param plugins: Extra plugin objects to register, beside built-ins and entry points.
     :param options: Any field of :class:`~poolrunner.core.config.RuntimeConfig` (``revision``,
-        ``task``, ``dtype``, ``device``, ``load_entrypoints``, ``disable_plugins``,
+        ``task``, ``dtype``, ``device``, ``compile``, ``load_entrypoints``, ``disable_plugins``,
         ``pooler_plugin``, ``max_num_batched_tokens``, ``max_num_seqs``, ``async_scheduling``,
         ``max_embed_len``) or
         of :class:`~poolrunner.core.config.ModelOverrides` (``pooling_type``, ``normalize``,
         ``max_model_len``, ``is_matryoshka``, ``matryoshka_dimensions``). ``dtype="auto"``: on
-        CUDA the config's half dtype; on a CPU with native bf16 (AVX512-BF16, AMX) bfloat16 if the
-        model's outputs on probe texts stay within cosine 0.9999 of float32 (checked at load),
-        else float32.
+        CUDA the config's half dtype; on a CPU with native bf16 (AVX512-BF16, AMX) the first of
+        bfloat16 and bf16-mixed (bf16 matrix products only) whose outputs on probe texts stay
+        within cosine 0.9999 of float32 (checked at load), else float32. ``runtime.precision``
+        names the choice, ``runtime.dtype`` is the weights' torch dtype.
     :raises TypeError: for an unknown option.
     :raises ModelLoadError: if the folder cannot be loaded, or a hub id (at ``revision``) is not
         in the local cache.
@@ -80,7 +81,8 @@ class Runtime:
         self.model_config: ModelConfig = loaded.model_config
         self.task: PoolingTask = loaded.task
         self.supported_tasks: frozenset[PoolingTask] = loaded.tasks
-        self.device, self.dtype = loaded.device, loaded.dtype
+        self.device, self.precision = loaded.device, loaded.precision.name
+        self.dtype = loaded.precision.weights
         self.inputs = loaded.inputs
         self.frontend = Frontend(loaded.model_config, loaded.inputs, loaded.hooks, loaded.tasks, loaded.task,
                                  loaded.options, max_embed_len=loaded.config.max_embed_len)

@@ -114,11 +114,11 @@ def test_calls_from_several_threads_each_get_their_own_vectors(st_model, lee_doc
     assert not shared.engine.requests
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bf16-mixed"])
 def test_concurrent_load_moves_a_vector_only_within_the_stated_bound(lee_docs, dtype):
     """README's promise: whatever a text is batched with, under concurrent callers through the
     serving loop (the server's path), its vector stays within 1e-6 of the text alone in float32
-    (rounding only), and within cosine 0.9999 in bfloat16."""
+    (rounding only), and within cosine 0.9999 in bfloat16 and bf16-mixed."""
     import threading
 
     runtime = poolrunner.Runtime(load_entrypoints=False, dtype=dtype, max_num_seqs=8)

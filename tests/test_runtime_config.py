@@ -33,7 +33,7 @@ def test_recorded_settings_leave_out_speed_and_defaults():
                                         max_num_seqs=4, async_scheduling=True, normalize=False)
     assert config.recorded() == {"dtype": "float32", "model": "m", "normalize": False}
     speed = sorted(a.name for a in RuntimeConfig.__attrs_attrs__ if a.metadata.get(SPEED_ONLY))
-    assert speed == ["async_scheduling", "device", "max_num_batched_tokens", "max_num_seqs"]
+    assert speed == ["async_scheduling", "compile", "device", "max_num_batched_tokens", "max_num_seqs"]
 
 
 class _Captured(Exception):

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from poolrunner.core.config import DTYPES
+from poolrunner.core.config import COMPILE_MODES, DTYPES
 from poolrunner.core.manager import PoolrunnerPluginManager
 from poolrunner.core.manager import build_plugin_manager as _build_plugin_manager
 from poolrunner.core.types import POOLING_TASKS
@@ -166,10 +166,14 @@ def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     model.add_argument("--revision", metavar="REV",
                        help="branch, tag or commit hash of a hub id --model, from the cache (default: main)")
     model.add_argument("--dtype", choices=DTYPES, default="auto",
-                       help="weight dtype; auto: half precision on CUDA; on the CPU bfloat16 where native and "
+                       help="precision; bf16-mixed: float32 weights, bfloat16 matrix products (CPU); auto: half "
+                            "precision on CUDA; on the CPU bfloat16 or else bf16-mixed where bf16 is native and "
                             "accurate for this model (checked at load), else float32")
     model.add_argument("--device", default="auto",
                        help="torch device, e.g. cpu, cuda, cuda:1; auto picks CUDA when present")
+    model.add_argument("--compile", choices=COMPILE_MODES, default="auto",
+                       help="auto: on the CPU, prepack linear weights for oneDNN at load and fuse bias and "
+                            "activation into the matmul; off: run transformers' modules as they are")
     model.add_argument("--max-num-batched-tokens", "--batch-size", metavar="N", type=positive_int,
                        default=None, dest="max_num_batched_tokens",
                        help="token budget of one forward pass (default: 2048 on the CPU, 16384 on CUDA)")
@@ -209,6 +213,7 @@ def runtime_options(args: argparse.Namespace) -> dict[str, Any]:
     batching flags, for a local runtime and a Ray job alike."""
     return {
         "model": args.model, "revision": args.revision, "dtype": args.dtype, "device": args.device,
+        "compile": args.compile,
         "load_entrypoints": args.load_entrypoints, "disable_plugins": disabled_plugins(args.disable_plugin),
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
         "async_scheduling": args.async_scheduling, "max_embed_len": args.max_embed_len,

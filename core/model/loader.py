@@ -26,13 +26,10 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
-    """``auto``: the config's half dtype (else bfloat16) on CUDA, float32 on the CPU.
-
-    On a CPU with native bf16 the runtime measures instead (:mod:`poolrunner.core.engine.precision`).
-    """
-    if dtype != "auto":
-        return {"float32": torch.float32, **_HALF}[dtype]
+def auto_dtype(hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    """``dtype="auto"`` without a measurement: the config's half dtype (else bfloat16) on CUDA,
+    float32 elsewhere. On a CPU with native bf16 the runtime measures instead
+    (:mod:`poolrunner.core.engine.precision`)."""
     if device.type != "cuda":
         return torch.float32
     declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", "")

@@ -148,7 +148,7 @@ class TeiApi:
         runtime, settings = self.service.runtime, self.service.settings
         return t.Info(
             model_id=str(runtime.config.model or self.service.model_name), model_sha=runtime.config.revision,
-            model_dtype=str(runtime.dtype).removeprefix("torch."), served_model_name=self.service.model_name,
+            model_dtype=runtime.precision, served_model_name=self.service.model_name,
             model_type=self._model_type(), max_concurrent_requests=settings.max_waiting_requests,
             max_input_length=runtime.model_config.max_model_len,
             max_batch_tokens=runtime.config.max_num_batched_tokens or default_token_budget(runtime.device.type),

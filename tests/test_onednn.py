@@ -1,0 +1,190 @@
+"""The CPU fast path (``compile="auto"``): prepacked oneDNN linear layers, fused activations and
+``dtype="bf16-mixed"``.
+
+References are independent of the fast path: the same transformers modules run before they are
+prepacked, ``torch.nn.functional.linear`` in float64, and sentence-transformers in float32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import BertConfig, BertModel, LlamaConfig, LlamaModel, activations
+
+import poolrunner
+from poolrunner.core.engine import precision
+from poolrunner.core.errors import ModelLoadError
+from poolrunner.core.model import onednn
+from tests.helpers import MIN_COSINE, cosine_rows
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+
+FUSED = [
+    (activations.GELUActivation(), ("gelu", "none")),
+    (nn.GELU(), ("gelu", "none")),
+    (nn.GELU(approximate="tanh"), ("gelu", "tanh")),
+    (activations.GELUTanh(), ("gelu", "tanh")),
+    (nn.ReLU(), ("relu", "")),
+    (nn.SiLU(), ("swish", "")),
+    (activations.SiLUActivation(), ("swish", "")),
+]
+
+
+def _linear(dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(48, 80).to(dtype)
+
+
+def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+def _name(value: object) -> str | None:
+    return type(value).__name__ if isinstance(value, nn.Module) else None
+
+
+@pytest.mark.parametrize(("activation", "post_op"), FUSED, ids=_name)
+def test_a_fused_activation_computes_what_the_module_computes(activation, post_op):
+    assert onednn._post_op(activation) == post_op
+    linear, x = _linear(), torch.randn(7, 48)
+    with torch.inference_mode():
+        expected = activation(F.linear(x.double(), linear.weight.double(), linear.bias.double()))
+        got = onednn.PackedLinear(linear, post_op)(x)
+    assert got.dtype == torch.float32
+    assert _relative_error(got, expected) < 1e-6
+
+
+@pytest.mark.parametrize("activation", [
+    activations.NewGELUActivation(), activations.QuickGELUActivation(),
+    activations.GELUActivation(use_gelu_python=True), activations.GELUTanh(use_gelu_tanh_python=True),
+    nn.Tanh(), nn.Identity(),
+], ids=_name)
+def test_an_activation_without_an_exact_post_op_is_not_fused(activation):
+    assert onednn._post_op(activation) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_linear_takes_any_leading_shape(dtype):
+    linear, x = _linear(dtype), torch.randn(2, 5, 48).to(dtype)
+    with torch.inference_mode():
+        got = onednn.PackedLinear(linear)(x)
+        expected = F.linear(x.double(), linear.weight.double(), linear.bias.double())
+    assert got.shape == (2, 5, 80) and got.dtype == dtype
+    assert _relative_error(got, expected) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_bf16_mixed_rounds_the_product_inputs_and_keeps_float32_around_them():
+    linear, x = _linear(), torch.randn(9, 48)
+    # The product of the bf16-rounded operands, accumulated exactly, plus the float32 bias.
+    expected = F.linear(x.bfloat16().double(), linear.weight.bfloat16().double(), linear.bias.double())
+    with torch.inference_mode():
+        plain = onednn.PackedLinear(linear, matmul_dtype=torch.bfloat16)(x)
+        fused = onednn.PackedLinear(linear, ("relu", ""), matmul_dtype=torch.bfloat16)(x)
+    # Back in float32 for the residual stream, off by at most the bf16 rounding of the output.
+    assert plain.dtype == torch.float32
+    assert _relative_error(plain, expected) < 2**-8
+    torch.testing.assert_close(plain, plain.bfloat16().float(), rtol=0, atol=0)
+    # A fused activation's output feeds the next product: it stays in the matmul dtype.
+    assert fused.dtype == torch.bfloat16
+    assert _relative_error(fused, expected.relu()) < 1e-2
+
+
+def _seeded(model_class, config):
+    torch.manual_seed(0)
+    return model_class(config).eval()
+
+
+@pytest.mark.parametrize("build", [
+    lambda: _seeded(BertModel, BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                          intermediate_size=64)),
+    lambda: _seeded(LlamaModel, LlamaConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                            num_key_value_heads=2, intermediate_size=64)),
+], ids=["bert", "llama"])
+def test_prepacking_a_model_keeps_its_outputs(build):
+    model = build()
+    input_ids = torch.randint(5, 99, (3, 11))
+    with torch.inference_mode():
+        expected = model(input_ids=input_ids).last_hidden_state
+        linears = sum(type(m) is nn.Linear for m in model.modules())
+        assert onednn.prepack(model) == linears
+        got = model(input_ids=input_ids).last_hidden_state
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    fused = [m for m in model.modules() if isinstance(m, onednn.PackedLinear) and m.activation != onednn.NO_ACTIVATION]
+    assert len(fused) == 2  # one MLP activation per layer: BERT's GELU, Llama's SiLU on gate_proj
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_module_with_known_code_but_an_inexact_activation_keeps_its_activation():
+    model = _seeded(BertModel, BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                          intermediate_size=64, hidden_act="gelu_new"))
+    input_ids = torch.randint(5, 99, (2, 6))
+    with torch.inference_mode():
+        expected = model(input_ids=input_ids).last_hidden_state
+        onednn.prepack(model)
+        got = model(input_ids=input_ids).last_hidden_state
+    intermediate = model.encoder.layer[0].intermediate
+    assert type(intermediate.intermediate_act_fn) is activations.NewGELUActivation
+    assert intermediate.dense.activation == onednn.NO_ACTIVATION
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def _packed_layers(runtime) -> int:
+    return sum(isinstance(m, onednn.PackedLinear) for m in runtime.engine.runner.backbone.modules())
+
+
+def test_compile_auto_prepacks_the_backbone_and_off_leaves_it(model_path, st_model):
+    texts = ["A packed weight changes nothing.", "Bias and GELU run inside the matmul."]
+    expected = st_model.encode(texts, convert_to_numpy=True)
+    for mode, packed in (("auto", 37), ("off", 0)):  # 6 layers x 6 linear layers, and BERT's pooler
+        runtime = poolrunner.Runtime(model_path, dtype="float32", compile=mode, load_entrypoints=False)
+        assert _packed_layers(runtime) == packed
+        torch.testing.assert_close(torch.from_numpy(runtime.embed(texts)), torch.from_numpy(expected),
+                                   rtol=0, atol=2e-6)
+
+
+def test_bf16_mixed_holds_the_bar_on_single_words(model_path, st_model, lee_docs):
+    runtime = poolrunner.Runtime(model_path, dtype="bf16-mixed", load_entrypoints=False)
+    assert (runtime.precision, runtime.dtype) == ("bf16-mixed", torch.float32)
+    words = sorted(t for t in runtime.inputs.tokenizer.get_vocab() if t.isalpha() and len(t) >= 2)[::97][:300]
+    texts = [*words, *lee_docs[:40]]
+    cosines = cosine_rows(runtime.embed(texts), st_model.encode(texts, convert_to_numpy=True))
+    assert cosines.min() >= MIN_COSINE
+
+
+def test_bf16_mixed_is_refused_off_the_fast_path(model_path):
+    with pytest.raises(ModelLoadError) as error:
+        poolrunner.Runtime(model_path, dtype="bf16-mixed", compile="off", load_entrypoints=False)
+    assert str(error.value) == (
+        "dtype 'bf16-mixed' needs the CPU fast path (compile='auto' on a CPU with oneDNN); "
+        "this runtime has device 'cpu' and compile='off'"
+    )
+    assert poolrunner.Runtime(model_path, dtype="bf16-mixed", load_entrypoints=False).embed("next").shape == (384,)
+
+
+class _FakeEngine:
+    """An engine whose outputs are the reference scaled by ``1 + error``."""
+
+    def __init__(self, error: float, built: list[str], name: str) -> None:
+        self.error = error
+        self.runner = type("Runner", (), {"poolers": {"embed": None}})()
+        built.append(name)
+
+    def run(self, probes):
+        return [(probe.request_id, torch.ones(4) * (1 + self.error)) for probe in probes]
+
+
+@pytest.mark.parametrize(("errors", "chosen", "built"), [
+    ({"bfloat16": 0.01, "bf16-mixed": 0.001}, "bfloat16", ["float32", "bfloat16"]),
+    ({"bfloat16": 0.02, "bf16-mixed": 0.001}, "bf16-mixed", ["float32", "bfloat16", "bf16-mixed"]),
+    ({"bfloat16": 0.02, "bf16-mixed": 0.02}, "float32", ["float32", "bfloat16", "bf16-mixed", "float32"]),
+])
+def test_auto_keeps_the_fastest_candidate_that_holds_the_bar(errors, chosen, built):
+    log: list[str] = []
+    errors = {"float32": 0.0, **errors}
+    params = poolrunner.PoolingParams(task="embed")
+    probes = [poolrunner.PoolingRequest(request_id="p", prompt_token_ids=[1, 2], params=params)]
+    _, got = precision.choose_cpu_precision(lambda p: _FakeEngine(errors[p.name], log, p.name), probes)
+    assert got.name == chosen
+    assert log == built
