@@ -7,19 +7,30 @@ its command-line flag).
 
 from __future__ import annotations
 
+import copy
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from attrs import asdict, converters, field, fields, frozen
 
+from poolrunner.core.inputs import score_template
 from poolrunner.core.types import PLUGIN_TASK_NAME, POOLING_TASKS, POOLING_TYPES, PoolingTask, PoolingType
-from poolrunner.core.validators import one_of, optional_bool, positive_int, task_name
+from poolrunner.core.validators import json_object, one_of, optional_bool, positive_int, task_name
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "bf16-mixed")
 COMPILE_MODES = ("auto", "off")
 SPEED_ONLY = "poolrunner_speed_only"
 """Field metadata key: the setting changes how fast results come, never what they are (a Ray job
 resumed with another value still writes the same results)."""
+
+
+def _copied_dict(value: Any) -> Any:
+    """A deep copy of a mapping as a dict (``None``: empty), so no caller can change a frozen
+    config afterwards; anything else is left for the validator to refuse."""
+    if value is None:
+        return {}
+    return copy.deepcopy(dict(value)) if isinstance(value, Mapping) else value
 
 
 @frozen(kw_only=True)
@@ -75,6 +86,18 @@ class RuntimeConfig:
         combined (vLLM's chunked processing; MEAN pooling only; see
         :mod:`poolrunner.core.chunking`). Must be above ``max_model_len``. ``None``: such inputs
         are an error unless truncated.
+    :ivar max_input_chars: Longest text input, characters; a longer one is refused before it is
+        tokenized, unless it is truncated and the kept tokens are found in a window of it
+        (:mod:`poolrunner.core.inputs.cutting`). ``None``: :func:`default_max_input_chars` of
+        ``max_embed_len``, else of the model's ``max_model_len``.
+    :ivar hf_overrides: Keys set on the folder's transformers config before anything is read from
+        it, as vLLM's ``hf_overrides`` (:mod:`poolrunner.core.model.hf_overrides`); with
+        ``classifier_from_token`` (and ``method``, ``is_original_qwen3_reranker``) a causal LM
+        classifies from those tokens' logits (:mod:`poolrunner.core.model.token_logits`).
+    :ivar score_template: Jinja formatting each (query, document) pair into one prompt before a
+        cross-encoder scores it, or the name of a built-in one (``qwen3_reranker``,
+        ``bge_reranker_v2_gemma``); ``None``: the built-in the folder asks for, if any
+        (:mod:`poolrunner.core.inputs.score_template`).
     :ivar overrides: Settings that win over the model folder's.
 
     Fields marked :data:`SPEED_ONLY` change speed, never results.
@@ -95,6 +118,9 @@ class RuntimeConfig:
     max_num_batched_tokens: int | None = field(default=None, validator=positive_int, metadata={SPEED_ONLY: True})
     max_num_seqs: int = field(default=256, validator=positive_int, metadata={SPEED_ONLY: True})
     max_embed_len: int | None = field(default=None, validator=positive_int)
+    max_input_chars: int | None = field(default=None, validator=positive_int)
+    hf_overrides: dict[str, Any] = field(factory=dict, converter=_copied_dict, validator=json_object, hash=False)
+    score_template: str | None = field(default=None, validator=score_template.check_setting)
     overrides: ModelOverrides = field(factory=ModelOverrides)
 
     @classmethod
@@ -126,6 +152,18 @@ class RuntimeConfig:
 
 def _results_only(config: RuntimeConfig) -> dict[str, Any]:
     return asdict(config, recurse=False, filter=lambda a, _v: not a.metadata.get(SPEED_ONLY) and a.name != "overrides")
+
+
+INPUT_CHARS_PER_TOKEN = 32
+"""Characters per token of the default ``max_input_chars``. English runs 4-5 characters a token and
+code or URLs up to about 10; a token of more than 20-30 characters is rare outside pathological
+input (runs of one character, base64), so a text over 32 per token almost never fits the model."""
+
+
+def default_max_input_chars(max_tokens: int) -> int:
+    """``max_input_chars`` when not set: :data:`INPUT_CHARS_PER_TOKEN` characters for each of the
+    ``max_tokens`` an input may have (8192 for all-MiniLM-L6-v2's 256)."""
+    return INPUT_CHARS_PER_TOKEN * max_tokens
 
 
 # Measured on 2 CPU cores with all-MiniLM-L6-v2 (bench/embed_throughput.py): steps of 2048

@@ -19,6 +19,7 @@ from attrs import frozen
 from poolrunner.core.chunking import LongInputs
 from poolrunner.core.errors import InvalidRequestError, UnsupportedTaskError
 from poolrunner.core.hooks import Hooks
+from poolrunner.core.inputs.score_template import ScoreTemplate
 from poolrunner.core.inputs.tokenize import InputProcessor, PromptInput
 from poolrunner.core.plugin_api.options import RequestOptions
 from poolrunner.core.plugin_api.output import RequestOutput
@@ -53,10 +54,14 @@ class Frontend:
     :param options: The request options the plugins declare.
     :param max_embed_len: Embed inputs longer than ``max_model_len``, up to this many tokens, in
         windows (:mod:`poolrunner.core.chunking`); ``None``: such inputs are refused.
+    :param score_template: Formats each (query, document) pair into the one prompt a
+        cross-encoder scores (:mod:`poolrunner.core.inputs.score_template`); ``None``: the pair
+        is tokenized as a (text, text_pair).
     """
 
     def __init__(self, model_config: ModelConfig, inputs: InputProcessor, hooks: Hooks, tasks: frozenset[PoolingTask],
-                 default_task: PoolingTask, options: RequestOptions, *, max_embed_len: int | None = None) -> None:
+                 default_task: PoolingTask, options: RequestOptions, *, max_embed_len: int | None = None,
+                 score_template: ScoreTemplate | None = None) -> None:
         self.model_config = model_config
         self.inputs = inputs
         self.tasks = tasks
@@ -65,6 +70,7 @@ class Frontend:
         self._hooks = hooks
         self._request_ids = itertools.count()
         self.long_inputs = LongInputs(inputs, max_embed_len) if max_embed_len is not None else None
+        self.score_template = score_template
 
     def params(self, task: PoolingTask | None = None, options: Mapping[str, Any] | None = None,
                **core: Any) -> PoolingParams:
@@ -118,17 +124,20 @@ class Frontend:
     def plan_score(
         self, pairs: Sequence[tuple[str, str]], *, truncate_prompt_tokens: int | None = None,
         truncation_side: TruncationSide = "right", use_activation: bool | None = None,
-        max_document_tokens: int | None = None,
+        max_document_tokens: int | None = None, plugin_options: Mapping[str, Any] | None = None,
     ) -> ScorePlan:
         """The requests scoring ``pairs`` needs, and how their outputs become scores.
 
-        A ``classify`` model with one label scores each pair as a cross-encoder; an ``embed``
+        A ``classify`` model with one label scores each pair as a cross-encoder (formatted by the
+        score template into one prompt when the runtime has one); an ``embed``
         model pools each distinct text once and scores the cosine (a bi-encoder); any other
         default task pools each text once and asks the ``score_outputs`` plugins.
 
         :param max_document_tokens: Cut each document (the pair's second text) to its first
             this many tokens, special tokens not counted, before pairing (Cohere's and vLLM's
             ``max_tokens_per_doc``); the query is never cut. ``None``: documents stay whole.
+        :param plugin_options: Request options the plugins declare for the task, checked as
+            :meth:`params` checks them; they reach the pooler and the ``score_outputs`` hook.
         :raises InvalidRequestError: for bad input (nothing is tokenized past the first error).
         :raises UnsupportedTaskError: for a runtime whose task cannot score pairs; from ``finish``
             when the ``score_outputs`` plugins decline this runtime's task.
@@ -139,14 +148,21 @@ class Frontend:
             pairs = self._cut_documents(pairs, max_document_tokens)
         task = self.default_task
         if task == "classify" and len(self.model_config.labels) == 1:
-            params = self.params("classify", use_activation=use_activation)
-            return ScorePlan(self.prepare(pairs, params, **options), lambda outputs: np.array(
+            params = self.params("classify", plugin_options, use_activation=use_activation)
+            return ScorePlan(self.prepare(self._formatted(pairs), params, **options), lambda outputs: np.array(
                 [output.numpy()[0] for output in outputs], dtype=np.float32))
         if task != "embed" and not self._hooks.implementers("score_outputs"):
             raise self._cannot_score()
+        params = self.params(task, plugin_options)
         texts = sorted({text for pair in pairs for text in pair})  # each distinct text is pooled once
-        requests = self.prepare(texts, self.params(task), **options)
-        return ScorePlan(requests, functools.partial(self._score_pooled, pairs, texts))
+        requests = self.prepare(texts, params, **options)
+        return ScorePlan(requests, functools.partial(self._score_pooled, pairs, texts, params.extra_kwargs or {}))
+
+    def _formatted(self, pairs: Sequence[tuple[str, str]]) -> Sequence[ClassifyInput]:
+        """Each pair as its :attr:`score_template` prompt (one text), or the pairs as they are."""
+        if self.score_template is None:
+            return pairs
+        return [self.score_template.render(query, document) for query, document in pairs]
 
     def _cut_documents(self, pairs: Sequence[tuple[str, str]], max_tokens: int) -> list[tuple[str, str]]:
         """``pairs`` with each distinct document cut to its first ``max_tokens`` tokens."""
@@ -171,7 +187,7 @@ class Frontend:
             return text
         return self.inputs.tokenizer.decode(content[:max_tokens])
 
-    def _score_pooled(self, pairs: Sequence[tuple[str, str]], texts: list[str],
+    def _score_pooled(self, pairs: Sequence[tuple[str, str]], texts: list[str], options: Mapping[str, Any],
                       outputs: list[RequestOutput]) -> np.ndarray:
         """Cosine of the embeddings (``embed``), else the plugins' ``score_outputs``; ``[num_pairs]`` float32."""
         by_text = dict(zip(texts, outputs, strict=True))
@@ -180,7 +196,7 @@ class Frontend:
             return cosine(np.stack([vectors[q] for q, _ in pairs]), np.stack([vectors[d] for _, d in pairs]))
         scores = self._hooks.score_outputs(
             model_config=self.model_config, task=self.default_task,
-            queries=[by_text[q] for q, _ in pairs], documents=[by_text[d] for _, d in pairs],
+            queries=[by_text[q] for q, _ in pairs], documents=[by_text[d] for _, d in pairs], options=options,
         )
         if scores is None:
             raise self._cannot_score()

@@ -116,6 +116,7 @@ class Hooks:
 
     def score_outputs(
         self, *, model_config: ModelConfig, task: PoolingTask, queries: Sequence[RequestOutput],
-        documents: Sequence[RequestOutput],
+        documents: Sequence[RequestOutput], options: Mapping[str, Any],
     ) -> torch.Tensor | None:
-        return self._hook.score_outputs(model_config=model_config, task=task, queries=queries, documents=documents)
+        return self._hook.score_outputs(model_config=model_config, task=task, queries=queries, documents=documents,
+                                        options=options)

@@ -12,24 +12,29 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+import attrs
 import torch
 from attrs import frozen
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from poolrunner.core import chunking
-from poolrunner.core.config import ModelOverrides, RuntimeConfig, default_token_budget
+from poolrunner.core.config import ModelOverrides, RuntimeConfig, default_max_input_chars, default_token_budget
 from poolrunner.core.engine import precision
 from poolrunner.core.engine.engine import Engine
 from poolrunner.core.engine.runner import ModelRunner
 from poolrunner.core.engine.scheduler import Scheduler
 from poolrunner.core.errors import ModelLoadError, PluginConflictError, UnsupportedTaskError
 from poolrunner.core.hooks import Hooks
+from poolrunner.core.inputs import score_template
+from poolrunner.core.inputs.score_template import ScoreTemplate
 from poolrunner.core.inputs.tokenize import InputProcessor
 from poolrunner.core.manager import PoolrunnerPluginManager, build_plugin_manager
-from poolrunner.core.model import loader, metadata, onednn
+from poolrunner.core.model import loader, metadata, onednn, token_logits
+from poolrunner.core.model.hf_overrides import apply_hf_overrides
 from poolrunner.core.plugin_api.options import RequestOptions
 from poolrunner.core.selection import required_plugin, resolve_task, select_pooler, served_tasks
 from poolrunner.core.types import ModelConfig, PoolingParams, PoolingRequest, PoolingTask
@@ -53,6 +58,8 @@ class LoadedModel:
     :ivar inputs: Prompts, tokenization and truncation for this model.
     :ivar options: The request options the plugins declare (``request_options``).
     :ivar engine: Scheduler, runner and pooler, ready for requests.
+    :ivar score_template: What formats each (query, document) pair before a cross-encoder scores
+        it (``config.score_template``, or the built-in the folder asks for); ``None``: pairs as they are.
     """
 
     config: RuntimeConfig
@@ -66,6 +73,7 @@ class LoadedModel:
     inputs: InputProcessor
     options: RequestOptions
     engine: Engine
+    score_template: ScoreTemplate | None = None
 
 
 def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
@@ -80,13 +88,16 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
     """
     manager, hooks = _plugins(config, plugins)
     path = metadata.resolve_model_path(config.model, config.revision)
-    hf_config, tokenizer, model_config = read_model(path, hooks, manager, config.overrides)
+    hf_config, tokenizer, model_config = read_model(path, hooks, manager, config.overrides, config.hf_overrides)
     task = resolve_task(hooks, manager, model_config, config.task)
+    template = score_template.for_runtime(config.score_template, model_config, task, _special_tokens(tokenizer))
     wanted = [task] if config.task else [task, *sorted(served_tasks(hooks, manager, model_config) - {task})]
     chunking.check_config(config.max_embed_len, model_config, wanted)
     options = hooks.request_options(model_config=model_config)
     device = loader.resolve_device(config.device)
-    inputs = InputProcessor(tokenizer, model_config)
+    max_input_chars = config.max_input_chars or default_max_input_chars(config.max_embed_len
+                                                                        or model_config.max_model_len)
+    inputs = InputProcessor(tokenizer, model_config, max_input_chars=max_input_chars)
     build = functools.partial(_build_engine, config, path, hf_config, hooks, manager, model_config, wanted, device)
     fast_path = config.compile == "auto" and onednn.supported(device, torch.float32)
     if config.dtype == "auto" and precision.native_bf16(device):
@@ -99,7 +110,8 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
     logger.info("loaded %s (%s) for tasks %s (default %r) on %s as %s", path, model_config.architecture,
                 sorted(tasks), task, device, chosen.name)
     return LoadedModel(config=config, plugin_manager=manager, hooks=hooks, model_config=model_config, task=task,
-                       tasks=tasks, device=device, precision=chosen, inputs=inputs, options=options, engine=engine)
+                       tasks=tasks, device=device, precision=chosen, inputs=inputs, options=options, engine=engine,
+                       score_template=template)
 
 
 def _explicit_precision(
@@ -126,7 +138,7 @@ def declared_options(config: RuntimeConfig, plugins: Sequence[object] = ()) -> R
     """
     manager, hooks = _plugins(config, plugins)
     path = metadata.resolve_model_path(config.model, config.revision)
-    _, _, model_config = read_model(path, hooks, manager, config.overrides)
+    _, _, model_config = read_model(path, hooks, manager, config.overrides, config.hf_overrides)
     return hooks.request_options(model_config=model_config)
 
 
@@ -139,17 +151,29 @@ def _plugins(config: RuntimeConfig, plugins: Sequence[object]) -> tuple[Poolrunn
 
 def read_model(
     path: Path, hooks: Hooks, manager: PoolrunnerPluginManager, overrides: ModelOverrides,
+    hf_overrides: Mapping[str, Any] | None = None,
 ) -> tuple[PretrainedConfig, PreTrainedTokenizerBase, ModelConfig]:
-    """A local folder's config, tokenizer and :class:`ModelConfig`, with the plugin its format
-    needs as ``manager``'s plugins judge it (``claim_model_folder``); no weights are loaded.
+    """A local folder's config (``hf_overrides`` applied), tokenizer and :class:`ModelConfig`, with
+    the plugin its format needs as ``manager``'s plugins judge it (``claim_model_folder``) and the
+    token-logit classifier the overrides ask for; no weights are loaded.
 
     :raises ModelLoadError: if the folder cannot be read or describes something poolrunner refuses.
     """
     hf_config = metadata.load_hf_config(path)
+    folder_architecture = metadata.architecture_name(hf_config)
+    apply_hf_overrides(hf_config, hf_overrides or {}, path)
     tokenizer = loader.load_tokenizer(path)
+    logits = token_logits.read_token_logits(hf_config, tokenizer, folder_architecture, path)
     required = required_plugin(hooks, manager, path, metadata.architecture_name(hf_config))
     model_config = metadata.load_model_config(path, hf_config, tokenizer.model_max_length, overrides, required)
+    if logits is not None:
+        model_config = attrs.evolve(model_config, token_logits=logits)
     return hf_config, tokenizer, model_config
+
+
+def _special_tokens(tokenizer: PreTrainedTokenizerBase) -> dict[str, str]:
+    """The tokenizer's named special tokens (``bos_token``...) as strings, for templates."""
+    return {name: str(value) for name, value in tokenizer.special_tokens_map.items() if isinstance(value, str)}
 
 
 def _build_engine(
@@ -163,7 +187,7 @@ def _build_engine(
     built (no plugin offers one, two conflict, the folder lacks a file it needs) is left out of
     the served set, with a log line; a request for it then gets the usual clear error.
     """
-    model = loader.load_model(path, hf_config, chosen.weights, device)
+    model = loader.load_model(path, hf_config, chosen.weights, device, model_config.token_logits)
     if config.compile == "auto" and onednn.supported(device, chosen.weights):
         onednn.prepack(model.base_model, chosen.matmul)
     poolers = {}

@@ -49,7 +49,7 @@ class Runtime:
     :param options: Any field of :class:`~poolrunner.core.config.RuntimeConfig` (``revision``,
         ``task``, ``dtype``, ``device``, ``compile``, ``load_entrypoints``, ``disable_plugins``,
         ``pooler_plugin``, ``max_num_batched_tokens``, ``max_num_seqs``, ``async_scheduling``,
-        ``max_embed_len``) or
+        ``max_embed_len``, ``max_input_chars``, ``hf_overrides``, ``score_template``) or
         of :class:`~poolrunner.core.config.ModelOverrides` (``pooling_type``, ``normalize``,
         ``max_model_len``, ``is_matryoshka``, ``matryoshka_dimensions``). ``dtype="auto"``: on
         CUDA the config's half dtype; on a CPU with native bf16 (AVX512-BF16, AMX) the first of
@@ -85,7 +85,8 @@ class Runtime:
         self.dtype = loaded.precision.weights
         self.inputs = loaded.inputs
         self.frontend = Frontend(loaded.model_config, loaded.inputs, loaded.hooks, loaded.tasks, loaded.task,
-                                 loaded.options, max_embed_len=loaded.config.max_embed_len)
+                                 loaded.options, max_embed_len=loaded.config.max_embed_len,
+                                 score_template=loaded.score_template)
         self.engine = loaded.engine  # internal: driven by this runtime alone (or its serving loop)
         self._engine_lock = threading.Lock()
         self._loop: EngineLoop | None = None
@@ -266,6 +267,7 @@ class Runtime:
         truncate_prompt_tokens: int | None = None,
         truncation_side: TruncationSide = "right",
         use_activation: bool | None = None,
+        **options: Any,
     ) -> np.ndarray:
         """Relevance of each (query, document) pair: 1:1, 1:N or N:N.
 
@@ -275,6 +277,9 @@ class Runtime:
         text is pooled once and a plugin's ``score_outputs`` hook scores the pairs (SPLADE's
         sparse dot product, ColBERT's MaxSim).
 
+        :param options: Request options the plugins declare for the runtime's task, as for
+            :meth:`encode`; they reach its pooler and the ``score_outputs`` hook (BGE-M3's mode
+            weights, say).
         :returns: ``[num_pairs]`` float32, in pair order; a float32 scalar for one query string
             and one document string (as sentence-transformers' ``CrossEncoder.predict`` answers
             one pair); ``[0]`` when both sides are empty.
@@ -284,7 +289,8 @@ class Runtime:
         if _empty(queries) and _empty(documents):
             return np.zeros(0, dtype=np.float32)
         plan = self.frontend.plan_score(pair_up(queries, documents), truncate_prompt_tokens=truncate_prompt_tokens,
-                                        truncation_side=truncation_side, use_activation=use_activation)
+                                        truncation_side=truncation_side, use_activation=use_activation,
+                                        plugin_options=options)
         scores = plan.finish(self._run(plan.requests, False))
         return scores[0] if isinstance(queries, str) and isinstance(documents, str) else scores
 
@@ -297,10 +303,12 @@ class Runtime:
         return_documents: bool = False,
         truncate_prompt_tokens: int | None = None,
         truncation_side: TruncationSide = "right",
+        **options: Any,
     ) -> list[RerankResult]:
         """Rank ``documents`` by relevance to ``query``, best first.
 
         :param top_n: Keep the best ``top_n`` (all when ``None`` or larger than the list).
+        :param options: Request options of the runtime's task, as for :meth:`score`.
         :param return_documents: Include each document's text in its result.
         :returns: :class:`RerankResult` objects sorted by descending score (ties keep input order).
         :raises InvalidRequestError: for a non-text query, no documents, or ``top_n < 1``.
@@ -311,7 +319,7 @@ class Runtime:
             raise InvalidRequestError("documents must be a list of strings, not one string")
         frontend.check_top_n(top_n)
         scores = self.score(query, list(documents), truncate_prompt_tokens=truncate_prompt_tokens,
-                            truncation_side=truncation_side)
+                            truncation_side=truncation_side, **options)
         return frontend.rank(scores, documents, top_n=top_n, return_documents=return_documents)
 
     @contextlib.contextmanager
@@ -377,14 +385,21 @@ class Serving:
         return self._loop.pending
 
     @property
+    def waiting(self) -> int:
+        """Pending requests that no step has started yet; the others are running."""
+        return self._loop.waiting
+
+    @property
     def alive(self) -> bool:
         """The loop runs and takes requests."""
         return self._loop.alive
 
-    async def run(self, requests: list[PoolingRequest]) -> list[RequestOutput]:
+    async def run(self, requests: list[PoolingRequest], *, priority: int = 0) -> list[RequestOutput]:
         """Run ``requests`` batched with every other caller's; outputs in request order.
 
-        Cancelling the awaiting task aborts the requests still in the engine.
+        Callers of one ``priority`` take turns, one request each per round, so a short call is not
+        queued behind a huge one; a lower ``priority`` (vLLM's) runs first. Cancelling the awaiting
+        task aborts the requests still in the engine.
 
         :raises QueueFullError: when ``max_pending`` would be passed (nothing was queued).
         :raises InvalidRequestError: when a request is refused at admission (none of these run).
@@ -394,7 +409,7 @@ class Serving:
         windows (each counts towards ``max_pending``) and is answered by their combination.
         """
         requests, combine = chunking.expand(requests)
-        submission = self._loop.submit(requests)
+        submission = self._loop.submit(requests, priority=priority)
         try:
             return combine(await asyncio.wrap_future(submission.future))
         finally:

@@ -197,6 +197,29 @@ class RequiredPlugin:
 
 
 @frozen(kw_only=True)
+class TokenLogits:
+    """A causal LM served as a classifier from its next-token logits (vLLM's ``hf_overrides``
+    ``classifier_from_token``, ``method``, ``is_original_qwen3_reranker``), as LLM rerankers
+    (Qwen3-Reranker, bge-reranker-v2-gemma, mxbai-rerank-v2) score a pair.
+
+    :ivar tokens: The vocabulary entries whose logits are read, as the overrides name them.
+    :ivar token_ids: Their ids in the tokenizer's vocabulary, in the same order.
+    :ivar method: ``from_2_way_softmax``: two tokens ``(negative, positive)``, one label whose
+        logit is ``logit[positive] - logit[negative]`` (so its sigmoid is the two-way softmax's
+        positive probability); ``no_post_processing``: one label per token, its logit.
+    """
+
+    tokens: tuple[str, ...] = field(converter=tuple)
+    token_ids: tuple[int, ...] = field(converter=tuple)
+    method: str
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """Label names: the positive token (two-way: one label), else the tokens (one label each)."""
+        return self.tokens[1:] if self.method == "from_2_way_softmax" else self.tokens
+
+
+@frozen(kw_only=True)
 class ModelConfig:
     """What poolrunner knows about the loaded model, without any transformers object.
 
@@ -235,7 +258,11 @@ class ModelConfig:
     :ivar required_plugin: The plugin the folder declares it needs (a sentence-transformers
         ``SparseEncoder`` or PyLate pipeline, say); only that plugin then serves the model, and
         the load fails naming its distribution when it is not installed.
-    :ivar hf_config: The raw ``config.json`` contents, read-only, for plugins that need more.
+    :ivar token_logits: A causal LM classifying from the logits of a few vocabulary tokens
+        (:class:`TokenLogits`, from ``hf_overrides``); its ``classify`` head is those rows of the
+        LM head, read at the last token. ``None`` for every other model.
+    :ivar hf_config: The raw ``config.json`` contents (``hf_overrides`` applied), read-only, for
+        plugins that need more.
     """
 
     name: str
@@ -265,6 +292,7 @@ class ModelConfig:
     type_vocab_size: int = 0
     token_weight_head: str | None = None
     required_plugin: RequiredPlugin | None = None
+    token_logits: TokenLogits | None = None
     hf_config: Mapping[str, Any] = field(
         factory=dict, converter=_frozen_mapping, eq=False, hash=False, repr=False
     )

@@ -5,6 +5,7 @@ They raise :class:`~poolrunner.core.errors.InvalidRequestError` (a ``ValueError`
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Collection
 from typing import Any
@@ -66,3 +67,15 @@ def non_negative_ints(_instance: object, attribute: Attribute, value: Any) -> No
         return
     if not value or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value):
         raise InvalidRequestError(f"{attribute.name} must be a non-empty list of non-negative integers, got {value!r}")
+
+
+def json_object(_instance: object, attribute: Attribute, value: Any) -> None:
+    """A dict with string keys whose values JSON can write (a ``config.json`` fragment)."""
+    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+        raise InvalidRequestError(
+            f"{attribute.name} must be a JSON object (a dict with string keys), got {value!r:.200}"
+        )
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"{attribute.name} must hold JSON values only: {exc}") from None

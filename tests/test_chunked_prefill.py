@@ -4,9 +4,9 @@
 Every result must equal the unchunked run (a large budget) and transformers' own model on the
 same weights, in float32, for every pooling: LAST (``embed``), ALL (``token_embed``,
 ``token_classify``), STEP, MEAN and CLS forced on a decoder, and ``classify`` (LAST + score
-head). A request yields nothing until its last chunk has run. Scheduling is first-come,
-first-served: a partially prefilled request continues before a new one starts, so the schedule of
-requests that arrive together is their token stream cut into budget-size windows.
+head). A request yields nothing until its last chunk has run. One caller's requests are scheduled
+first come, first served: a partially prefilled request continues before a new one starts, so the
+schedule of requests that arrive together is their token stream cut into budget-size windows.
 Encoder (bidirectional) models are never chunked: an over-budget prompt runs alone in one step.
 Aborted, abandoned or failed requests leave nothing behind: no request, no queue entry, no
 per-request cache, and a later request under the same id sees no stale keys and values.

@@ -7,21 +7,24 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 
-from poolrunner.core.cli.common import write_jsonl, write_output
+from poolrunner.core.files import open_output
+
+
+def write_indices(path, count, fmt="jsonl"):
+    with open_output(str(path), fmt) as writer:
+        writer.write({"index": list(range(count))})
 
 
 def test_an_interrupted_write_keeps_the_previous_file(tmp_path):
     output = tmp_path / "vectors.jsonl"
     output.write_text('{"index": 0, "embedding": [1.0]}\n')
 
-    def records():
-        yield {"index": 0, "embedding": [2.0]}
+    with pytest.raises(KeyboardInterrupt), open_output(str(output), "jsonl") as writer:
+        writer.write({"index": [0], "embedding": [np.array([2.0])]})
         raise KeyboardInterrupt  # Ctrl-C in the middle of the run
-
-    with pytest.raises(KeyboardInterrupt):
-        write_jsonl(records(), str(output))
     assert output.read_text() == '{"index": 0, "embedding": [1.0]}\n'
     assert sorted(path.name for path in tmp_path.iterdir()) == ["vectors.jsonl"]  # no partial file left
 
@@ -29,23 +32,24 @@ def test_an_interrupted_write_keeps_the_previous_file(tmp_path):
 def test_a_finished_write_replaces_the_file(tmp_path):
     output = tmp_path / "vectors.jsonl"
     output.write_text("old\n")
-    write_jsonl(({"index": i} for i in range(3)), str(output))
+    write_indices(output, 3)
     assert [json.loads(line)["index"] for line in output.read_text().splitlines()] == [0, 1, 2]
-    write_output(str(tmp_path / "raw.bin"), lambda file: file.write(b"\x00\x01"), binary=True)
-    assert (tmp_path / "raw.bin").read_bytes() == b"\x00\x01"
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["raw.bin", "vectors.jsonl"]
+    with open_output(str(tmp_path / "raw.npy"), "npy", column="embedding") as writer:
+        writer.write({"embedding": [np.array([1, 2], np.int8)]})
+    np.testing.assert_array_equal(np.load(tmp_path / "raw.npy"), [[1, 2]])
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["raw.npy", "vectors.jsonl"]
 
 
 def test_the_output_gets_the_usual_permissions(tmp_path):
     existing = tmp_path / "kept.jsonl"
     existing.write_text("old\n")
     existing.chmod(0o640)
-    write_jsonl([{"index": 0}], str(existing))
+    write_indices(existing, 1)
     assert existing.stat().st_mode & 0o777 == 0o640  # an existing file keeps its mode
     fresh = tmp_path / "fresh.jsonl"
     umask = os.umask(0o022)
     try:
-        write_jsonl([{"index": 0}], str(fresh))
+        write_indices(fresh, 1)
     finally:
         os.umask(umask)
     assert fresh.stat().st_mode & 0o777 == 0o644  # a new one follows the umask, not 0600

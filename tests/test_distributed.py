@@ -256,3 +256,107 @@ def test_cli_embed_ray_text_files(ray_cluster, tmp_path, capsys, runtime, senten
         assert table.column("row").to_pylist() == list(range(len(texts)))
         assert_matches(embeddings(table), runtime.embed(texts), name)
     assert_matches(embeddings(tables[next(iter(tables))]), single_process[:12], "a.txt against the 300-row run")
+
+
+def actor_output(path: str, rows: list[int | None], errors: list[str | None]) -> pa.Table:
+    """A batch as the actors return it: each row's file, row, problem (``None``: good) and vector."""
+    vectors = [None if error else [float(row)] for row, error in zip(rows, errors, strict=True)]
+    return pa.table({"_path": [path] * len(rows), "row": pa.array(rows, pa.int64()),
+                     "_error": pa.array(errors, pa.string()),
+                     "embedding": pa.array(vectors, pa.list_(pa.float32(), 1))})
+
+
+def test_the_writer_fails_a_file_on_its_fatal_row_and_leaves_skipped_rows_out(tmp_path) -> None:
+    from pyarrow import fs
+
+    from poolrunner.core.distributed.job import _ShardWriter
+    from poolrunner.core.distributed.shards import Shard
+
+    shards = [Shard(f"/in/{name}.jsonl", f"{name}-0.parquet") for name in "abcd"]
+    writer = _ShardWriter(fs.LocalFileSystem(), str(tmp_path), shards)
+    writer.write(actor_output("/in/a.jsonl", [0, 1, 2], [None, "/in/a.jsonl:2: bad", None]))
+    writer.write(actor_output("/in/b.jsonl", [0, 1], [None, None]))  # b's temporary file is open...
+    assert any(path.name.startswith(".b-0.parquet.") for path in tmp_path.iterdir())
+    writer.write(actor_output("/in/b.jsonl", [None, 3], ["/in/b.jsonl:3: invalid JSON", None]))  # ...and goes
+    writer.write(actor_output("/in/c.jsonl", [0], ["/in/c.jsonl:1: bad too"]))  # every row left out
+    writer.finish()
+
+    assert writer.failed == {"/in/b.jsonl": "/in/b.jsonl:3: invalid JSON"}
+    assert (writer.rows_left_out, writer.left_out) == (2, ["/in/a.jsonl:2: bad", "/in/c.jsonl:1: bad too"])
+    assert writer.written == ["a-0.parquet", "c-0.parquet", "d-0.parquet"]  # c and d: empty outputs
+    assert sorted(path.name for path in tmp_path.iterdir()) == writer.written  # no temporary file left
+    table = pq.read_table(tmp_path / "a-0.parquet")
+    assert table.column_names == ["row", "embedding"] and table.column("row").to_pylist() == [0, 2]
+    assert pq.read_table(tmp_path / "c-0.parquet").num_rows == 0
+
+    interrupted = _ShardWriter(fs.LocalFileSystem(), str(tmp_path / "x"), shards)
+    (tmp_path / "x").mkdir()
+    interrupted.write(actor_output("/in/a.jsonl", [0], [None]))
+    interrupted.abort()  # what Ctrl-C or a failure does
+    assert list((tmp_path / "x").iterdir()) == []
+
+
+def test_a_bad_row_fails_its_file_only_or_is_left_out(ray_cluster, tmp_path, capsys, runtime) -> None:
+    inputs, out = tmp_path / "in", tmp_path / "out"
+    inputs.mkdir()
+    texts = {"a": ["one", "two"], "b": ["three", None, "four"], "c": ["five", "six"]}
+    for name, rows in texts.items():
+        lines = [json.dumps({"text": text}) if text else '{"text": oops}' for text in rows]
+        (inputs / f"{name}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    options = {"num_actors": 1, "batch_size": 4, "runtime_options": {"dtype": "float32"}}
+    bad_row = f"{inputs / 'b.jsonl'}:2: invalid JSON: Expecting value (column 10)"
+
+    with pytest.raises(InvalidRequestError) as raised:
+        run_job(str(inputs), str(out), **options)
+
+    assert str(raised.value) == (
+        "1 of 3 input files failed and were not written (the other 2 were; rerun to resume once they are fixed, "
+        f"or pass on_error='skip' / --on-error skip): {bad_row}")
+    tables = read_outputs(out)
+    assert [name.split("-")[0] for name in tables] == ["a", "c"]
+    assert sorted(path.name for path in out.iterdir()) == sorted([*tables, "_poolrunner_job.json"])  # no temp file
+    for table, name in zip(tables.values(), "ac", strict=True):
+        assert_matches(embeddings(table), runtime.embed(texts[name]), name)
+
+    result = run_job(str(inputs), str(out), **options, on_error="skip")  # the rerun writes b, its bad row left out
+
+    assert (len(result.written), len(result.skipped), result.num_rows) == (1, 2, 2)
+    assert (result.rows_left_out, result.left_out) == (1, (bad_row,))
+    table = read_outputs(out)[result.written[0]]
+    assert table.column("row").to_pylist() == [0, 2]
+    assert_matches(embeddings(table), runtime.embed(["three", "four"]), "b")
+
+    # A text the model refuses fails its file too, reported on one line by the command line.
+    long_inputs = tmp_path / "texts"
+    long_inputs.mkdir()
+    (long_inputs / "x.txt").write_text("fine\n", encoding="utf-8")
+    (long_inputs / "y.txt").write_text("short\n" + " ".join(f"word{i} is here" for i in range(150)) + "\n",
+                                       encoding="utf-8")
+    code = main(["embed", "--ray", "--input", str(long_inputs), "--output", str(tmp_path / "v"), "--dtype",
+                 "float32"])
+    captured = capsys.readouterr()
+    assert code == 2, captured.err
+    [line] = [line for line in captured.err.splitlines() if line.startswith("poolrunner: error:")]
+    assert line.startswith("poolrunner: error: 1 of 2 input files failed and were not written (the other 1 were; ")
+    assert re.search(rf"{re.escape(str(long_inputs / 'y.txt'))}:2: this input has \d+ tokens, more than the maximum "
+                     "of 256", line)
+    assert "Traceback" not in captured.err
+
+
+def test_a_failure_of_ray_itself_is_one_line(tmp_path, monkeypatch, capsys) -> None:
+    from ray.exceptions import RayTaskError
+
+    import poolrunner.core.distributed
+
+    def lost_worker(*args: object, **kwargs: object) -> None:
+        cause = OSError("the node died\nand more lines")
+        raise RayTaskError("MapBatches(RuntimeActor)", "Traceback (most recent call last):\n  ...", cause)
+
+    monkeypatch.setattr(poolrunner.core.distributed, "run_job", lost_worker)
+    (tmp_path / "a.txt").write_text("one\n", encoding="utf-8")
+
+    code = main(["embed", "--ray", "--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "out")])
+
+    assert (code, capsys.readouterr().err) == (2, "poolrunner: error: the Ray job failed: OSError: the node died\n"
+                                                  "poolrunner: hint: Ray's own logs are in "
+                                                  "/tmp/ray/session_latest/logs on each node\n")

@@ -1,13 +1,13 @@
-"""``poolrunner classify``: texts (or text pairs) in, label scores out (JSONL)."""
+"""``poolrunner classify``: texts (or text pairs) in, label scores out (JSONL, CSV or Parquet),
+streamed in chunks."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
+from collections.abc import Sequence
 from typing import Any
 
 from poolrunner.core.cli.common import (
-    PROGRESS_THRESHOLD,
     CliError,
     add_command,
     add_input_option,
@@ -16,12 +16,17 @@ from poolrunner.core.cli.common import (
     add_plugin_options,
     add_truncation_options,
     check_output,
-    load_runtime,
-    no_inputs,
-    read_jsonl,
-    read_texts,
-    write_jsonl,
+    index_columns,
+    input_fields,
+    load_model,
+    output_format,
+    progress,
+    read_inputs,
 )
+from poolrunner.core.files import Chunk, open_output
+from poolrunner.core.results import ClassificationResult
+
+FORMATS = ("jsonl", "csv", "parquet")
 
 DESCRIPTION = """\
 Classify texts (or text pairs) with a sequence-classification model and write the
@@ -30,17 +35,22 @@ scores of every label, in input order. The model must support the classify task
 
 input (one source):
   TEXT ...          each argument is one text
-  --input FILE      FILE ending in .jsonl: one JSON object a line, the text under
-                    --text-field (blank lines are skipped); any other FILE:
-                    UTF-8 text, every line is one text
+  --input FILE      by its suffix (or --input-format): .jsonl, one JSON object a
+                    line, the text under --text-field (blank lines are skipped);
+                    .csv (a header line, then rows) or .parquet, column
+                    --text-field; any other FILE: UTF-8 text, every line is one text
   --input -         stdin, as text lines
-  --pair-field F    pair classifiers: each JSON object of --input (read as JSONL,
-                    whatever its name, stdin too) is one (text, text_pair) pair,
-                    the pair under field F, tokenized together as the model pairs them
+  --pair-field F    pair classifiers: each record of --input (JSON Lines unless its
+                    suffix or --input-format says .csv or .parquet, stdin too) is
+                    one (text, text_pair) pair, the pair under field F, tokenized
+                    together as the model pairs them
+  A file is read and classified in chunks of 512 records.
 
-output:
-  JSONL, one object a line, to stdout or --output FILE:
+output (by the suffix of --output FILE, or --output-format; stdout: JSON Lines):
+  one object a record (.jsonl), or a row (.csv: maps as JSON; .parquet: a struct):
     {"index": i, "label": "pos", "score": 0.91, "probs": {"neg": 0.02, "neu": 0.07, "pos": 0.91}}
+  index is the record's 0-based position among the file's records; --id-field adds
+  the record's id after it.
   label is the best label, score its value; probs holds every label (the model's
   id2label names, in label order) after the model's activation: softmax over two or
   more labels, sigmoid for one label (a cross-encoder) or a multi-label model, or the
@@ -63,9 +73,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     files = parser.add_argument_group("input and output")
     add_input_option(files, "texts")
     files.add_argument("--pair-field", metavar="FIELD",
-                       help="JSON field holding each row's text_pair: classify (text, text_pair) pairs "
-                            "from --input, read as JSONL")
-    add_output_option(files)
+                       help="field (column) holding each record's text_pair: classify (text, text_pair) pairs "
+                            "from --input, read as JSON Lines unless its suffix or --input-format says otherwise")
+    add_output_option(files, FORMATS)
 
     add_model_options(parser)
 
@@ -80,36 +90,38 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Read the inputs, load the model for classify, classify, write. Input errors come before loading."""
-    inputs = read_inputs(args)
-    if not inputs:
-        raise no_inputs("texts to classify", args.input, empty="records" if args.pair_field else "lines")
+    """Check the input and output, load the model for classify, then classify and write chunk after chunk."""
+    fmt = output_format(args, FORMATS)
+    if args.pair_field is not None and args.input is None:
+        raise CliError("--pair-field needs --input FILE: JSONL rows holding the text (--text-field) "
+                       "and its pair (--pair-field)")
+    pairs = () if args.pair_field is None else ((args.pair_field, "--pair-field"),)
+    inputs = read_inputs(args, input_fields(args, (args.text_field, "--text-field"), *pairs), args.texts,
+                         what="texts to classify", default_format="text" if args.pair_field is None else "jsonl")
     check_output(args.output)
-    runtime = load_runtime(args, task="classify")
-    results = runtime.classify(
-        inputs, use_activation=False if args.raw_logits else None,
-        truncate_prompt_tokens=args.truncate, truncation_side=args.truncation_side,
-        show_progress_bar=len(inputs) > PROGRESS_THRESHOLD,
-    )
-    write_jsonl(records(results, "logits" if args.raw_logits else "probs"), args.output)
+    runtime = load_model(args, task="classify")
+
+    def classify(items: list[Any]) -> list[ClassificationResult]:
+        return runtime.classify(items, use_activation=False if args.raw_logits else None,
+                                truncate_prompt_tokens=args.truncate, truncation_side=args.truncation_side)
+
+    with progress("classifying", inputs) as bar, open_output(args.output, fmt) as writer:
+        for chunk in inputs:
+            count = len(chunk)
+            chunk, results = inputs.run(classify, chunk)
+            bar.update(count)
+            if len(chunk):
+                writer.write(columns(chunk, results, "logits" if args.raw_logits else "probs", args.id_field))
+        inputs.check("texts to classify")
+    inputs.report()
     return 0
 
 
-def read_inputs(args: argparse.Namespace) -> list[Any]:
-    """The texts, or with ``--pair-field`` the ``(text, text_pair)`` tuples of the JSONL input."""
-    if args.pair_field is None:
-        return read_texts(args.texts, args.input, args.text_field)
-    if args.input is None:
-        raise CliError("--pair-field needs --input FILE: JSONL rows holding the text (--text-field) "
-                       "and its pair (--pair-field)")
-    if args.texts:
-        raise CliError("pass texts either as arguments or with --input, not both")
-    return read_jsonl(args.input, [(args.text_field, "--text-field"), (args.pair_field, "--pair-field")])
-
-
-def records(results: list[Any], key: str) -> Iterator[dict[str, Any]]:
-    """One output object per :class:`~poolrunner.core.results.ClassificationResult`."""
-    for index, result in enumerate(results):
-        values = [float(value) for value in result.probs]
-        yield {"index": index, "label": result.label, "score": max(values),
-               key: dict(zip(result.labels, values, strict=True))}
+def columns(chunk: Chunk, results: Sequence[ClassificationResult], key: str,
+            id_field: str | None) -> dict[str, list[Any]]:
+    """The output columns of a chunk's :class:`~poolrunner.core.results.ClassificationResult` objects:
+    index, the id, the best label and its score, and every label's value under ``key``."""
+    values = [[float(value) for value in result.probs] for result in results]
+    return {**index_columns(chunk, id_field), "label": [result.label for result in results],
+            "score": [max(row) for row in values],
+            key: [dict(zip(result.labels, row, strict=True)) for result, row in zip(results, values, strict=True)]}

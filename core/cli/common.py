@@ -1,19 +1,30 @@
 """Helpers shared by the subcommands: the user-error type, the options every model command takes
-(model, plugins, truncation, input and output), input reading, JSONL writing and model loading."""
+(model, plugins, truncation, input and output), reading the inputs in chunks, the output format
+and model loading. Files are read and written by :mod:`poolrunner.core.files`."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import itertools
 import json
 import os
 import sys
-import tempfile
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from poolrunner.core.config import COMPILE_MODES, DTYPES
+from poolrunner.core.files import (
+    INPUT_FORMATS,
+    ON_ERROR,
+    OUTPUT_SUFFIXES,
+    Chunk,
+    Fields,
+    input_format,
+    open_input,
+    read_chunks,
+    run_each,
+)
 from poolrunner.core.manager import PoolrunnerPluginManager
 from poolrunner.core.manager import build_plugin_manager as _build_plugin_manager
 from poolrunner.core.types import POOLING_TASKS
@@ -132,19 +143,36 @@ def add_command(
     return parser
 
 
-def add_input_option(group: argparse._ArgumentGroup, what: str, *, text_field: bool = True) -> None:
-    """``-i/--input FILE`` and, with ``text_field``, ``--text-field FIELD`` (read by :func:`read_texts`)."""
+def add_input_option(group: argparse._ArgumentGroup, what: str, *, text_field: bool = True,
+                     default_format: str = "text") -> None:
+    """``-i/--input FILE``, ``--input-format``, ``--id-field``, ``--on-error`` and, with
+    ``text_field``, ``--text-field`` (read by :func:`read_inputs`).
+
+    :param default_format: The format of a file whose suffix names none, and of stdin.
+    """
     group.add_argument("-i", "--input", metavar="FILE",
-                       help=f"read {what} from FILE (.jsonl or plain text lines); '-' reads stdin")
+                       help=f"read {what} from FILE: .jsonl (JSON Lines), .csv (a header line, then rows), "
+                            f".parquet, or else {'text lines' if default_format == 'text' else 'JSON Lines'}; "
+                            "'-' reads stdin")
+    group.add_argument("--input-format", choices=INPUT_FORMATS,
+                       help="read --input as this format, whatever its suffix")
     if text_field:
         group.add_argument("--text-field", metavar="FIELD", default="text",
-                           help="JSON field holding the text, for .jsonl input")
+                           help="JSON field, CSV or Parquet column holding the text")
+    group.add_argument("--id-field", metavar="FIELD",
+                       help="JSON field, CSV or Parquet column copied to each output record, under its own name")
+    group.add_argument("--on-error", choices=ON_ERROR, default="fail",
+                       help="a bad record (malformed JSON or CSV, a missing field, an input the model refuses): "
+                            "fail stops the run naming it (FILE:LINE); skip leaves it out and names it on stderr")
 
 
-def add_output_option(group: argparse._ArgumentGroup, extra: str = "") -> None:
-    """``-o/--output FILE``."""
+def add_output_option(group: argparse._ArgumentGroup, formats: Sequence[str], extra: str = "") -> None:
+    """``-o/--output FILE`` and ``--output-format`` (one of ``formats``, read by :func:`output_format`)."""
+    names = ", ".join(f".{name}" for name in formats)
     group.add_argument("-o", "--output", metavar="FILE",
-                       help=f"write to FILE instead of stdout{extra}")
+                       help=f"write to FILE instead of stdout (JSON Lines), in the format its suffix names: "
+                            f"{names}{extra}")
+    group.add_argument("--output-format", choices=formats, help="write this format, whatever --output's suffix")
 
 
 def add_task_option(model: argparse._ArgumentGroup, verb: str, default: str = "the model's own default task") -> None:
@@ -174,11 +202,12 @@ def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     model.add_argument("--compile", choices=COMPILE_MODES, default="auto",
                        help="auto: on the CPU, prepack linear weights for oneDNN at load and fuse bias and "
                             "activation into the matmul; off: run transformers' modules as they are")
-    model.add_argument("--max-num-batched-tokens", "--batch-size", metavar="N", type=positive_int,
-                       default=None, dest="max_num_batched_tokens",
+    model.add_argument("--max-num-batched-tokens", metavar="N", type=positive_int, default=None,
                        help="token budget of one forward pass (default: 2048 on the CPU, 16384 on CUDA)")
-    model.add_argument("--max-num-seqs", metavar="N", type=positive_int, default=256,
-                       help="most inputs in one forward pass")
+    model.add_argument("--max-num-seqs", "--batch-size", metavar="N", type=positive_int, default=256,
+                       dest="max_num_seqs",
+                       help="most inputs (sequences) in one forward pass; --batch-size is the same option, as "
+                            "sentence-transformers' batch_size")
     model.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="launch each forward pass before collecting the last one's results (default: on "
                             "with CUDA, off on the CPU)")
@@ -186,7 +215,46 @@ def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
                        help="embed inputs longer than the model maximum, up to N tokens, in windows of the model "
                             "maximum whose vectors are averaged by token count (vLLM's chunked processing; MEAN "
                             "pooling models only); default: such inputs are an error unless truncated")
+    model.add_argument("--max-input-chars", metavar="N", type=positive_int, default=None,
+                       help="longest text input, in characters; a longer one is an error before it is tokenized, "
+                            "unless it is truncated and the kept tokens lie in its first (last, with left "
+                            "truncation) N characters (default: 32 per token of --max-embed-len, else of the "
+                            "model maximum)")
+    model.add_argument("--hf-overrides", metavar="JSON", type=json_object, default=None,
+                       help="keys set on the model's config.json before loading, as vLLM's --hf-overrides; e.g. an "
+                            "LLM reranker: '{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
+                            "\"classifier_from_token\": [\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}'")
+    model.add_argument("--score-template", metavar="TEMPLATE", default=None,
+                       help="format each (query, document) pair into one prompt before scoring (score, rerank): a "
+                            "file holding a Jinja template (variables query, document, messages), the Jinja text, "
+                            "or a built-in: qwen3_reranker, bge_reranker_v2_gemma (default: the built-in the model "
+                            "folder is named after, if any)")
     return model
+
+
+def json_object(value: str) -> dict[str, Any]:
+    """argparse ``type`` for a JSON object (``--hf-overrides``)."""
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object ({{...}}), got {value!r}")
+    return parsed
+
+
+def score_template_text(value: str | None) -> str | None:
+    """``--score-template``: the text of the file it names, else the value itself (a built-in
+    name or Jinja text).
+
+    :raises CliError: for a file that cannot be read.
+    """
+    if value is None or not Path(value).is_file():
+        return value
+    try:
+        return Path(value).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"--score-template {value!r}: cannot read the file: {exc}") from None
 
 
 def add_truncation_options(group: argparse._ArgumentGroup, *, pairs: bool = False) -> None:
@@ -217,6 +285,8 @@ def runtime_options(args: argparse.Namespace) -> dict[str, Any]:
         "load_entrypoints": args.load_entrypoints, "disable_plugins": disabled_plugins(args.disable_plugin),
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
         "async_scheduling": args.async_scheduling, "max_embed_len": args.max_embed_len,
+        "max_input_chars": args.max_input_chars, "hf_overrides": args.hf_overrides or {},
+        "score_template": score_template_text(args.score_template),
     }
 
 
@@ -241,6 +311,12 @@ def load_runtime(args: argparse.Namespace, **options: Any) -> Any:
         raise CliError(str(exc)) from exc
 
 
+def load_model(args: argparse.Namespace, **options: Any) -> Any:
+    """:func:`load_runtime`, saying ``poolrunner: loading MODEL...`` on stderr first."""
+    print(f"poolrunner: loading {args.model or 'the default model (all-MiniLM-L6-v2)'}...", file=sys.stderr)
+    return load_runtime(args, **options)
+
+
 def check_device(device: str) -> str:
     """``device`` if torch knows it and it is there; ``auto`` passes as it is."""
     if device == "auto":
@@ -259,87 +335,189 @@ def check_device(device: str) -> str:
 # --- input ------------------------------------------------------------------------------------
 
 
-def read_texts(texts: Sequence[str], source: str | None, text_field: str = "text", what: str = "texts") -> list[str]:
-    """The arguments ``texts``, or the texts of ``source``: a ``.jsonl`` file (the string under
-    ``text_field`` of each object; blank lines skipped), ``-`` (stdin, text lines) or any other
-    file (UTF-8 text, one text a line, the trailing newline removed; an empty line is a text too).
+class Inputs:
+    """The records of one run: the TEXT arguments (one chunk), or ``--input FILE`` read in chunks.
 
-    :raises CliError: for both sources at once, an unreadable file, or a bad JSONL line
-        (named as ``FILE:LINE``).
+    A file (not stdin) is read once before the model loads: a malformed record stops the run
+    there (``--on-error fail``), and the progress bar knows the total. Iterating gives the chunks;
+    :meth:`run` runs one through the runtime.
     """
-    if source is None:
-        return list(texts)
-    if texts:
-        raise CliError(f"pass {what} either as arguments or with --input, not both")
-    with open_input(source) as file:
-        if source != "-" and Path(source).suffix.lower() == ".jsonl":
-            return [record[0] for record in _jsonl_records(file, source, [(text_field, "--text-field")])]
-        return [line.removesuffix("\n") for line in file]
+
+    def __init__(self, chunks: Iterator[Chunk], *, total: int | None, on_error: str, located: bool,
+                 at_least: int = 0) -> None:
+        self._chunks = chunks
+        self.total = total
+        """Records to run, when known before the run."""
+        self.at_least = total or at_least
+        """Records to run at least (stdin: those of its first chunk)."""
+        self.on_error = on_error
+        self.located = located
+        """Records come from a file: the runtime's refusals are named by their place and may be skipped."""
+        self.skipped: list[str] = []
+        """Messages of the records left out (``--on-error skip``), the first :data:`SKIPPED_SHOWN`."""
+        self.num_skipped = 0
+        self.num_run = 0
+
+    def __iter__(self) -> Iterator[Chunk]:
+        for chunk in self._chunks:
+            self._skip(message for _, message in chunk.skipped)
+            if len(chunk):
+                yield chunk
+
+    def run(self, call: Callable[[list[Any]], Sequence[Any]], chunk: Chunk) -> tuple[Chunk, list[Any]]:
+        """``call(chunk.inputs)``: the records the runtime took and their results, in order.
+
+        :raises InvalidRequestError: a refusal of the runtime, named by the record's place for a
+            file, unless ``--on-error skip`` leaves that record out.
+        """
+        if not self.located:
+            results = list(call(chunk.inputs))
+        else:
+            results, refused = run_each(call, chunk.inputs, chunk.places, stop=self.on_error == "fail")
+            if refused:
+                self._skip(str(error) for _, error in refused)
+                kept = [index for index, result in enumerate(results) if result is not None]
+                chunk, results = _select(chunk, kept), [results[index] for index in kept]
+        self.num_run += len(results)
+        return chunk, results
+
+    def check(self, what: str) -> None:
+        """Call before the output is put in place.
+
+        :raises CliError: when every record was left out (the output is not replaced then).
+        """
+        if not self.num_run:
+            raise CliError(f"no {what} left: all {self.num_skipped} were bad and skipped (--on-error skip); "
+                           f"the first: {self.skipped[0]}")
+
+    def report(self) -> None:
+        """Say on stderr which records were left out (the first :data:`SKIPPED_SHOWN`) and how many."""
+        for message in self.skipped:
+            print(f"poolrunner: skipped {message}", file=sys.stderr)
+        if self.num_skipped:
+            more = f" (the first {SKIPPED_SHOWN} named above)" if self.num_skipped > SKIPPED_SHOWN else ""
+            records = "record" if self.num_skipped == 1 else "records"
+            print(f"poolrunner: skipped {self.num_skipped} bad {records}{more} (--on-error skip)", file=sys.stderr)
+
+    def _skip(self, messages: Iterable[str]) -> None:
+        for message in messages:
+            self.num_skipped += 1
+            if len(self.skipped) < SKIPPED_SHOWN:
+                self.skipped.append(message)
 
 
-def read_jsonl(source: str, fields: Sequence[tuple[str, str]]) -> list[tuple[str, ...]]:
-    """The string values of ``fields`` in each JSON object of ``source`` (``-``: stdin), whatever
-    the file is named; blank lines are skipped.
+SKIPPED_SHOWN = 10
+"""Skipped records named on stderr; the rest are counted."""
 
-    :param fields: ``(field name, the option that names it)`` pairs, in the order of the returned
-        tuples; the option is for the error message of a missing field.
-    :raises CliError: for an unreadable file, or a bad line (named as ``FILE:LINE``).
+
+def _select(chunk: Chunk, kept: list[int]) -> Chunk:
+    return Chunk([chunk.rows[i] for i in kept], [chunk.places[i] for i in kept], [chunk.values[i] for i in kept],
+                 None if chunk.ids is None else [chunk.ids[i] for i in kept])
+
+
+def input_fields(args: argparse.Namespace, *texts: tuple[str, str]) -> Fields:
+    """What each record of ``--input`` gives: ``(field, option)`` ``texts`` (default:
+    ``--text-field``) and the id of ``--id-field``."""
+    return Fields(texts or ((args.text_field, "--text-field"),),
+                  None if args.id_field is None else (args.id_field, "--id-field"))
+
+
+def read_inputs(
+    args: argparse.Namespace, fields: Fields, arguments: Sequence[Any], *, what: str, kind: str = "texts",
+    argument_name: str = "TEXT", default_format: str = "text",
+) -> Inputs:
+    """The records of ``--input`` (``args.input``, ``args.input_format``, ``args.on_error``), or
+    ``arguments`` (texts, or tuples of them) as one chunk, indexed by position, without ids.
+
+    :param fields: What each record of a file gives (texts, id).
+    :param what: The inputs in messages (``texts to embed``); ``kind`` their plural (``texts``).
+    :param default_format: The format of a file whose suffix names none (and of stdin).
+    :raises CliError: for both sources or neither, no records, or Parquet on stdin.
+    :raises InvalidRequestError: for an unreadable file or (``--on-error fail``) a bad record.
     """
-    with open_input(source) as file:
-        return list(_jsonl_records(file, source, fields))
+    if args.input is None:
+        if not arguments:
+            raise no_inputs(what, None, arguments=argument_name)
+        if args.id_field is not None:
+            raise CliError("--id-field names a field of --input FILE's records; arguments have no ids")
+        count = len(arguments)
+        values = [item if isinstance(item, tuple) else (item,) for item in arguments]
+        chunk = Chunk(list(range(count)), [f"input {i}" for i in range(count)], values, None)
+        return Inputs(iter([chunk]), total=count, on_error="fail", located=False)
+    if arguments:
+        raise CliError(f"pass {kind} either as arguments or with --input, not both")
+    fmt = args.input_format or input_format(args.input, default_format)
+    if fmt == "parquet" and args.input == "-":
+        raise CliError("Parquet cannot be read from stdin (its index is at its end): pass --input FILE")
+    empty = "lines" if fmt == "text" else "records"
+    if args.input != "-":  # a first pass: bad records stop the run before the model loads; the total
+        total = skipped = 0
+        first: str | None = None
+        for chunk in _read(args.input, fmt, fields, args.on_error):
+            total += len(chunk)
+            skipped += len(chunk.skipped)
+            first = first or next((message for _, message in chunk.skipped), None)
+        if not total:
+            raise no_inputs(what, args.input, arguments=argument_name, empty=empty, skipped=skipped, first=first)
+        return Inputs(_read(args.input, fmt, fields, args.on_error), total=total, on_error=args.on_error,
+                      located=True)
+    chunks = _read(args.input, fmt, fields, args.on_error)
+    head = next(chunks, None)  # stdin is read once: its first chunk, before the model loads
+    if head is None:
+        raise no_inputs(what, args.input, arguments=argument_name, empty=empty)
+    return Inputs(itertools.chain([head], chunks), total=None, on_error=args.on_error, located=True,
+                  at_least=len(head))
 
 
-@contextlib.contextmanager
-def open_input(source: str) -> Iterator[IO[str]]:
-    """``source`` opened as UTF-8 text (a BOM is dropped), or stdin for ``-``; read errors are CliErrors."""
-    try:
-        if source == "-":
-            yield sys.stdin
-            return
-        with open(source, encoding="utf-8-sig") as file:
-            yield file
-    except FileNotFoundError:
-        raise CliError(f"input file {source!r} does not exist") from None
-    except IsADirectoryError:
-        raise CliError(f"input {source!r} is a directory; name a file") from None
-    except UnicodeDecodeError as exc:
-        raise CliError(f"input file {source!r} is not UTF-8 text: {exc}") from None
-    except OSError as exc:
-        raise CliError(f"cannot read input file {source!r}: {exc.strerror or exc}") from None
+def _read(path: str, fmt: str, fields: Fields, on_error: str) -> Iterator[Chunk]:
+    name = "<stdin>" if path == "-" else path
+    with open_input(path) as stream:
+        yield from read_chunks(stream, fmt, fields, name=name, on_error=on_error)
 
 
-def _jsonl_records(file: IO[str], name: str, fields: Sequence[tuple[str, str]]) -> Iterator[tuple[str, ...]]:
-    name = "<stdin>" if name == "-" else name
-    for number, line in enumerate(file, start=1):
-        if not line.strip():
-            continue
-        where = f"{name}:{number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise CliError(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})") from None
-        if not isinstance(record, dict):
-            raise CliError(f"{where}: expected a JSON object, got {type(record).__name__}")
-        values = []
-        for field, option in fields:
-            if field not in record:
-                known = ", ".join(repr(key) for key in record) or "none"
-                raise CliError(f"{where}: no field {field!r} (fields: {known}); pick one with {option}")
-            value = record[field]
-            if not isinstance(value, str):
-                raise CliError(f"{where}: field {field!r} is {type(value).__name__}, not a string")
-            values.append(value)
-        yield tuple(values)
-
-
-def no_inputs(what: str, source: str | None, *, arguments: str = "TEXT", empty: str = "lines") -> CliError:
+def no_inputs(what: str, source: str | None, *, arguments: str = "TEXT", empty: str = "lines", skipped: int = 0,
+              first: str | None = None) -> CliError:
     """The error for nothing to process: ``no <what>[ (<source> has no <empty>)]; pass <arguments>
-    arguments or --input FILE``."""
-    where = f" ({'stdin' if source == '-' else source} has no {empty})" if source else ""
+    arguments or --input FILE``, or, when every record was bad, how many and the first."""
+    name = "stdin" if source == "-" else source
+    if skipped:
+        return CliError(f"no {what}: the {skipped} records of {name} are all bad and skipped (--on-error skip); "
+                        f"the first: {first}")
+    where = f" ({name} has no {empty})" if source else ""
     return CliError(f"no {what}{where}; pass {arguments} arguments or --input FILE (--input - reads stdin)")
 
 
+def progress(label: str, inputs: Inputs) -> Any:
+    """A tqdm bar on stderr labelled ``label`` over the records, for more than
+    :data:`PROGRESS_THRESHOLD` of them (stdin: in its first chunk; the total is unknown then)."""
+    from tqdm import tqdm
+
+    shown = inputs.at_least > PROGRESS_THRESHOLD
+    return tqdm(total=inputs.total, desc=label, unit="input", disable=not shown, file=sys.stderr)
+
+
 # --- output -----------------------------------------------------------------------------------
+
+
+def output_format(args: argparse.Namespace, formats: Sequence[str]) -> str:
+    """``--output-format``, else the format ``--output``'s suffix names (:data:`OUTPUT_SUFFIXES`);
+    JSON Lines on stdout.
+
+    :param formats: The formats the command writes.
+    :raises CliError: for an unknown suffix, a format the command does not write, or a binary
+        format to stdout.
+    """
+    to_stdout = args.output in (None, "-")
+    fmt = args.output_format or ("jsonl" if to_stdout else OUTPUT_SUFFIXES.get(Path(args.output).suffix.lower()))
+    names = ", ".join(f".{name}" for name in formats)
+    if fmt is None:
+        raise CliError(f"cannot tell the format of output file {args.output!r} from its suffix: "
+                       f"name it {names}, or pass --output-format")
+    if fmt not in formats:
+        raise CliError(f"{args.command} does not write {fmt}: write {names}")
+    if to_stdout and fmt in ("parquet", "npy", "npz"):
+        raise CliError(f"{fmt} output needs a file: pass --output FILE")
+    return fmt
 
 
 def check_output(output: str | None) -> None:
@@ -355,49 +533,10 @@ def check_output(output: str | None) -> None:
         raise CliError(f"cannot write output file {str(path)!r}: folder {str(path.parent)!r} is not writable")
 
 
-def write_output(output: str | None, write: Any, *, binary: bool = False) -> None:
-    """Call ``write(file)`` on stdout (``output`` ``None`` or ``-``) or on a new file that
-    replaces ``output`` only once ``write`` has returned: a run that fails or is interrupted
-    (Ctrl-C) midway leaves the previous ``output`` as it was, and no partial file.
-
-    A broken pipe on stdout propagates (``main`` handles it); a file that cannot be written is a CliError.
-    """
-    if output in (None, "-"):
-        write(sys.stdout)
-        sys.stdout.flush()
-        return
-    target = Path(output)
-    partial: Path | None = None
-    try:
-        with tempfile.NamedTemporaryFile("wb" if binary else "w", encoding=None if binary else "utf-8",
-                                         dir=target.parent, prefix=f".{target.name}.", suffix=".partial",
-                                         delete=False) as file:
-            partial = Path(file.name)
-            write(file)
-        os.chmod(partial, _file_mode(target))  # a temporary file is private (0600); the output is not
-        os.replace(partial, target)
-    except BaseException as exc:
-        if partial is not None:
-            partial.unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise CliError(f"cannot write output file {output!r}: {exc.strerror or exc}") from None
-        raise
-
-
-def _file_mode(path: Path) -> int:
-    """The permission bits ``path`` keeps (it exists) or a new file gets under the umask."""
-    if path.exists():
-        return path.stat().st_mode & 0o777
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-def write_jsonl(records: Iterable[Mapping[str, Any]], output: str | None) -> None:
-    """One JSON object a line (non-ASCII escaped, so any terminal encoding works), to stdout or ``output``."""
-
-    def write(file: IO[str]) -> None:
-        for record in records:
-            file.write(json.dumps(record) + "\n")
-
-    write_output(output, write)
+def index_columns(chunk: Chunk, id_field: str | None) -> dict[str, list[Any]]:
+    """The columns every output record starts with: ``index`` (the record's row) and, with
+    ``--id-field``, the id under the field's own name."""
+    columns: dict[str, list[Any]] = {"index": chunk.rows}
+    if id_field is not None and chunk.ids is not None:
+        columns[id_field] = chunk.ids
+    return columns

@@ -1,15 +1,18 @@
-"""``poolrunner embed``: texts in (arguments, a text file, JSONL or stdin), vectors out (JSONL or .npy)."""
+"""``poolrunner embed``: texts in (arguments, a text, JSONL, CSV or Parquet file, or stdin), vectors
+out (JSONL, CSV, Parquet or .npy), streamed in chunks."""
 
 from __future__ import annotations
 
 import argparse
+import tempfile
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from poolrunner.core.cli.common import (
-    PROGRESS_THRESHOLD,
     CliError,
+    Inputs,
     add_command,
     add_input_option,
     add_model_options,
@@ -17,50 +20,63 @@ from poolrunner.core.cli.common import (
     add_plugin_options,
     add_truncation_options,
     check_output,
-    load_runtime,
-    no_inputs,
+    index_columns,
+    input_fields,
+    load_model,
+    output_format,
     positive_int,
-    read_texts,
-    write_jsonl,
-    write_output,
+    progress,
+    read_inputs,
 )
 from poolrunner.core.cli.ray_job import EPILOG as RAY_EPILOG
 from poolrunner.core.cli.ray_job import add_ray_options, run_ray
-from poolrunner.core.quantize import PRECISIONS
+from poolrunner.core.files import open_output
+from poolrunner.core.quantize import PRECISIONS, Precision, quantize
 
-__all__ = ["add_parser", "run", "write_vectors"]
+__all__ = ["add_parser", "run"]
+
+FORMATS = ("jsonl", "csv", "parquet", "npy")
 
 DESCRIPTION = """\
 Embed texts into one vector each and write them in input order.
 
 input (one source):
   TEXT ...          each argument is one text
-  --input FILE      FILE ending in .jsonl: one JSON object a line, the text under
-                    --text-field (blank lines are skipped); any other FILE:
-                    UTF-8 text, every line is one text (trailing newline
-                    removed; an empty line is an input too)
-  --input -         stdin, as text lines
+  --input FILE      by its suffix (or --input-format): .jsonl, one JSON object a
+                    line, the text under --text-field (blank lines are skipped);
+                    .csv, a header line naming the columns, then one row a text
+                    (column --text-field); .parquet, column --text-field; any
+                    other FILE: UTF-8 text, every line is one text (an empty line
+                    is an input too)
+  --input -         stdin, as text lines (or --input-format)
+  A file is read in chunks of 512 records, each embedded and written before the
+  next is read: memory stays flat however large the file is.
 
-output:
-  JSONL, one {"index": i, "embedding": [...]} a line, to stdout or --output FILE;
-  --output FILE.npy writes a float32 numpy array [n, d] (numpy.save) instead."""
+output (by the suffix of --output FILE, or --output-format; stdout: JSON Lines):
+  .jsonl    one {"index": i, "embedding": [...]} a line
+  .csv      columns index, embedding (a JSON list)
+  .parquet  columns index (int64), embedding (fixed_size_list<float>[d])
+  .npy      a float32 numpy array [n, d] (or --precision's dtype)
+  index is the record's 0-based position among the file's records (arguments:
+  their position); --id-field adds the record's id after it (not in .npy)."""
 
 EPILOG = """\
 examples:
   poolrunner embed "A cat sat." "A dog ran."
   poolrunner embed --input docs.jsonl --text-field body --output vectors.npy
+  poolrunner embed --input docs.csv --text-field body --id-field doc_id --output vectors.parquet
   cat texts.txt | poolrunner embed --input - --truncate -1 > vectors.jsonl
   poolrunner embed --model ./my-model --prompt-name query "what is pooling?\""""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser = add_command(subparsers, "embed", summary="embed texts into vectors (JSONL or .npy)",
+    parser = add_command(subparsers, "embed", summary="embed texts into vectors (JSONL, CSV, Parquet or .npy)",
                          description=DESCRIPTION, epilog=f"{EPILOG}\n\n{RAY_EPILOG}")
     parser.add_argument("texts", nargs="*", metavar="TEXT", help="texts to embed (or use --input)")
 
     files = parser.add_argument_group("input and output")
     add_input_option(files, "texts")
-    add_output_option(files, "; a name ending in .npy writes a numpy array [n, d] (float32, or --precision's dtype)")
+    add_output_option(files, FORMATS, "; .npy: a numpy array [n, d] (float32, or --precision's dtype)")
 
     model = add_model_options(parser)
     model.add_argument("--is-matryoshka", action="store_true",
@@ -90,7 +106,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Read the texts, load the model, embed, write. Input and option errors come before loading."""
+    """Check the input and output, load the model, then embed and write chunk after chunk."""
     if args.ray is not None:
         if args.precision != "float32":
             raise CliError("--precision runs on one machine only: a --ray job writes float32 vectors")
@@ -98,25 +114,56 @@ def run(args: argparse.Namespace) -> int:
             "dimensions": args.dimensions, "normalize": args.normalize, "truncate_prompt_tokens": args.truncate,
             "truncation_side": args.truncation_side, "prompt": args.prompt, "prompt_name": args.prompt_name,
         })
-    texts = read_texts(args.texts, args.input, args.text_field)
-    if not texts:
-        raise no_inputs("texts to embed", args.input)
+    fmt = output_format(args, FORMATS)
+    if fmt == "npy" and args.id_field is not None:
+        raise CliError("--id-field: a .npy file holds the vectors only; write .jsonl, .csv or .parquet to keep ids")
+    inputs = read_inputs(args, input_fields(args), args.texts, what="texts to embed")
     check_output(args.output)
-    runtime = load_runtime(args, task="embed", is_matryoshka=True if args.is_matryoshka else None)
-    vectors = runtime.embed(
-        texts, dimensions=args.dimensions, normalize=args.normalize,
-        truncate_prompt_tokens=args.truncate, truncation_side=args.truncation_side,
-        prompt=args.prompt, prompt_name=args.prompt_name, precision=args.precision,
-        show_progress_bar=len(texts) > PROGRESS_THRESHOLD,
-    )
-    write_vectors(vectors, args.output)
+    runtime = load_model(args, task="embed", is_matryoshka=True if args.is_matryoshka else None)
+    calibrated = args.precision in ("int8", "uint8")  # on the whole run's float32 vectors, after the run
+
+    def embed(texts: list[str]) -> np.ndarray:
+        return runtime.embed(texts, dimensions=args.dimensions, normalize=args.normalize,
+                             truncate_prompt_tokens=args.truncate, truncation_side=args.truncation_side,
+                             prompt=args.prompt, prompt_name=args.prompt_name,
+                             precision="float32" if calibrated else args.precision)
+
+    with progress("embedding", inputs) as bar, open_output(args.output, fmt, column="embedding") as writer:
+        chunks = _embedded(inputs, embed, bar.update, args.id_field)
+        for columns in _calibrated(chunks, args.precision) if calibrated else chunks:
+            writer.write(columns)
+        inputs.check("texts to embed")
+    inputs.report()
     return 0
 
 
-def write_vectors(vectors: np.ndarray, output: str | None) -> None:
-    """JSONL to stdout or ``output``, or a ``.npy`` array in the vectors' dtype (float32, or a
-    quantized precision's int8 / uint8) when ``output`` ends in ``.npy``."""
-    if output is not None and output != "-" and output.lower().endswith(".npy"):
-        write_output(output, lambda file: np.save(file, vectors), binary=True)
-        return
-    write_jsonl(({"index": index, "embedding": vector.tolist()} for index, vector in enumerate(vectors)), output)
+def _embedded(inputs: Inputs, embed: Callable[[list[str]], np.ndarray], done: Callable[[int], Any],
+              id_field: str | None) -> Iterator[dict[str, list[Any]]]:
+    """Output columns per chunk: ``index``, the id (``id_field``), ``embedding`` (a ``[d]`` row each)."""
+    for chunk in inputs:
+        count = len(chunk)
+        chunk, vectors = inputs.run(embed, chunk)
+        done(count)
+        if len(chunk):
+            yield {**index_columns(chunk, id_field), "embedding": list(vectors)}
+
+
+def _calibrated(chunks: Iterator[dict[str, list[Any]]], precision: Precision) -> Iterator[dict[str, list[Any]]]:
+    """``chunks`` with their float32 embeddings quantized to int8 / uint8 on each dimension's range
+    over all of them (as ``Runtime.embed`` calibrates over one call): the float32 rows wait in a
+    temporary file until the last chunk is in, not in memory."""
+    parts: list[tuple[dict[str, list[Any]], tuple[int, ...]]] = []  # each chunk's other columns, its shape
+    low = high = None
+    with tempfile.TemporaryFile() as spill:
+        for columns in chunks:
+            vectors = np.stack(columns.pop("embedding")).astype(np.float32)
+            low = vectors.min(axis=0) if low is None else np.minimum(low, vectors.min(axis=0))
+            high = vectors.max(axis=0) if high is None else np.maximum(high, vectors.max(axis=0))
+            spill.write(vectors.tobytes())
+            parts.append((columns, vectors.shape))
+        # Fewer than two vectors have no range: quantize() refuses them as Runtime.embed does.
+        ranges = np.stack([low, high]) if sum(shape[0] for _, shape in parts) >= 2 else None
+        spill.seek(0)
+        for columns, shape in parts:
+            vectors = np.frombuffer(spill.read(4 * int(np.prod(shape))), dtype=np.float32).reshape(shape)
+            yield {**columns, "embedding": list(quantize(vectors, precision, ranges))}

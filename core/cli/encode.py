@@ -1,14 +1,12 @@
-"""``poolrunner encode``: any task the model serves, raw per-input results out (JSONL or .npz)."""
+"""``poolrunner encode``: any task the model serves, raw per-input results out (JSONL, CSV, Parquet
+or .npz), streamed in chunks."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-import numpy as np
-
 from poolrunner.core.cli.common import (
-    PROGRESS_THRESHOLD,
     CliError,
     add_command,
     add_input_option,
@@ -19,18 +17,22 @@ from poolrunner.core.cli.common import (
     add_task_option,
     add_truncation_options,
     check_output,
-    load_runtime,
-    no_inputs,
+    index_columns,
+    input_fields,
+    load_model,
+    output_format,
     plugin_options,
     positive_int,
-    read_texts,
-    write_jsonl,
-    write_output,
+    progress,
+    read_inputs,
 )
 from poolrunner.core.cli.ray_job import EPILOG as RAY_EPILOG
 from poolrunner.core.cli.ray_job import add_ray_options, run_ray
+from poolrunner.core.files import open_output
 
 __all__ = ["add_parser", "run"]
+
+FORMATS = ("jsonl", "csv", "parquet", "npz")
 
 DESCRIPTION = """\
 Run any task the model serves and write each input's result in input order.
@@ -45,12 +47,17 @@ results per input (float32 unless said otherwise):
   a plugin's task       as the plugin says, e.g. sparse_embed (poolrunner-splade):
                         {"token_ids": [k] int64, "weights": [k]}
 
-input: TEXT arguments, or --input FILE (.jsonl with --text-field, else text lines).
+input: TEXT arguments, or --input FILE (.jsonl, .csv or .parquet with --text-field,
+else text lines; or --input-format), read and run in chunks of 512 records.
 
-output:
-  JSONL, one {"index": i, "task": ..., "output": ...} a line (nested lists), to
-  stdout or --output FILE; --output FILE.npz writes a numpy .npz archive instead,
-  one array per input named "<index>" (or "<index>/<name>" for named outputs)."""
+output (by the suffix of --output FILE, or --output-format; stdout: JSON Lines):
+  .jsonl    one {"index": i, "task": ..., "output": ...} a line (nested lists)
+  .csv      columns index, task, output (JSON)
+  .parquet  columns index, task, output (list columns; a struct for named outputs)
+  .npz      a numpy archive, one array per input named "<index>" (or
+            "<index>/<name>" for named outputs)
+  index is the record's 0-based position among the file's records; --id-field
+  adds the record's id after it (not in .npz)."""
 
 EPILOG = """\
 examples:
@@ -62,12 +69,12 @@ examples:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser = add_command(subparsers, "encode", summary="run any task; per-input arrays (JSONL or .npz)",
+    parser = add_command(subparsers, "encode", summary="run any task; per-input arrays (JSONL, CSV, Parquet, .npz)",
                          description=DESCRIPTION, epilog=f"{EPILOG}\n\n{RAY_EPILOG}")
     parser.add_argument("texts", nargs="*", metavar="TEXT", help="inputs (or use --input)")
     files = parser.add_argument_group("input and output")
     add_input_option(files, "inputs")
-    add_output_option(files, "; a name ending in .npz writes a numpy archive")
+    add_output_option(files, FORMATS, "; .npz: a numpy archive of one array per input")
 
     model = add_model_options(parser)
     add_task_option(model, "run")
@@ -97,7 +104,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Read the inputs, load the model, encode, write. Input and option errors come before loading."""
+    """Check the input and output, load the model, then encode and write chunk after chunk."""
     options = plugin_options(args.options)
     if args.ray is not None:
         return run_ray(args, args.task, {
@@ -105,35 +112,30 @@ def run(args: argparse.Namespace) -> int:
             "step_tag_id": args.step_tag_id, "returned_token_ids": args.returned_token_ids,
             "truncate_prompt_tokens": args.truncate, "truncation_side": args.truncation_side, **options,
         })
-    texts = read_texts(args.texts, args.input, args.text_field)
-    if not texts:
-        raise no_inputs("inputs to encode", args.input)
-    check_output(args.output)
-    if args.output and args.output.lower().endswith(".npy"):
+    if args.output_format is None and args.output and args.output.lower().endswith(".npy"):
         raise CliError("encode results are ragged: write .npz or JSONL, not .npy")
-    runtime = load_runtime(args, task=args.task, is_matryoshka=True if args.is_matryoshka else None)
-    results = runtime.encode(
-        texts, dimensions=args.dimensions, normalize=args.normalize, use_activation=args.use_activation,
-        step_tag_id=args.step_tag_id, returned_token_ids=args.returned_token_ids,
-        truncate_prompt_tokens=args.truncate, truncation_side=args.truncation_side,
-        show_progress_bar=len(texts) > PROGRESS_THRESHOLD, **options,
-    )
-    if args.output is not None and args.output.lower().endswith(".npz"):
-        arrays = {name: array for index, result in enumerate(results) for name, array in _named(index, result)}
-        write_output(args.output, lambda file: np.savez(file, **arrays), binary=True)
-    else:
-        write_jsonl(({"index": i, "task": runtime.task, "output": _as_lists(r)} for i, r in enumerate(results)),
-                    args.output)
+    fmt = output_format(args, FORMATS)
+    if fmt == "npz" and args.id_field is not None:
+        raise CliError("--id-field: a .npz archive holds the arrays only; write .jsonl, .csv or .parquet to keep ids")
+    inputs = read_inputs(args, input_fields(args), args.texts, what="inputs to encode", kind="inputs")
+    check_output(args.output)
+    runtime = load_model(args, task=args.task, is_matryoshka=True if args.is_matryoshka else None)
+
+    def encode(texts: list[str]) -> list[Any]:
+        return runtime.encode(
+            texts, dimensions=args.dimensions, normalize=args.normalize, use_activation=args.use_activation,
+            step_tag_id=args.step_tag_id, returned_token_ids=args.returned_token_ids,
+            truncate_prompt_tokens=args.truncate, truncation_side=args.truncation_side, **options,
+        )
+
+    with progress("encoding", inputs) as bar, open_output(args.output, fmt, column="output") as writer:
+        for chunk in inputs:
+            count = len(chunk)
+            chunk, results = inputs.run(encode, chunk)
+            bar.update(count)
+            if len(chunk):
+                writer.write({**index_columns(chunk, args.id_field), "task": [runtime.task] * len(chunk),
+                              "output": results})
+        inputs.check("inputs to encode")
+    inputs.report()
     return 0
-
-
-def _named(index: int, result: np.ndarray | dict[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:
-    if isinstance(result, dict):
-        return [(f"{index}/{name}", array) for name, array in result.items()]
-    return [(str(index), result)]
-
-
-def _as_lists(result: np.ndarray | dict[str, np.ndarray]) -> Any:
-    if isinstance(result, dict):
-        return {name: array.tolist() for name, array in result.items()}
-    return result.tolist()

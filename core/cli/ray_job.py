@@ -8,15 +8,17 @@ import sys
 from typing import Any
 
 from poolrunner.core.cli.common import CliError, positive_int, runtime_options
-from poolrunner.core.distributed.shards import INPUT_FORMATS
+from poolrunner.core.errors import PoolrunnerError
 
 EPILOG = """\
 distributed (--ray):
-  --input names a file or folder (searched recursively) of .jsonl, .parquet or text
-  files, local or any URI pyarrow reads (s3://, gs://, hdfs://...), readable from every
-  node; --output names a folder, with one Parquet file per input file: row (index in
-  the file), the id column, and the results. Rerunning a failed job skips the files
-  already written. Needs Ray: pip install -e '.[ray]' in the poolrunner checkout."""
+  --input names a file or folder (searched recursively) of .jsonl, .csv, .parquet or
+  text files, local or any URI pyarrow reads (s3://, gs://, hdfs://...), readable from
+  every node; --output names a folder, with one Parquet file per input file: row
+  (index in the file), the id column (--id-field, or id when the input has one), and
+  the results. A bad record fails its file only (the others are written), or is left
+  out with --on-error skip; rerunning a job skips the files already written. Needs
+  Ray: pip install -e '.[ray]' in the poolrunner checkout."""
 
 
 def add_ray_options(parser: argparse.ArgumentParser) -> None:
@@ -34,10 +36,6 @@ def add_ray_options(parser: argparse.ArgumentParser) -> None:
                        help="GPUs per actor; a fraction shares one GPU between actors (default: %(default)s)")
     group.add_argument("--rows-per-batch", metavar="N", type=positive_int, default=256,
                        help="rows per map_batches call (one encode call on an actor)")
-    group.add_argument("--id-field", metavar="FIELD",
-                       help="column copied to the output beside the row index (default: id, when present)")
-    group.add_argument("--input-format", choices=INPUT_FORMATS,
-                       help="input file format (default: from the file names; unknown suffixes are text)")
 
 
 def run_ray(args: argparse.Namespace, task: str | None, request_options: dict[str, Any]) -> int:
@@ -54,16 +52,43 @@ def run_ray(args: argparse.Namespace, task: str | None, request_options: dict[st
     if args.is_matryoshka:
         options["is_matryoshka"] = True
     model = options.pop("model")
-    result = run_job(
-        args.input, args.output, task=task, model=model, text_field=args.text_field, id_field=args.id_field,
-        input_format=args.input_format, num_actors=args.actors, num_cpus_per_actor=args.cpus_per_actor,
-        num_gpus_per_actor=args.gpus_per_actor, batch_size=args.rows_per_batch, runtime_options=options,
-        request_options={name: value for name, value in request_options.items() if value is not None},
-        address=args.ray or None,
-    )
+    try:
+        result = run_job(
+            args.input, args.output, task=task, model=model, text_field=args.text_field, id_field=args.id_field,
+            input_format=args.input_format, on_error=args.on_error, num_actors=args.actors,
+            num_cpus_per_actor=args.cpus_per_actor, num_gpus_per_actor=args.gpus_per_actor,
+            batch_size=args.rows_per_batch, runtime_options=options,
+            request_options={name: value for name, value in request_options.items() if value is not None},
+            address=args.ray or None,
+        )
+    except PoolrunnerError:
+        raise
+    except Exception as exc:
+        if not type(exc).__module__.startswith("ray"):
+            raise
+        raise CliError(f"the Ray job failed: {_one_line(exc)}",
+                       hint="Ray's own logs are in /tmp/ray/session_latest/logs on each node") from None
+    for message in result.left_out:
+        print(f"poolrunner: skipped {message}", file=sys.stderr)
+    rows = "row" if result.rows_left_out == 1 else "rows"
+    left_out = f", left out {result.rows_left_out} bad {rows} (--on-error skip)" if result.rows_left_out else ""
     print(f"wrote {len(result.written)} files ({result.num_rows} rows, {result.rows_per_second:.1f} rows/s), "
-          f"skipped {len(result.skipped)} already written, in {result.output}", file=sys.stderr)
+          f"skipped {len(result.skipped)} already written{left_out}, in {result.output}", file=sys.stderr)
     return 0
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: first line`` of the innermost cause of a Ray error (Ray wraps a worker's exception,
+    traceback and all, in its own)."""
+    seen: set[int] = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        cause = getattr(exc, "cause", None) or exc.__cause__
+        if not isinstance(cause, BaseException):
+            break
+        exc = cause
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def _amount(*, minimum_exclusive: bool) -> Any:

@@ -1,9 +1,12 @@
-"""``poolrunner rerank``: a query and documents in, the documents ranked best first out (JSONL)."""
+"""``poolrunner rerank``: a query and documents in, the documents ranked best first out (JSONL, CSV
+or Parquet)."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
+
+import numpy as np
 
 from poolrunner.core.cli.common import (
     CliError,
@@ -14,12 +17,16 @@ from poolrunner.core.cli.common import (
     add_plugin_options,
     add_truncation_options,
     check_output,
-    load_runtime,
-    no_inputs,
+    input_fields,
+    load_model,
+    output_format,
     positive_int,
-    read_texts,
-    write_jsonl,
+    progress,
+    read_inputs,
 )
+from poolrunner.core.files import open_output
+
+FORMATS = ("jsonl", "csv", "parquet")
 
 DESCRIPTION = """\
 Rank documents by their relevance to one query, best first.
@@ -32,15 +39,19 @@ cosine similarity of the two embeddings.
 input (the query, then one source of documents):
   --query Q         the query (required)
   DOC ...           each argument is one document
-  --input FILE      FILE ending in .jsonl: one JSON object a line, the document
-                    under --text-field (blank lines are skipped); any other FILE:
-                    UTF-8 text, every line is one document
+  --input FILE      by its suffix (or --input-format): .jsonl, one JSON object a
+                    line, the document under --text-field (blank lines are
+                    skipped); .csv (a header line, then rows) or .parquet, column
+                    --text-field; any other FILE: UTF-8 text, every line is one
+                    document. It is scored in chunks of 512; the scores (and, with
+                    --return-documents, the texts) are kept to rank them.
   --input -         stdin, as text lines
 
-output:
-  JSONL, one {"rank": r, "index": i, "score": s} a line, best first (rank 1 is the
-  best; equal scores keep input order), to stdout or --output FILE; index is the
-  document's 0-based position in the input. --return-documents adds "document": the
+output (by the suffix of --output FILE, or --output-format; stdout: JSON Lines):
+  one {"rank": r, "index": i, "score": s} a record (a line of .jsonl, a row of .csv
+  or .parquet), best first (rank 1 is the best; equal scores keep input order);
+  index is the document's 0-based position among the input's records; --id-field
+  adds the record's id after it. --return-documents adds "document": the
   document's text. --top-n N keeps the N best."""
 
 EPILOG = """\
@@ -59,7 +70,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     files.add_argument("-q", "--query", metavar="Q", action="append", dest="queries",
                        help="the query to rank the documents for (required)")
     add_input_option(files, "documents")
-    add_output_option(files)
+    add_output_option(files, FORMATS)
 
     add_model_options(parser)
 
@@ -76,25 +87,47 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Read the query and documents, load the model, rank, write. Input errors come before loading."""
+    """Check the query, documents and output, load the model, score the documents chunk after
+    chunk, then write them ranked."""
+    from poolrunner.core.frontend import rank  # with the tokenizers: not for --help
+
     if not args.queries:
         raise CliError("--query Q is required: the query to rank the documents for")
     if len(args.queries) > 1:
         raise CliError(f"rerank takes one --query, got {len(args.queries)}; "
                        "use `poolrunner score` to score N queries against N documents")
-    documents = read_texts(args.documents, args.input, args.text_field, what="documents")
-    if not documents:
-        raise no_inputs("documents to rerank", args.input, arguments="DOC")
+    fmt = output_format(args, FORMATS)
+    inputs = read_inputs(args, input_fields(args), args.documents, what="documents to rerank", kind="documents",
+                         argument_name="DOC")
     check_output(args.output)
-    runtime = load_runtime(args)
-    results = runtime.rerank(
-        args.queries[0], documents, top_n=args.top_n, return_documents=args.return_documents,
-        truncate_prompt_tokens=args.truncate, truncation_side=args.truncation_side,
-    )
-    write_jsonl(
-        ({"rank": rank, "index": result.index, "score": result.score}
-         | ({"document": result.document} if args.return_documents else {})
-         for rank, result in enumerate(results, start=1)),
-        args.output,
-    )
+    runtime = load_model(args)
+    query = args.queries[0]
+
+    def score(documents: list[str]) -> np.ndarray:
+        return runtime.score(query, documents, truncate_prompt_tokens=args.truncate,
+                             truncation_side=args.truncation_side)
+
+    rows: list[int] = []
+    ids: list[object] = []
+    documents: list[str] = []  # kept for --return-documents only
+    scores: list[float] = []
+    with progress("scoring", inputs) as bar:
+        for chunk in inputs:
+            count = len(chunk)
+            chunk, chunk_scores = inputs.run(score, chunk)
+            bar.update(count)
+            rows += chunk.rows
+            ids += chunk.ids or []
+            documents += chunk.texts if args.return_documents else []
+            scores += [float(value) for value in chunk_scores]
+    ranked = rank(np.array(scores), documents, top_n=args.top_n, return_documents=args.return_documents)
+    with open_output(args.output, fmt) as writer:
+        inputs.check("documents to rerank")
+        writer.write({
+            "rank": list(range(1, len(ranked) + 1)), "index": [rows[result.index] for result in ranked],
+            **({args.id_field: [ids[result.index] for result in ranked]} if args.id_field else {}),
+            "score": [result.score for result in ranked],
+            **({"document": [result.document for result in ranked]} if args.return_documents else {}),
+        })
+    inputs.report()
     return 0

@@ -1,24 +1,34 @@
-"""``poolrunner score``: (query, document) pairs in, one relevance score each out (JSONL)."""
+"""``poolrunner score``: (query, document) pairs in, one relevance score each out (JSONL, CSV or
+Parquet), streamed in chunks."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
+import numpy as np
+
 from poolrunner.core.cli.common import (
     CliError,
     add_command,
+    add_input_option,
     add_model_options,
     add_output_option,
     add_plugin_options,
     add_truncation_options,
     check_output,
-    load_runtime,
+    index_columns,
+    input_fields,
+    load_model,
     no_inputs,
-    read_jsonl,
-    write_jsonl,
+    output_format,
+    progress,
+    read_inputs,
 )
+from poolrunner.core.files import open_output
 from poolrunner.core.scoring import pair_up
+
+FORMATS = ("jsonl", "csv", "parquet")
 
 DESCRIPTION = """\
 Score the relevance of (query, document) pairs, in pair order.
@@ -31,14 +41,16 @@ model (the default model too) scores the cosine similarity of the two embeddings
 input (one source):
   --query Q DOC ...          one query and N documents: N pairs (1:N)
   --query Q1 --query Q2 ...  N queries and N documents: paired in order (N:N)
-  --input FILE               JSONL, whatever FILE is named ('-' reads stdin): one
-                             object a line, a pair each, its query under
-                             --query-field and its document under --document-field
-                             (blank lines are skipped)
+  --input FILE               a pair a record, its query under --query-field and its
+                             document under --document-field: JSON Lines (blank
+                             lines skipped) unless the suffix says .csv (a header
+                             line, then rows) or .parquet, or --input-format does;
+                             '-' reads stdin; read and scored in chunks of 512
 
-output:
-  JSONL, one {"index": i, "query": ..., "document": ..., "score": s} a line (pair i),
-  to stdout or --output FILE."""
+output (by the suffix of --output FILE, or --output-format; stdout: JSON Lines):
+  one {"index": i, "query": ..., "document": ..., "score": s} a record (pair i):
+  a line of .jsonl, a row of .csv or .parquet; --id-field adds the record's id
+  after index."""
 
 EPILOG = """\
 examples:
@@ -55,12 +67,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     files = parser.add_argument_group("input and output")
     files.add_argument("-q", "--query", metavar="Q", action="append", dest="queries",
                        help="a query (repeatable: N queries for N documents)")
-    files.add_argument("-i", "--input", metavar="FILE",
-                       help="read (query, document) pairs from JSONL FILE; '-' reads stdin")
-    files.add_argument("--query-field", metavar="FIELD", default="query", help="JSON field holding the query")
+    add_input_option(files, "(query, document) pairs", text_field=False, default_format="jsonl")
+    files.add_argument("--query-field", metavar="FIELD", default="query",
+                       help="field (column) holding the query")
     files.add_argument("--document-field", metavar="FIELD", default="document",
-                       help="JSON field holding the document")
-    add_output_option(files)
+                       help="field (column) holding the document")
+    add_output_option(files, FORMATS)
 
     add_model_options(parser)
     add_truncation_options(parser.add_argument_group("scoring"), pairs=True)
@@ -70,32 +82,44 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Read the pairs, check their shape, load the model, score, write. Input errors come before loading."""
-    queries, documents = read_pairs(args)
-    pairs = pair_up(queries, documents)  # the runtime's own shape check, before the model loads
+    """Check the pairs and the output, load the model, then score and write chunk after chunk."""
+    fmt = output_format(args, FORMATS)
+    fields = input_fields(args, (args.query_field, "--query-field"), (args.document_field, "--document-field"))
+    inputs = read_inputs(args, fields, read_pairs(args), what="pairs to score", kind="pairs",
+                         argument_name="--query and DOC", default_format="jsonl")
     check_output(args.output)
-    runtime = load_runtime(args)
-    scores = runtime.score(queries, documents, truncate_prompt_tokens=args.truncate,
-                           truncation_side=args.truncation_side)
-    write_jsonl(
-        ({"index": index, "query": query, "document": document, "score": float(score)}
-         for index, ((query, document), score) in enumerate(zip(pairs, scores, strict=True))),
-        args.output,
-    )
+    runtime = load_model(args)
+
+    def score(pairs: list[tuple[str, str]]) -> np.ndarray:
+        return runtime.score([query for query, _ in pairs], [document for _, document in pairs],
+                             truncate_prompt_tokens=args.truncate, truncation_side=args.truncation_side)
+
+    with progress("scoring", inputs) as bar, open_output(args.output, fmt) as writer:
+        for chunk in inputs:
+            count = len(chunk)
+            chunk, scores = inputs.run(score, chunk)
+            bar.update(count)
+            if len(chunk):
+                writer.write({**index_columns(chunk, args.id_field), "query": [pair[0] for pair in chunk.values],
+                              "document": [pair[1] for pair in chunk.values], "score": [float(s) for s in scores]})
+        inputs.check("pairs to score")
+    inputs.report()
     return 0
 
 
-def read_pairs(args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    """The queries and the documents, from the options or from ``--input`` (then N:N)."""
-    if args.input is None:
-        if not args.queries:
-            raise CliError("pass --query Q with DOC arguments, or --input FILE (JSONL pairs)")
-        if not args.documents:
-            raise no_inputs("documents to score", None, arguments="DOC")
-        return args.queries, args.documents
-    if args.queries or args.documents:
-        raise CliError("pass pairs either as --query and DOC arguments or with --input, not both")
-    rows = read_jsonl(args.input, [(args.query_field, "--query-field"), (args.document_field, "--document-field")])
-    if not rows:
-        raise no_inputs("pairs to score", args.input, arguments="--query and DOC", empty="records")
-    return [query for query, _ in rows], [document for _, document in rows]
+def read_pairs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The (query, document) pairs of ``--query`` and DOC arguments (1:N or N:N, checked as the
+    runtime checks them); none with ``--input``.
+
+    :raises CliError: for pairs both in arguments and from ``--input``, or a query without documents.
+    :raises InvalidRequestError: for counts that do not pair up.
+    """
+    if args.input is not None:
+        if args.queries or args.documents:
+            raise CliError("pass pairs either as --query and DOC arguments or with --input, not both")
+        return []
+    if not args.queries:
+        raise CliError("pass --query Q with DOC arguments, or --input FILE (JSONL pairs)")
+    if not args.documents:
+        raise no_inputs("documents to score", None, arguments="DOC")
+    return pair_up(args.queries, args.documents)

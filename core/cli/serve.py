@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import os
+import importlib.util
 from typing import Any
 
 from poolrunner.core.cli.common import (
@@ -14,6 +14,8 @@ from poolrunner.core.cli.common import (
     add_task_option,
     positive_int,
 )
+from poolrunner.core.cli.environment import check_environment, read_environment
+from poolrunner.core.server.logs import LOG_FORMATS, LOG_LEVELS
 
 __all__ = ["API_KEY_ENV", "add_parser", "run"]
 
@@ -34,11 +36,16 @@ endpoints:
   POST /pooling         any task the model serves, per-token outputs included
   POST /tokenize        the model's token ids of a prompt
   GET  /health          200 while serving (no API key needed), 503 while shutting down
-  GET  /metrics         Prometheus metrics
-  GET  /docs            the OpenAPI page
+  GET  /metrics         Prometheus metrics (no API key needed unless --protect-metrics)
+  GET  /docs, /redoc    the OpenAPI pages (assets served locally)
 
 SIGTERM (or Ctrl-C) drains: requests in flight finish, new ones get 503, then the
-process exits with status 0; a second signal stops at once."""
+process exits with status 0; a second signal stops at once.
+
+Every flag can also come from the environment as POOLRUNNER_<FLAG> (shown in [env: ...]);
+a flag on the command line wins over its variable, which wins over the default. Switches
+take true/false; flags with several values take them comma-separated. Plugins to leave out
+come from $POOLRUNNER_DISABLE_PLUGINS (comma-separated), added to --disable-plugin."""
 
 EPILOG = f"""\
 examples:
@@ -64,8 +71,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
     server.add_argument("--port", type=int, default=8000, help="port to listen on")
     server.add_argument("--api-key", metavar="KEY",
-                        help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
-                             f"(default: ${API_KEY_ENV}; none: open)")
+                        help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
+                             "(default: none, open)")
     server.add_argument("--served-model-name", metavar="NAME", nargs="+",
                         help="model names clients may pass (aliases, as vLLM's); answers report the first and "
                              "/v1/models lists each (default: the folder's name)")
@@ -74,47 +81,103 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "does); default: such a request is a 400 naming the field")
     server.add_argument("--max-inputs-per-request", metavar="N", type=positive_int, default=2048,
                         help="most inputs (texts, pairs, documents) in one request; more is a 400")
-    server.add_argument("--max-request-bytes", metavar="N", type=positive_int, default=16 * 1024 * 1024,
-                        help="largest request body; larger is a 413")
+    server.add_argument("--max-request-bytes", metavar="N", type=positive_int, default=2_000_000,
+                        help="largest request body, bytes; larger is a 413 (TEI's --payload-limit)")
     server.add_argument("--max-waiting-requests", metavar="N", type=positive_int, default=8192,
                         help="most inputs queued or running over all clients; a request that would pass "
                              "it is answered 429 at once")
     server.add_argument("--drain-timeout", metavar="SECONDS", type=float, default=30.0,
-                        help="how long requests in flight may take to finish after SIGTERM")
+                        help="how long requests in flight may take to finish after SIGTERM; then their "
+                             "connections are closed and the process exits")
+    server.add_argument("--max-connections", metavar="N", type=positive_int, default=1024,
+                        help="most connections (and requests running) at once; a request past it is answered 503 "
+                             "and its connection closed")
+    server.add_argument("--keep-alive-timeout", metavar="SECONDS", type=_seconds, default=5.0,
+                        help="how long an idle connection stays open after an answer")
+    server.add_argument("--read-timeout", metavar="SECONDS", type=_seconds, default=30.0,
+                        help="how long a client may take to send a whole request (head and body), from the "
+                             "connection's opening or its previous answer; then the connection is closed")
     server.add_argument("--auto-truncate", metavar="BOOL", nargs="?", type=_boolean, const=True, default=False,
                         help="TEI's routes (/embed, /predict...) truncate an over-long input to the model maximum "
                              "when the request does not set truncate (as TEI's --auto-truncate; default: false, "
                              "such an input is a 422)")
-    server.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
-                        help="uvicorn's log level")
+    server.add_argument("--allowed-origins", metavar="ORIGIN", nargs="+", default=[],
+                        help="origins whose browser pages may call the API (CORS), e.g. https://app.example.com, "
+                             "or * for any (default: none, no CORS headers)")
+    server.add_argument("--protect-metrics", action="store_true",
+                        help="require the API key on /metrics too (default: open, left to the network as TEI "
+                             "and vLLM do)")
+    server.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                        help="level of uvicorn's and poolrunner's logs")
+    server.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                        help="json: one JSON object per line; each request's line has request_id, method, route, "
+                             "status, inputs, tokens and latency_ms, never its text or the API key")
     add_plugin_options(parser)
+    read_environment(parser, skip={"disable_plugin"})  # that one has its own variable, DISABLE_ENV
     parser.set_defaults(run=run)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     """Check the settings, load the model, serve until stopped."""
-    from poolrunner.core.cli.common import load_runtime
-    from poolrunner.core.server import ServerSettings, create_app
-    from poolrunner.core.server.serve import serve
-
+    invalid = check_environment(args)
+    if invalid is not None:
+        raise CliError(invalid, hint="fix or unset the variable, or give the flag")
+    _check_installed()
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port must be 0..65535, got {args.port}")
+    from poolrunner.core.server.logs import configured
+
+    with configured(args.log_level, args.log_format):  # the load logs too
+        _serve(args)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from poolrunner.core.cli.common import load_runtime
+    from poolrunner.core.server import ServerSettings, create_app
+    from poolrunner.core.server.connections import ConnectionLimits
+    from poolrunner.core.server.serve import serve
+
     try:
         settings = ServerSettings(
-            served_model_name=args.served_model_name, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+            served_model_name=args.served_model_name, api_key=args.api_key or None,
             max_inputs_per_request=args.max_inputs_per_request, max_request_bytes=args.max_request_bytes,
             max_waiting_requests=args.max_waiting_requests, drain_timeout=args.drain_timeout,
             auto_truncate=args.auto_truncate, allow_extra_fields=args.allow_extra_fields,
+            allowed_origins=args.allowed_origins, protect_metrics=args.protect_metrics,
         )
     except ValueError as exc:
         hint = "raise --max-waiting-requests or lower --max-inputs-per-request" if "max_inputs" in str(exc) else None
         raise CliError(str(exc), hint=hint) from exc
     runtime = load_runtime(args, task=args.task, is_matryoshka=True if args.is_matryoshka else None,
                            max_model_len=args.max_model_len)
+    limits = ConnectionLimits(keep_alive_timeout=args.keep_alive_timeout, read_timeout=args.read_timeout,
+                              max_connections=args.max_connections)
     serve(create_app(runtime, settings), host=args.host, port=args.port, drain_timeout=args.drain_timeout,
-          log_level=args.log_level)
-    return 0
+          limits=limits, log_level=args.log_level, log_format=args.log_format)
+
+
+SERVER_MODULES = ("fastapi", "uvicorn", "prometheus_client", "fastapi_offline", "pythonjsonlogger")
+"""What the ``serve`` extra installs, by import name."""
+
+
+def _check_installed() -> None:
+    missing = [name for name in SERVER_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise CliError(f"the server's packages are not installed (missing: {', '.join(missing)})",
+                       hint="pip install -e '.[serve]' in the poolrunner checkout")
+
+
+def _seconds(value: str) -> float:
+    """argparse ``type`` for a positive number of seconds."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value!r}") from None
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value!r}")
+    return seconds
 
 
 def _boolean(value: str) -> bool:

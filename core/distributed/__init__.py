@@ -12,7 +12,7 @@ Example::
 """
 
 from poolrunner.core.distributed.job import JobResult, run_job
-from poolrunner.core.distributed.shards import INPUT_FORMATS
 from poolrunner.core.errors import JobConflictError, RayNotInstalledError
+from poolrunner.core.files import INPUT_FORMATS
 
 __all__ = ["INPUT_FORMATS", "JobConflictError", "JobResult", "RayNotInstalledError", "run_job"]

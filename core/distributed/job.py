@@ -1,9 +1,11 @@
-"""The driver of a distributed job: connect to Ray, read the pending shards with Ray Data, run
-them through an actor pool of runtimes, and commit one Parquet file per shard as it completes."""
+"""The driver of a distributed job: connect to Ray, read the pending shards with Ray Data (each
+file with :mod:`poolrunner.core.files`' reader), run them through an actor pool of runtimes, and
+commit one Parquet file per shard as it completes."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -17,17 +19,30 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from poolrunner.core.config import RuntimeConfig
-from poolrunner.core.distributed.shards import Shard, check_manifest, list_shards, require_ray, resolve
+from poolrunner.core.distributed.shards import (
+    ERROR,
+    PATH,
+    Shard,
+    check_manifest,
+    list_shards,
+    read_shards,
+    require_ray,
+    resolve,
+)
 from poolrunner.core.errors import InvalidRequestError, PoolrunnerError
+from poolrunner.core.files import ON_ERROR, Fields
 from poolrunner.core.types import PoolingTask
 
 if TYPE_CHECKING:
     import pyarrow as pa
     import pyarrow.fs
     import pyarrow.parquet as pq
-    import ray.data
 
 logger = logging.getLogger(__name__)
+
+LEFT_OUT_SHOWN = 10
+"""Messages of rows left out that a :class:`JobResult` keeps; the rest are counted."""
+
 
 @attrs.frozen
 class JobResult:
@@ -42,6 +57,10 @@ class JobResult:
     """Rows processed by this run."""
     seconds: float
     """Wall time of the run, Ray start-up and model loading included."""
+    rows_left_out: int = 0
+    """Bad rows left out of the outputs (``on_error="skip"``)."""
+    left_out: tuple[str, ...] = ()
+    """The first :data:`LEFT_OUT_SHOWN` of them, each ``PLACE: <problem>``."""
 
     @property
     def rows_per_second(self) -> float:
@@ -57,6 +76,7 @@ def run_job(
     text_field: str = "text",
     id_field: str | None = None,
     input_format: str | None = None,
+    on_error: str = "fail",
     num_actors: int = 1,
     num_cpus_per_actor: float = 1.0,
     num_gpus_per_actor: float = 0.0,
@@ -73,15 +93,22 @@ def run_job(
     GPU Ray assigns). Order is preserved, so the driver writes each input file's rows to
     ``output/<stem>-<hash>.parquet`` as soon as the file is complete (a temporary file, then a
     rename). Columns: ``row`` (int64, 0-based index among the file's records: JSON objects,
-    Parquet rows, or text lines, empty ones included), the id column (``id_field``, or ``id``
-    when the input has one), and the results: ``embedding`` (``fixed_size_list<float>[d]``) for
-    ``embed``, else ``output`` (``[num_labels]``, ``[num_tokens, hidden_size]``... as
-    :meth:`Runtime.encode` returns them, float32), or one column per named output.
+    CSV or Parquet rows, or text lines, empty ones included), the id column (``id_field``, or
+    ``id`` when the input has one), and the results: ``embedding`` (``fixed_size_list<float>[d]``)
+    for ``embed``, else ``output`` (``[num_labels]``, ``[num_tokens, hidden_size]``... as
+    :meth:`Runtime.encode` returns them, float32; integer outputs keep their type), or one
+    column per named output.
+
+    A bad row (malformed JSON or CSV, a missing field, a text the runtime refuses) fails its own
+    file only: that file is not written, the others are, and the error names the file and the
+    row (``FILE:LINE``, ``FILE row N`` in Parquet). With ``on_error="skip"`` bad rows are left out
+    (their ``row`` index is missing from the output) and counted in the result instead.
 
     A rerun with the same settings skips input files whose output exists, so a failed job is
     resumed by running it again; an actor that dies is restarted by Ray and its batch retried
     (Ray Data's actor pools default to ``max_restarts=-1``, ``max_task_retries=-1``), so no row
-    is lost or written twice.
+    is lost or written twice. A job that fails or is interrupted (Ctrl-C) removes its temporary
+    file.
 
     :param inputs: Files or folders (searched recursively): local paths or URIs of any
         filesystem pyarrow reads. Every worker node must be able to read them.
@@ -92,7 +119,9 @@ def run_job(
         local Hugging Face cache (``runtime_options={"revision": ...}`` picks a revision; never
         downloaded); ``None``: the default model.
     :param text_field: Column (JSONL field) holding the texts; text files have only ``text``.
-    :param input_format: ``jsonl``, ``parquet`` or ``text``; ``None`` infers it from file names.
+    :param id_field: Column (JSONL field) copied to the output; ``None``: ``id`` where a file has it.
+    :param input_format: ``text``, ``jsonl``, ``csv`` or ``parquet``; ``None`` infers it from file names.
+    :param on_error: ``fail``: a bad row fails its file; ``skip``: it is left out and counted.
     :param num_actors: Size of the actor pool (one runtime each).
     :param num_cpus_per_actor: CPUs Ray reserves per actor (torch uses as many threads).
     :param num_gpus_per_actor: GPUs per actor; fractions share a GPU between actors.
@@ -106,8 +135,9 @@ def run_job(
         one Ray is already initialized with, else ``ray.init()``'s default (``$RAY_ADDRESS``, a
         running local cluster, or a new one).
     :raises RayNotInstalledError: without Ray Data: ``pip install -e '.[ray]'`` in a poolrunner checkout.
-    :raises InvalidRequestError: for bad inputs or options, or a row the runtime rejects (named
-        by file); output files committed before then are kept.
+    :raises InvalidRequestError: for bad inputs or options, before any work; at the end, for
+        input files that failed (a bad row, an unreadable file), naming each and its first bad
+        row, once every other file is written.
     :raises JobConflictError: if ``output`` holds a job with other settings.
     """
     require_ray()
@@ -119,9 +149,15 @@ def run_job(
     for name, value in (("num_actors", num_actors), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
+    if on_error not in ON_ERROR:
+        raise InvalidRequestError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
     in_fs, input_format, shards = list_shards(inputs, input_format, output=output)
     if input_format == "text":
+        if id_field is not None:
+            raise InvalidRequestError("text files have no id column: id_field (--id-field) needs jsonl, csv or "
+                                      "parquet input")
         text_field = "text"
+    fields = Fields(((text_field, "--text-field"),), (id_field or "id", "--id-field"), optional_id=id_field is None)
     out_fs, folder = _output_folder(output)
     done = {info.base_name for info in out_fs.get_file_info(_listing(folder))}
     check_manifest(out_fs, folder, {
@@ -139,11 +175,18 @@ def run_job(
     import ray.data
 
     with _connected(address), _job_context():
-        dataset = _read(input_format, in_fs, [shard.path for shard in pending])
+        # One read task per file (it reserves no CPU: parsing is cheap next to inference, and
+        # actors sized to all of a node's CPUs would otherwise starve the reads for good).
+        dataset = ray.data.from_items([{"path": shard.path} for shard in pending], override_num_blocks=len(pending))
+        dataset = dataset.map_batches(
+            functools.partial(read_shards, filesystem=in_fs, input_format=input_format, fields=fields,
+                              on_error=on_error),
+            batch_size=1, batch_format="pyarrow", num_cpus=0,
+        )
         dataset = dataset.map_batches(
             _actor_class(),
             fn_constructor_kwargs={"config": config, "plugins": plugins, "request_options": request_options,
-                                   "text_field": text_field, "id_field": id_field},
+                                   "on_error": on_error},
             batch_size=batch_size, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=num_actors),
             num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor or None,
         )
@@ -152,13 +195,19 @@ def run_job(
             for batch in dataset.iter_batches(batch_size=None, batch_format="pyarrow"):
                 writer.write(batch)
             writer.finish()
-        except Exception as exc:
+        except BaseException as exc:  # Ctrl-C too: the temporary file goes
             writer.abort()
-            cause = _poolrunner_cause(exc)
+            cause = _poolrunner_cause(exc) if isinstance(exc, Exception) else None
             if cause is None:
                 raise
             raise _without_retry_advice(cause) from None
-    return JobResult(output, tuple(writer.written), skipped, writer.num_rows, time.perf_counter() - start)
+    if writer.failed:
+        raise InvalidRequestError(
+            f"{len(writer.failed)} of {len(pending)} input files failed and were not written (the other "
+            f"{len(writer.written)} were; rerun to resume once they are fixed, or pass on_error='skip' / "
+            f"--on-error skip): " + "; ".join(writer.failed.values()))
+    return JobResult(output, tuple(writer.written), skipped, writer.num_rows, time.perf_counter() - start,
+                     writer.rows_left_out, tuple(writer.left_out))
 
 
 def _runtime_config(
@@ -249,20 +298,6 @@ class _connected:
             ray.shutdown()
 
 
-def _read(input_format: str, filesystem: pyarrow.fs.FileSystem, paths: list[str]) -> ray.data.Dataset:
-    """The rows of ``paths`` with a ``path`` column. Read tasks reserve no CPU: parsing is cheap next
-    to inference, and actors sized to all of a node's CPUs would otherwise starve the reads for good."""
-    import ray.data
-
-    options: dict[str, Any] = {"filesystem": filesystem, "include_paths": True, "num_cpus": 0}
-    if input_format == "parquet":
-        return ray.data.read_parquet(paths, **options)
-    if input_format == "jsonl":
-        # Arrow's JSON reader reads JSON Lines and keeps types (lines=True would go through pandas).
-        return ray.data.read_json(paths, file_extensions=None, **options)
-    return ray.data.read_text(paths, drop_empty_lines=False, file_extensions=None, **options)
-
-
 @contextlib.contextmanager
 def _job_context() -> Iterator[None]:
     """Datasets made inside return rows in input order, so each file's rows arrive together, in
@@ -309,15 +344,21 @@ def _without_retry_advice(exc: PoolrunnerError) -> PoolrunnerError:
 
 
 class _ShardWriter:
-    """Writes each input file's rows to a temporary Parquet file, renamed to its output name once
-    the next file's rows (or the end) show it is complete."""
+    """Writes each input file's good rows to a temporary Parquet file, renamed to its output name
+    once the next file's rows (or the end) show it is complete. Bad rows (``_error`` set) are
+    counted and left out, or, where their ``row`` is null, fail their file: its temporary file
+    goes, and its later rows are dropped."""
 
     def __init__(self, filesystem: pyarrow.fs.FileSystem, folder: str, shards: Sequence[Shard]) -> None:
         self.filesystem = filesystem
         self.folder = folder
         self.shards = {shard.path: shard for shard in shards}
         self.written: list[str] = []
+        self.failed: dict[str, str] = {}
+        """The first error of each input file that failed, by path."""
         self.num_rows = 0
+        self.rows_left_out = 0
+        self.left_out: list[str] = []
         self.schema: pa.Schema | None = None
         self._path: str | None = None
         self._rows = 0
@@ -325,13 +366,11 @@ class _ShardWriter:
         self._writer: pq.ParquetWriter | None = None
 
     def write(self, table: pa.Table) -> None:
-        from poolrunner.core.distributed.actor import PATH_COLUMN
-
-        paths = table.column(PATH_COLUMN).to_pylist()
+        paths = table.column(PATH).to_pylist()
         start = 0
         for end in range(1, len(paths) + 1):
             if end == len(paths) or paths[end] != paths[start]:
-                self._append(paths[start], table.slice(start, end - start).drop_columns([PATH_COLUMN]))
+                self._append(paths[start], table.slice(start, end - start).drop_columns([PATH]))
                 start = end
 
     def finish(self) -> None:
@@ -340,7 +379,7 @@ class _ShardWriter:
 
         self._commit()
         for path, shard in self.shards.items():
-            if shard.output_name not in self.written:
+            if shard.output_name not in self.written and path not in self.failed:
                 self._open(path, self.schema or pa.schema([("row", pa.int64())]))
                 self._commit()
 
@@ -351,17 +390,37 @@ class _ShardWriter:
             self._writer = None
 
     def _append(self, path: str, part: pa.Table) -> None:
-        import pyarrow as pa
+        import pyarrow.compute as pc
 
         path = self._known(path)
+        if path in self.failed:
+            return
         if path != self._path:
             self._commit()
             if self.shards[path].output_name in self.written:
                 raise RuntimeError(f"rows of {path!r} arrived after the file was committed")
-            self._open(path, pa.schema([pa.field("row", pa.int64()), *part.schema]))
+            self._path = path
+        errors = part.column(ERROR)
+        if errors.null_count < len(errors):
+            bad = part.filter(pc.is_valid(errors))
+            fatal = bad.filter(pc.is_null(bad.column("row")))
+            if fatal.num_rows:
+                self.abort()
+                self.failed[path] = fatal.column(ERROR)[0].as_py()
+                logger.warning("%s", self.failed[path])
+                return
+            self.rows_left_out += bad.num_rows
+            for message in bad.column(ERROR).to_pylist()[:LEFT_OUT_SHOWN - len(self.left_out)]:
+                self.left_out.append(message)
+                logger.warning("left out %s", message)
+            part = part.filter(pc.is_null(errors))
+        part = part.drop_columns([ERROR])
+        if not part.num_rows:
+            return
+        if self._writer is None:
+            self._open(path, part.schema)
         assert self._writer is not None
-        rows = pa.array(range(self._rows, self._rows + part.num_rows), pa.int64())
-        self._writer.write_table(part.add_column(0, "row", rows))
+        self._writer.write_table(part)
         self._rows += part.num_rows
         self.num_rows += part.num_rows
 

@@ -1,4 +1,5 @@
-"""A job's shards: the input files, their format, and the deterministic output file of each.
+"""A job's shards: the input files, their format, the deterministic output file of each, and the
+reading of their records (:func:`read_shards`, with :mod:`poolrunner.core.files`' reader).
 
 One input file is one shard and gets one output file, named from the file's full path, so a
 rerun of the same job finds the shards already written and skips them. Paths are local paths
@@ -12,20 +13,19 @@ import json
 import os
 import posixpath
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from poolrunner.core import files
 from poolrunner.core.errors import InvalidRequestError, JobConflictError, RayNotInstalledError
+from poolrunner.core.files import INPUT_FORMATS, Chunk, Fields, read_chunks
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     import pyarrow.fs
 
-INPUT_FORMATS = ("jsonl", "parquet", "text")
-"""``jsonl``: one JSON object a line; ``parquet``; ``text``: one input a line (empty lines too)."""
-
-_SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 MANIFEST = "_poolrunner_job.json"
 """The file in the output folder that records the job's settings (a rerun must match them)."""
 
@@ -72,8 +72,9 @@ def list_shards(
     :param output: The job's output folder: files under it are never inputs, so an output folder
         inside an input folder is not read back on a rerun.
 
-    :param input_format: One of :data:`INPUT_FORMATS`; ``None`` infers it from the file names
-        (``.jsonl``/``.json``/``.ndjson``, ``.parquet``/``.pq``, anything else is text).
+    :param input_format: One of :data:`~poolrunner.core.files.INPUT_FORMATS`; ``None`` infers it
+        from the file names (``.jsonl``/``.json``/``.ndjson``, ``.csv``, ``.parquet``/``.pq``,
+        anything else is text).
     :returns: ``(filesystem, format, shards)``.
     :raises InvalidRequestError: for a missing input, no files, inputs on several filesystems,
         mixed formats, or an unknown ``input_format``.
@@ -156,7 +157,54 @@ def check_manifest(
 
 
 def _format_of(path: str) -> str:
-    return _SUFFIXES.get(posixpath.splitext(path.lower())[1], "text")
+    return files.input_format(posixpath.basename(path))
+
+
+PATH, TEXT, PLACE, ERROR = "_path", "_text", "_place", "_error"
+"""Columns of the rows :func:`read_shards` gives beside ``row`` and the id: each row's input file,
+text, place for messages (``FILE:LINE``), and the problem of a bad record (``None`` for a good one).
+A bad record's row has no text; one whose ``row`` is null fails its whole file."""
+
+
+def read_shards(batch: pa.Table, *, filesystem: pyarrow.fs.FileSystem, input_format: str, fields: Fields,
+                on_error: str) -> Iterator[pa.Table]:
+    """A Ray Data UDF: the records of each file of ``batch``'s ``path`` column, a table per chunk
+    (``_path``, ``row``, ``_place``, ``_text``, ``_error``, and the id column when the file has ids).
+
+    Records left out (``on_error="skip"``) come as rows with their ``row`` and ``_error``; a
+    file that cannot be read, or whose bad record stops it (``on_error="fail"``), ends with a
+    row whose ``row`` is null and whose ``_error`` says why. Nothing is raised for one file.
+    """
+    import pyarrow as pa
+
+    for path in batch.column("path").to_pylist():
+        try:
+            opener = filesystem.open_input_file if input_format == "parquet" else filesystem.open_input_stream
+            with opener(path) as source:
+                for chunk in read_chunks(source, input_format, fields, name=path, on_error=on_error):
+                    yield _chunk_table(path, chunk, fields)
+        except (InvalidRequestError, OSError, pa.ArrowException) as exc:
+            message = str(exc) if isinstance(exc, InvalidRequestError) else f"cannot read {path}: {exc}"
+            yield pa.table({PATH: pa.array([path]), "row": pa.array([None], pa.int64()),
+                            PLACE: pa.array([path]), TEXT: pa.array([None], pa.string()),
+                            ERROR: pa.array([message])})
+
+
+def _chunk_table(path: str, chunk: Chunk, fields: Fields) -> pa.Table:
+    """A chunk's good records, then its skipped ones (no text, their problem in ``_error``)."""
+    import pyarrow as pa
+
+    skipped = len(chunk.skipped)
+    columns = {
+        PATH: pa.array([path] * (len(chunk) + skipped), pa.string()),
+        "row": pa.array(chunk.rows + [row for row, _ in chunk.skipped], pa.int64()),
+        PLACE: pa.array(chunk.places + [None] * skipped, pa.string()),
+        TEXT: pa.array(chunk.texts + [None] * skipped, pa.string()),
+        ERROR: pa.array([None] * len(chunk) + [message for _, message in chunk.skipped], pa.string()),
+    }
+    if chunk.ids is not None and fields.id is not None:
+        columns[fields.id[0]] = pa.array(chunk.ids + [None] * skipped)
+    return pa.table(columns)
 
 
 def _hidden(path: str, root: str) -> bool:

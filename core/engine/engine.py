@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -59,8 +59,9 @@ class Engine:
         self._failures: dict[str, Exception] = {}  # requests that failed on their own, until taken
         self._inflight: _Inflight | None = None  # async scheduling: launched, not yet collected
 
-    def add_request(self, request: PoolingRequest) -> None:
-        """Admit ``request``.
+    def add_request(self, request: PoolingRequest, *, group: Hashable = None, priority: int = 0) -> None:
+        """Admit ``request``; ``group`` (one caller's requests) and ``priority`` (lower runs first)
+        place it in the scheduler's turns (:class:`~poolrunner.core.engine.scheduler.Scheduler`).
 
         :raises InvalidRequestError: for a duplicate id, a prompt over ``max_model_len``, or
             parameters the pooler rejects. Nothing is admitted then.
@@ -87,7 +88,7 @@ class Engine:
         except BaseException:
             self._release(state)
             raise
-        self.scheduler.add(state)
+        self.scheduler.add(state, group=group, priority=priority)
 
     def abort_request(self, request_id: str) -> None:
         """Remove a request wherever it is; unknown or already removed ids are ignored."""

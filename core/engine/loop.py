@@ -2,7 +2,8 @@
 
 Callers :meth:`EngineLoop.submit` groups of requests from any thread; between steps the loop
 admits what was submitted, then steps while work exists, and hands each group's outputs to its
-:class:`Submission` (a ``concurrent.futures.Future``, which ``asyncio.wrap_future`` awaits). Only
+:class:`Submission` (a ``concurrent.futures.Future``, which ``asyncio.wrap_future`` awaits). Each
+submission is one group of the scheduler's turns, so a short call is not queued behind a huge one. Only
 the loop thread touches the engine: two drivers of one engine would hand a step's results to
 the wrong caller.
 """
@@ -38,10 +39,13 @@ class Submission:
     :ivar future: Resolves to the outputs in request order, or fails with the error of the
         first request that failed (``InvalidRequestError`` at admission, ``StepFailedError``);
         cancelled when aborted.
+    :ivar priority: vLLM's scheduling priority of these requests: lower runs first.
     """
 
-    def __init__(self, requests: Sequence[PoolingRequest], on_output: Callable[[], object] | None) -> None:
+    def __init__(self, requests: Sequence[PoolingRequest], on_output: Callable[[], object] | None,
+                 priority: int = 0) -> None:
         self.requests = tuple(requests)
+        self.priority = priority
         self.future: Future[list[RequestOutput]] = Future()
         self.submitted_at = time.monotonic()
         self._on_output = on_output
@@ -106,6 +110,13 @@ class EngineLoop:
         return self._pending
 
     @property
+    def waiting(self) -> int:
+        """Pending requests not yet in any step: submitted but not admitted, or queued in the
+        scheduler (read without the lock: a gauge, not an invariant)."""
+        inbox = sum(len(submission.requests) for submission in list(self._inbox))
+        return min(self._pending, inbox + len(self.engine.scheduler.waiting))
+
+    @property
     def alive(self) -> bool:
         """The loop thread runs and takes requests."""
         return self._thread.is_alive() and not self._closing
@@ -114,14 +125,16 @@ class EngineLoop:
         self._thread.start()
         return self
 
-    def submit(self, requests: Sequence[PoolingRequest], on_output: Callable[[], object] | None = None) -> Submission:
+    def submit(self, requests: Sequence[PoolingRequest], on_output: Callable[[], object] | None = None, *,
+               priority: int = 0) -> Submission:
         """Queue ``requests`` for the next steps; returns at once.
 
         :param on_output: Called in the loop thread after each of these requests finishes.
+        :param priority: Lower runs first; submissions of one priority take turns, one request each.
         :raises QueueFullError: if ``max_pending`` would be passed (naming the limit).
         :raises LoopClosedError: after :meth:`stop`.
         """
-        submission = Submission(requests, on_output)
+        submission = Submission(requests, on_output, priority)
         if not submission.requests:
             submission.future.set_result([])
             return submission
@@ -198,7 +211,7 @@ class EngineLoop:
             return
         try:
             for index, request in enumerate(submission.requests):
-                self.engine.add_request(request)
+                self.engine.add_request(request, group=submission, priority=submission.priority)
                 self._owner[request.request_id] = (submission, index)
         except Exception as exc:  # validation at admission: this submission alone fails
             self._drop(submission, exc)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from numbers import Integral
 from typing import Any
 
@@ -13,11 +13,18 @@ import attrs
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from poolrunner.core.config import default_max_input_chars
 from poolrunner.core.errors import InvalidRequestError, PromptTooLongError
+from poolrunner.core.inputs import cutting
+from poolrunner.core.memory import TRIM_AFTER_CHARS, release_memory
 from poolrunner.core.types import ModelConfig, TruncationSide
 
 PromptInput = str | Sequence[int]
 """A text, or an already tokenized prompt (special tokens included)."""
+
+LOCK_CHARS = 65_536
+"""Most characters tokenized under one hold of the tokenizer lock (about 20-60 ms on one CPU
+core): a request with megabytes of text lets other requests tokenize between its pieces."""
 
 
 class InputProcessor:
@@ -33,21 +40,39 @@ class InputProcessor:
       special tokens the tokenizer adds (2 for BERT's ``[CLS] ... [SEP]``, 3 for a BERT pair):
       transformers silently returns the untruncated input below that, so it is an error here.
       Every truncated prompt is checked again afterwards (at most ``k`` tokens).
+    * A text longer than ``max_input_chars`` characters is refused before it is tokenized, unless
+      it is truncated and the tokens kept can be read from a window of it (:mod:`.cutting`):
+      truncating a text reads only such a window whenever the tokenizer allows, so megabytes are
+      never tokenized to keep a few hundred tokens. (text, text_pair) pairs are read whole: how
+      many tokens each keeps depends on both whole lengths.
+
+    The tokenizer's truncation settings are state of its one Rust object, set by every call: a
+    call from another thread in between would tokenize with the other call's settings, or fail
+    ("Already borrowed": the Rust object refuses a change while another thread reads it). So each
+    call sets and uses them under one lock, held for at most :data:`LOCK_CHARS` characters at a
+    time: a large batch is tokenized in pieces, and other callers' texts go in between.
+
+    :param max_input_chars: Longest text accepted, characters; ``None``:
+        :func:`~poolrunner.core.config.default_max_input_chars` of ``max_model_len``.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, model_config: ModelConfig) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, model_config: ModelConfig, *,
+                 max_input_chars: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.model_config = model_config
+        self.max_input_chars = max_input_chars or default_max_input_chars(model_config.max_model_len)
         self.vocab_size = int(model_config.hf_config.get("vocab_size") or len(tokenizer))
         # Special tokens the tokenizer adds to one text, and to a (text, text_pair) pair.
         self.num_special_tokens = {pair: _num_special_tokens(tokenizer, pair) for pair in (False, True)}
+        self.cuttable = cutting.cuttable(tokenizer)
         self._lock = threading.Lock()
 
     def without_length_limit(self) -> InputProcessor:
         """The same tokenizer, prompts and checks with no ``max_model_len`` limit, for inputs a
         caller checks against a limit of its own (:class:`~poolrunner.core.chunking.LongInputs`).
         The lock is shared: the tokenizer's truncation side is state of the one tokenizer."""
-        other = InputProcessor(self.tokenizer, attrs.evolve(self.model_config, max_model_len=sys.maxsize))
+        other = InputProcessor(self.tokenizer, attrs.evolve(self.model_config, max_model_len=sys.maxsize),
+                               max_input_chars=self.max_input_chars)
         other._lock = self._lock
         return other
 
@@ -123,7 +148,8 @@ class InputProcessor:
             tokenizer adds (vLLM's ``add_special_tokens``; e.g. no ``[CLS]``/``[SEP]``), so
             ``truncate_prompt_tokens`` then has no minimum. Token-id inputs are taken as given.
         :returns: One ``prompt_token_ids`` tuple per input, in order.
-        :raises InvalidRequestError: naming the input's index and the limit it breaks.
+        :raises InvalidRequestError: naming the input's index and the limit it breaks (a text over
+            ``max_input_chars`` characters: its length, the limit and the flag that sets it).
         """
         if truncation_side not in ("left", "right"):
             raise InvalidRequestError(f"truncation_side must be 'left' or 'right', got {truncation_side!r}")
@@ -132,9 +158,7 @@ class InputProcessor:
             check_text(text, f"input {index}")
         keep = self.check_truncation(truncate_prompt_tokens, pair=False if texts and add_special_tokens else None)
         prefix = self.resolve_prompt(prompt, prompt_name)
-        encoded = self._tokenize([prefix + text for text in texts.values()], keep, truncation_side,
-                                 add_special_tokens)
-        by_index = dict(zip(texts, encoded, strict=True))
+        by_index = self._tokenize(texts, prefix, keep, truncation_side, add_special_tokens)
         results = []
         for index, item in enumerate(inputs):
             if index in by_index:
@@ -172,19 +196,29 @@ class InputProcessor:
                 raise InvalidRequestError(f"pair {index}: expected two texts (query, document), got {pair!r:.80}")
             for side, text in enumerate(pair):
                 check_text(text, f"pair {index}, text {side + 1}")
-        with self._lock:  # truncation_side is tokenizer state (the call argument is ignored)
-            self.tokenizer.truncation_side = truncation_side
-            encoded = self.tokenizer(
-                [query for query, _ in pairs], [document for _, document in pairs],
-                add_special_tokens=add_special_tokens, truncation=keep is not None, max_length=keep,
-                return_attention_mask=False, return_token_type_ids=True, verbose=False,
-            )
-        with_types = self.model_config.type_vocab_size >= 2 and "token_type_ids" in encoded
+                self.check_chars(text, f"pair {index}, text {side + 1}",
+                                 "shorten it (a pair is read whole, even to truncate it)")
         results = []
-        for index, ids in enumerate(encoded["input_ids"]):
-            types = tuple(encoded["token_type_ids"][index]) if with_types else None
-            results.append((self._check_length(index, tuple(ids), keep), types))
+        for chunk in _chunks(pairs, lambda pair: len(pair[0]) + len(pair[1])):
+            encoded = self._call(truncation_side, [query for query, _ in chunk], [document for _, document in chunk],
+                                 add_special_tokens=add_special_tokens, truncation=keep is not None,
+                                 max_length=keep, return_attention_mask=False, return_token_type_ids=True)
+            with_types = self.model_config.type_vocab_size >= 2 and "token_type_ids" in encoded
+            types = encoded["token_type_ids"] if with_types else [None] * len(chunk)
+            for ids, row_types in zip(encoded["input_ids"], types, strict=True):
+                results.append((self._check_length(len(results), tuple(ids), keep),
+                                None if row_types is None else tuple(row_types)))
+        self._trim(sum(len(query) + len(document) for query, document in pairs))
         return results
+
+    def check_chars(self, text: str, where: str, advice: str = "shorten it") -> None:
+        """:raises InvalidRequestError: for ``text`` over ``max_input_chars`` characters, naming
+        ``where``, its length, the limit, its flag and ``advice``."""
+        if len(text) > self.max_input_chars:
+            raise InvalidRequestError(
+                f"{where} has {len(text)} characters, more than the limit of {self.max_input_chars} per input "
+                f"(max_input_chars, the --max-input-chars flag); {advice}"
+            )
 
     def render_chat(
         self,
@@ -230,17 +264,76 @@ class InputProcessor:
             raise InvalidRequestError(f"the chat template of model {self.model_config.name} did not render a text")
         return text
 
-    def _tokenize(self, texts: list[str], keep: int | None, side: TruncationSide,
-                  add_special_tokens: bool = True) -> list[tuple[int, ...]]:
-        if not texts:
-            return []
-        with self._lock:  # truncation_side is tokenizer state (the call argument is ignored)
+    def _tokenize(self, texts: Mapping[int, str], prefix: str, keep: int | None, side: TruncationSide,
+                  add_special_tokens: bool) -> dict[int, tuple[int, ...]]:
+        """``prefix + text``'s token ids by input index: from a window when truncation allows
+        (:meth:`_windowed`), else from the whole text within ``max_input_chars``.
+
+        :raises InvalidRequestError: for a text read whole that is over ``max_input_chars``.
+        """
+        windowed = self.cuttable and keep is not None
+        found = self._windowed(texts, prefix, keep, side, add_special_tokens) if windowed else {}
+        whole = {index: text for index, text in texts.items() if index not in found}
+        for index, text in whole.items():
+            self.check_chars(text, f"input {index}", self._advice(keep, side))
+        rows = self._encode([prefix + text for text in whole.values()], keep, side, add_special_tokens)
+        found.update(zip(whole, (ids for ids, _ in rows), strict=True))
+        return found
+
+    def _windowed(self, texts: Mapping[int, str], prefix: str, keep: int, side: TruncationSide,
+                  add_special_tokens: bool) -> dict[int, tuple[int, ...]]:
+        """The token ids of the texts longer than a window whose window proved exact
+        (:class:`~.cutting.Window`), by input index; a window too short is retried at
+        ``max_input_chars`` characters."""
+        found: dict[int, tuple[int, ...]] = {}
+        for size in sorted({min(cutting.first_window(keep), self.max_input_chars), self.max_input_chars}):
+            windows = {index: window for index, text in texts.items() if index not in found
+                       and (window := cutting.cut(text, size, side, prefix)) is not None}
+            rows = self._encode([window.text for window in windows.values()], keep, side, add_special_tokens,
+                                spans=True)
+            for (index, window), (ids, spans) in zip(windows.items(), rows, strict=True):
+                if window.certain(ids, spans["offset_mapping"], spans["special_tokens_mask"], keep):
+                    found[index] = ids
+        return found
+
+    def _advice(self, keep: int | None, side: TruncationSide) -> str:
+        """What to do about a text over ``max_input_chars`` read whole (:meth:`check_chars`)."""
+        if keep is None and self.cuttable:
+            return "shorten it, or pass truncate_prompt_tokens to read only the part kept"
+        if keep is None:
+            return "shorten it"
+        if not self.cuttable:
+            return f"shorten it (the tokenizer of {self.model_config.name} reads whole texts, even to truncate them)"
+        part = "first" if side == "right" else "last"
+        return f"shorten it (its {keep} kept tokens were not found in its {part} {self.max_input_chars} characters)"
+
+    def _encode(self, texts: list[str], keep: int | None, side: TruncationSide, add_special_tokens: bool, *,
+                spans: bool = False) -> list[tuple[tuple[int, ...], dict[str, Any]]]:
+        """Each text's token ids and, with ``spans``, its ``offset_mapping`` and
+        ``special_tokens_mask``; tokenized in pieces of at most :data:`LOCK_CHARS` characters."""
+        rows: list[tuple[tuple[int, ...], dict[str, Any]]] = []
+        for chunk in _chunks(texts, len):
+            encoded = self._call(side, chunk, add_special_tokens=add_special_tokens, truncation=keep is not None,
+                                 max_length=keep, return_attention_mask=False, return_token_type_ids=False,
+                                 return_offsets_mapping=spans, return_special_tokens_mask=spans)
+            extra = [{name: encoded[name][row] for name in ("offset_mapping", "special_tokens_mask")} if spans else {}
+                     for row in range(len(chunk))]
+            rows.extend(zip(map(tuple, encoded["input_ids"]), extra, strict=True))
+        self._trim(sum(map(len, texts)))
+        return rows
+
+    def _call(self, side: TruncationSide, *texts: list[str], **options: Any) -> Any:
+        """``tokenizer(*texts, **options)`` truncating on ``side``, under the lock (truncation
+        settings are state of the one tokenizer; the call's own ``truncation_side`` is ignored)."""
+        with self._lock:
             self.tokenizer.truncation_side = side
-            encoded = self.tokenizer(
-                texts, add_special_tokens=add_special_tokens, truncation=keep is not None, max_length=keep,
-                return_attention_mask=False, return_token_type_ids=False, verbose=False,
-            )
-        return [tuple(ids) for ids in encoded["input_ids"]]
+            return self.tokenizer(*texts, verbose=False, **options)
+
+    @staticmethod
+    def _trim(chars: int) -> None:
+        """Hand freed memory back to the system after tokenizing ``chars`` >= ``TRIM_AFTER_CHARS``."""
+        if chars >= TRIM_AFTER_CHARS:
+            release_memory()
 
     def _check_token_ids(
         self, index: int, item: object, keep: int | None, side: TruncationSide
@@ -290,6 +383,19 @@ _CHAT_TEMPLATE_PARAMETERS = frozenset(
 ) | {"messages"}
 """Names ``chat_template_kwargs`` may not use: the arguments of ``apply_chat_template`` itself
 (and ``messages``, the conversation the template reads)."""
+
+
+def _chunks(items: Sequence[Any], size: Callable[[Any], int]) -> Iterator[Sequence[Any]]:
+    """Consecutive runs of ``items`` of at most :data:`LOCK_CHARS` characters by ``size(item)``
+    (one item alone when it is longer)."""
+    start, total = 0, 0
+    for end, item in enumerate(items):
+        if end > start and total + size(item) > LOCK_CHARS:
+            yield items[start:end]
+            start, total = end, 0
+        total += size(item)
+    if start < len(items):
+        yield items[start:]
 
 
 def _num_special_tokens(tokenizer: PreTrainedTokenizerBase, pair: bool) -> int:

@@ -22,6 +22,7 @@ from torch import nn
 from transformers.modeling_layers import GenericForSequenceClassification, GenericForTokenClassification
 
 from poolrunner.core.errors import ModelLoadError
+from poolrunner.core.model.token_logits import token_logit_head
 from poolrunner.core.plugin_api.batch import PoolingMetadata
 from poolrunner.core.types import ModelConfig
 
@@ -96,9 +97,10 @@ TOKEN_HEADS: dict[str, Callable[[nn.Module], Head]] = {
 class SequenceHead:
     """A family's sequence classification head: which row(s) it reads, then its modules.
 
-    :ivar reads: ``first`` (CLS), ``mean`` (ModernBERT ``classifier_pooling: mean``) or
+    :ivar reads: ``first`` (CLS), ``mean`` (ModernBERT ``classifier_pooling: mean``),
         ``last_non_pad`` (decoders: the rightmost token whose id is not ``pad_token_id``, the
-        first token if all are; the last token when the model has no pad id).
+        first token if all are; the last token when the model has no pad id) or ``last`` (the
+        last token, whatever its id: an LM's next-token logits, :mod:`~poolrunner.core.model.token_logits`).
     :ivar apply: ``[num_reqs, hidden_size]`` -> ``[num_reqs, num_labels]`` logits.
     """
 
@@ -115,6 +117,8 @@ class SequenceHead:
         starts, ends = metadata.query_start_loc[:-1], metadata.query_start_loc[1:]
         if self.reads == "first":
             return hidden_states[starts]
+        if self.reads == "last":
+            return hidden_states[ends - 1]
         if self.reads == "mean":
             owner = _owners(metadata.query_start_loc, hidden_states.shape[0])
             sums = hidden_states.new_zeros(starts.numel(), hidden_states.shape[1]).index_add_(0, owner, hidden_states)
@@ -143,8 +147,13 @@ def _owners(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
 def sequence_classifier_head(model: nn.Module, model_config: ModelConfig) -> SequenceHead:
     """The head of a ``*ForSequenceClassification`` model, as its transformers class applies it.
 
+    A causal LM classifying from token logits (``model_config.token_logits``) reads the rows of
+    its LM head at the last token.
+
     :raises ModelLoadError: for an architecture whose head layout poolrunner does not know.
     """
+    if model_config.token_logits is not None:
+        return SequenceHead("last", token_logit_head(model), None)
     recipe = SEQUENCE_HEADS.get(type(model).__name__)
     if recipe is None and isinstance(model, GenericForSequenceClassification):
         recipe = _score_last_non_pad

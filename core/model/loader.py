@@ -12,7 +12,9 @@ from torch import nn
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from poolrunner.core.errors import ModelLoadError
+from poolrunner.core.model import token_logits as token_logits_rules
 from poolrunner.core.model.attention import ATTENTION_NAME
+from poolrunner.core.types import TokenLogits
 
 _HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 # Top-level weight names of classification heads in transformers' *For*Classification classes.
@@ -44,16 +46,22 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
         raise ModelLoadError(f"cannot load the tokenizer of {path}: {exc}") from exc
 
 
-def load_model(path: Path, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def load_model(
+    path: Path, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
+    token_logits: TokenLogits | None = None,
+) -> nn.Module:
     """Load the weights with the class ``config.architectures`` names, in eval mode.
 
     Attention runs through poolrunner's packed attention function, so the model accepts
     padding-free batches, where the family dispatches attention through transformers' interface.
 
+    :param token_logits: Load the family's causal LM instead and keep only these rows of its LM
+        head, as its classification head (:mod:`~poolrunner.core.model.token_logits`).
     :returns: The full model (head included); the runner calls its ``base_model``.
     :raises ModelLoadError: if transformers does not know the architecture or the weights fail to load.
     """
-    model_class = architecture_class((hf_config.architectures or ["AutoModel"])[0])
+    model_class = (token_logits_rules.causal_lm_class(hf_config, path) if token_logits is not None
+                   else architecture_class((hf_config.architectures or ["AutoModel"])[0]))
     # Families with attention of their own (DeBERTa-v2, MPNet) cannot take the packed attention;
     # the runner gives them padded batches instead.
     packed = getattr(model_class, "_supports_attention_backend", True)
@@ -65,7 +73,11 @@ def load_model(path: Path, hf_config: PretrainedConfig, dtype: torch.dtype, devi
             )
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load the weights of {path} as {model_class.__name__}: {exc}") from exc
+    if token_logits is not None:
+        token_logits_rules.check_lm_head_loaded(path, info.get("missing_keys", ()))
     _check_no_dropped_head(path, model_class.__name__, info.get("unexpected_keys", ()))
+    if token_logits is not None:
+        token_logits_rules.install_head(model, token_logits)
     return model.to(device).eval()
 
 

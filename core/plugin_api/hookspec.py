@@ -17,7 +17,7 @@ A request's life::
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -220,7 +220,7 @@ def process_output(output: PoolerOutput, batch: InputBatch) -> OutputHandle | No
 @hookspec(firstresult=True)
 def score_outputs(
     model_config: ModelConfig, task: PoolingTask, queries: Sequence[RequestOutput],
-    documents: Sequence[RequestOutput],
+    documents: Sequence[RequestOutput], options: Mapping[str, Any],
 ) -> torch.Tensor | None:
     """Score (query, document) pairs from their pooled outputs.
 
@@ -236,7 +236,12 @@ def score_outputs(
     :param queries: One pooled output per pair, on the CPU, as the ``pool`` hook produced it
         (a tensor, or a dict of named tensors).
     :param documents: One pooled output per pair, same length and order as ``queries``.
+    :param options: The score call's request options for ``task`` (``Runtime.score(...,
+        NAME=VALUE)``), checked and with every declared default filled in, as the pooler saw
+        them in ``params.extra_kwargs``; empty when the task takes none. Per-call scoring
+        settings (BGE-M3's mode weights) are read here.
     :returns: ``[num_pairs]`` float32 scores, higher meaning more relevant, or ``None``.
 
     .. versionadded:: 0.1
+    .. versionchanged:: 0.4 ``options``.
     """

@@ -6,7 +6,7 @@ Endpoints: ``POST /v1/embeddings`` and ``/embeddings`` (OpenAI), ``GET /v1/model
 ``/rerank``), ``/pooling``, ``/tokenize`` (vLLM's or TEI's body), ``/detokenize`` (vLLM's shapes),
 ``GET /health``, ``GET /metrics`` (Prometheus), ``POST /invocations`` (SageMaker: vLLM's or TEI's
 bodies); TEI's other routes come from :mod:`.tei`. FastAPI
-serves the OpenAPI page at ``/docs``. While the app runs, the runtime serves
+serves the OpenAPI page at ``/docs`` (and ReDoc at ``/redoc``) with local assets. While the app runs, the runtime serves
 (:meth:`Runtime.serving`): one engine loop batches all clients' requests together, and the
 runtime's own Python API goes through the same loop meanwhile.
 """
@@ -24,7 +24,9 @@ from typing import Annotated, Any
 import numpy as np
 import pydantic
 from fastapi import Body, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
@@ -32,7 +34,7 @@ from poolrunner.core.runtime import Runtime
 from poolrunner.core.server import protocol as p
 from poolrunner.core.server.errors import ApiError, in_tei_shape, install_handlers
 from poolrunner.core.server.metrics import ServerMetrics
-from poolrunner.core.server.middleware import GuardMiddleware, ServerState
+from poolrunner.core.server.middleware import OPEN_PATHS, GuardMiddleware, ServerState
 from poolrunner.core.server.payload import bytes_response, encode_array
 from poolrunner.core.server.service import PoolingService
 from poolrunner.core.server.settings import ServerSettings
@@ -54,6 +56,8 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
     model_names = settings.served_model_name or (default_model_name(runtime),)
     service = PoolingService(runtime, settings, metrics, model_names)
     metrics.pending.set_function(lambda: service.pending)
+    metrics.waiting.set_function(lambda: service.waiting)
+    metrics.running.set_function(lambda: max(0, service.pending - service.waiting))
     metrics.in_flight.set_function(lambda: state.in_flight)
 
     @contextlib.asynccontextmanager
@@ -65,8 +69,9 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
             finally:
                 service.serving = None
 
-    app = FastAPI(title="poolrunner", summary="Pooling models over HTTP (OpenAI and vLLM shapes)",
-                  lifespan=lifespan)
+    # /docs and /redoc load Swagger UI and ReDoc from files in fastapi-offline, never from a CDN.
+    app = FastAPIOffline(title="poolrunner", summary="Pooling models over HTTP (OpenAI and vLLM shapes)",
+                         lifespan=lifespan)
     app.state.server = state
     app.state.service = service
     app.state.metrics = metrics
@@ -74,9 +79,13 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
     vllm_routes = _add_routes(app, service, int(time.time()))
     _add_invocations(app, vllm_routes, add_tei_routes(app, service))
     endpoints = frozenset(_paths(app.routes))  # metrics label every other path "other"
+    open_paths = OPEN_PATHS if settings.protect_metrics else OPEN_PATHS | {"/metrics"}
     app.add_middleware(GuardMiddleware, state=state, metrics=metrics, api_key=settings.api_key,
                        max_request_bytes=settings.max_request_bytes, endpoints=endpoints,
-                       allow_extra_fields=settings.allow_extra_fields)
+                       allow_extra_fields=settings.allow_extra_fields, open_paths=open_paths)
+    if settings.allowed_origins:  # added last, so outermost: preflights need no API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["x-request-id"])
     return app
 
 
@@ -153,7 +162,7 @@ def _add_routes(app: FastAPI, service: PoolingService, created: int) -> list[tup
         vectors, num_tokens = await service.embed(
             request, items, body.dimensions, body.truncate_prompt_tokens, normalize=body.normalize,
             use_activation=body.use_activation, add_special_tokens=add_special_tokens, precision=body.precision,
-            ranges=body.ranges)
+            ranges=body.ranges, priority=body.priority)
         if body.encoding_format in ("bytes", "bytes_only"):
             return _bytes(body, service, vectors, "embd", num_tokens)
         data = [p.EmbeddingData(index=i, embedding=e) for i, e in enumerate(_encoded(body, vectors))]
@@ -191,7 +200,8 @@ def _add_routes(app: FastAPI, service: PoolingService, created: int) -> list[tup
         options = {name: getattr(body, name) for name in option_names if getattr(body, name) is not None}
         outputs, num_tokens = await service.encode(request, items, body.task, core, options,
                                                    body.truncate_prompt_tokens, add_special_tokens=add_special_tokens,
-                                                   precision=body.precision, ranges=body.ranges)
+                                                   precision=body.precision, ranges=body.ranges,
+                                                   priority=body.priority)
         if body.encoding_format in ("bytes", "bytes_only"):
             return _bytes(body, service, outputs, "pool", num_tokens)
         data = [p.PoolingData(index=i, data=d) for i, d in enumerate(_encoded(body, outputs))]
@@ -209,7 +219,8 @@ def _add_routes(app: FastAPI, service: PoolingService, created: int) -> list[tup
         service.check_model(body.model)
         items, add_special_tokens = await service.prompts(body)
         results, num_tokens = await service.classify(request, items, body.use_activation,
-                                                     body.truncate_prompt_tokens, add_special_tokens=add_special_tokens)
+                                                     body.truncate_prompt_tokens, add_special_tokens=add_special_tokens,
+                                                     priority=body.priority)
         data = [p.ClassificationData(index=i, label=r.label, probs=r.probs.tolist(), num_classes=len(r.probs))
                 for i, r in enumerate(results)]
         return p.ClassificationResponse(id=_id("classify", body.request_id), created=int(time.time()),
@@ -222,7 +233,7 @@ def _add_routes(app: FastAPI, service: PoolingService, created: int) -> list[tup
         service.check_model(body.model)
         _form, first, second = body.sides()
         scores, num_tokens = await service.score(request, first, second, body.use_activation,
-                                                 body.truncate_prompt_tokens)
+                                                 body.truncate_prompt_tokens, priority=body.priority)
         data = [p.ScoreData(index=i, score=float(s)) for i, s in enumerate(scores)]
         return p.ScoreResponse(id=_id("score", body.request_id), created=int(time.time()), model=service.model_name,
                                data=data, usage=_usage(num_tokens))
@@ -314,7 +325,8 @@ async def _rerank(service: PoolingService, body: p.RerankRequest, request: Reque
     documents = body.document_list()
     texts = [d if isinstance(d, str) else d.text for d in documents]
     ranked, num_tokens = await service.rerank(request, body.query, texts, body.top_n, bool(body.return_documents),
-                                              body.truncate_prompt_tokens, body.max_tokens_per_doc)
+                                              body.truncate_prompt_tokens, body.max_tokens_per_doc,
+                                              priority=body.priority)
     results = [p.RerankData(index=r.index, relevance_score=r.score,
                             document=_document(documents[r.index]) if r.document is not None else None)
                for r in ranked]

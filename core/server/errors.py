@@ -71,7 +71,7 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(_request: Request, exc: HTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, _http_detail(exc))
 
     for bad_input in (InvalidRequestError, UnsupportedTaskError):
         app.add_exception_handler(bad_input, _status_handler(400))
@@ -85,6 +85,15 @@ def _status_handler(status: int):
         return error_response(status, public_text(request, str(exc)), getattr(exc, "param", None))
 
     return handle
+
+
+def _http_detail(exc: HTTPException) -> str:
+    """An HTTP error's text. FastAPI answers a body that Python's JSON parser refuses for other than
+    its syntax (not UTF-8, nested too deeply, an integer of too many digits) with a 400 that does not
+    say why: say it, as for malformed JSON."""
+    if exc.status_code == 400 and isinstance(exc.__cause__, ValueError | RecursionError):
+        return f"the request body is not valid JSON: {exc.__cause__}"
+    return str(exc.detail)
 
 
 def _describe(errors: Any) -> tuple[str, str | None]:
@@ -157,8 +166,8 @@ def as_tei_error(exc: Exception) -> TeiError | None:
     if isinstance(exc, ApiError):  # the service's own limits: not serving (503), else bad input
         return TeiError("Unhealthy" if exc.status == 503 else "Validation", str(exc),
                         status=exc.status if exc.status in (499, 503) else None)
-    if isinstance(exc, HTTPException):  # the body-size limit, raised while FastAPI reads the body
-        return TeiError("Validation", str(exc.detail), status=exc.status_code)
+    if isinstance(exc, HTTPException):  # raised while FastAPI reads the body: over the size limit, or not JSON
+        return TeiError("Validation", _http_detail(exc), status=exc.status_code if exc.status_code != 400 else None)
     return None
 
 

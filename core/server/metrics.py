@@ -11,13 +11,19 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class ServerMetrics:
-    """Requests by endpoint and status; per-input queue and inference time; tokens per request;
-    requests per engine step (batch size). Implements the engine loop's observer."""
+    """Requests by endpoint and status and their end-to-end duration; per-input queue and
+    inference time; tokens per request; requests per engine step (batch size); inputs running
+    and waiting. Implements the engine loop's observer."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("poolrunner_requests", "HTTP requests answered, by endpoint and status",
                                 ["endpoint", "status"], registry=self.registry)
+        self.request_duration = Histogram(
+            "poolrunner_http_request_duration_seconds",
+            "Seconds from a request's arrival to the end of its answer, by endpoint",
+            ["endpoint"], buckets=TIME_BUCKETS, registry=self.registry,
+        )
         self.queue_time = Histogram("poolrunner_queue_time_seconds", "Seconds an input waited for its first step",
                                     buckets=TIME_BUCKETS, registry=self.registry)
         self.inference_time = Histogram("poolrunner_inference_time_seconds",
@@ -32,6 +38,11 @@ class ServerMetrics:
         self.in_flight = Gauge("poolrunner_http_requests_in_flight", "HTTP requests being answered",
                                registry=self.registry)
         self.pending = Gauge("poolrunner_pending_requests", "Inputs queued or running in the engine",
+                             registry=self.registry)
+        # vLLM's split of the pending inputs (vllm:num_requests_running / _waiting).
+        self.running = Gauge("poolrunner_num_requests_running", "Inputs some engine step has started, not finished",
+                             registry=self.registry)
+        self.waiting = Gauge("poolrunner_num_requests_waiting", "Inputs no engine step has started yet",
                              registry=self.registry)
 
     def on_step(self, num_reqs: int, num_tokens: int) -> None:

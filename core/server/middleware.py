@@ -1,5 +1,6 @@
-"""One ASGI middleware in front of every route: draining, auth, body size, request metrics, and
-whether request bodies may carry unknown fields (``allow_extra_fields``).
+"""One ASGI middleware in front of every route: draining, auth, body size, request metrics, the
+access log line, the request id, and whether request bodies may carry unknown fields
+(``allow_extra_fields``).
 
 Plain ASGI rather than Starlette's ``BaseHTTPMiddleware``, so that routes still receive the
 client's ``http.disconnect`` (they abort their engine requests on it).
@@ -9,21 +10,45 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import secrets
+import time
 import uuid
+from contextvars import ContextVar
 from typing import Any
 
+from attrs import define
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from poolrunner.core.memory import TRIM_AFTER_CHARS, release_memory
 from poolrunner.core.server.errors import error_body
 from poolrunner.core.server.metrics import ServerMetrics
 from poolrunner.core.server.protocol import ALLOW_EXTRA_FIELDS
 
 OPEN_PATHS = frozenset({"/health"})
-"""Paths answered without the API key."""
+"""Paths always answered without the API key (``/metrics`` too unless ``protect_metrics``)."""
+REQUEST_ID_HEADER = "x-request-id"
+# A client's own request id is echoed and logged only in this shape: nothing else reaches the log.
+_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 logger = logging.getLogger("poolrunner.core.server")
+access_logger = logging.getLogger("poolrunner.access")
+
+
+@define
+class RequestStats:
+    """What one HTTP request ran, for its access log line (and its body's size, ``body_bytes``):
+    counts only, never its text."""
+
+    inputs: int = 0
+    tokens: int = 0
+    body_bytes: int = 0
+
+
+REQUEST_STATS: ContextVar[RequestStats | None] = ContextVar("poolrunner_request_stats", default=None)
+"""The current request's :class:`RequestStats`; the service adds to it."""
 
 
 class BodyTooLargeError(HTTPException):
@@ -52,11 +77,13 @@ class GuardMiddleware:
     models drop (and log) fields they do not know (:data:`~.protocol.ALLOW_EXTRA_FIELDS`)."""
 
     def __init__(self, app: ASGIApp, *, state: ServerState, metrics: ServerMetrics, api_key: str | None,
-                 max_request_bytes: int, endpoints: frozenset[str], allow_extra_fields: bool = False) -> None:
+                 max_request_bytes: int, endpoints: frozenset[str], allow_extra_fields: bool = False,
+                 open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.app = app
         self.state = state
         self.metrics = metrics
         self.api_key = api_key
+        self.open_paths = open_paths
         self.max_request_bytes = max_request_bytes
         self.endpoints = endpoints
         self.allow_extra_fields = allow_extra_fields
@@ -65,41 +92,52 @@ class GuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        began = time.perf_counter()
         path = scope["path"]
         endpoint = path if path in self.endpoints else "other"
         status: list[int | None] = [None]  # set once the answer starts
+        request_id = _request_id(scope)
 
         async def counted_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (REQUEST_ID_HEADER.encode(), request_id.encode())]}
             await send(message)
 
         self.state.in_flight += 1
+        stats = RequestStats()
+        stats_token = REQUEST_STATS.set(stats)
         extra_fields = ALLOW_EXTRA_FIELDS.set(self.allow_extra_fields)  # this request's task only
         try:
             refusal = self._refusal(scope, path)
             if refusal is not None:
                 await _send_error(counted_send, *refusal)
                 return
-            await self.app(scope, self._limited(receive), counted_send)
+            await self.app(scope, self._limited(receive, stats), counted_send)
         except Exception:
             if status[0] is not None:  # the answer is on its way: nothing valid can follow it
                 raise
             # A bug, not the client's doing: a JSON 500 in the API's shape, on a connection that
             # stays open, and the traceback in the log under an id the client can quote.
-            error_id = uuid.uuid4().hex[:12]
-            logger.exception("unexpected error %s answering %s %s", error_id, scope.get("method"), path)
-            await _send_error(counted_send, 500, f"internal server error (id {error_id}); the server logged it")
+            logger.exception("unexpected error %s answering %s %s", request_id, scope.get("method"), endpoint)
+            await _send_error(counted_send, 500, f"internal server error (id {request_id}); the server logged it")
         finally:
             ALLOW_EXTRA_FIELDS.reset(extra_fields)
+            REQUEST_STATS.reset(stats_token)
             self.state.in_flight -= 1
+            seconds = time.perf_counter() - began
             self.metrics.requests.labels(endpoint, str(status[0] or 500)).inc()
+            self.metrics.request_duration.labels(endpoint).observe(seconds)
+            _log_access(request_id, scope.get("method", ""), endpoint, status[0] or 500, stats, seconds)
+        if stats.body_bytes >= TRIM_AFTER_CHARS:  # its body and texts are freed by now: return the memory
+            await run_in_threadpool(release_memory)
 
     def _refusal(self, scope: Scope, path: str) -> tuple[int, str] | None:
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
         if self.state.draining:
             return 503, "the server is shutting down and takes no new requests"
-        if self.api_key is not None and path not in OPEN_PATHS:
+        if self.api_key is not None and path not in self.open_paths:
             scheme, _, token = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
                 return 401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'"
@@ -108,20 +146,40 @@ class GuardMiddleware:
             return 413, str(BodyTooLargeError(self.max_request_bytes).detail)
         return None
 
-    def _limited(self, receive: Receive) -> Receive:
-        """``receive`` that raises once more body than the limit arrived (chunked uploads too)."""
-        seen = 0
+    def _limited(self, receive: Receive, stats: RequestStats) -> Receive:
+        """``receive`` that counts the body's bytes into ``stats`` and raises once more than the
+        limit arrived (chunked uploads too)."""
 
         async def limited() -> Message:
-            nonlocal seen
             message = await receive()
             if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_request_bytes:
+                stats.body_bytes += len(message.get("body", b""))
+                if stats.body_bytes > self.max_request_bytes:
                     raise BodyTooLargeError(self.max_request_bytes)
             return message
 
         return limited
+
+
+def _request_id(scope: Scope) -> str:
+    """The client's ``x-request-id`` when it is a plain token, else a new random one."""
+    for name, value in scope["headers"]:
+        if name.lower() == REQUEST_ID_HEADER.encode():
+            given = value.decode("latin-1")
+            if _CLIENT_REQUEST_ID.fullmatch(given):
+                return given
+    return uuid.uuid4().hex[:16]
+
+
+def _log_access(request_id: str, method: str, endpoint: str, status: int, stats: RequestStats, seconds: float) -> None:
+    """One line per answered request; the fields also go to ``--log-format json`` as keys."""
+    latency_ms = round(1000 * seconds, 2)
+    access_logger.info(
+        "%s %s %d inputs=%d tokens=%d %.2f ms id=%s", method, endpoint, status, stats.inputs, stats.tokens,
+        latency_ms, request_id,
+        extra={"request_id": request_id, "method": method, "route": endpoint, "status": status,
+               "inputs": stats.inputs, "tokens": stats.tokens, "latency_ms": latency_ms},
+    )
 
 
 async def _send_error(send: Any, status: int, message: str) -> None:

@@ -80,7 +80,7 @@ class _Request(_Body):
                                   "without it a too long input is a 400.")
     user: StrictStr | None = Field(default=None, description="Accepted (OpenAI, vLLM); unused.")
     priority: StrictInt | None = Field(
-        default=None, description="Accepted (vLLM); no effect: requests are scheduled first come, first served.")
+        default=None, description="vLLM's: lower runs first (default 0); requests of equal priority take turns.")
     request_id: StrictStr | None = Field(
         default=None, description="vLLM: the answer's id is the endpoint's prefix and this id (default: random).")
 
@@ -261,7 +261,7 @@ class RerankRequest(_Request):
     return_documents: StrictBool | None = Field(default=None, description="Default false (Cohere v1's default).")
     max_tokens_per_doc: StrictInt | None = Field(
         default=None, description="Keep each document's first tokens (Cohere, vLLM); special tokens not counted.")
-    priority: StrictInt | None = Field(default=None, description="Accepted (Cohere v2, vLLM); requests run in order.")
+    priority: StrictInt | None = Field(default=None, description="Cohere v2's, vLLM's: lower runs first (default 0).")
     texts: list[StrictStr] | None = Field(default=None, description="TEI's documents; the answer is then TEI's.")
     raw_scores: StrictBool | None = Field(default=None, description="TEI: scores without the activation.")
     return_text: StrictBool | None = Field(default=None, description="TEI: each result carries its text.")

@@ -29,6 +29,7 @@ from poolrunner.core.runtime import Runtime, Serving
 from poolrunner.core.scoring import pair_up
 from poolrunner.core.server.errors import ApiError
 from poolrunner.core.server.metrics import ServerMetrics
+from poolrunner.core.server.middleware import REQUEST_STATS
 from poolrunner.core.server.settings import ServerSettings
 from poolrunner.core.types import PoolingParams, PoolingRequest, TruncationSide
 
@@ -65,6 +66,10 @@ class PoolingService:
     @property
     def pending(self) -> int:
         return self.serving.pending if self.serving is not None else 0
+
+    @property
+    def waiting(self) -> int:
+        return self.serving.waiting if self.serving is not None else 0
 
     def check_model(self, model: str | None) -> None:
         """:raises ApiError: 404 unless ``model`` is ``None`` or one of the served names."""
@@ -127,9 +132,10 @@ class PoolingService:
     async def run(
         self, request: Request, items: Sequence[ClassifyInput], params: PoolingParams,
         truncate_prompt_tokens: int | None, truncation_side: TruncationSide = "right", *,
-        add_special_tokens: bool = True,
+        add_special_tokens: bool = True, priority: int | None = None,
     ) -> tuple[list[RequestOutput], int]:
         """Tokenize (in a worker thread), run through the loop; outputs in order and their token count.
+        ``priority`` is vLLM's (lower runs first; ``None``: 0).
 
         :raises ApiError: 499 when the client disconnected; its requests are aborted then.
         """
@@ -137,15 +143,20 @@ class PoolingService:
             self.frontend.prepare, items, params, truncate_prompt_tokens=truncate_prompt_tokens,
             truncation_side=truncation_side, add_special_tokens=add_special_tokens,
         )
-        return await self.run_requests(request, requests)
+        return await self.run_requests(request, requests, priority=priority)
 
-    async def run_requests(self, request: Request, requests: list[PoolingRequest]) -> tuple[list[RequestOutput], int]:
+    async def run_requests(self, request: Request, requests: list[PoolingRequest], *, priority: int | None = None,
+                           ) -> tuple[list[RequestOutput], int]:
         """Run prepared ``requests`` through the loop, batched with other clients'; as :meth:`run`."""
         if self.serving is None:
             raise ApiError(503, "the server is not serving (starting up or shut down)")
         num_tokens = sum(r.num_tokens for r in requests)
         self.metrics.request_tokens.observe(num_tokens)
-        result = asyncio.ensure_future(self.serving.run(requests))
+        stats = REQUEST_STATS.get()
+        if stats is not None:
+            stats.inputs += len(requests)
+            stats.tokens += num_tokens
+        result = asyncio.ensure_future(self.serving.run(requests, priority=priority or 0))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -160,7 +171,7 @@ class PoolingService:
                     truncate_prompt_tokens: int | None, *, normalize: bool | None = None,
                     use_activation: bool | None = None, add_special_tokens: bool = True,
                     precision: Precision = "float32", ranges: Sequence[Sequence[float]] | None = None,
-                    ) -> tuple[list[np.ndarray], int]:
+                    priority: int | None = None) -> tuple[list[np.ndarray], int]:
         """Like ``Runtime.embed``: one float32 ``[d]`` vector per input, or at a quantized
         ``precision`` (int8/uint8 ``[d]``, binary/ubinary ``[ceil(d / 8)]``) after ``dimensions``
         and normalization, calibrated on this request's embeddings unless ``ranges`` are given."""
@@ -168,23 +179,23 @@ class PoolingService:
         params = self.frontend.params("embed", dimensions=dimensions, normalize=normalize,
                                       use_activation=use_activation)
         outputs, num_tokens = await self.run(request, items, params, truncate_prompt_tokens,
-                                             add_special_tokens=add_special_tokens)
+                                             add_special_tokens=add_special_tokens, priority=priority)
         vectors = frontend.embeddings(outputs)
         return _quantized(vectors, precision, ranges) if precision != "float32" else vectors, num_tokens
 
     async def classify(self, request: Request, items: Sequence[ClassifyInput], use_activation: bool | None,
                        truncate_prompt_tokens: int | None, *, add_special_tokens: bool = True,
-                       ) -> tuple[list[ClassificationResult], int]:
+                       priority: int | None = None) -> tuple[list[ClassificationResult], int]:
         """Like ``Runtime.classify`` (texts, token ids and ``(text, text_pair)`` pairs)."""
         params = self.frontend.params("classify", use_activation=use_activation)
         outputs, num_tokens = await self.run(request, items, params, truncate_prompt_tokens,
-                                             add_special_tokens=add_special_tokens)
+                                             add_special_tokens=add_special_tokens, priority=priority)
         return self.frontend.classifications(outputs), num_tokens
 
     async def score(self, request: Request, queries: str | list[str], documents: str | list[str],
                     use_activation: bool | None, truncate_prompt_tokens: int | None,
-                    truncation_side: TruncationSide = "right",
-                    max_tokens_per_doc: int | None = None) -> tuple[np.ndarray, int]:
+                    truncation_side: TruncationSide = "right", max_tokens_per_doc: int | None = None, *,
+                    priority: int | None = None) -> tuple[np.ndarray, int]:
         """``Runtime.score``'s own path (:meth:`Frontend.plan_score`): cosine of embeddings
         (bi-encoder), a one-label classifier's score of each pair (cross-encoder), or a plugin's
         ``score_outputs`` (SPLADE, ColBERT); ``[num_pairs]`` float32 and the token count.
@@ -195,25 +206,26 @@ class PoolingService:
         plan = await run_in_threadpool(self.frontend.plan_score, pairs, truncate_prompt_tokens=truncate_prompt_tokens,
                                        truncation_side=truncation_side, use_activation=use_activation,
                                        max_document_tokens=max_tokens_per_doc)
-        outputs, num_tokens = await self.run_requests(request, plan.requests)
+        outputs, num_tokens = await self.run_requests(request, plan.requests, priority=priority)
         return await run_in_threadpool(plan.finish, outputs), num_tokens
 
     async def rerank(self, request: Request, query: str, documents: list[str], top_n: int | None,
                      return_documents: bool, truncate_prompt_tokens: int | None,
-                     max_tokens_per_doc: int | None = None) -> tuple[list[RerankResult], int]:
+                     max_tokens_per_doc: int | None = None, *, priority: int | None = None,
+                     ) -> tuple[list[RerankResult], int]:
         """Like ``Runtime.rerank``: best first, ties in input order; results carry the whole
         documents even when ``max_tokens_per_doc`` scored their first tokens only."""
         frontend.check_top_n(top_n)
         self.check_count(len(documents), "documents")
         scores, num_tokens = await self.score(request, query, documents, None, truncate_prompt_tokens,
-                                              max_tokens_per_doc=max_tokens_per_doc)
+                                              max_tokens_per_doc=max_tokens_per_doc, priority=priority)
         return frontend.rank(scores, documents, top_n=top_n, return_documents=return_documents), num_tokens
 
     async def encode(self, request: Request, items: Sequence[ClassifyInput], task: str | None,
                      core: Mapping[str, Any], options: Mapping[str, Any],
                      truncate_prompt_tokens: int | None, *, add_special_tokens: bool = True,
                      precision: Precision = "float32", ranges: Sequence[Sequence[float]] | None = None,
-                     ) -> tuple[list[Result], int]:
+                     priority: int | None = None) -> tuple[list[Result], int]:
         """Like ``Runtime.encode``: the raw result of any task the runtime serves, float outputs as
         float32 and integer ones (SPLADE's ``token_ids``) kept as they are (int64); ``embed``
         results at a quantized ``precision`` as :meth:`embed` gives them.
@@ -226,7 +238,7 @@ class PoolingService:
             raise ApiError(400, f"precision={precision} applies to task 'embed', not {params.task!r}",
                            param="precision")
         outputs, num_tokens = await self.run(request, items, params, truncate_prompt_tokens,
-                                             add_special_tokens=add_special_tokens)
+                                             add_special_tokens=add_special_tokens, priority=priority)
         results = [frontend.to_array(output) for output in outputs]
         if precision != "float32":
             results = _quantized(results, precision, ranges)  # type: ignore[arg-type]
@@ -239,9 +251,13 @@ class PoolingService:
 
     async def tokens(self, texts: list[str], add_special_tokens: bool) -> list[list[Token]]:
         """Each text's tokens with their character spans (``None`` for added special tokens),
-        untruncated; in a worker thread, on :attr:`tokenizer`."""
+        untruncated; in a worker thread, on :attr:`tokenizer`.
+
+        :raises InvalidRequestError: for text that is not valid Unicode or over ``max_input_chars``.
+        """
         for index, text in enumerate(texts):
             check_text(text, f"input {index}")
+            self.frontend.inputs.check_chars(text, f"input {index}")
         return await run_in_threadpool(_tokens, self.tokenizer, texts, add_special_tokens)
 
     async def detokenize(self, ids: list[int]) -> str:

@@ -32,8 +32,10 @@ class ServerSettings:
         (``all-MiniLM-L6-v2`` for the default model).
     :ivar api_key: When set, every endpoint but ``/health`` needs ``Authorization: Bearer KEY``.
     :ivar max_inputs_per_request: Most inputs (texts, token-id lists, documents) in one request
-        (OpenAI's embeddings limit is 2048); more is a 400.
-    :ivar max_request_bytes: Largest accepted request body, bytes; larger is a 413.
+        (OpenAI's embeddings limit is 2048, which OpenAI clients batch up to; TEI's 32 would refuse
+        them); more is a 400.
+    :ivar max_request_bytes: Largest accepted request body, bytes (TEI's ``--payload-limit``,
+        2,000,000); larger is a 413. It bounds the text one request makes the server read.
     :ivar max_waiting_requests: Most inputs queued or running in the engine at once, over all
         clients; a request that would pass it is answered 429 at once.
     :ivar drain_timeout: Seconds that requests in flight get to finish after SIGTERM.
@@ -42,16 +44,22 @@ class ServerSettings:
         ``truncate``; off, such an input is a 422 unless the request asks for ``truncate: true``.
     :ivar allow_extra_fields: Accept request bodies with fields the endpoint does not know, and
         log them (vLLM's behaviour) instead of answering a 400 naming the field.
+    :ivar allowed_origins: Origins whose browser pages may call the API (CORS; ``*`` for any);
+        empty: no CORS headers, as TEI and vLLM by default.
+    :ivar protect_metrics: ``/metrics`` needs the API key too; by default it is open, as TEI and
+        vLLM leave it to the network.
     """
 
     served_model_name: tuple[str, ...] | None = field(default=None, converter=_names)
     api_key: str | None = None
     max_inputs_per_request: int = field(default=2048, validator=positive_int)
-    max_request_bytes: int = field(default=16 * 1024 * 1024, validator=positive_int)
+    max_request_bytes: int = field(default=2_000_000, validator=positive_int)
     max_waiting_requests: int = field(default=8192, validator=positive_int)
     drain_timeout: float = 30.0
     auto_truncate: bool = False
     allow_extra_fields: bool = False
+    allowed_origins: tuple[str, ...] = field(default=(), converter=tuple)
+    protect_metrics: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.max_inputs_per_request > self.max_waiting_requests:

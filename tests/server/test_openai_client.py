@@ -117,10 +117,11 @@ def test_a_wrong_or_missing_key_is_an_authentication_error(keyed_server):
     with pytest.raises(openai.AuthenticationError, match="invalid or missing API key"):
         wrong.embeddings.create(model=MODEL, input="x")
     with httpx.Client(base_url=keyed_server.url) as plain:
-        assert plain.get("/health").status_code == 200  # the one open endpoint
+        assert plain.get("/health").status_code == 200  # open, as /metrics is without --protect-metrics
+        assert plain.get("/metrics").status_code == 200
         for method, path in [("POST", "/v1/embeddings"), ("GET", "/v1/models"), ("POST", "/classify"),
                              ("POST", "/score"), ("POST", "/rerank"), ("POST", "/pooling"),
-                             ("POST", "/tokenize"), ("GET", "/metrics"), ("GET", "/nope")]:
+                             ("POST", "/tokenize"), ("GET", "/nope")]:
             answer = plain.request(method, path, json={"input": "x"})
             assert answer.status_code == 401, path
             assert answer.json()["error"]["type"] == "authentication_error"

@@ -1,0 +1,57 @@
+"""Handing freed memory back to the operating system after a large request.
+
+Tokenizing megabytes of text allocates hundreds of megabytes in many small blocks (the Rust
+tokenizer's strings and offsets, Python's token lists) across glibc's per-thread arenas; once
+freed, glibc keeps most of it, so the process's resident size stays at its peak. glibc's
+``malloc_trim(0)`` returns the free pages of every arena. Elsewhere (macOS, musl, Windows) there
+is no such call and nothing happens.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import sys
+import threading
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+TRIM_AFTER_CHARS = 1_000_000
+"""Characters tokenized by one call (or bytes of one request's body, in the server) from which
+:func:`release_memory` runs after it."""
+
+_trim_lock = threading.Lock()
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or ``None`` off Linux, without glibc, or if it cannot be loaded."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # the process's own C library; musl has none: AttributeError
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
+def release_memory() -> bool:
+    """Return the free memory of the C heap to the operating system (glibc's ``malloc_trim(0)``);
+    one call at a time, others return at once. Never raises.
+
+    :returns: Whether memory was released (``False`` without glibc, or while another call runs).
+    """
+    trim = _malloc_trim()
+    if trim is None or not _trim_lock.acquire(blocking=False):
+        return False
+    try:
+        return bool(trim(0))
+    except OSError:  # a ctypes call failing inside libc: never worth failing a request over
+        logger.debug("malloc_trim failed", exc_info=True)
+        return False
+    finally:
+        _trim_lock.release()

@@ -1,0 +1,129 @@
+"""Limits on the server's connections: how long a client may take to send a request, how long an
+idle connection stays open, and how many connections are served at once.
+
+uvicorn's h11 protocol closes a connection idle after an answer (``timeout_keep_alive``) but
+waits forever for a first request, and for the rest of a request that trickles in (a slowloris
+client holds its socket with a byte now and then). :class:`GuardedH11Protocol` adds a read
+deadline; uvicorn's ``limit_concurrency`` answers 503 past the connection cap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from typing import Any
+
+import h11
+from attrs import field, frozen
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from poolrunner.core.validators import positive_int
+
+logger = logging.getLogger(__name__)
+
+MAX_HEAD_BYTES = 16 * 1024
+"""Largest request head (request line and headers), bytes: h11's default, set explicitly; a
+larger head is answered 400 and the connection closed."""
+
+
+def _positive(_instance: object, attribute: Any, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{attribute.name} must be positive, got {value!r}")
+
+
+@frozen(kw_only=True)
+class ConnectionLimits:
+    """The connection settings of ``poolrunner serve``.
+
+    :ivar keep_alive_timeout: Seconds an idle connection stays open after an answer (uvicorn's
+        ``timeout_keep_alive``; vLLM's and uvicorn's default, 5).
+    :ivar read_timeout: Seconds a client has to send a whole request (head and body), from the
+        connection's opening or from its previous answer; then the connection is closed.
+    :ivar max_connections: Most connections (and requests running) at once; a request on a
+        connection past it is answered 503 and its connection closed (uvicorn's
+        ``limit_concurrency``).
+    """
+
+    keep_alive_timeout: float = field(default=5.0, validator=_positive)
+    read_timeout: float = field(default=30.0, validator=_positive)
+    max_connections: int = field(default=1024, validator=positive_int)
+
+    def protocol(self) -> Any:
+        """The ``http`` protocol factory for ``uvicorn.Config``."""
+        return functools.partial(GuardedH11Protocol, read_timeout=self.read_timeout)
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a read deadline: a request's head and body must arrive within
+    ``read_timeout`` seconds of the connection's opening or of its previous answer, else the
+    connection is closed (a route waiting for the body sees the client gone).
+
+    :param read_timeout: Seconds, > 0.
+    """
+
+    def __init__(self, *args: Any, read_timeout: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.read_timeout = read_timeout
+        self._read_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._watch_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_deadline()
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        self._watch_reading()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._stop_deadline()  # the next request gets a whole read_timeout of its own
+        self._watch_reading()
+
+    def _watch_reading(self) -> None:
+        """Start the deadline while a request is expected or arriving; stop it once one is read."""
+        reading = self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing()
+        if reading and self._read_deadline is None:
+            self._read_deadline = self.loop.call_later(self.read_timeout, self._read_timed_out)
+        elif not reading:
+            self._stop_deadline()
+
+    def _stop_deadline(self) -> None:
+        if self._read_deadline is not None:
+            self._read_deadline.cancel()
+            self._read_deadline = None
+
+    def _read_timed_out(self) -> None:
+        self._read_deadline = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+FILE_RESERVE = 256
+"""Open files kept beside the connections: the model's files, logs, pipes, the engine's threads."""
+
+
+def ensure_open_files(max_connections: int) -> None:
+    """Raise the soft open-file limit (toward the hard one) so that ``max_connections`` connections
+    fit beside :data:`FILE_RESERVE` other files: out of descriptors, the server can accept no
+    connection, not even a good one. Logs a warning when the hard limit is too low; never raises."""
+    try:
+        import resource
+    except ImportError:  # Windows: no such limit
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = max_connections + FILE_RESERVE
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        target = soft
+    if target < wanted:
+        logger.warning("the open-file limit is %d, too low for max_connections=%d and %d other files: lower "
+                       "--max-connections or raise the limit (ulimit -n)", target, max_connections, FILE_RESERVE)

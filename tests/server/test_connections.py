@@ -1,0 +1,220 @@
+"""Connections of ``poolrunner serve``: idle and slow clients are disconnected, the connection cap
+refuses cleanly, the SIGTERM drain ends within ``--drain-timeout`` with a slow client, and
+repeated errors are rate-limited in the log.
+
+The servers here run :func:`~poolrunner.core.server.serve.server_config` under
+:class:`~poolrunner.core.server.serve.DrainingServer` in a thread (SIGTERM is its
+``handle_exit``), as ``poolrunner serve`` runs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from poolrunner.core.server import ServerSettings, create_app
+from poolrunner.core.server.connections import ConnectionLimits
+from poolrunner.core.server.logs import RepeatFilter, log_config
+from poolrunner.core.server.serve import SHUTDOWN_GRACE, DrainingServer, server_config
+from tests.conftest import SANITY_TEXT
+
+SLACK_S = 1.0
+"""Seconds allowed beyond a timeout for the event loop's ticks and a loaded 2-core machine."""
+
+
+@contextlib.contextmanager
+def running(runtime, limits: ConnectionLimits, drain_timeout: float = 30.0,
+            settings: ServerSettings | None = None) -> Iterator[tuple[DrainingServer, int, threading.Thread]]:
+    """A draining server on a free port of 127.0.0.1: ``(server, port, thread)``."""
+    app = create_app(runtime, settings)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    config = server_config(app, host="127.0.0.1", port=0, drain_timeout=drain_timeout, limits=limits,
+                           log_level="warning", log_format=None)
+    server = DrainingServer(config, app, drain_timeout)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield server, listener.getsockname()[1], thread
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        listener.close()
+        assert not thread.is_alive(), "the server did not stop"
+
+
+def closed_after(connection: socket.socket, limit: float) -> float:
+    """Seconds until the server closes ``connection`` (read until EOF), at most ``limit``; then
+    ``connection`` is closed here too."""
+    began = time.monotonic()
+    connection.settimeout(limit)
+    try:
+        while connection.recv(65536):
+            pass
+    except TimeoutError:
+        pytest.fail(f"the connection was still open after {limit} s")
+    except ConnectionResetError:
+        pass
+    finally:
+        connection.close()
+    return time.monotonic() - began
+
+
+@contextlib.contextmanager
+def captured(caplog) -> Iterator[None]:
+    """Records of poolrunner's and uvicorn's loggers into ``caplog``, even where an earlier test's
+    ``log_config`` stopped them propagating to the root logger."""
+    loggers = [logging.getLogger(name) for name in ("poolrunner", "uvicorn", "asyncio")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(caplog.handler)
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.removeHandler(caplog.handler)
+            logger.setLevel(level)
+
+
+def embed_request(text: str = SANITY_TEXT) -> bytes:
+    body = json.dumps({"input": [text]}).encode()
+    return (b"POST /v1/embeddings HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+
+
+def test_idle_slow_and_kept_alive_clients_are_disconnected(runtime):
+    limits = ConnectionLimits(keep_alive_timeout=0.5, read_timeout=1.5)
+    with running(runtime, limits) as (_, port, _):
+        kept = socket.create_connection(("127.0.0.1", port))
+        kept.sendall(embed_request())
+        assert kept.recv(65536).startswith(b"HTTP/1.1 200")
+        assert 0.3 < closed_after(kept, 5) < 0.5 + SLACK_S  # idle after an answer: the keep-alive timeout
+        idle = socket.create_connection(("127.0.0.1", port))  # sends nothing at all
+        assert 1.2 < closed_after(idle, 5) < 1.5 + SLACK_S
+        slow = socket.create_connection(("127.0.0.1", port))
+        began = time.monotonic()
+        with contextlib.suppress(OSError):  # a byte every 0.1 s (slowloris) until the server hangs up
+            for byte in b"POST /v1/embeddings HTTP/1.1\r\nHost: test\r\nX-Padding: " + b"a" * 100:
+                slow.send(bytes([byte]))
+                time.sleep(0.1)
+        closed_after(slow, 5)
+        assert 1.2 < time.monotonic() - began < 1.5 + SLACK_S
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/embeddings", json={"input": "still serving"}).status_code == 200
+
+
+def test_a_request_body_that_stalls_is_cut_at_the_read_timeout(runtime):
+    with running(runtime, ConnectionLimits(read_timeout=1.0)) as (server, port, _):
+        stalled = socket.create_connection(("127.0.0.1", port))
+        stalled.sendall(embed_request()[:-10])  # all but the body's end
+        assert closed_after(stalled, 5) < 1.0 + SLACK_S
+        deadline = time.monotonic() + 5
+        while server._state.in_flight:  # its request ended (the route saw the client gone)
+            assert time.monotonic() < deadline, "the stalled request is still in flight"
+            time.sleep(0.01)
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+
+
+def test_connections_past_the_cap_are_refused_with_503_then_served_again(runtime):
+    with running(runtime, ConnectionLimits(max_connections=4)) as (_, port, _):
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+        time.sleep(0.2)
+        refused = httpx.post(f"http://127.0.0.1:{port}/v1/embeddings", json={"input": "x"})
+        assert refused.status_code == 503 and refused.text == "Service Unavailable"
+        assert refused.headers["connection"] == "close"
+        for connection in held:
+            connection.close()
+        time.sleep(0.2)
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/embeddings", json={"input": "x"}).status_code == 200
+
+
+def test_drain_with_a_slow_client_ends_within_the_drain_timeout(runtime, caplog):
+    """The slow client's request never completes: at the drain deadline its connection is closed,
+    its request ends (no task cancelled, no traceback) and the server exits."""
+    drain_timeout = 2.0
+    with running(runtime, ConnectionLimits(read_timeout=60), drain_timeout) as (server, port, thread):
+        slow = socket.create_connection(("127.0.0.1", port))
+        slow.sendall(embed_request()[:-10])
+        while server._state.in_flight < 1:
+            time.sleep(0.01)
+        with captured(caplog):
+            began = time.monotonic()
+            server.handle_exit(signal.SIGTERM, None)
+            thread.join(drain_timeout + SHUTDOWN_GRACE + 10)
+            took = time.monotonic() - began
+        assert not thread.is_alive()
+        closed_after(slow, 1)
+    assert drain_timeout <= took <= drain_timeout + SHUTDOWN_GRACE + SLACK_S, took
+    messages = [record.getMessage() for record in caplog.records]
+    assert "drain timeout (2 s): closing 1 connection(s) whose requests are unfinished" in messages
+    assert not [record for record in caplog.records if record.exc_info], messages
+    assert not any("Cancel" in message for message in messages), messages
+
+
+def test_drain_ends_at_once_when_no_request_is_in_flight(runtime):
+    with running(runtime, ConnectionLimits(), drain_timeout=30) as (server, port, thread):
+        idle = socket.create_connection(("127.0.0.1", port))
+        began = time.monotonic()
+        server.handle_exit(signal.SIGTERM, None)
+        thread.join(10)
+        assert time.monotonic() - began < 1.0 + SLACK_S
+        closed_after(idle, 1)
+
+
+def test_repeated_errors_are_rate_limited_with_a_summary_line():
+    now = [0.0]
+    flood = RepeatFilter(limit=3, window=60, clock=lambda: now[0])
+
+    def record(message: str, level: int = logging.ERROR) -> logging.LogRecord:
+        try:
+            raise OSError(24, "Too many open files")
+        except OSError as exc:
+            return logging.LogRecord("asyncio", level, __file__, 1, message, (), (type(exc), exc, exc.__traceback__))
+
+    passed = [r for r in (record("socket.accept() out of system resource") for _ in range(20)) if flood.filter(r)]
+    assert len(passed) == 4
+    assert [r.exc_info is not None for r in passed] == [True, True, True, False]
+    assert passed[3].getMessage() == ("socket.accept() out of system resource (logged 3 times in 60 s: more like it "
+                                      "are dropped for the rest of that time)")
+    assert flood.filter(record("another error"))  # another kind has its own count
+    assert flood.filter(record("info lines always pass", logging.INFO))
+    now[0] = 61.0
+    first = record("socket.accept() out of system resource")
+    assert flood.filter(first)
+    assert first.getMessage() == ("socket.accept() out of system resource (16 more like it were dropped in the "
+                                  "previous 60 s)")
+
+
+def test_log_config_rate_limits_every_server_logger():
+    config = log_config("info", "text")
+    assert config["handlers"]["stderr"]["filters"] == ["repeats"]
+    assert config["filters"]["repeats"]["()"] is RepeatFilter
+    assert config["loggers"]["asyncio"]["handlers"] == ["stderr"]
+
+
+def test_limits_are_serve_flags_and_environment_variables(monkeypatch):
+    from poolrunner.core.cli.main import build_parser
+
+    args = build_parser().parse_args(["serve"])
+    assert (args.max_connections, args.keep_alive_timeout, args.read_timeout) == (1024, 5.0, 30.0)
+    assert args.max_request_bytes == 2_000_000 and args.max_inputs_per_request == 2048
+    monkeypatch.setenv("POOLRUNNER_READ_TIMEOUT", "12.5")
+    monkeypatch.setenv("POOLRUNNER_MAX_CONNECTIONS", "64")
+    args = build_parser().parse_args(["serve", "--keep-alive-timeout", "2"])
+    assert (args.max_connections, args.keep_alive_timeout, args.read_timeout) == (64, 2.0, 12.5)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--read-timeout", "0"])
+    assert ServerSettings().max_request_bytes == 2_000_000

@@ -1,0 +1,62 @@
+"""Big inputs over HTTP: the character limit's 400, and a 15 MB text (truncated) that does not slow
+other clients down."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from poolrunner.core.server import ServerSettings
+from poolrunner.core.testing.server import ServerThread
+from tests.conftest import SANITY_TEXT
+
+
+@pytest.fixture(scope="module")
+def big_server(runtime):
+    """The default model; bodies up to 20 MB."""
+    with ServerThread(runtime, ServerSettings(max_request_bytes=20_000_000)) as running:
+        yield running
+
+
+def test_an_input_over_the_character_limit_is_a_400_then_the_server_serves(big_server):
+    with httpx.Client(base_url=big_server.url) as client:
+        answer = client.post("/v1/embeddings", json={"input": ["fine", "word " * 1700]})
+        assert answer.status_code == 400
+        assert answer.json()["error"]["message"] == (
+            "input 1 has 8500 characters, more than the limit of 8192 per input (max_input_chars, the "
+            "--max-input-chars flag); shorten it, or pass truncate_prompt_tokens to read only the part kept")
+        answer = client.post("/tokenize", json={"inputs": "word " * 1700})
+        assert answer.status_code in (400, 413, 422) and "more than the limit of 8192 per input" in answer.text
+        assert client.post("/v1/embeddings", json={"input": SANITY_TEXT}).status_code == 200
+
+
+def test_a_15_mb_truncated_text_does_not_slow_other_requests(runtime, big_server, lee_docs):
+    """Before, one such text held the tokenizer for 10-12 s (every other request waited) and took
+    3.5 GB; now its window is read and small requests meanwhile answer as fast as alone."""
+    big = (" ".join(lee_docs) + " ") * 620  # about 15 MB
+    with httpx.Client(base_url=big_server.url, timeout=120) as client:
+        alone = []
+        for _ in range(5):
+            began = time.perf_counter()
+            assert client.post("/v1/embeddings", json={"input": "a small request"}).status_code == 200
+            alone.append(time.perf_counter() - began)
+        answers: list[httpx.Response] = []
+        sender = threading.Thread(target=lambda: answers.append(httpx.post(
+            f"{big_server.url}/v1/embeddings", json={"input": big, "truncate_prompt_tokens": -1}, timeout=120)))
+        sender.start()
+        during = []
+        while sender.is_alive() or len(during) < 5:
+            began = time.perf_counter()
+            assert client.post("/v1/embeddings", json={"input": "a small request"}).status_code == 200
+            during.append(time.perf_counter() - began)
+        sender.join()
+        assert answers[0].status_code == 200, answers[0].text
+        vector = np.array(answers[0].json()["data"][0]["embedding"])
+        expected = runtime.embed(big[:20000], truncate_prompt_tokens=-1)
+        np.testing.assert_allclose(vector, expected, atol=1e-6)
+    assert len(big) > 15_000_000
+    assert max(during) < max(1.0, 10 * max(alone)), (alone, during)

@@ -1,0 +1,136 @@
+"""The per-input character limit (``max_input_chars``), tokenization in pieces under the lock, and
+memory handed back after a large request.
+
+Every refused input is checked for its exact message, and the runtime must then still serve.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import threading
+import time
+
+import attrs
+import pytest
+
+import poolrunner
+from poolrunner import InvalidRequestError
+from poolrunner.core import memory
+from poolrunner.core.config import RuntimeConfig, default_max_input_chars
+from poolrunner.core.inputs.tokenize import InputProcessor
+
+LIMIT = 8192  # all-MiniLM-L6-v2: 32 characters for each of its 256 tokens
+
+
+def _message(index: int, length: int, advice: str, limit: int = LIMIT) -> str:
+    return (f"input {index} has {length} characters, more than the limit of {limit} per input (max_input_chars, the "
+            f"--max-input-chars flag); {advice}")
+
+
+def test_default_limit_is_32_characters_per_token(runtime):
+    assert runtime.inputs.max_input_chars == default_max_input_chars(256) == LIMIT
+    assert runtime.inputs.without_length_limit().max_input_chars == LIMIT
+
+
+def test_text_over_the_limit_is_refused_by_index_and_length_then_the_runtime_serves(runtime, assert_serves):
+    text = "word " * 1700  # 8500 characters, about 1700 tokens
+    with pytest.raises(InvalidRequestError) as error:
+        runtime.embed(["a short text", text])
+    assert str(error.value) == _message(
+        1, 8500, "shorten it, or pass truncate_prompt_tokens to read only the part kept")
+    assert_serves(runtime)
+    assert runtime.embed(text[:LIMIT], truncate_prompt_tokens=-1).shape == (384,)  # at the limit: read
+
+
+def test_truncated_text_over_the_limit_is_read_in_a_window(runtime, lee_docs, assert_serves):
+    long = " ".join(lee_docs) * 10  # about 330 KB
+    vector = runtime.embed(long, truncate_prompt_tokens=-1)
+    assert (vector == runtime.embed(long[:5000], truncate_prompt_tokens=-1)).all()  # 5000 characters hold 256 tokens
+    left = runtime.embed(long, truncate_prompt_tokens=100, truncation_side="left")
+    assert (left == runtime.embed(long[-3000:], truncate_prompt_tokens=100, truncation_side="left")).all()
+    assert_serves(runtime)
+
+
+def test_truncated_text_without_spaces_over_the_limit_is_refused(runtime, assert_serves):
+    with pytest.raises(InvalidRequestError) as error:
+        runtime.embed("x" * 9000, truncate_prompt_tokens=-1)
+    assert str(error.value) == _message(
+        0, 9000, "shorten it (its 256 kept tokens were not found in its first 8192 characters)")
+    assert_serves(runtime)
+
+
+def test_pair_text_over_the_limit_is_refused(runtime, assert_serves):
+    with pytest.raises(InvalidRequestError) as error:
+        runtime.inputs.encode_pairs([("query", "a b " * 3000)], truncate_prompt_tokens=-1)
+    assert str(error.value) == ("pair 0, text 2 has 12000 characters, more than the limit of 8192 per input "
+                                "(max_input_chars, the --max-input-chars flag); shorten it (a pair is read whole, "
+                                "even to truncate it)")
+    assert_serves(runtime)
+
+
+def test_max_input_chars_is_an_option_of_the_api_the_command_line_and_the_environment(monkeypatch):
+    with pytest.raises(InvalidRequestError, match="^max_input_chars must be a positive integer, got 0$"):
+        RuntimeConfig(max_input_chars=0)
+    assert RuntimeConfig.from_options(max_input_chars=100).recorded() == {"max_input_chars": 100}
+    from poolrunner.core.cli.common import runtime_options
+    from poolrunner.core.cli.main import build_parser
+
+    args = build_parser().parse_args(["embed", "--max-input-chars", "500", "text"])
+    assert runtime_options(args)["max_input_chars"] == 500
+    monkeypatch.setenv("POOLRUNNER_MAX_INPUT_CHARS", "700")
+    assert build_parser().parse_args(["serve"]).max_input_chars == 700
+
+
+def test_default_limit_follows_max_embed_len():
+    runtime = poolrunner.Runtime(dtype="float32", max_embed_len=1024)
+    assert runtime.inputs.max_input_chars == 32 * 1024
+    explicit = poolrunner.Runtime(dtype="float32", max_input_chars=300)
+    with pytest.raises(InvalidRequestError, match="^input 0 has 301 characters, more than the limit of 300 "):
+        explicit.embed("a" * 301)
+
+
+def test_a_large_batch_does_not_hold_the_tokenizer_lock_from_small_calls(runtime):
+    """A batch of 8 MB of text takes seconds to tokenize; a one-text call meanwhile waits for one
+    piece of it (:data:`~poolrunner.core.inputs.tokenize.LOCK_CHARS`), not for the whole batch."""
+    inputs = InputProcessor(runtime.inputs.tokenizer, attrs.evolve(runtime.model_config, max_model_len=10**9),
+                            max_input_chars=10**9)
+    inputs._lock = runtime.inputs._lock  # the same tokenizer: the same lock
+    big = ["tokenize this sentence again and again, " * 200] * 1000  # 8 MB
+    done = threading.Event()
+    took: dict[str, float] = {}
+
+    def batch() -> None:
+        began = time.perf_counter()
+        inputs.encode(big)
+        took["batch"] = time.perf_counter() - began
+        done.set()
+
+    thread = threading.Thread(target=batch)
+    thread.start()
+    time.sleep(0.2)
+    waits = []
+    while not done.is_set():
+        began = time.perf_counter()
+        runtime.inputs.encode(["a small request"])
+        waits.append(time.perf_counter() - began)
+        time.sleep(0.05)
+    thread.join()
+    assert took["batch"] > 1.0 and len(waits) >= 5, (took, waits)
+    assert max(waits) < took["batch"] / 4, f"a small call waited {max(waits):.2f} s behind a batch of " \
+                                           f"{took['batch']:.1f} s"
+
+
+def test_release_memory_calls_glibc_malloc_trim_and_never_fails(monkeypatch):
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert memory._malloc_trim() is not None
+        buffers = [ctypes.create_string_buffer(4096) for _ in range(10000)]
+        del buffers
+        assert memory.release_memory() in (True, False)
+    memory._malloc_trim.cache_clear()
+    monkeypatch.setattr(memory.sys, "platform", "darwin")
+    try:
+        assert memory._malloc_trim() is None
+        assert memory.release_memory() is False
+    finally:
+        memory._malloc_trim.cache_clear()
