@@ -69,7 +69,11 @@ def _value(action: argparse.Action, name: str, raw: str) -> Any:
 
 
 def _convert(action: argparse.Action, text: str) -> Any:
-    value = action.type(text) if callable(action.type) else text
+    try:
+        value = action.type(text) if callable(action.type) else text
+    except ValueError:
+        # int("abc") says "invalid literal for int() with base 10": name the expected kind instead.
+        raise ValueError(f"expected {getattr(action.type, '__name__', 'a valid value')}") from None
     if action.choices is not None and value not in action.choices:
         raise ValueError(f"must be one of {', '.join(map(str, action.choices))}")
     return value

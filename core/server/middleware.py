@@ -27,8 +27,11 @@ from poolrunner.core.server.errors import error_body
 from poolrunner.core.server.metrics import ServerMetrics
 from poolrunner.core.server.protocol import ALLOW_EXTRA_FIELDS
 
-OPEN_PATHS = frozenset({"/health"})
-"""Paths always answered without the API key (``/metrics`` too unless ``protect_metrics``)."""
+OPEN_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+"""Paths always answered without the API key (``/metrics`` too unless ``protect_metrics``): the
+health check and the API's own documentation, which a browser cannot send a key for."""
+OPEN_PREFIX = "/static-offline-docs/"
+"""The documentation pages' scripts and styles (fastapi-offline's mount), open as the pages are."""
 REQUEST_ID_HEADER = "x-request-id"
 # A client's own request id is echoed and logged only in this shape: nothing else reaches the log.
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
@@ -137,7 +140,7 @@ class GuardMiddleware:
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
         if self.state.draining:
             return 503, "the server is shutting down and takes no new requests"
-        if self.api_key is not None and path not in self.open_paths:
+        if self.api_key is not None and path not in self.open_paths and not path.startswith(OPEN_PREFIX):
             scheme, _, token = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
                 return 401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'"

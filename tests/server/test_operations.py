@@ -109,6 +109,7 @@ def test_help_names_each_variable(capsys):
     ("POOLRUNNER_MAX_NUM_SEQS", "many", "$POOLRUNNER_MAX_NUM_SEQS='many': expected a positive integer, got 'many'"),
     ("POOLRUNNER_PROTECT_METRICS", "maybe", "$POOLRUNNER_PROTECT_METRICS='maybe': expected true or false"),
     ("POOLRUNNER_LOG_FORMAT", "xml", "$POOLRUNNER_LOG_FORMAT='xml': must be one of text, json"),
+    ("POOLRUNNER_PORT", "abc", "$POOLRUNNER_PORT='abc': expected int"),
 ])
 def test_an_invalid_variable_stops_the_server_before_loading(monkeypatch, capsys, name, value, message):
     monkeypatch.setenv(name, value)
@@ -176,10 +177,15 @@ def test_the_access_line_has_counts_and_never_the_text_or_key(guarded, caplog):
     assert "bluebird" not in logged and KEY not in logged and "wrong-key" not in logged
 
 
-def test_docs_pages_load_their_assets_from_the_server(server):
+@pytest.mark.parametrize("fixture", ["server", "guarded"])
+def test_docs_pages_load_their_assets_from_the_server_without_the_key(request, fixture):
+    running = request.getfixturevalue(fixture)  # guarded has an API key: a browser cannot send it
     for page in ("/docs", "/redoc"):
-        html = httpx.get(f"{server.url}{page}").text
+        html = httpx.get(f"{running.url}{page}").text
         assets = re.findall(r'(?:src|href)="([^"]+\.(?:js|css))"', html)
         assert assets and all(asset.startswith("/") for asset in assets), assets  # no CDN URL
         for asset in assets:
-            assert httpx.get(f"{server.url}{asset}").status_code == 200
+            assert httpx.get(f"{running.url}{asset}").status_code == 200
+    assert httpx.get(f"{running.url}/openapi.json").json()["info"]["title"] == "poolrunner"
+    assert httpx.post(f"{running.url}/v1/embeddings", json={"input": "x"}).status_code == (
+        401 if fixture == "guarded" else 200)
