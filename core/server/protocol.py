@@ -8,11 +8,13 @@ then dropped and logged (vLLM's behaviour) instead.
 
 from __future__ import annotations
 
+import json
 import logging
 from contextvars import ContextVar
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -23,6 +25,7 @@ from pydantic import (
     create_model,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from poolrunner.core.plugin_api.options import RequestOptions
 from poolrunner.core.quantize import Precision
@@ -53,6 +56,25 @@ Pair = tuple[StrictStr, StrictStr]
 """A ``[text, text_pair]`` pair, tokenized as the model's tokenizer pairs two texts."""
 
 
+def _whole_characters(text: str) -> str:
+    """``text`` when UTF-8 can write it, as every answer is written.
+
+    :raises PydanticCustomError: for a lone surrogate (half of a UTF-16 pair), naming its position.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PydanticCustomError(
+            "unicode_text", "not valid Unicode text: character {position} is U+{code}, a lone surrogate (half of a "
+            "UTF-16 pair); send whole characters", {"position": exc.start, "code": f"{ord(text[exc.start]):04X}"},
+        ) from None
+    return text
+
+
+EchoedStr = Annotated[StrictStr, AfterValidator(_whole_characters)]
+"""A string that answers send back (``request_id``): valid Unicode, so that they can be written."""
+
+
 class _Body(BaseModel):
     """A request body: unknown fields are a 400 unless the server allows them
     (:data:`ALLOW_EXTRA_FIELDS`); then they are logged and dropped."""
@@ -81,7 +103,7 @@ class _Request(_Body):
     user: StrictStr | None = Field(default=None, description="Accepted (OpenAI, vLLM); unused.")
     priority: StrictInt | None = Field(
         default=None, description="vLLM's: lower runs first (default 0); requests of equal priority take turns.")
-    request_id: StrictStr | None = Field(
+    request_id: EchoedStr | None = Field(
         default=None, description="vLLM: the answer's id is the endpoint's prefix and this id (default: random).")
 
 
@@ -286,8 +308,22 @@ class RerankRequest(_Request):
         return "tei" if self.texts is not None else "rerank"
 
     def document_list(self) -> list[StrictStr | RerankDocumentInput]:
-        """``documents`` as a list (one text is one document)."""
-        return [self.documents] if isinstance(self.documents, str) else list(self.documents or [])
+        """``documents`` as a list (one text is one document).
+
+        :raises ApiError: 400 for a document object's other field holding text that is not valid
+            Unicode (a lone surrogate): results send those fields back, and could not be written.
+        """
+        documents = [self.documents] if isinstance(self.documents, str) else list(self.documents or [])
+        for index, document in enumerate(documents):
+            extra = document.model_extra if isinstance(document, RerankDocumentInput) else None
+            for name, value in (extra or {}).items():
+                try:
+                    json.dumps(value, ensure_ascii=False).encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ApiError(400, f"documents[{index}].{name} is not valid Unicode text: it holds a lone "
+                                        "surrogate (half of a UTF-16 pair); send whole characters",
+                                   param="documents") from None
+        return documents
 
 
 _TEI_RERANK_FIELDS = ("texts", "raw_scores", "return_text", "truncate", "truncation_direction")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 
 import httpx
 import numpy as np
@@ -149,6 +150,10 @@ def test_tokenize_and_models(server, hf_tokenizer):
 
 BAD_REQUESTS = [
     ("malformed JSON", "/v1/embeddings", b'{"input": ["a",', "the request body is not valid JSON"),
+    ("not UTF-8", "/v1/embeddings", b'{"input": "\xff"}',
+     "the request body is not valid JSON: 'utf-8' codec can't decode byte 0xff in position 11: invalid start byte"),
+    ("nested too deeply", "/v1/embeddings", b"[" * 100_000,
+     "the request body is not valid JSON: maximum recursion depth exceeded while decoding a JSON array"),
     ("wrong type", "/v1/embeddings", {"input": 5}, "input.str: Input should be a valid string"),
     ("float token id", "/v1/embeddings", {"input": [101, 1.5, 102]}, "input.list[int].1: Input should be a valid "),
     ("unknown field", "/v1/embeddings", {"input": "a", "colour": "red"}, "colour: Extra inputs are not permitted"),
@@ -210,6 +215,19 @@ def test_limits_name_the_limit(runtime):
         assert "larger than the limit of 2000 bytes" in _error(chunked, 413)
         assert client.post("/v1/embeddings", json={"input": ["a"] * 4}).status_code == 200
         assert not runtime.engine.requests
+
+
+def test_kept_alive_connections_answer_without_delay(server):
+    """The test kit's server answers a kept-alive connection at once: its connections had no
+    TCP_NODELAY, so each answer's body waited for the client's delayed ACK (about 40 ms)."""
+    with httpx.Client(base_url=server.url) as client:
+        assert client.get("/health").status_code == 200
+        seconds = []
+        for _ in range(10):
+            began = time.perf_counter()
+            assert client.get("/health").status_code == 200
+            seconds.append(time.perf_counter() - began)
+    assert min(seconds) < 0.02, seconds
 
 
 def test_metrics_count_requests_by_endpoint_and_status(runtime):

@@ -1,7 +1,8 @@
 """Answers that must not break a connection: text that is not valid Unicode (a lone surrogate,
 e.g. half an emoji cut by a JavaScript client) is a 400 naming the input and the character on
-every route family, and the Python API refuses it the same way; a server bug is a JSON 500 with
-an id. The keep-alive connection survives both."""
+every route family, and the Python API refuses it the same way; so are the fields answers send
+back (``request_id``, a rerank document's other fields), which an answer could not carry; a server
+bug is a JSON 500 with an id. The keep-alive connection survives both."""
 
 from __future__ import annotations
 
@@ -34,6 +35,13 @@ def test_the_python_api_refuses_it_and_still_serves(runtime):
     ("/tokenize", {"prompt": BROKEN}, {"error": f"input 0 {MESSAGE}"}),
     ("/tokenize", {"inputs": [BROKEN]}, {"tei": f"input 0 {MESSAGE}"}),
     ("/embed", {"inputs": BROKEN}, {"tei": f"input 0 {MESSAGE}"}),
+    # answers carry these back: they were a 500 (UnicodeEncodeError writing the answer)
+    ("/v1/embeddings", {"input": "fine", "request_id": BROKEN},
+     {"error": "request_id: not valid Unicode text: character 5 is U+D83D, a lone surrogate (half of a UTF-16 "
+               "pair); send whole characters"}),
+    ("/rerank", {"query": "fine", "documents": [{"text": "fine", "title": BROKEN}], "return_documents": True},
+     {"error": "documents[0].title is not valid Unicode text: it holds a lone surrogate (half of a UTF-16 pair); "
+               "send whole characters"}),
 ])
 def test_every_route_answers_400_and_the_connection_survives(server, runtime, path, body, answer):
     with httpx.Client(base_url=server.url) as client:  # one keep-alive connection for both requests

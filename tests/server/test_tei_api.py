@@ -235,6 +235,17 @@ def test_malformed_json_is_a_validation_error_and_other_routes_keep_openai_error
     still_serves()
 
 
+def test_a_body_that_is_not_utf8_is_a_validation_error(server, still_serves):
+    """FastAPI answers a body that Python's JSON parser refuses for other than its syntax with a 400
+    of its own ("There was an error parsing the body"), which TEI's shape gave as a 400 Validation:
+    now it is malformed JSON, a 422 saying why."""
+    answer = httpx.post(f"{server.url}/embed", content=b'{"inputs": "\xff"}',
+                        headers={"content-type": "application/json"})
+    assert _tei_error(answer, 422, "Validation") == (
+        "the request body is not valid JSON: 'utf-8' codec can't decode byte 0xff in position 12: invalid start byte")
+    still_serves()
+
+
 @pytest.mark.parametrize(("error", "status", "error_type"), [
     (QueueFullError("the loop holds 8 requests"), 429, "Overloaded"),
     (StepFailedError("the step failed"), 424, "Backend"),
