@@ -7,10 +7,8 @@ import json
 import logging
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import numpy as np
@@ -20,32 +18,15 @@ from poolrunner.core.cli.main import build_parser, main
 from poolrunner.core.server import ServerSettings
 from poolrunner.core.testing.server import ServerThread
 from tests.helpers import MIN_COSINE, cosine_rows
+from tests.server.process import free_port, wait_healthy
 
 SECRET_TEXT = "the quarterly numbers of project bluebird"
 KEY = "op-key-9876"
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _wait_healthy(process: subprocess.Popen, url: str) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        assert process.poll() is None, process.communicate()
-        assert time.monotonic() < deadline, "the server did not come up"
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                return
-        except httpx.TransportError:
-            time.sleep(0.1)
-
-
 @pytest.mark.slow
 def test_a_server_configured_only_from_the_environment_logs_json_without_text_or_key(st_model):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "POOLRUNNER_PORT": str(port), "POOLRUNNER_API_KEY": KEY, "POOLRUNNER_DTYPE": "float32",
            "POOLRUNNER_SERVED_MODEL_NAME": "minilm,text-embedding-ada-002", "POOLRUNNER_LOG_FORMAT": "json",
@@ -54,7 +35,7 @@ def test_a_server_configured_only_from_the_environment_logs_json_without_text_or
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     headers = {"Authorization": f"Bearer {KEY}", "X-Request-Id": "client-req-1"}
     try:
-        _wait_healthy(process, url)
+        wait_healthy(process, url)
         assert httpx.get(f"{url}/v1/models").status_code == 401
         models = httpx.get(f"{url}/v1/models", headers=headers).json()
         assert [card["id"] for card in models["data"]] == ["minilm", "text-embedding-ada-002"]

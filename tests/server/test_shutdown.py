@@ -17,14 +17,9 @@ import pytest
 
 from tests.conftest import SANITY_TEXT
 from tests.helpers import MIN_COSINE, cosine_rows
+from tests.server.process import free_port, wait_healthy
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _in_flight(url: str, headers: dict[str, str]) -> float:
@@ -33,7 +28,7 @@ def _in_flight(url: str, headers: dict[str, str]) -> float:
 
 
 def test_sigterm_finishes_requests_in_flight_refuses_new_ones_and_exits(sanity_reference):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     process = subprocess.Popen(
         [sys.executable, "-m", "poolrunner", "serve", "--port", str(port), "--log-level", "warning",
@@ -42,15 +37,7 @@ def test_sigterm_finishes_requests_in_flight_refuses_new_ones_and_exits(sanity_r
     )
     headers = {"Authorization": "Bearer k"}
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.communicate()
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_healthy(process, url)
         assert httpx.get(f"{url}/v1/models").status_code == 401  # the key came from the environment
         # A request in flight for as long as the test likes: its body arrives in two parts.
         body = json.dumps({"input": [SANITY_TEXT], "encoding_format": "float"}).encode()
