@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.helpers import cosine_rows
+from tests.helpers import cosine_rows, widen_weights
 
 # A fixed sentence every "the runtime still serves" check embeds after an error.
 SANITY_TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
@@ -271,12 +271,7 @@ def llama_folder(tmp_path_factory) -> Path:
     )
     torch.manual_seed(1234)
     model = LlamaModel(config).eval()
-    # The default init (std 0.02) leaves hidden states nearly input-independent; widen it so
-    # that pooling the wrong row would visibly change the result.
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() > 1:
-                parameter.normal_(0.0, 0.2)
+    widen_weights(model)  # so that pooling the wrong row would visibly change the result
     model.save_pretrained(folder)
     return folder
 
@@ -474,11 +469,7 @@ def _tiny_model(config: Any, seed: int) -> Any:
 
     torch.manual_seed(seed)
     model = getattr(transformers, config.architectures[0])(config).eval()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() > 1:
-                parameter.normal_(0.0, 0.2)
-    return model
+    return widen_weights(model)
 
 
 def _check_saved_tokenizer(folder: Path, family: str, *, append_eos: bool = False) -> None:

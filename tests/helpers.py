@@ -21,3 +21,16 @@ def cosine_rows(a: Any, b: Any) -> np.ndarray:
 def normalized(x: np.ndarray) -> np.ndarray:
     """L2-normalize along the last axis."""
     return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def widen_weights(model: Any, std: float = 0.2) -> Any:
+    """Redraw every weight matrix of a seeded tiny ``model`` from N(0, ``std``), in place: the
+    default init (std 0.02) leaves outputs nearly input-independent, so a wrong row, head or token
+    would pass unseen. Returns ``model``."""
+    import torch
+
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, std)
+    return model

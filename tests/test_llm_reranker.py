@@ -23,6 +23,7 @@ import torch
 from poolrunner.core import InvalidRequestError, ModelLoadError, Runtime
 from poolrunner.core.cli.main import main
 from poolrunner.core.testing.server import ServerThread
+from tests.helpers import widen_weights
 
 VOCAB_SIZE = 1200
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -93,10 +94,7 @@ def _save_qwen3(folder: Path, architecture: str, tokenizer, *, tied: bool, seed:
                 "eos_token_id": tokenizer.eos_token_id, "architectures": [architecture], **config}
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(transformers.Qwen3Config(**settings)).eval()
-    with torch.no_grad():  # std 0.2: the default 0.02 leaves every prompt scoring about alike
-        for parameter in model.parameters():
-            if parameter.dim() > 1:
-                parameter.normal_(0.0, 0.2)
+    widen_weights(model)  # the default init leaves every prompt scoring about alike
     model.save_pretrained(folder)
     return folder
 

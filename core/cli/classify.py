@@ -106,12 +106,8 @@ def run(args: argparse.Namespace) -> int:
                                 truncate_prompt_tokens=args.truncate, truncation_side=args.truncation_side)
 
     with progress("classifying", inputs) as bar, open_output(args.output, fmt) as writer:
-        for chunk in inputs:
-            count = len(chunk)
-            chunk, results = inputs.run(classify, chunk)
-            bar.update(count)
-            if len(chunk):
-                writer.write(columns(chunk, results, "logits" if args.raw_logits else "probs", args.id_field))
+        for chunk, results in inputs.results(classify, bar.update):
+            writer.write(columns(chunk, results, "logits" if args.raw_logits else "probs", args.id_field))
         inputs.check("texts to classify")
     inputs.report()
     return 0

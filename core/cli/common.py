@@ -381,6 +381,18 @@ class Inputs:
         self.num_run += len(results)
         return chunk, results
 
+    def results(
+        self, call: Callable[[list[Any]], Sequence[Any]], done: Callable[[int], Any],
+    ) -> Iterator[tuple[Chunk, list[Any]]]:
+        """:meth:`run` on each chunk, ``done(records read)`` after each (the progress bar); yields
+        the chunks that kept a record, with their results."""
+        for chunk in self:
+            count = len(chunk)
+            chunk, results = self.run(call, chunk)
+            done(count)
+            if len(chunk):
+                yield chunk, results
+
     def check(self, what: str) -> None:
         """Call before the output is put in place.
 

@@ -140,12 +140,8 @@ def run(args: argparse.Namespace) -> int:
 def _embedded(inputs: Inputs, embed: Callable[[list[str]], np.ndarray], done: Callable[[int], Any],
               id_field: str | None) -> Iterator[dict[str, list[Any]]]:
     """Output columns per chunk: ``index``, the id (``id_field``), ``embedding`` (a ``[d]`` row each)."""
-    for chunk in inputs:
-        count = len(chunk)
-        chunk, vectors = inputs.run(embed, chunk)
-        done(count)
-        if len(chunk):
-            yield {**index_columns(chunk, id_field), "embedding": list(vectors)}
+    for chunk, vectors in inputs.results(embed, done):
+        yield {**index_columns(chunk, id_field), "embedding": list(vectors)}
 
 
 def _calibrated(chunks: Iterator[dict[str, list[Any]]], precision: Precision) -> Iterator[dict[str, list[Any]]]:

@@ -129,13 +129,9 @@ def run(args: argparse.Namespace) -> int:
         )
 
     with progress("encoding", inputs) as bar, open_output(args.output, fmt, column="output") as writer:
-        for chunk in inputs:
-            count = len(chunk)
-            chunk, results = inputs.run(encode, chunk)
-            bar.update(count)
-            if len(chunk):
-                writer.write({**index_columns(chunk, args.id_field), "task": [runtime.task] * len(chunk),
-                              "output": results})
+        for chunk, results in inputs.results(encode, bar.update):
+            writer.write({**index_columns(chunk, args.id_field), "task": [runtime.task] * len(chunk),
+                          "output": results})
         inputs.check("inputs to encode")
     inputs.report()
     return 0

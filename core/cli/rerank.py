@@ -112,10 +112,7 @@ def run(args: argparse.Namespace) -> int:
     documents: list[str] = []  # kept for --return-documents only
     scores: list[float] = []
     with progress("scoring", inputs) as bar:
-        for chunk in inputs:
-            count = len(chunk)
-            chunk, chunk_scores = inputs.run(score, chunk)
-            bar.update(count)
+        for chunk, chunk_scores in inputs.results(score, bar.update):
             rows += chunk.rows
             ids += chunk.ids or []
             documents += chunk.texts if args.return_documents else []

@@ -95,13 +95,9 @@ def run(args: argparse.Namespace) -> int:
                              truncate_prompt_tokens=args.truncate, truncation_side=args.truncation_side)
 
     with progress("scoring", inputs) as bar, open_output(args.output, fmt) as writer:
-        for chunk in inputs:
-            count = len(chunk)
-            chunk, scores = inputs.run(score, chunk)
-            bar.update(count)
-            if len(chunk):
-                writer.write({**index_columns(chunk, args.id_field), "query": [pair[0] for pair in chunk.values],
-                              "document": [pair[1] for pair in chunk.values], "score": [float(s) for s in scores]})
+        for chunk, scores in inputs.results(score, bar.update):
+            writer.write({**index_columns(chunk, args.id_field), "query": [pair[0] for pair in chunk.values],
+                          "document": [pair[1] for pair in chunk.values], "score": [float(s) for s in scores]})
         inputs.check("pairs to score")
     inputs.report()
     return 0

@@ -33,6 +33,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from tests.helpers import widen_weights
+
 EXACT = "exact"
 REFUSED = "refused"
 
@@ -253,11 +255,7 @@ def make_model(row: Row, seed: int = 0) -> Any:
 
     torch.manual_seed(seed)
     model = getattr(transformers, row.architecture)(make_config(row)).eval()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() > 1:
-                parameter.normal_(0.0, INIT_STD)
-    return model
+    return widen_weights(model, INIT_STD)
 
 
 @cache
