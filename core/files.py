@@ -34,6 +34,7 @@ import attrs
 import numpy as np
 
 from poolrunner.core.errors import InvalidRequestError
+from poolrunner.core.validators import unencodable_at
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -386,21 +387,18 @@ def _decoded(source: Any, newline: str | None = None) -> Iterator[IO[str]]:
 def _undecodable(text: str, unit: str = "column") -> str | None:
     """What is wrong with a line (or a CSV field: ``unit="character"``) read with
     ``surrogateescape``: ``not UTF-8 text: byte 0xff at column 3``; ``None`` if nothing."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        return f"not UTF-8 text: byte 0x{ord(text[exc.start]) - 0xDC00:02x} at {unit} {exc.start + 1}"
-    return None
+    position = unencodable_at(text)
+    if position is None:
+        return None
+    return f"not UTF-8 text: byte 0x{ord(text[position]) - 0xDC00:02x} at {unit} {position + 1}"
 
 
 def _lone_surrogate(text: str) -> str | None:
     """A JSON string may escape half of a UTF-16 pair (``"\\ud800"``); no tokenizer reads it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        return (f"holds a lone surrogate (U+{ord(text[exc.start]):04X} at character {exc.start + 1}), "
-                "which is not text")
-    return None
+    position = unencodable_at(text)
+    if position is None:
+        return None
+    return f"holds a lone surrogate (U+{ord(text[position]):04X} at character {position + 1}), which is not text"
 
 
 # --- running a chunk --------------------------------------------------------------------------

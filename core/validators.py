@@ -79,3 +79,13 @@ def json_object(_instance: object, attribute: Attribute, value: Any) -> None:
         json.dumps(value, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise InvalidRequestError(f"{attribute.name} must hold JSON values only: {exc}") from None
+
+
+def unencodable_at(text: str) -> int | None:
+    """The index of the first character of ``text`` that UTF-8 cannot encode (a lone surrogate,
+    or a byte kept by ``surrogateescape``), else ``None``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None

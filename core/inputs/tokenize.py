@@ -18,6 +18,7 @@ from poolrunner.core.errors import InvalidRequestError, PromptTooLongError
 from poolrunner.core.inputs import cutting
 from poolrunner.core.memory import TRIM_AFTER_CHARS, release_memory
 from poolrunner.core.types import ModelConfig, TruncationSide
+from poolrunner.core.validators import unencodable_at
 
 PromptInput = str | Sequence[int]
 """A text, or an already tokenized prompt (special tokens included)."""
@@ -412,10 +413,9 @@ def check_text(text: str, where: str) -> None:
 
     :raises InvalidRequestError: naming ``where``, the character's position and its code point.
     """
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
+    position = unencodable_at(text)
+    if position is not None:
         raise InvalidRequestError(
-            f"{where} is not valid Unicode text: character {exc.start} is U+{ord(text[exc.start]):04X}, a lone "
+            f"{where} is not valid Unicode text: character {position} is U+{ord(text[position]):04X}, a lone "
             "surrogate (half of a UTF-16 pair); send whole characters"
-        ) from None
+        )

@@ -30,6 +30,7 @@ from pydantic_core import PydanticCustomError
 from poolrunner.core.plugin_api.options import RequestOptions
 from poolrunner.core.quantize import Precision
 from poolrunner.core.server.errors import ApiError
+from poolrunner.core.validators import unencodable_at
 
 logger = logging.getLogger("poolrunner.core.server")
 
@@ -61,13 +62,12 @@ def _whole_characters(text: str) -> str:
 
     :raises PydanticCustomError: for a lone surrogate (half of a UTF-16 pair), naming its position.
     """
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
+    position = unencodable_at(text)
+    if position is not None:
         raise PydanticCustomError(
             "unicode_text", "not valid Unicode text: character {position} is U+{code}, a lone surrogate (half of a "
-            "UTF-16 pair); send whole characters", {"position": exc.start, "code": f"{ord(text[exc.start]):04X}"},
-        ) from None
+            "UTF-16 pair); send whole characters", {"position": position, "code": f"{ord(text[position]):04X}"},
+        )
     return text
 
 
