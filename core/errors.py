@@ -77,8 +77,13 @@ class StepFailedError(PoolrunnerError):
 
 
 class RayNotInstalledError(PoolrunnerError, ImportError):
-    """Ray Data (or pyarrow) is not installed: ``pip install -e '.[ray]'`` in a poolrunner checkout."""
+    """Ray Data, Ray Serve (or pyarrow) is not installed: ``pip install -e '.[ray]'`` in a poolrunner checkout."""
 
 
 class JobConflictError(PoolrunnerError):
     """The output folder holds the results of a job with other settings."""
+
+
+class ReplicaStartError(PoolrunnerError):
+    """Ray Serve could not start the replicas (the model did not load in them, say); the message
+    ends with the replica's own error."""

@@ -83,6 +83,18 @@ class Fields:
     optional_id: bool = False
     """Take ``id`` only where a file has it (by its header, its schema, or its first record)."""
 
+    @classmethod
+    def with_id(cls, texts: tuple[tuple[str, str], ...], id_field: str | None,
+                option: str = "--id-field") -> Fields:
+        """``texts`` and the id field the caller named (a file without it is an error), or with
+        none named :data:`DEFAULT_ID_FIELD`, copied from the files that have it: the command line
+        and Ray jobs read ids alike."""
+        return cls(texts, (id_field or DEFAULT_ID_FIELD, option), optional_id=id_field is None)
+
+
+DEFAULT_ID_FIELD = "id"
+"""The id field (JSON field, CSV or Parquet column) copied to the output when none is named."""
+
 
 @attrs.frozen
 class Chunk:

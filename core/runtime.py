@@ -23,7 +23,7 @@ from poolrunner.core.manager import PoolrunnerPluginManager
 from poolrunner.core.plugin_api.output import RequestOutput
 from poolrunner.core.quantize import Precision, check_precision, check_ranges, quantize
 from poolrunner.core.results import ClassificationResult, RerankResult
-from poolrunner.core.scoring import pair_up
+from poolrunner.core.scoring import check_side, pair_up
 from poolrunner.core.similarity import SimilarityFn, check_similarity_fn
 from poolrunner.core.types import ModelConfig, PoolingRequest, PoolingTask, TruncationSide
 
@@ -283,7 +283,8 @@ class Runtime:
         :returns: ``[num_pairs]`` float32, in pair order; a float32 scalar for one query string
             and one document string (as sentence-transformers' ``CrossEncoder.predict`` answers
             one pair); ``[0]`` when both sides are empty.
-        :raises InvalidRequestError: for one empty side, or shapes other than 1:1, 1:N, N:N.
+        :raises InvalidRequestError: for one empty side, text that is not valid Unicode (naming
+            ``queries[i]`` or ``documents[i]``), or shapes other than 1:1, 1:N, N:N.
         :raises UnsupportedTaskError: for a runtime whose task cannot score pairs.
         """
         if _empty(queries) and _empty(documents):
@@ -311,12 +312,14 @@ class Runtime:
         :param options: Request options of the runtime's task, as for :meth:`score`.
         :param return_documents: Include each document's text in its result.
         :returns: :class:`RerankResult` objects sorted by descending score (ties keep input order).
-        :raises InvalidRequestError: for a non-text query, no documents, or ``top_n < 1``.
+        :raises InvalidRequestError: for a non-text query, no documents, text that is not valid
+            Unicode (naming ``query`` or ``documents[i]``), or ``top_n < 1``.
         """
         if not isinstance(query, str):
             raise InvalidRequestError(f"query must be a string, got {query!r:.80}")
         if isinstance(documents, str):
             raise InvalidRequestError("documents must be a list of strings, not one string")
+        check_side(query, "query")  # score() would name it "queries"
         frontend.check_top_n(top_n)
         scores = self.score(query, list(documents), truncate_prompt_tokens=truncate_prompt_tokens,
                             truncation_side=truncation_side, **options)

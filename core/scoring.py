@@ -7,24 +7,22 @@ from collections.abc import Sequence
 import numpy as np
 
 from poolrunner.core.errors import InvalidRequestError
+from poolrunner.core.validators import check_text
 
 
-def pair_up(queries: str | Sequence[str], documents: str | Sequence[str]) -> list[tuple[str, str]]:
+def pair_up(queries: str | Sequence[str], documents: str | Sequence[str], *,
+            names: tuple[str, str] = ("queries", "documents")) -> list[tuple[str, str]]:
     """The (query, document) pairs of a 1:1, 1:N or N:N request.
 
     A single query (a string or a one-item list) is paired with every document; N queries are
     paired one-to-one with N documents.
 
-    :raises InvalidRequestError: for an empty side, a non-text item, or N:M with N != M and N > 1.
+    :param names: What the caller calls the two sides (its parameters, a body's fields), for errors.
+    :raises InvalidRequestError: for an empty side, a non-text item, text that is not valid Unicode
+        (:func:`check_side`), or N:M with N != M and N > 1.
     """
-    query_list = [queries] if isinstance(queries, str) else list(queries)
-    document_list = [documents] if isinstance(documents, str) else list(documents)
-    for side, items in (("queries", query_list), ("documents", document_list)):
-        if not items:
-            raise InvalidRequestError(f"{side} is empty: scoring needs at least one of each")
-        bad = next((i for i, item in enumerate(items) if not isinstance(item, str)), None)
-        if bad is not None:
-            raise InvalidRequestError(f"{side}[{bad}] must be a string, got {items[bad]!r:.80}")
+    query_list = check_side(queries, names[0])
+    document_list = check_side(documents, names[1])
     if len(query_list) == 1:
         return [(query_list[0], document) for document in document_list]
     if len(query_list) == len(document_list):
@@ -33,6 +31,28 @@ def pair_up(queries: str | Sequence[str], documents: str | Sequence[str]) -> lis
         f"cannot score {len(query_list)} queries against {len(document_list)} documents: "
         "use 1:1, 1:N (one query) or N:N (equal lengths)"
     )
+
+
+def check_side(texts: str | Sequence[str], name: str) -> list[str]:
+    """One side of a scoring request as a list, each item checked: a string of valid Unicode.
+
+    Checked here, before pairing, because scoring tokenizes each distinct text once in sorted
+    order: an error found there could not say which of the caller's texts it was. The error names
+    the side and the position as the caller sent them: ``documents[2]``, or ``query`` for a side
+    sent as one string.
+
+    :raises InvalidRequestError: for an empty side, a non-text item, or text that is not valid
+        Unicode (a lone surrogate), with ``param`` the side's ``name``.
+    """
+    items = [texts] if isinstance(texts, str) else list(texts)
+    if not items:
+        raise InvalidRequestError(f"{name} is empty: scoring needs at least one of each", param=name)
+    for index, item in enumerate(items):
+        where = name if isinstance(texts, str) else f"{name}[{index}]"
+        if not isinstance(item, str):
+            raise InvalidRequestError(f"{where} must be a string, got {item!r:.80}", param=name)
+        check_text(item, where, param=name)
+    return items
 
 
 def cosine(left: np.ndarray, right: np.ndarray) -> np.ndarray:

@@ -89,3 +89,18 @@ def unencodable_at(text: str) -> int | None:
     except UnicodeEncodeError as exc:
         return exc.start
     return None
+
+
+def check_text(text: str, where: str, *, param: str | None = None) -> None:
+    """Refuse text that is not valid Unicode: a lone surrogate (``"\\ud800"``, half of an emoji
+    cut by a JavaScript client) cannot be encoded as UTF-8, so no tokenizer can read it.
+
+    :param param: The request field holding ``text`` (the HTTP error's ``param``), if known.
+    :raises InvalidRequestError: naming ``where``, the character's position and its code point.
+    """
+    position = unencodable_at(text)
+    if position is not None:
+        raise InvalidRequestError(
+            f"{where} is not valid Unicode text: character {position} is U+{ord(text[position]):04X}, a lone "
+            "surrogate (half of a UTF-16 pair); send whole characters", param=param,
+        )

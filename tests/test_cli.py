@@ -151,6 +151,24 @@ def test_bad_option_value_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -
     assert "--max-num-seqs/--batch-size: expected a positive integer, got '0'" in err  # one option, two names
 
 
+@pytest.mark.parametrize(("argv", "prog", "message"), [
+    (["embed", "--dtype", "nope", "x"], "poolrunner embed",
+     "argument --dtype: invalid choice: 'nope' (choose from 'auto', 'float32', 'bfloat16', 'float16', 'bf16-mixed')"),
+    (["serve", "--port", "x"], "poolrunner serve", "argument --port: invalid int value: 'x'"),
+    (["embed", "--no-such-flag", "x"], "poolrunner", "unrecognized arguments: --no-such-flag"),
+    (["nope"], "poolrunner", "argument COMMAND: invalid choice: 'nope' (choose from 'embed', 'classify', 'score', "
+                             "'rerank', 'encode', 'serve', 'plugins')"),
+])
+def test_usage_errors_are_one_line_and_a_hint(capsys: pytest.CaptureFixture[str], argv: list[str], prog: str,
+                                              message: str) -> None:
+    """Not argparse's whole usage block above the error (20 lines for embed): the error, and
+    where the options are."""
+    code = main(argv)  # not run_cli: its added --dtype would hide the first case
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "")
+    assert err == f"{prog}: error: {message}\n{prog}: hint: run `{prog} --help` for the options\n"
+
+
 # --- embed: inputs and outputs ----------------------------------------------------------------
 
 
@@ -587,9 +605,11 @@ def parse_records(text: str, keys: set[str]) -> list[dict]:
     return records
 
 
-def check_classify(out: str, expected: np.ndarray, key: str = "probs") -> None:
-    records = parse_records(out, {"index", "label", "score", key})
+def check_classify(out: str, expected: np.ndarray, key: str = "probs", ids: list | None = None) -> None:
+    """``ids``: the inputs' ``id`` fields, copied after ``index`` (the default id field)."""
+    records = parse_records(out, {"index", "label", "score", key, *(["id"] if ids is not None else [])})
     assert [record["index"] for record in records] == list(range(len(expected)))
+    assert ids is None or [record["id"] for record in records] == ids
     assert all(list(record[key]) == ["neg", "neu", "pos"] for record in records)  # label order
     actual = np.array([list(record[key].values()) for record in records])
     np.testing.assert_allclose(actual, expected, rtol=RTOL, atol=1e-6)
@@ -617,7 +637,7 @@ def test_classify_raw_logits_from_jsonl_to_file(
     assert code == 0, err
     assert out == ""
     expected = classifier.logits(TEXTS)
-    check_classify(target.read_text(encoding="utf-8"), expected, key="logits")
+    check_classify(target.read_text(encoding="utf-8"), expected, key="logits", ids=list(range(len(TEXTS))))
     assert (expected < 0).any()  # raw, not probabilities
 
 
@@ -659,11 +679,14 @@ def test_classify_default_model_is_unsupported(capsys: pytest.CaptureFixture[str
     assert_user_error(code, out, err, "no texts to classify; pass TEXT arguments or --input FILE")
 
 
-def check_scores(out: str, queries: list[str], documents: list[str], expected: np.ndarray) -> None:
-    records = parse_records(out, {"index", "query", "document", "score"})
+def check_scores(out: str, queries: list[str], documents: list[str], expected: np.ndarray,
+                 ids: list | None = None) -> None:
+    """``ids``: the inputs' ``id`` fields, copied after ``index`` (the default id field)."""
+    records = parse_records(out, {"index", "query", "document", "score", *(["id"] if ids is not None else [])})
     assert [(r["index"], r["query"], r["document"]) for r in records] == [
         (i, q, d) for i, (q, d) in enumerate(zip(queries, documents, strict=True))
     ]
+    assert ids is None or [r["id"] for r in records] == ids
     np.testing.assert_allclose([r["score"] for r in records], expected, rtol=RTOL, atol=1e-6)
 
 
@@ -694,7 +717,7 @@ def test_score_cross_encoder_many_to_many(
                              "doc", "--output", str(target))
     assert code == 0, err
     assert out == ""
-    check_scores(target.read_text(encoding="utf-8"), QUERIES, documents, expected)
+    check_scores(target.read_text(encoding="utf-8"), QUERIES, documents, expected, ids=list(range(len(QUERIES))))
 
 
 def test_score_bi_encoder_default_model(capsys: pytest.CaptureFixture[str], reference: Reference) -> None:

@@ -124,6 +124,42 @@ def test_csv_header_quotes_newlines_and_the_format_flags(capsys, tmp_path, tiny,
     np.testing.assert_allclose([r["embedding"] for r in records], tiny_runtime.embed(texts), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("input_format", ["jsonl", "csv", "parquet"])
+def test_an_id_field_is_copied_without_id_field(capsys, tmp_path, tiny, tiny_runtime, input_format) -> None:
+    """``id`` is the default id field, as in Ray jobs: copied where the input has it (embed, and
+    rerank, which writes its own columns), no error and no column where it has none."""
+    rows = [{"text": text, "id": f"doc-{i}"} for i, text in enumerate(TEXTS[:3])]
+    source = tmp_path / f"docs{SUFFIXES[input_format]}"
+    if input_format == "parquet":
+        pq.write_table(pa.Table.from_pylist(rows), source)
+    elif input_format == "csv":
+        with source.open("w", encoding="utf-8", newline="") as file:
+            writer = csv.DictWriter(file, fieldnames=["text", "id"])
+            writer.writeheader()
+            writer.writerows(rows)
+    else:
+        source.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    target = tmp_path / "vectors.jsonl"
+    code, _, err = cli(capsys, "embed", "--model", tiny, "--input", str(source), "-o", str(target))
+    assert code == 0, err
+    records = [json.loads(line) for line in target.read_text(encoding="utf-8").splitlines()]
+    assert [(r["index"], r["id"]) for r in records] == [(0, "doc-0"), (1, "doc-1"), (2, "doc-2")]
+    np.testing.assert_allclose([r["embedding"] for r in records], tiny_runtime.embed(TEXTS[:3]), atol=1e-6)
+
+    ranked = tmp_path / "ranked.jsonl"
+    code, _, err = cli(capsys, "rerank", "--model", tiny, "--query", "a cat", "--input", str(source), "-o", str(ranked))
+    assert code == 0, err
+    records = [json.loads(line) for line in ranked.read_text(encoding="utf-8").splitlines()]
+    assert sorted((r["index"], r["id"]) for r in records) == [(0, "doc-0"), (1, "doc-1"), (2, "doc-2")]
+
+    without = write_input(tmp_path / f"plain{SUFFIXES[input_format]}", input_format, TEXTS[:2])  # "body" only
+    code, _, err = cli(capsys, "embed", "--model", tiny, "--input", str(without), "--text-field", "body",
+                       "-o", str(target))
+    assert code == 0, err
+    assert [sorted(json.loads(line)) for line in target.read_text(encoding="utf-8").splitlines()] == [
+        ["embedding", "index"]] * 2
+
+
 def test_jsonl_named_txt_with_input_format_embeds_the_field_not_the_line(capsys, tmp_path, tiny,
                                                                           tiny_runtime) -> None:
     source = write_input(tmp_path / "docs.txt", "jsonl", TEXTS[:2])

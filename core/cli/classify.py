@@ -49,8 +49,8 @@ input (one source):
 output (by the suffix of --output FILE, or --output-format; stdout: JSON Lines):
   one object a record (.jsonl), or a row (.csv: maps as JSON; .parquet: a struct):
     {"index": i, "label": "pos", "score": 0.91, "probs": {"neg": 0.02, "neu": 0.07, "pos": 0.91}}
-  index is the record's 0-based position among the file's records; --id-field adds
-  the record's id after it.
+  index is the record's 0-based position among the file's records; the record's
+  id follows it (its --id-field, else its "id" field where the input has one).
   label is the best label, score its value; probs holds every label (the model's
   id2label names, in label order) after the model's activation: softmax over two or
   more labels, sigmoid for one label (a cross-encoder) or a multi-label model, or the

@@ -11,10 +11,11 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from poolrunner.core.config import COMPILE_MODES, DTYPES
 from poolrunner.core.files import (
+    DEFAULT_ID_FIELD,
     INPUT_FORMATS,
     ON_ERROR,
     OUTPUT_SUFFIXES,
@@ -51,6 +52,18 @@ class CliError(Exception):
     def __init__(self, message: str, *, hint: str | None = None) -> None:
         super().__init__(message)
         self.hint = hint
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors (an unknown option, a bad value) read like the CLI's
+    other errors: one ``poolrunner embed: error: ...`` line and a hint, exit status 2, rather than
+    the whole usage block (which buried the error under 20 lines). Subcommand parsers are of the
+    same class (``add_subparsers`` makes them of their parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``message`` and the ``--help`` hint to stderr; exit with :data:`EXIT_USAGE`."""
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n{self.prog}: hint: run `{self.prog} --help` "
+                              "for the options\n")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -160,7 +173,8 @@ def add_input_option(group: argparse._ArgumentGroup, what: str, *, text_field: b
         group.add_argument("--text-field", metavar="FIELD", default="text",
                            help="JSON field, CSV or Parquet column holding the text")
     group.add_argument("--id-field", metavar="FIELD",
-                       help="JSON field, CSV or Parquet column copied to each output record, under its own name")
+                       help="JSON field, CSV or Parquet column copied to each output record, under its own name "
+                            f"(default: {DEFAULT_ID_FIELD}, where the input has it)")
     group.add_argument("--on-error", choices=ON_ERROR, default="fail",
                        help="a bad record (malformed JSON or CSV, a missing field, an input the model refuses): "
                             "fail stops the run naming it (FILE:LINE); skip leaves it out and names it on stderr")
@@ -183,14 +197,19 @@ def add_task_option(model: argparse._ArgumentGroup, verb: str, default: str = "t
                             f"(e.g. sparse_embed); default: {default}")
 
 
-def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+MODEL_HELP = ("local model folder, or a Hugging Face hub id already in the local Hugging Face cache ($HF_HUB_CACHE, "
+              "$HF_HOME; never downloaded) (default: all-MiniLM-L6-v2, shipped with poolrunner)")
+
+
+def add_model_options(parser: argparse.ArgumentParser, *, several: str | None = None) -> argparse._ArgumentGroup:
     """The ``model`` group (folder or hub id, revision, dtype, device, batching); returned for
-    command-specific additions."""
+    command-specific additions. ``several``: ``--model`` may repeat (its values a list), the help
+    says so with this text."""
     model = parser.add_argument_group("model")
-    model.add_argument("-m", "--model", metavar="PATH",
-                       help="local model folder, or a Hugging Face hub id already in the local Hugging Face "
-                            "cache ($HF_HUB_CACHE, $HF_HOME; never downloaded) (default: all-MiniLM-L6-v2, "
-                            "shipped with poolrunner)")
+    if several is None:
+        model.add_argument("-m", "--model", metavar="PATH", help=MODEL_HELP)
+    else:
+        model.add_argument("-m", "--model", metavar="PATH", action="append", help=f"{MODEL_HELP}; {several}")
     model.add_argument("--revision", metavar="REV",
                        help="branch, tag or commit hash of a hub id --model, from the cache (default: main)")
     model.add_argument("--dtype", choices=DTYPES, default="auto",
@@ -429,9 +448,9 @@ def _select(chunk: Chunk, kept: list[int]) -> Chunk:
 
 def input_fields(args: argparse.Namespace, *texts: tuple[str, str]) -> Fields:
     """What each record of ``--input`` gives: ``(field, option)`` ``texts`` (default:
-    ``--text-field``) and the id of ``--id-field``."""
-    return Fields(texts or ((args.text_field, "--text-field"),),
-                  None if args.id_field is None else (args.id_field, "--id-field"))
+    ``--text-field``) and the id of ``--id-field``, else of ``id`` where the input has it
+    (:meth:`Fields.with_id`, as Ray jobs read it)."""
+    return Fields.with_id(texts or ((args.text_field, "--text-field"),), args.id_field)
 
 
 def read_inputs(
@@ -546,9 +565,10 @@ def check_output(output: str | None) -> None:
 
 
 def index_columns(chunk: Chunk, id_field: str | None) -> dict[str, list[Any]]:
-    """The columns every output record starts with: ``index`` (the record's row) and, with
-    ``--id-field``, the id under the field's own name."""
+    """The columns every output record starts with: ``index`` (the record's row) and, where the
+    records had ids, the id under its field's name (``id_field``, the ``--id-field``, else
+    :data:`~poolrunner.core.files.DEFAULT_ID_FIELD`)."""
     columns: dict[str, list[Any]] = {"index": chunk.rows}
-    if id_field is not None and chunk.ids is not None:
-        columns[id_field] = chunk.ids
+    if chunk.ids is not None:
+        columns[id_field or DEFAULT_ID_FIELD] = chunk.ids
     return columns

@@ -58,7 +58,8 @@ output (by the suffix of --output FILE, or --output-format; stdout: JSON Lines):
   .parquet  columns index (int64), embedding (fixed_size_list<float>[d])
   .npy      a float32 numpy array [n, d] (or --precision's dtype)
   index is the record's 0-based position among the file's records (arguments:
-  their position); --id-field adds the record's id after it (not in .npy)."""
+  their position); the record's id follows it (its --id-field, else its "id"
+  field where the input has one; not in .npy)."""
 
 EPILOG = """\
 examples:

@@ -56,8 +56,9 @@ output (by the suffix of --output FILE, or --output-format; stdout: JSON Lines):
   .parquet  columns index, task, output (list columns; a struct for named outputs)
   .npz      a numpy archive, one array per input named "<index>" (or
             "<index>/<name>" for named outputs)
-  index is the record's 0-based position among the file's records; --id-field
-  adds the record's id after it (not in .npz)."""
+  index is the record's 0-based position among the file's records; the record's
+  id follows it (its --id-field, else its "id" field where the input has one;
+  not in .npz)."""
 
 EPILOG = """\
 examples:

@@ -10,7 +10,14 @@ from collections.abc import Sequence
 import importlib_metadata
 
 from poolrunner.core.cli import classify, embed, encode, plugins, rerank, score, serve
-from poolrunner.core.cli.common import DISABLE_ENV, EXIT_USAGE, CliError, HelpFormatter, build_plugin_manager
+from poolrunner.core.cli.common import (
+    DISABLE_ENV,
+    EXIT_USAGE,
+    ArgumentParser,
+    CliError,
+    HelpFormatter,
+    build_plugin_manager,
+)
 from poolrunner.core.errors import (
     DimensionsNotSupportedError,
     PluginLoadError,
@@ -47,7 +54,7 @@ Run `poolrunner COMMAND --help` for a command's options. Errors you can fix exit
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog=PROG, description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter
     )
     parser.add_argument(
@@ -69,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help (0) or a usage error (2), already printed by argparse
+    except SystemExit as exc:  # --help (0) or a usage error (2), already printed (ArgumentParser.error)
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
     try:
         if args.version:

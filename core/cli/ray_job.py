@@ -30,9 +30,9 @@ def add_ray_options(parser: argparse.ArgumentParser) -> None:
                             "a running local cluster, or a new one)")
     group.add_argument("--actors", metavar="N", type=positive_int, default=1,
                        help="actors in the pool, each holding one runtime (default: %(default)s)")
-    group.add_argument("--cpus-per-actor", metavar="N", type=_amount(minimum_exclusive=True), default=1.0,
+    group.add_argument("--cpus-per-actor", metavar="N", type=resource_amount(minimum_exclusive=True), default=1.0,
                        help="CPUs Ray reserves per actor, also its torch threads (default: %(default)s)")
-    group.add_argument("--gpus-per-actor", metavar="N", type=_amount(minimum_exclusive=False), default=0.0,
+    group.add_argument("--gpus-per-actor", metavar="N", type=resource_amount(minimum_exclusive=False), default=0.0,
                        help="GPUs per actor; a fraction shares one GPU between actors (default: %(default)s)")
     group.add_argument("--rows-per-batch", metavar="N", type=positive_int, default=256,
                        help="rows per map_batches call (one encode call on an actor)")
@@ -91,7 +91,7 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
-def _amount(*, minimum_exclusive: bool) -> Any:
+def resource_amount(*, minimum_exclusive: bool) -> Any:
     """argparse ``type`` for a resource amount: > 0 (``minimum_exclusive``) or >= 0."""
 
     def parse(value: str) -> float:

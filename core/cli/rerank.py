@@ -24,7 +24,7 @@ from poolrunner.core.cli.common import (
     progress,
     read_inputs,
 )
-from poolrunner.core.files import open_output
+from poolrunner.core.files import DEFAULT_ID_FIELD, open_output
 
 FORMATS = ("jsonl", "csv", "parquet")
 
@@ -50,8 +50,9 @@ input (the query, then one source of documents):
 output (by the suffix of --output FILE, or --output-format; stdout: JSON Lines):
   one {"rank": r, "index": i, "score": s} a record (a line of .jsonl, a row of .csv
   or .parquet), best first (rank 1 is the best; equal scores keep input order);
-  index is the document's 0-based position among the input's records; --id-field
-  adds the record's id after it. --return-documents adds "document": the
+  index is the document's 0-based position among the input's records; the
+  record's id follows it (its --id-field, else its "id" field where the input has
+  one). --return-documents adds "document": the
   document's text. --top-n N keeps the N best."""
 
 EPILOG = """\
@@ -122,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         inputs.check("documents to rerank")
         writer.write({
             "rank": list(range(1, len(ranked) + 1)), "index": [rows[result.index] for result in ranked],
-            **({args.id_field: [ids[result.index] for result in ranked]} if args.id_field else {}),
+            **({args.id_field or DEFAULT_ID_FIELD: [ids[result.index] for result in ranked]} if ids else {}),
             "score": [result.score for result in ranked],
             **({"document": [result.document for result in ranked]} if args.return_documents else {}),
         })

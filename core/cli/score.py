@@ -49,8 +49,8 @@ input (one source):
 
 output (by the suffix of --output FILE, or --output-format; stdout: JSON Lines):
   one {"index": i, "query": ..., "document": ..., "score": s} a record (pair i):
-  a line of .jsonl, a row of .csv or .parquet; --id-field adds the record's id
-  after index."""
+  a line of .jsonl, a row of .csv or .parquet; the record's id follows index (its
+  --id-field, else its "id" field where the input has one)."""
 
 EPILOG = """\
 examples:

@@ -15,6 +15,8 @@ from poolrunner.core.cli.common import (
     positive_int,
 )
 from poolrunner.core.cli.environment import check_environment, read_environment
+from poolrunner.core.cli.model_specs import KEYS, load_served_models, model_specs
+from poolrunner.core.cli.ray_serve import add_ray_serve_options, ray_serve_requested, run_ray_serve
 from poolrunner.core.server.logs import LOG_FORMATS, LOG_LEVELS
 
 __all__ = ["API_KEY_ENV", "add_parser", "run"]
@@ -23,13 +25,13 @@ API_KEY_ENV = "POOLRUNNER_API_KEY"
 """The API key when --api-key is not given."""
 
 DESCRIPTION = """\
-Serve one model over HTTP until SIGTERM or Ctrl-C; requests from all clients are batched
-together in the same engine steps.
+Serve a model (or several: --model repeated) over HTTP until SIGTERM or Ctrl-C; requests from
+all clients are batched together in the same engine steps, each model's in its own.
 
 endpoints:
   POST /v1/embeddings   OpenAI embeddings with vLLM's fields (float, base64 or bytes; embed_dtype,
                         endianness, dimensions, normalize, precision; messages: a chat)
-  GET  /v1/models       the served model
+  GET  /v1/models       the served models
   POST /classify        label scores (classify models): texts, [text, text_pair] pairs, or messages
   POST /score           text_1 against text_2: cosine (embed) or cross-encoder score
   POST /rerank          query and documents, ranked best first (top_n, return_documents)
@@ -52,13 +54,17 @@ examples:
   poolrunner serve                                     all-MiniLM-L6-v2 on 127.0.0.1:8000
   poolrunner serve --model ./reranker --port 8080 --api-key secret
   {API_KEY_ENV}=secret poolrunner serve --host 0.0.0.0
-  poolrunner serve --served-model-name minilm sentence-transformers/all-MiniLM-L6-v2"""
+  poolrunner serve --served-model-name minilm sentence-transformers/all-MiniLM-L6-v2
+  poolrunner serve --model ./embedder:name=embed --model ./reranker:name=rerank    two models
+  poolrunner serve --ray-serve --replicas 4 --host 0.0.0.0    4 replicas on Ray Serve"""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = add_command(subparsers, "serve", summary="serve the model over HTTP (OpenAI-compatible)",
                          description=DESCRIPTION, epilog=EPILOG)
-    model = add_model_options(parser)
+    model = add_model_options(parser, several="repeat it to serve several models in one process, each with its "
+                                                "own engine, as PATH:name=NAME[:task=TASK:dtype=...] (options: "
+                                                f"{', '.join(KEYS)}); requests choose one by their model field")
     add_task_option(model, "serve alone", default="every task the model and the plugins allow, each request "
                                                   "naming its own (/pooling's task)")
     model.add_argument("--is-matryoshka", action="store_true",
@@ -112,6 +118,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--log-format", choices=LOG_FORMATS, default="text",
                         help="json: one JSON object per line; each request's line has request_id, method, route, "
                              "status, inputs, tokens and latency_ms, never its text or the API key")
+    add_ray_serve_options(parser)
     add_plugin_options(parser)
     read_environment(parser, skip={"disable_plugin"})  # that one has its own variable, DISABLE_ENV
     parser.set_defaults(run=run)
@@ -134,14 +141,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from poolrunner.core.cli.common import load_runtime
     from poolrunner.core.server import ServerSettings, create_app
     from poolrunner.core.server.connections import ConnectionLimits
     from poolrunner.core.server.serve import serve
 
     try:
         settings = ServerSettings(
-            served_model_name=args.served_model_name, api_key=args.api_key or None,
+            api_key=args.api_key or None,
             max_inputs_per_request=args.max_inputs_per_request, max_request_bytes=args.max_request_bytes,
             max_waiting_requests=args.max_waiting_requests, drain_timeout=args.drain_timeout,
             auto_truncate=args.auto_truncate, allow_extra_fields=args.allow_extra_fields,
@@ -150,15 +156,20 @@ def _serve(args: argparse.Namespace) -> None:
     except ValueError as exc:
         hint = "raise --max-waiting-requests or lower --max-inputs-per-request" if "max_inputs" in str(exc) else None
         raise CliError(str(exc), hint=hint) from exc
-    runtime = load_runtime(args, task=args.task, is_matryoshka=True if args.is_matryoshka else None,
-                           max_model_len=args.max_model_len)
+    specs = model_specs(args)
+    if ray_serve_requested(args):
+        if len(specs) > 1:
+            raise CliError("--ray-serve deploys one model; give one --model")
+        run_ray_serve(specs[0].namespace(args), settings, specs[0].names)
+        return
+    models = load_served_models(args, specs)
     limits = ConnectionLimits(keep_alive_timeout=args.keep_alive_timeout, read_timeout=args.read_timeout,
                               max_connections=args.max_connections)
-    serve(create_app(runtime, settings), host=args.host, port=args.port, drain_timeout=args.drain_timeout,
+    serve(create_app(models, settings), host=args.host, port=args.port, drain_timeout=args.drain_timeout,
           limits=limits, log_level=args.log_level, log_format=args.log_format)
 
 
-SERVER_MODULES = ("fastapi", "uvicorn", "prometheus_client", "fastapi_offline", "pythonjsonlogger")
+SERVER_MODULES = ("fastapi", "uvicorn", "prometheus_client", "fastapi_offline", "pythonjsonlogger", "psutil")
 """What the ``serve`` extra installs, by import name."""
 
 

@@ -144,7 +144,7 @@ def run_job(
     from poolrunner.core.runtime import Runtime
 
     start = time.perf_counter()
-    config, plugins = _runtime_config(task, model, runtime_options)
+    config, plugins = runtime_config(task, model, runtime_options)
     request_options = _request_options(request_options, config, plugins)
     for name, value in (("num_actors", num_actors), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -157,7 +157,7 @@ def run_job(
             raise InvalidRequestError("text files have no id column: id_field (--id-field) needs jsonl, csv or "
                                       "parquet input")
         text_field = "text"
-    fields = Fields(((text_field, "--text-field"),), (id_field or "id", "--id-field"), optional_id=id_field is None)
+    fields = Fields.with_id(((text_field, "--text-field"),), id_field)
     out_fs, folder = _output_folder(output)
     done = {info.base_name for info in out_fs.get_file_info(_listing(folder))}
     check_manifest(out_fs, folder, {
@@ -210,7 +210,7 @@ def run_job(
                      writer.rows_left_out, tuple(writer.left_out))
 
 
-def _runtime_config(
+def runtime_config(
     task: str | None, model: Any, options: Mapping[str, Any] | None,
 ) -> tuple[RuntimeConfig, list[object]]:
     """The workers' :class:`RuntimeConfig` and plugin objects, checked here, before any worker starts."""

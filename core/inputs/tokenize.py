@@ -18,7 +18,7 @@ from poolrunner.core.errors import InvalidRequestError, PromptTooLongError
 from poolrunner.core.inputs import cutting
 from poolrunner.core.memory import TRIM_AFTER_CHARS, release_memory
 from poolrunner.core.types import ModelConfig, TruncationSide
-from poolrunner.core.validators import unencodable_at
+from poolrunner.core.validators import check_text
 
 PromptInput = str | Sequence[int]
 """A text, or an already tokenized prompt (special tokens included)."""
@@ -405,17 +405,3 @@ def _num_special_tokens(tokenizer: PreTrainedTokenizerBase, pair: bool) -> int:
         return int(tokenizer.num_special_tokens_to_add(pair=pair))
     except (AttributeError, NotImplementedError, TypeError, ValueError):
         return 0
-
-
-def check_text(text: str, where: str) -> None:
-    """Refuse text that is not valid Unicode: a lone surrogate (``"\\ud800"``, half of an emoji
-    cut by a JavaScript client) cannot be encoded as UTF-8, so no tokenizer can read it.
-
-    :raises InvalidRequestError: naming ``where``, the character's position and its code point.
-    """
-    position = unencodable_at(text)
-    if position is not None:
-        raise InvalidRequestError(
-            f"{where} is not valid Unicode text: character {position} is U+{ord(text[position]):04X}, a lone "
-            "surrogate (half of a UTF-16 pair); send whole characters"
-        )

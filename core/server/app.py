@@ -1,4 +1,5 @@
-"""The FastAPI app: ``create_app(runtime, settings)`` serves one :class:`Runtime` over HTTP.
+"""The FastAPI app: ``create_app(models, settings)`` serves one :class:`Runtime`, or several
+(:mod:`.models`), over HTTP.
 
 Endpoints: ``POST /v1/embeddings`` and ``/embeddings`` (OpenAI), ``GET /v1/models`` and
 ``/v1/models/{id}``, ``POST /classify``, ``/score`` and ``/v1/score`` (vLLM's four body forms),
@@ -6,9 +7,9 @@ Endpoints: ``POST /v1/embeddings`` and ``/embeddings`` (OpenAI), ``GET /v1/model
 ``/rerank``), ``/pooling``, ``/tokenize`` (vLLM's or TEI's body), ``/detokenize`` (vLLM's shapes),
 ``GET /health``, ``GET /metrics`` (Prometheus), ``POST /invocations`` (SageMaker: vLLM's or TEI's
 bodies); TEI's other routes come from :mod:`.tei`. FastAPI
-serves the OpenAPI page at ``/docs`` (and ReDoc at ``/redoc``) with local assets. While the app runs, the runtime serves
-(:meth:`Runtime.serving`): one engine loop batches all clients' requests together, and the
-runtime's own Python API goes through the same loop meanwhile.
+serves the OpenAPI page at ``/docs`` (and ReDoc at ``/redoc``) with local assets. While the app runs,
+each runtime serves (:meth:`Runtime.serving`): its engine loop batches all clients' requests for
+that model together, and the runtime's own Python API goes through the same loop meanwhile.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import contextlib
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import Annotated, Any
 
 import numpy as np
@@ -35,49 +35,54 @@ from poolrunner.core.server import protocol as p
 from poolrunner.core.server.errors import ApiError, in_tei_shape, install_handlers
 from poolrunner.core.server.metrics import ServerMetrics
 from poolrunner.core.server.middleware import OPEN_PATHS, GuardMiddleware, ServerState
+from poolrunner.core.server.models import ModelRouter, ServedModel, served_models
 from poolrunner.core.server.payload import bytes_response, encode_array
 from poolrunner.core.server.service import PoolingService
 from poolrunner.core.server.settings import ServerSettings
 from poolrunner.core.server.tei import TeiApi, add_tei_routes, tei_rerank, tei_tokens
 
-DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 
-
-
-def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> FastAPI:
-    """An app serving ``runtime``; its engine loop runs from the app's startup to its shutdown.
+def create_app(models: Runtime | Sequence[ServedModel], settings: ServerSettings | None = None) -> FastAPI:
+    """An app serving ``models``: one :class:`Runtime` (under ``settings.served_model_name``,
+    default its folder's name), or several :class:`ServedModel` each under its own names. Each
+    runtime's engine loop runs from the app's startup to its shutdown; requests go to the model
+    their ``model`` field names, or else the one that fits their route (:meth:`ModelRouter.pick`).
 
     ``app.state.server`` is the :class:`ServerState` (set ``draining`` to refuse new requests
-    with 503); ``app.state.service.serving`` the runtime's serving loop while the app runs.
+    with 503); ``app.state.router`` the :class:`ModelRouter` of the models' services, whose
+    ``serving`` is the runtime's serving loop while the app runs.
+
+    :raises ValueError: as :func:`served_models` says (no model, a name two models share...).
     """
     settings = settings or ServerSettings()
     metrics = ServerMetrics()
     state = ServerState()
-    model_names = settings.served_model_name or (default_model_name(runtime),)
-    service = PoolingService(runtime, settings, metrics, model_names)
-    metrics.pending.set_function(lambda: service.pending)
-    metrics.waiting.set_function(lambda: service.waiting)
-    metrics.running.set_function(lambda: max(0, service.pending - service.waiting))
+    served = served_models(models, settings.served_model_name)
+    router = ModelRouter([PoolingService(model.runtime, settings, metrics, model.names) for model in served],
+                         settings)
+    metrics.pending.set_function(lambda: router.pending)
+    metrics.waiting.set_function(lambda: router.waiting)
+    metrics.running.set_function(lambda: max(0, router.pending - router.waiting))
     metrics.in_flight.set_function(lambda: state.in_flight)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        with runtime.serving(max_pending=settings.max_waiting_requests, observer=metrics) as serving:
-            service.serving = serving
-            try:
-                yield
-            finally:
-                service.serving = None
+        with contextlib.ExitStack() as stack:
+            for service in router.services:
+                service.serving = stack.enter_context(
+                    service.runtime.serving(max_pending=settings.max_waiting_requests, observer=metrics))
+                stack.callback(setattr, service, "serving", None)
+            yield
 
     # /docs and /redoc load Swagger UI and ReDoc from files in fastapi-offline, never from a CDN.
     app = FastAPIOffline(title="poolrunner", summary="Pooling models over HTTP (OpenAI and vLLM shapes)",
                          lifespan=lifespan)
     app.state.server = state
-    app.state.service = service
+    app.state.router = router
     app.state.metrics = metrics
     install_handlers(app)
-    vllm_routes = _add_routes(app, service, int(time.time()))
-    _add_invocations(app, vllm_routes, add_tei_routes(app, service))
+    vllm_routes = _add_routes(app, router, metrics, int(time.time()))
+    _add_invocations(app, vllm_routes, add_tei_routes(app, router))
     endpoints = frozenset(_paths(app.routes))  # metrics label every other path "other"
     open_paths = OPEN_PATHS if settings.protect_metrics else OPEN_PATHS | {"/metrics"}
     app.add_middleware(GuardMiddleware, state=state, metrics=metrics, api_key=settings.api_key,
@@ -97,13 +102,6 @@ def _paths(routes: Iterable[Any]) -> Iterator[str]:
             yield route.path
         elif hasattr(route, "original_router"):
             yield from _paths(route.original_router.routes)
-
-
-def default_model_name(runtime: Runtime) -> str:
-    """The model folder's name; ``all-MiniLM-L6-v2`` for the model shipped with poolrunner."""
-    if runtime.config.model is None:
-        return DEFAULT_MODEL_NAME
-    return Path(runtime.config.model).resolve().name
 
 
 def _usage(num_tokens: int) -> p.Usage:
@@ -148,15 +146,15 @@ def _bytes(body: Any, service: PoolingService, arrays: list[Any], prefix: str, n
                           precision=body.precision)
 
 
-def _add_routes(app: FastAPI, service: PoolingService, created: int) -> list[tuple[type[BaseModel], Any]]:  # noqa: C901
+def _add_routes(app: FastAPI, router: ModelRouter, metrics: ServerMetrics,  # noqa: C901
+                created: int) -> list[tuple[type[BaseModel], Any]]:
     """vLLM's and OpenAI's routes (one handler each); returns ``(body model, handler)`` of those
     ``/invocations`` dispatches to, in vLLM's order, the task-specific ones only where served."""
-    runtime = service.runtime
 
     async def embeddings(body: p.EmbeddingRequest, request: Request) -> p.EmbeddingResponse | Response:
         """OpenAI's embeddings with vLLM's fields: one vector per input (or one for ``messages``),
         in input order; ``bytes`` answers vLLM's octet-stream body with its ``metadata`` header."""
-        service.check_model(body.model)
+        service = router.pick(body.model, "embed")
         _check_encoding(body)
         items, add_special_tokens = await service.prompts(body)
         vectors, num_tokens = await service.embed(
@@ -172,33 +170,34 @@ def _add_routes(app: FastAPI, service: PoolingService, created: int) -> list[tup
     for path in ("/v1/embeddings", "/embeddings"):  # vLLM serves both
         app.post(path, response_model=p.EmbeddingResponse)(embeddings)
 
-    def card(name: str) -> p.ModelCard:
+    def card(service: PoolingService, name: str) -> p.ModelCard:
+        runtime = service.runtime
         return p.ModelCard(id=name, created=created, task=runtime.task,
                            max_model_len=runtime.model_config.max_model_len)
 
     @app.get("/v1/models", response_model=p.ModelList)
     async def models() -> p.ModelList:
-        """Every served name (vLLM lists each alias), the reported one first."""
-        return p.ModelList(data=[card(name) for name in service.model_names])
+        """Every served name of every model (vLLM lists each alias), each model's reported one first."""
+        return p.ModelList(data=[card(service, name) for service in router.services for name in service.model_names])
 
     @app.get("/v1/models/{model_id:path}", response_model=p.ModelCard)
     async def model(model_id: str) -> p.ModelCard:
         """OpenAI's retrieve: the card of a served name; 404 for any other id."""
-        service.check_model(model_id)
-        return card(model_id)
+        return card(router.pick(model_id), model_id)
 
-    option_names = [entry.option.name for entry in runtime.frontend.options]
+    options = _plugin_options(router)
+    option_names = [entry.option.name for entry in options]
 
     async def pooling(body: p.PoolingHttpRequest, request: Request) -> p.PoolingResponse | Response:
         """Any task the model serves; per-token tasks answer one ``[num_tokens, d]`` list each.
         Each output keeps its dtype: integer outputs (SPLADE's ``token_ids``) are ints, or int64 in base64.
         The plugins' request options are body fields of their own."""
-        service.check_model(body.model)
+        service = router.pick(body.model, body.task)
         _check_encoding(body)
         items, add_special_tokens = await service.prompts(body)
         core = {"dimensions": body.dimensions, "normalize": body.normalize, "use_activation": body.use_activation}
-        options = {name: getattr(body, name) for name in option_names if getattr(body, name) is not None}
-        outputs, num_tokens = await service.encode(request, items, body.task, core, options,
+        outputs, num_tokens = await service.encode(request, items, body.task, core,
+                                                   p.plugin_options(body, option_names),
                                                    body.truncate_prompt_tokens, add_special_tokens=add_special_tokens,
                                                    precision=body.precision, ranges=body.ranges,
                                                    priority=body.priority)
@@ -210,13 +209,13 @@ def _add_routes(app: FastAPI, service: PoolingService, created: int) -> list[tup
 
     # The body model has a field per plugin option, so it is built here; FastAPI reads the
     # annotation (a string under postponed evaluation) from the function, so set the class itself.
-    pooling.__annotations__["body"] = p.pooling_request_model(runtime.frontend.options)
+    pooling.__annotations__["body"] = p.with_plugin_options(p.PoolingHttpRequest, options)
     app.post("/pooling", response_model=p.PoolingResponse)(pooling)
 
     @app.post("/classify", response_model=p.ClassificationResponse)
     async def classify(body: p.ClassificationRequest, request: Request) -> p.ClassificationResponse:
         """vLLM's classify: texts, token ids, ``[text, text_pair]`` pairs or a chat (``messages``)."""
-        service.check_model(body.model)
+        service = router.pick(body.model, "classify")
         items, add_special_tokens = await service.prompts(body)
         results, num_tokens = await service.classify(request, items, body.use_activation,
                                                      body.truncate_prompt_tokens, add_special_tokens=add_special_tokens,
@@ -229,27 +228,30 @@ def _add_routes(app: FastAPI, service: PoolingService, created: int) -> list[tup
     async def score(body: p.ScoreRequest, request: Request) -> p.ScoreResponse:
         """vLLM's score: the first side against the second (1:1, 1:N or N:N), one score per pair in
         pair order; the body is ``queries``/``documents``, ``queries``/``items``, ``data_1``/``data_2``
-        or ``text_1``/``text_2``."""
-        service.check_model(body.model)
-        _form, first, second = body.sides()
+        or ``text_1``/``text_2``. The plugins' request options (BGE-M3's weights) are body fields."""
+        service = router.pick(body.model, "score")
+        form, first, second = body.sides()
         scores, num_tokens = await service.score(request, first, second, body.use_activation,
-                                                 body.truncate_prompt_tokens, priority=body.priority)
+                                                 body.truncate_prompt_tokens, priority=body.priority, names=form,
+                                                 options=p.plugin_options(body, option_names))
         data = [p.ScoreData(index=i, score=float(s)) for i, s in enumerate(scores)]
         return p.ScoreResponse(id=_id("score", body.request_id), created=int(time.time()), model=service.model_name,
                                data=data, usage=_usage(num_tokens))
 
+    score.__annotations__["body"] = score_body = p.with_plugin_options(p.ScoreRequest, options)
     for path in ("/score", "/v1/score"):  # vLLM serves both
         app.post(path, response_model=p.ScoreResponse)(score)
 
+    rerank_body = p.with_plugin_options(p.RerankRequest, options)
     for path, version in (("/rerank", None), ("/v1/rerank", "1"), ("/v2/rerank", "2")):
         app.post(path, response_model=p.RerankResponse | list[p.TeiRank],
-                 response_model_exclude_none=True)(_rerank_route(service, version))
+                 response_model_exclude_none=True)(_rerank_route(router, version, rerank_body, option_names))
 
     @app.post("/tokenize", response_model=p.TokenizeResponse | list[list[p.TeiToken]])
     async def tokenize(body: p.TokenizeRequest, request: Request) -> JSONResponse | list[list[p.TeiToken]]:
         """vLLM's tokenize (``prompt``: the ``prompt_token_ids``, special tokens included unless
         ``add_special_tokens`` is false), or TEI's (``inputs``: each text's tokens with their spans)."""
-        service.check_model(body.model)
+        service = router.pick(body.model)
         if body.api() == "tei":
             # once the body is TEI's, errors are TEI's too
             return await in_tei_shape(request, tei_tokens(service, body.inputs,  # type: ignore[arg-type]
@@ -260,26 +262,26 @@ def _add_routes(app: FastAPI, service: PoolingService, created: int) -> list[tup
     @app.post("/detokenize", response_model=p.DetokenizeResponse)
     async def detokenize(body: p.DetokenizeRequest) -> p.DetokenizeResponse:
         """vLLM's detokenize: ``tokens`` decoded as the tokenizer decodes them (special tokens kept)."""
-        service.check_model(body.model)
+        service = router.pick(body.model)
         return p.DetokenizeResponse(prompt=await service.detokenize(body.tokens))
 
     @app.head("/health", include_in_schema=False)  # load balancers probe with either method
     @app.get("/health")
     async def health() -> JSONResponse:
         """200 while serving; 503 once the engine loop stopped (and, from the middleware, while draining)."""
-        if not service.alive:
+        if not router.alive:
             return JSONResponse({"status": "engine loop stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    tasks = runtime.supported_tasks
+    tasks = frozenset().union(*(service.runtime.supported_tasks for service in router.services))
     return [
         *([(p.EmbeddingRequest, embeddings)] if "embed" in tasks else []),
         *([(p.ClassificationRequest, classify)] if "classify" in tasks else []),
-        (p.ScoreRequest, score), (p.RerankRequest, _rerank_route(service, None)),
+        (score_body, score), (rerank_body, _rerank_route(router, None, rerank_body, option_names)),
         (pooling.__annotations__["body"], pooling),
     ]
 
@@ -304,29 +306,40 @@ def _add_invocations(app: FastAPI, vllm_routes: list[tuple[type[BaseModel], Any]
                             "of them")
 
 
-def _rerank_route(service: PoolingService, version: str | None) -> Any:
+def _plugin_options(router: ModelRouter) -> list[Any]:
+    """The plugins' request options of every served model, each name once (``/pooling``'s body
+    has a field per option; the model a request goes to checks the ones it is given)."""
+    by_name = {entry.option.name: entry for service in router.services for entry in service.frontend.options}
+    return list(by_name.values())
+
+
+def _rerank_route(router: ModelRouter, version: str | None, body_model: type[p.RerankRequest],
+                  option_names: list[str]) -> Any:
     """The handler of one rerank path: Cohere's ``meta`` with API ``version`` ("1", "2") or
-    none (``/rerank``, as vLLM); a TEI body (``texts``) is answered in TEI's shape."""
+    none (``/rerank``, as vLLM); a TEI body (``texts``) is answered in TEI's shape. ``body_model``
+    is :class:`~.protocol.RerankRequest` with the plugins' request options, named ``option_names``."""
 
     async def rerank(body: p.RerankRequest, request: Request) -> p.RerankResponse | list[p.TeiRank] | Response:
         """Documents best first by relevance to ``query`` (ties keep input order), as vLLM, Jina
-        and Cohere answer; TEI's body (``query``, ``texts``) gets TEI's list of ``{index, score, text?}``."""
-        service.check_model(body.model)
+        and Cohere answer; TEI's body (``query``, ``texts``) gets TEI's list of ``{index, score, text?}``.
+        The plugins' request options (BGE-M3's weights) are body fields."""
+        service = router.pick(body.model, "score")
         if body.api() == "tei":
             return await in_tei_shape(request, tei_rerank(service, body, request))  # TEI's errors too
-        return await _rerank(service, body, request, version)
+        return await _rerank(service, body, request, version, p.plugin_options(body, option_names))
 
+    rerank.__annotations__["body"] = body_model  # FastAPI reads the body's fields from the annotation
     return rerank
 
 
 async def _rerank(service: PoolingService, body: p.RerankRequest, request: Request,
-                  version: str | None) -> p.RerankResponse:
+                  version: str | None, options: dict[str, Any]) -> p.RerankResponse:
     """vLLM's, Jina's and Cohere's rerank; ``meta`` only for a Cohere ``version``."""
     documents = body.document_list()
     texts = [d if isinstance(d, str) else d.text for d in documents]
     ranked, num_tokens = await service.rerank(request, body.query, texts, body.top_n, bool(body.return_documents),
                                               body.truncate_prompt_tokens, body.max_tokens_per_doc,
-                                              priority=body.priority)
+                                              priority=body.priority, options=options)
     results = [p.RerankData(index=r.index, relevance_score=r.score,
                             document=_document(documents[r.index]) if r.document is not None else None)
                for r in ranked]

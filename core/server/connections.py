@@ -4,13 +4,15 @@ idle connection stays open, and how many connections are served at once.
 uvicorn's h11 protocol closes a connection idle after an answer (``timeout_keep_alive``) but
 waits forever for a first request, and for the rest of a request that trickles in (a slowloris
 client holds its socket with a byte now and then). :class:`GuardedH11Protocol` adds a read
-deadline; uvicorn's ``limit_concurrency`` answers 503 past the connection cap.
+deadline, and the connection cap: past it a request is answered a JSON 503 in OpenAI's error
+shape and its connection closed (uvicorn's own ``limit_concurrency`` answers plain text).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 from typing import Any
 
@@ -18,6 +20,7 @@ import h11
 from attrs import field, frozen
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from poolrunner.core.server.errors import error_body
 from poolrunner.core.validators import positive_int
 
 logger = logging.getLogger(__name__)
@@ -41,8 +44,8 @@ class ConnectionLimits:
     :ivar read_timeout: Seconds a client has to send a whole request (head and body), from the
         connection's opening or from its previous answer; then the connection is closed.
     :ivar max_connections: Most connections (and requests running) at once; a request on a
-        connection past it is answered 503 and its connection closed (uvicorn's
-        ``limit_concurrency``).
+        connection past it is answered a JSON 503 and its connection closed
+        (:meth:`GuardedH11Protocol.refuse`).
     """
 
     keep_alive_timeout: float = field(default=5.0, validator=_positive)
@@ -51,21 +54,33 @@ class ConnectionLimits:
 
     def protocol(self) -> Any:
         """The ``http`` protocol factory for ``uvicorn.Config``."""
-        return functools.partial(GuardedH11Protocol, read_timeout=self.read_timeout)
+        return functools.partial(GuardedH11Protocol, read_timeout=self.read_timeout,
+                                 max_connections=self.max_connections)
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a read deadline: a request's head and body must arrive within
-    ``read_timeout`` seconds of the connection's opening or of its previous answer, else the
-    connection is closed (a route waiting for the body sees the client gone).
+    """uvicorn's h11 protocol with a read deadline and a connection cap.
+
+    A request's head and body must arrive within ``read_timeout`` seconds of the connection's
+    opening or of its previous answer, else the connection is closed (a route waiting for the
+    body sees the client gone). A request arriving while more than ``max_connections``
+    connections are open (this one included), or more requests are running, is answered by
+    :meth:`refuse` instead of the app. uvicorn's own cap (``limit_concurrency``, which must stay
+    unset) answers plain text from a module-level app that cannot be replaced without patching
+    uvicorn for every server in the process; so this protocol puts :meth:`_admit` in front of the
+    app it was given, for its own connection only.
 
     :param read_timeout: Seconds, > 0.
+    :param max_connections: The cap, >= 1.
     """
 
-    def __init__(self, *args: Any, read_timeout: float, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, read_timeout: float, max_connections: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.read_timeout = read_timeout
         self._read_deadline: asyncio.TimerHandle | None = None
+        self.max_connections = max_connections
+        self._app = self.app
+        self.app = self._admit
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -101,6 +116,31 @@ class GuardedH11Protocol(H11Protocol):
         self._read_deadline = None
         if not self.transport.is_closing():
             self.transport.close()
+
+    async def _admit(self, scope: Any, receive: Any, send: Any) -> None:
+        """The app, or :meth:`refuse` past the cap. Runs as the request's task, which
+        ``self.tasks`` already holds, as ``self.connections`` holds this connection."""
+        cap = self.max_connections
+        if len(self.connections) > cap or len(self.tasks) > cap:
+            await self.refuse(send)
+        else:
+            await self._app(scope, receive, send)
+
+    async def refuse(self, send: Any) -> None:
+        """Answer 503 with an OpenAI-shaped JSON error naming the cap and ``--max-connections``,
+        and ``Connection: close``, after which uvicorn closes the connection once the answer is
+        written. The body is not read: a refused client costs no more than its head."""
+        # one message template whatever the counts, so that the log's rate limit groups a flood
+        logger.warning("refused a request: the server is at its limit of %d connections (--max-connections)",
+                       self.max_connections)
+        message = (f"the server is at its limit of {self.max_connections} connections (--max-connections); "
+                   "try again later")
+        body = json.dumps(error_body(503, message)).encode()
+        await send({"type": "http.response.start", "status": 503, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 FILE_RESERVE = 256

@@ -144,8 +144,8 @@ def tei_error_response(error: TeiError, request: Request) -> JSONResponse:
 def public_text(request: Request, text: str) -> str:
     """``text`` as a client may read it: the model's folder (a path on this machine, as the
     Python API names the model) replaced by the served model name."""
-    service = getattr(request.app.state, "service", None)
-    return service.public_text(text) if service is not None else text
+    router = getattr(request.app.state, "router", None)
+    return router.public_text(text) if router is not None else text
 
 
 def as_tei_error(exc: Exception) -> TeiError | None:

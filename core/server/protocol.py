@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable
 from contextvars import ContextVar
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -29,6 +30,7 @@ from pydantic_core import PydanticCustomError
 
 from poolrunner.core.plugin_api.options import RequestOptions
 from poolrunner.core.quantize import Precision
+from poolrunner.core.scoring import check_side
 from poolrunner.core.server.errors import ApiError
 from poolrunner.core.validators import unencodable_at
 
@@ -189,13 +191,15 @@ class PoolingHttpRequest(_Request, _Chat, _Encoding, _Quantize):
 
 
 _JSON_TYPES = {int: "integer", float: "number", bool: "boolean", str: "string"}
+BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
-def pooling_request_model(options: RequestOptions) -> type[PoolingHttpRequest]:
-    """:class:`PoolingHttpRequest` with one optional body field per plugin request option, so
-    the OpenAPI schema shows them (with their JSON type). The fields take any JSON value: the
-    runtime's :class:`~poolrunner.core.plugin_api.options.RequestOptions` checks it, so a wrong
-    type gets the message the Python API and the CLI give, naming the plugin."""
+def with_plugin_options(base: type[BodyT], options: RequestOptions) -> type[BodyT]:
+    """``base`` (``/pooling``'s, ``/score``'s or ``/rerank``'s body) with one optional body field
+    per plugin request option, so the OpenAPI schema shows them (with their JSON type). The
+    fields take any JSON value: the runtime's
+    :class:`~poolrunner.core.plugin_api.options.RequestOptions` checks it, so a wrong type gets
+    the message the Python API and the CLI give, naming the plugin."""
     fields: dict[str, Any] = {
         entry.option.name: (
             Any,
@@ -206,9 +210,13 @@ def pooling_request_model(options: RequestOptions) -> type[PoolingHttpRequest]:
         for entry in options
     }
     if not fields:
-        return PoolingHttpRequest
-    return create_model("PoolingHttpRequest", __base__=PoolingHttpRequest, __doc__=PoolingHttpRequest.__doc__,
-                        **fields)
+        return base
+    return create_model(base.__name__, __base__=base, __doc__=base.__doc__, **fields)
+
+
+def plugin_options(body: BaseModel, names: Iterable[str]) -> dict[str, Any]:
+    """The plugin request options ``body`` sets, by name (those it leaves out are not passed)."""
+    return {name: getattr(body, name) for name in names if getattr(body, name, None) is not None}
 
 
 class ClassificationRequest(_Request, _Chat):
@@ -246,10 +254,15 @@ class ScoreRequest(_Request):
         """The form used (its two field names) and its two sides.
 
         :raises ApiError: 400 unless the body sets exactly the two fields of one form.
+        :raises InvalidRequestError: for a side that is empty or holds text that is not valid
+            Unicode, naming the form's field and the position (``text_2[1]``).
         """
         given = [name for name in _SCORE_FIELDS if getattr(self, name) is not None]
         for form in SCORE_FORMS:
             if set(given) == set(form):
+                # checked here, where the form is known: scoring names its sides queries and documents
+                for name in form:
+                    check_side(getattr(self, name), name)
                 return form, getattr(self, form[0]), getattr(self, form[1])
         forms = ", ".join(f"{first} + {second}" for first, second in SCORE_FORMS)
         raise ApiError(400, f"send exactly one pair of fields ({forms}); got {', '.join(given) or 'none of them'}",

@@ -74,7 +74,7 @@ def server_config(app: FastAPI, *, host: str, port: int, drain_timeout: float, l
     return uvicorn.Config(
         app, host=host, port=port, log_config=logging_config, log_level=log_level, access_log=False,
         timeout_graceful_shutdown=drain_timeout, http=limits.protocol(), ws="none",
-        timeout_keep_alive=limits.keep_alive_timeout, limit_concurrency=limits.max_connections,
+        timeout_keep_alive=limits.keep_alive_timeout,  # the cap is the protocol's (a JSON refusal)
         h11_max_incomplete_event_size=MAX_HEAD_BYTES,
     )
 

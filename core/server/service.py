@@ -21,7 +21,6 @@ from starlette.requests import Request
 
 from poolrunner.core import frontend
 from poolrunner.core.frontend import ClassifyInput, Result
-from poolrunner.core.inputs.tokenize import check_text
 from poolrunner.core.plugin_api.output import RequestOutput
 from poolrunner.core.quantize import Precision, check_ranges, quantize
 from poolrunner.core.results import ClassificationResult, RerankResult
@@ -32,6 +31,7 @@ from poolrunner.core.server.metrics import ServerMetrics
 from poolrunner.core.server.middleware import REQUEST_STATS
 from poolrunner.core.server.settings import ServerSettings
 from poolrunner.core.types import PoolingParams, PoolingRequest, TruncationSide
+from poolrunner.core.validators import check_text
 
 CLIENT_CLOSED = 499
 """Status recorded for a request whose client went away (nginx's convention); never sent."""
@@ -70,13 +70,6 @@ class PoolingService:
     @property
     def waiting(self) -> int:
         return self.serving.waiting if self.serving is not None else 0
-
-    def check_model(self, model: str | None) -> None:
-        """:raises ApiError: 404 unless ``model`` is ``None`` or one of the served names."""
-        if model is not None and model not in self.model_names:
-            aliases = f" (aliases: {', '.join(map(repr, self.model_names[1:]))})" if len(self.model_names) > 1 else ""
-            raise ApiError(404, f"the model {model!r} does not exist: this server serves {self.model_name!r}{aliases}",
-                           param="model")
 
     async def prompts(self, body: Any) -> tuple[list[ClassifyInput], bool]:
         """A pooling body's inputs and whether to add special tokens: ``input`` as
@@ -195,30 +188,38 @@ class PoolingService:
     async def score(self, request: Request, queries: str | list[str], documents: str | list[str],
                     use_activation: bool | None, truncate_prompt_tokens: int | None,
                     truncation_side: TruncationSide = "right", max_tokens_per_doc: int | None = None, *,
-                    priority: int | None = None) -> tuple[np.ndarray, int]:
+                    priority: int | None = None, names: tuple[str, str] = ("queries", "documents"),
+                    options: Mapping[str, Any] | None = None) -> tuple[np.ndarray, int]:
         """``Runtime.score``'s own path (:meth:`Frontend.plan_score`): cosine of embeddings
         (bi-encoder), a one-label classifier's score of each pair (cross-encoder), or a plugin's
         ``score_outputs`` (SPLADE, ColBERT); ``[num_pairs]`` float32 and the token count.
-        ``max_tokens_per_doc`` cuts each document to its first tokens (Cohere's, vLLM's field)."""
+        ``max_tokens_per_doc`` cuts each document to its first tokens (Cohere's, vLLM's field);
+        ``names`` are the body's fields of the two sides, which errors name (``documents[2]``);
+        ``options`` the plugins' request options, as ``Runtime.score`` takes them.
+
+        :raises InvalidRequestError: for a side that is empty or holds text that is not valid
+            Unicode (:func:`~poolrunner.core.scoring.check_side`), and the front end's errors.
+        """
         check_max_tokens_per_doc(max_tokens_per_doc)
-        pairs = pair_up(queries, documents)
+        pairs = pair_up(queries, documents, names=names)
         self.check_count(len(pairs), "pairs")
         plan = await run_in_threadpool(self.frontend.plan_score, pairs, truncate_prompt_tokens=truncate_prompt_tokens,
                                        truncation_side=truncation_side, use_activation=use_activation,
-                                       max_document_tokens=max_tokens_per_doc)
+                                       max_document_tokens=max_tokens_per_doc, plugin_options=options)
         outputs, num_tokens = await self.run_requests(request, plan.requests, priority=priority)
         return await run_in_threadpool(plan.finish, outputs), num_tokens
 
     async def rerank(self, request: Request, query: str, documents: list[str], top_n: int | None,
                      return_documents: bool, truncate_prompt_tokens: int | None,
                      max_tokens_per_doc: int | None = None, *, priority: int | None = None,
-                     ) -> tuple[list[RerankResult], int]:
+                     options: Mapping[str, Any] | None = None) -> tuple[list[RerankResult], int]:
         """Like ``Runtime.rerank``: best first, ties in input order; results carry the whole
         documents even when ``max_tokens_per_doc`` scored their first tokens only."""
         frontend.check_top_n(top_n)
         self.check_count(len(documents), "documents")
         scores, num_tokens = await self.score(request, query, documents, None, truncate_prompt_tokens,
-                                              max_tokens_per_doc=max_tokens_per_doc, priority=priority)
+                                              max_tokens_per_doc=max_tokens_per_doc, priority=priority,
+                                              names=("query", "documents"), options=options)
         return frontend.rank(scores, documents, top_n=top_n, return_documents=return_documents), num_tokens
 
     async def encode(self, request: Request, items: Sequence[ClassifyInput], task: str | None,

@@ -9,7 +9,7 @@ from attrs import field, frozen
 from poolrunner.core.validators import positive_int
 
 
-def _names(names: str | Sequence[str] | None) -> tuple[str, ...] | None:
+def served_names(names: str | Sequence[str] | None) -> tuple[str, ...] | None:
     """``served_model_name`` as a tuple of distinct names in order (``None`` stays ``None``).
 
     :raises ValueError: for an empty list or an empty (or non-string) name.
@@ -29,7 +29,8 @@ class ServerSettings:
     :ivar served_model_name: The names clients may pass as ``model`` (a name, or several as vLLM's
         ``--served-model-name`` takes them: aliases of the one model); answers report the first,
         ``/v1/models`` lists each. Kept as a tuple. ``None``: the model folder's name
-        (``all-MiniLM-L6-v2`` for the default model).
+        (``all-MiniLM-L6-v2`` for the default model). For an app of one runtime only: several
+        models each carry their own names (:class:`~poolrunner.core.server.models.ServedModel`).
     :ivar api_key: When set, every endpoint but ``/health`` needs ``Authorization: Bearer KEY``.
     :ivar max_inputs_per_request: Most inputs (texts, token-id lists, documents) in one request
         (OpenAI's embeddings limit is 2048, which OpenAI clients batch up to; TEI's 32 would refuse
@@ -50,7 +51,7 @@ class ServerSettings:
         vLLM leave it to the network.
     """
 
-    served_model_name: tuple[str, ...] | None = field(default=None, converter=_names)
+    served_model_name: tuple[str, ...] | None = field(default=None, converter=served_names)
     api_key: str | None = None
     max_inputs_per_request: int = field(default=2048, validator=positive_int)
     max_request_bytes: int = field(default=2_000_000, validator=positive_int)

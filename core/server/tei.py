@@ -34,7 +34,9 @@ from poolrunner.core.scoring import cosine
 from poolrunner.core.server import protocol as p
 from poolrunner.core.server import tei_protocol as t
 from poolrunner.core.server.errors import TeiError, TeiRoute
+from poolrunner.core.server.models import ModelRouter
 from poolrunner.core.server.service import PoolingService
+from poolrunner.core.server.settings import ServerSettings
 from poolrunner.core.types import PoolingParams
 
 TASK_USES = {
@@ -49,10 +51,10 @@ TEI_POOLING = {"CLS": "cls", "MEAN": "mean", "LAST": "last_token"}
 """TEI's names of the pooling types it shares with poolrunner (``/info``); others are lowercased."""
 
 
-def add_tei_routes(app: FastAPI, service: PoolingService) -> TeiApi:
-    """TEI's routes (``/embed``, ``/embed_all``, ...) over ``service``; every error in TEI's shape.
-    Returns the handlers, for ``/invocations`` (which the app serves for vLLM's bodies too)."""
-    api = TeiApi(service)
+def add_tei_routes(app: FastAPI, router: ModelRouter) -> TeiApi:
+    """TEI's routes (``/embed``, ``/embed_all``, ...) over the served models; every error in TEI's
+    shape. Returns the handlers, for ``/invocations`` (which the app serves for vLLM's bodies too)."""
+    api = TeiApi(router)
     routes: list[tuple[str, str, Any, Any]] = [
         ("POST", "/embed", api.embed, list[list[float]]),
         ("POST", "/embed_all", api.embed_all, list[list[list[float]]]),
@@ -72,37 +74,39 @@ def add_tei_routes(app: FastAPI, service: PoolingService) -> TeiApi:
 
 
 class TeiApi:
-    """TEI's route handlers over one :class:`PoolingService`; answers in TEI's shapes."""
+    """TEI's route handlers; answers in TEI's shapes. TEI's bodies name no model, so each route
+    is answered by the served model that fits its task (:meth:`ModelRouter.pick`)."""
 
-    def __init__(self, service: PoolingService) -> None:
-        self.service = service
-        self.frontend = service.frontend
+    def __init__(self, router: ModelRouter) -> None:
+        self.router = router
 
     # ---- routes ----
 
     async def embed(self, body: t.EmbedRequest, request: Request) -> list[list[float]]:
         """One pooled ``[d]`` vector per input, ``[[...]]`` for a single input too (TEI's
         ``EmbedResponse``); ``normalize`` defaults to true, ``dimensions`` slices first."""
-        items = self._batch(body.inputs)
-        self._require("embed", "/embed")
-        params = self.frontend.params("embed", dimensions=body.dimensions, normalize=body.normalize)
-        outputs = await self._outputs(request, items, params, body, body.prompt_name)
+        items = _batch(self.router.settings, body.inputs)
+        service = self._service("embed", "/embed")
+        params = service.frontend.params("embed", dimensions=body.dimensions, normalize=body.normalize)
+        outputs = await _outputs(service, request, items, params, body, body.prompt_name)
         return [vector.tolist() for vector in frontend.embeddings(outputs)]
 
     async def embed_all(self, body: t.TokenRequest, request: Request) -> list[list[list[float]]]:
         """Every token's hidden state, unpooled and unnormalized: ``[num_tokens, hidden]`` per
         input (task ``token_embed``), special tokens included, as TEI's ``/embed_all``."""
-        items = self._batch(body.inputs)
-        self._require("token_embed", "/embed_all")
-        outputs = await self._outputs(request, items, self.frontend.params("token_embed"), body, body.prompt_name)
+        items = _batch(self.router.settings, body.inputs)
+        service = self._service("token_embed", "/embed_all")
+        params = service.frontend.params("token_embed")
+        outputs = await _outputs(service, request, items, params, body, body.prompt_name)
         return [frontend.to_array(output).tolist() for output in outputs]  # type: ignore[union-attr]
 
     async def embed_sparse(self, body: t.TokenRequest, request: Request) -> list[list[t.SparseValue]]:
         """The non-zero entries of each input's vocabulary-sized SPLADE vector (task
         ``sparse_embed``), by ascending token id as TEI lists them: ``[{"index", "value"}, ...]``."""
-        items = self._batch(body.inputs)
-        self._require("sparse_embed", "/embed_sparse")
-        outputs = await self._outputs(request, items, self.frontend.params("sparse_embed"), body, body.prompt_name)
+        items = _batch(self.router.settings, body.inputs)
+        service = self._service("sparse_embed", "/embed_sparse")
+        params = service.frontend.params("sparse_embed")
+        outputs = await _outputs(service, request, items, params, body, body.prompt_name)
         return [_sparse(frontend.to_array(output)) for output in outputs]  # type: ignore[arg-type]
 
     async def predict(self, body: t.PredictRequest, request: Request) -> list[t.Prediction] | list[list[t.Prediction]]:
@@ -110,11 +114,11 @@ class TeiApi:
         ``[text]`` or ``[text, text_pair]``), a list of them for a batch, as TEI's
         ``PredictResponse``. ``raw_scores`` returns the logits instead of probabilities."""
         items, single = _predict_items(body.inputs)
-        self._check_items(items)
-        self._require("classify", "/predict")
-        params = self.frontend.params("classify", use_activation=False if body.raw_scores else None)
-        outputs = await self._outputs(request, items, params, body)
-        ranked = [_ranked(result.probs, result.labels) for result in self.frontend.classifications(outputs)]
+        _check_items(self.router.settings, items)
+        service = self._service("classify", "/predict")
+        params = service.frontend.params("classify", use_activation=False if body.raw_scores else None)
+        outputs = await _outputs(service, request, items, params, body)
+        ranked = [_ranked(result.probs, result.labels) for result in service.frontend.classifications(outputs)]
         return ranked[0] if single else ranked
 
     async def similarity(self, body: t.SimilarityRequest, request: Request) -> list[float]:
@@ -123,10 +127,11 @@ class TeiApi:
         if not body.inputs.sentences:
             raise TeiError("Empty", "inputs.sentences is empty: send at least one sentence")
         items: list[ClassifyInput] = [body.inputs.source_sentence, *body.inputs.sentences]
-        self._check_items(items)
-        self._require("embed", "/similarity")
+        _check_items(self.router.settings, items)
+        service = self._service("embed", "/similarity")
         options = body.parameters or t.SimilarityParameters()
-        outputs = await self._outputs(request, items, self.frontend.params("embed"), options, options.prompt_name)
+        outputs = await _outputs(service, request, items, service.frontend.params("embed"), options,
+                                 options.prompt_name)
         vectors = np.stack(frontend.embeddings(outputs))
         return cosine(np.repeat(vectors[:1], len(vectors) - 1, axis=0), vectors[1:]).tolist()
 
@@ -134,8 +139,9 @@ class TeiApi:
         """Each token-id list back to text with the model's tokenizer, one string per list
         (``[ids]`` for one list too), special tokens skipped unless ``skip_special_tokens`` is false."""
         batch = body.ids if body.ids and isinstance(body.ids[0], list) else [body.ids]
-        self._check_items(batch, "ids")  # type: ignore[arg-type]
-        tokenizer = self.frontend.inputs.tokenizer
+        _check_items(self.router.settings, batch, "ids")  # type: ignore[arg-type]
+        service = self.router.default
+        tokenizer = service.frontend.inputs.tokenizer
         for index, ids in enumerate(batch):
             bad = [token for token in ids if not 0 <= token < len(tokenizer)]  # type: ignore[union-attr]
             if bad:
@@ -144,12 +150,14 @@ class TeiApi:
         return await run_in_threadpool(tokenizer.batch_decode, batch, skip_special_tokens=body.skip_special_tokens)
 
     async def info(self) -> t.Info:
-        """TEI's ``Info``: the model, its type (embedding pooling, or a classifier's labels) and the limits."""
-        runtime, settings = self.service.runtime, self.service.settings
+        """TEI's ``Info`` of the default (first) model: the model, its type (embedding pooling, or
+        a classifier's labels) and the limits."""
+        service = self.router.default
+        runtime, settings = service.runtime, service.settings
         return t.Info(
-            model_id=str(runtime.config.model or self.service.model_name), model_sha=runtime.config.revision,
-            model_dtype=runtime.precision, served_model_name=self.service.model_name,
-            model_type=self._model_type(), max_concurrent_requests=settings.max_waiting_requests,
+            model_id=str(runtime.config.model or service.model_name), model_sha=runtime.config.revision,
+            model_dtype=runtime.precision, served_model_name=service.model_name,
+            model_type=_model_type(service), max_concurrent_requests=settings.max_waiting_requests,
             max_input_length=runtime.model_config.max_model_len,
             max_batch_tokens=runtime.config.max_num_batched_tokens or default_token_budget(runtime.device.type),
             max_batch_requests=runtime.config.max_num_seqs, max_client_batch_size=settings.max_inputs_per_request,
@@ -157,13 +165,13 @@ class TeiApi:
         )
 
     async def default_route(self, request: Request, body: Annotated[dict[str, Any], Body()]) -> Any:
-        """``POST /`` (and SageMaker's ``/invocations`` for a TEI body): the served model's own route, as TEI
-        picks it: ``/predict`` for a classifier, ``/embed_sparse`` for SPLADE, else ``/embed``;
-        a ``sentence-similarity`` body (``inputs`` an object) goes to ``/similarity``, where TEI
-        needs its ``TASK`` variable set to say so."""
+        """``POST /`` (and SageMaker's ``/invocations`` for a TEI body): the default model's own
+        route, as TEI picks it: ``/predict`` for a classifier, ``/embed_sparse`` for SPLADE, else
+        ``/embed``; a ``sentence-similarity`` body (``inputs`` an object) goes to ``/similarity``,
+        where TEI needs its ``TASK`` variable set to say so."""
         if isinstance(body.get("inputs"), dict):
             return await self.similarity(t.SimilarityRequest.model_validate(body), request)
-        task = self.frontend.default_task
+        task = self.router.default.frontend.default_task
         if task == "classify":
             if "query" in body:  # TEI's root is /rerank for a one-label model; here /rerank is its own route
                 raise TeiError("Validation", "POST / answers as /predict for this model; send {query, texts} "
@@ -173,63 +181,72 @@ class TeiApi:
             return await self.embed_sparse(t.TokenRequest.model_validate(body), request)
         return await self.embed(t.EmbedRequest.model_validate(body), request)
 
-    # ---- shared steps ----
+    def _service(self, task: str, route: str) -> PoolingService:
+        """The model answering ``route``.
 
-    def _batch(self, inputs: t.EmbedInputs) -> list[ClassifyInput]:
-        """TEI's ``Input`` as a list: a text or one token-id list is one input."""
-        items = frontend.as_items(inputs)  # type: ignore[arg-type]
-        self._check_items(items)
-        return items
-
-    def _check_items(self, items: list[Any], what: str = "inputs") -> None:
-        """TEI's checks before tokenizing: not empty (400 Empty), within the client batch size (422).
-
-        :raises TeiError: naming the empty item, or the count and the limit.
+        :raises TeiError: 424 Backend, as TEI answers a route the model type cannot serve.
         """
-        if not items:
-            raise TeiError("Empty", f"{what} is empty: send at least one input")
-        limit = self.service.settings.max_inputs_per_request
-        if len(items) > limit:
-            raise TeiError("Validation", f"{what} has {len(items)} items, more than the limit of {limit} per "
-                                         "request (max_client_batch_size; poolrunner serve --max-inputs-per-request)")
-        for index, item in enumerate(items):
-            if any(len(part) == 0 for part in (item if isinstance(item, tuple) else (item,))):
-                raise TeiError("Empty", f"{what}[{index}] is empty" if len(items) > 1 else f"{what} is empty")
-
-    def _require(self, task: str, route: str) -> None:
-        """:raises TeiError: 424 Backend, as TEI answers a route the model type cannot serve."""
-        if task not in self.frontend.tasks:
+        service = self.router.pick(None, task)
+        if task not in service.frontend.tasks:
             raise TeiError("Backend", f"{route} needs a model that serves the task {task!r} ({TASK_USES[task]}); "
-                                      f"this one serves {sorted(self.frontend.tasks)}")
+                                      f"this one serves {sorted(service.frontend.tasks)}")
+        return service
 
-    async def _outputs(self, request: Request, items: list[ClassifyInput], params: PoolingParams,
-                       truncation: t.SimilarityParameters | t.PredictRequest | t.EmbedRequest | t.TokenRequest,
-                       prompt_name: str | None = None) -> list[RequestOutput]:
-        """Tokenize (in a worker thread) with TEI's truncation, run through the serving loop
-        batched with every other client's requests; one output per item, in order."""
-        truncate = truncation.truncate if truncation.truncate is not None else self.service.settings.auto_truncate
-        try:
-            requests = await run_in_threadpool(
-                self.frontend.prepare, items, params, truncate_prompt_tokens=-1 if truncate else None,
-                truncation_side=truncation.truncation_direction.lower(), prompt_name=prompt_name,
-            )
-        except PromptTooLongError as exc:  # the core message names truncate_prompt_tokens, not TEI's field
-            reason = str(exc).partition(";")[0]
-            raise TeiError("Validation", f'{reason}; shorten it or send "truncate": true') from exc
-        outputs, _ = await self.service.run_requests(request, requests)
-        return outputs
 
-    def _model_type(self) -> dict[str, t.EmbeddingModel | t.ClassifierModel]:
-        """TEI's ``model_type``: a classifier's labels (``reranker`` for one label), else the pooling."""
-        config = self.service.runtime.model_config
-        if self.frontend.default_task == "classify":
-            labels = t.ClassifierModel(id2label={str(i): label for i, label in enumerate(config.labels)},
-                                       label2id={label: i for i, label in enumerate(config.labels)})
-            return {"reranker" if len(config.labels) == 1 else "classifier": labels}
-        if self.frontend.default_task == "sparse_embed":
-            return {"embedding": t.EmbeddingModel(pooling="splade")}
-        return {"embedding": t.EmbeddingModel(pooling=TEI_POOLING.get(config.pooling_type,
-                                                                      config.pooling_type.lower()))}
+# ---- shared steps ----
+
+
+def _batch(settings: ServerSettings, inputs: t.EmbedInputs) -> list[ClassifyInput]:
+    """TEI's ``Input`` as a list: a text or one token-id list is one input."""
+    items = frontend.as_items(inputs)  # type: ignore[arg-type]
+    _check_items(settings, items)
+    return items
+
+
+def _check_items(settings: ServerSettings, items: list[Any], what: str = "inputs") -> None:
+    """TEI's checks before tokenizing: not empty (400 Empty), within the client batch size (422).
+
+    :raises TeiError: naming the empty item, or the count and the limit.
+    """
+    if not items:
+        raise TeiError("Empty", f"{what} is empty: send at least one input")
+    limit = settings.max_inputs_per_request
+    if len(items) > limit:
+        raise TeiError("Validation", f"{what} has {len(items)} items, more than the limit of {limit} per "
+                                     "request (max_client_batch_size; poolrunner serve --max-inputs-per-request)")
+    for index, item in enumerate(items):
+        if any(len(part) == 0 for part in (item if isinstance(item, tuple) else (item,))):
+            raise TeiError("Empty", f"{what}[{index}] is empty" if len(items) > 1 else f"{what} is empty")
+
+
+async def _outputs(service: PoolingService, request: Request, items: list[ClassifyInput], params: PoolingParams,
+                   truncation: t.SimilarityParameters | t.PredictRequest | t.EmbedRequest | t.TokenRequest,
+                   prompt_name: str | None = None) -> list[RequestOutput]:
+    """Tokenize (in a worker thread) with TEI's truncation, run through the serving loop
+    batched with every other client's requests; one output per item, in order."""
+    truncate = truncation.truncate if truncation.truncate is not None else service.settings.auto_truncate
+    try:
+        requests = await run_in_threadpool(
+            service.frontend.prepare, items, params, truncate_prompt_tokens=-1 if truncate else None,
+            truncation_side=truncation.truncation_direction.lower(), prompt_name=prompt_name,
+        )
+    except PromptTooLongError as exc:  # the core message names truncate_prompt_tokens, not TEI's field
+        reason = str(exc).partition(";")[0]
+        raise TeiError("Validation", f'{reason}; shorten it or send "truncate": true') from exc
+    outputs, _ = await service.run_requests(request, requests)
+    return outputs
+
+
+def _model_type(service: PoolingService) -> dict[str, t.EmbeddingModel | t.ClassifierModel]:
+    """TEI's ``model_type``: a classifier's labels (``reranker`` for one label), else the pooling."""
+    config, task = service.runtime.model_config, service.frontend.default_task
+    if task == "classify":
+        labels = t.ClassifierModel(id2label={str(i): label for i, label in enumerate(config.labels)},
+                                   label2id={label: i for i, label in enumerate(config.labels)})
+        return {"reranker" if len(config.labels) == 1 else "classifier": labels}
+    if task == "sparse_embed":
+        return {"embedding": t.EmbeddingModel(pooling="splade")}
+    return {"embedding": t.EmbeddingModel(pooling=TEI_POOLING.get(config.pooling_type, config.pooling_type.lower()))}
 
 
 # ---- TEI's bodies on the routes it shares with vLLM (/rerank, /tokenize; see :mod:`.app`) ----
@@ -243,7 +260,7 @@ async def tei_rerank(service: PoolingService, body: p.RerankRequest, request: Re
     truncate = body.truncate if body.truncate is not None else service.settings.auto_truncate
     side = "left" if (body.truncation_direction or "right").lower() == "left" else "right"
     scores, _ = await service.score(request, body.query, texts, False if body.raw_scores else None,
-                                    -1 if truncate else None, side)
+                                    -1 if truncate else None, side, names=("query", "texts"))
     ranked = frontend.rank(scores, texts, return_documents=bool(body.return_text))
     return [p.TeiRank(index=r.index, score=r.score, text=r.document) for r in ranked]
 

@@ -128,17 +128,39 @@ def test_a_request_body_that_stalls_is_cut_at_the_read_timeout(runtime):
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
 
 
-def test_connections_past_the_cap_are_refused_with_503_then_served_again(runtime):
-    with running(runtime, ConnectionLimits(max_connections=4)) as (_, port, _):
-        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+def test_connections_past_the_cap_are_refused_with_a_json_503_then_served_again(runtime, caplog):
+    """The cap counts open connections: the 4th of 4 is served, the 5th gets OpenAI's error shape
+    and is closed after the answer (read to EOF, nothing after it), and once connections close
+    requests are served again."""
+    with running(runtime, ConnectionLimits(max_connections=4)) as (_, port, _), captured(caplog):
+        url = f"http://127.0.0.1:{port}/v1/embeddings"
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
         time.sleep(0.2)
-        refused = httpx.post(f"http://127.0.0.1:{port}/v1/embeddings", json={"input": "x"})
-        assert refused.status_code == 503 and refused.text == "Service Unavailable"
+        assert httpx.post(url, json={"input": "x"}).status_code == 200  # the 4th connection
+        held.append(socket.create_connection(("127.0.0.1", port)))
+        time.sleep(0.2)
+        refused = httpx.post(url, json={"input": "x"})
+        message = "the server is at its limit of 4 connections (--max-connections); try again later"
+        assert (refused.status_code, refused.json()) == (503, {"error": {
+            "message": message, "type": "service_unavailable", "param": None, "code": 503}})
         assert refused.headers["connection"] == "close"
+        assert refused.headers["content-type"] == "application/json"
+        raw = socket.create_connection(("127.0.0.1", port))
+        raw.sendall(embed_request())
+        answer = b""
+        raw.settimeout(5)
+        while chunk := raw.recv(65536):  # EOF right after the answer: the server closed it
+            answer += chunk
+        raw.close()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 ") and b"connection: close" in head.lower()
+        assert json.loads(body)["error"]["message"] == message
         for connection in held:
             connection.close()
         time.sleep(0.2)
-        assert httpx.post(f"http://127.0.0.1:{port}/v1/embeddings", json={"input": "x"}).status_code == 200
+        assert httpx.post(url, json={"input": "x"}).status_code == 200
+    refusals = {r.getMessage() for r in caplog.records if r.getMessage().startswith("refused a request")}
+    assert refusals == {"refused a request: the server is at its limit of 4 connections (--max-connections)"}
 
 
 def test_drain_with_a_slow_client_ends_within_the_drain_timeout(runtime, caplog):

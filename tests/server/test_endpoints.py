@@ -170,7 +170,8 @@ BAD_REQUESTS = [
      "input 1 has 402 tokens, more than the maximum of 256"),
     ("bad truncation", "/v1/embeddings", {"input": "a", "truncate_prompt_tokens": 0},
      "truncate_prompt_tokens=0 is out of range"),
-    ("empty score side", "/score", {"text_1": "a", "text_2": []}, "documents is empty"),
+    ("empty score side", "/score", {"text_1": "a", "text_2": []},
+     "text_2 is empty: scoring needs at least one of each"),
     ("N:M score", "/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "cannot score 2 queries against 3"),
     ("bad top_n", "/rerank", {"query": "q", "documents": ["d"], "top_n": 0}, "top_n must be a positive integer"),
 ]

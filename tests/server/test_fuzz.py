@@ -23,8 +23,8 @@ from fastapi.routing import APIRoute
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from poolrunner.core.server.app import DEFAULT_MODEL_NAME
 from poolrunner.core.server.errors import ERROR_TYPES, TEI_STATUS, TeiRoute
+from poolrunner.core.server.models import DEFAULT_MODEL_NAME
 from tests.helpers import MIN_COSINE, cosine_rows
 
 STRUCTURED_EXAMPLES = 130

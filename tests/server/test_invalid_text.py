@@ -23,9 +23,12 @@ def test_the_python_api_refuses_it_and_still_serves(runtime):
     with pytest.raises(InvalidRequestError) as caught:
         runtime.embed(["fine", BROKEN])
     assert str(caught.value) == f"input 1 {MESSAGE}"
+    with pytest.raises(InvalidRequestError) as caught:  # named as sent, though scoring pools texts sorted
+        runtime.score(["fine", "also fine"], ["fine", BROKEN])
+    assert (str(caught.value), caught.value.param) == (f"documents[1] {MESSAGE}", "documents")
     with pytest.raises(InvalidRequestError) as caught:
-        runtime.score("fine", [BROKEN])
-    assert str(caught.value) == f"input 0 {MESSAGE}"  # score pools the distinct texts, sorted: "caf..." first
+        runtime.rerank(BROKEN, ["fine"])
+    assert (str(caught.value), caught.value.param) == (f"query {MESSAGE}", "query")
     assert runtime.embed("fine").shape == (384,)
 
 
@@ -35,6 +38,7 @@ def test_the_python_api_refuses_it_and_still_serves(runtime):
     ("/tokenize", {"prompt": BROKEN}, {"error": f"input 0 {MESSAGE}"}),
     ("/tokenize", {"inputs": [BROKEN]}, {"tei": f"input 0 {MESSAGE}"}),
     ("/embed", {"inputs": BROKEN}, {"tei": f"input 0 {MESSAGE}"}),
+    ("/rerank", {"query": "fine", "texts": ["zebra", BROKEN]}, {"tei": f"texts[1] {MESSAGE}"}),  # TEI's fields
     # answers carry these back: they were a 500 (UnicodeEncodeError writing the answer)
     ("/v1/embeddings", {"input": "fine", "request_id": BROKEN},
      {"error": "request_id: not valid Unicode text: character 5 is U+D83D, a lone surrogate (half of a UTF-16 "
@@ -54,6 +58,27 @@ def test_every_route_answers_400_and_the_connection_survives(server, runtime, pa
             assert refused.status_code == 400 and refused.json()["error"]["message"] == answer["error"]
         again = client.post("/v1/embeddings", json={"input": "fine", "encoding_format": "float"})
         np.testing.assert_allclose(again.json()["data"][0]["embedding"], runtime.embed("fine"), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("/rerank", {"query": BROKEN, "documents": ["fine", "good", "ok"]}, "query"),
+    ("/v1/rerank", {"query": BROKEN, "documents": [{"text": "fine"}], "max_tokens_per_doc": 3}, "query"),
+    ("/rerank", {"query": "fine", "documents": ["zebra", "fine", BROKEN]}, "documents[2]"),
+    ("/score", {"text_1": BROKEN, "text_2": ["fine", "good"]}, "text_1"),
+    ("/score", {"text_1": ["fine", BROKEN], "text_2": ["good", "ok"]}, "text_1[1]"),
+    ("/score", {"text_1": "fine", "text_2": ["good", BROKEN]}, "text_2[1]"),
+    ("/v1/score", {"queries": ["zebra", "fine"], "documents": [BROKEN, "ok"]}, "documents[0]"),
+])
+def test_scoring_names_the_field_and_position_sent(server, runtime, path, body, field):
+    """Scoring pools each distinct text once, in sorted order; the error still names the text as
+    the client sent it (it named the sorted position, "input 3", with no param)."""
+    with httpx.Client(base_url=server.url) as client:
+        refused = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+        assert refused.status_code == 400
+        assert refused.json() == {"error": {"message": f"{field} {MESSAGE}", "type": "invalid_request_error",
+                                            "param": field.split("[")[0], "code": 400}}
+        again = client.post("/rerank", json={"query": "fine", "documents": ["fine", "good"]})
+        assert again.status_code == 200 and [r["index"] for r in again.json()["results"]] == [0, 1]
 
 
 def test_a_bug_is_a_json_500_with_an_id_and_the_connection_survives(server, runtime, monkeypatch, caplog):

@@ -222,7 +222,7 @@ def test_max_tokens_per_doc_keeps_a_long_document_within_the_model(server, runti
     ({"query": "q", "documents": ["d"], "return_text": True}, "documents cannot be combined with TEI's fields "
                                                               "(return_text): send documents (vLLM, Jina, Cohere) or "
                                                               "texts (TEI)", "documents"),
-    ({"query": "q", "documents": []}, "documents is empty: scoring needs at least one of each", None),
+    ({"query": "q", "documents": []}, "documents is empty: scoring needs at least one of each", "documents"),
 ])
 def test_bad_rerank_bodies(server, runtime, body, message, param):
     for path in ("/rerank", "/v2/rerank"):

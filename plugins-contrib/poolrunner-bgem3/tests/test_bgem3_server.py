@@ -105,3 +105,28 @@ def test_score_on_an_m3_server_is_the_weighted_score(folder):
         np.testing.assert_allclose([item["score"] for item in score.json()["data"]], expected, rtol=1e-6)
         rerank = httpx.post(f"{running.url}/rerank", json={"query": QUERY, "documents": DOCUMENTS}).json()
         assert [item["index"] for item in rerank["results"]] == list(np.argsort(-expected, kind="stable"))
+
+
+def test_score_and_rerank_take_the_weights_as_body_fields(folder):
+    m3 = poolrunner.Runtime(folder, task="m3_embed", device="cpu", dtype="float32")
+    reference = M3Reference(folder)
+    query, documents = reference.encode(QUERY), [reference.encode(document) for document in DOCUMENTS]
+    weights = {"dense": 0.1, "sparse": 0.7, "colbert": 0.2}
+    expected = [combined_score(query, document, weights) for document in documents]
+    card = {"dense": 0.4, "sparse": 0.2, "colbert": 0.4}  # the defaults
+    defaults = [combined_score(query, document, card) for document in documents]
+    assert not np.allclose(expected, defaults, rtol=1e-3)  # the fields must matter
+    fields = {"dense_weight": 0.1, "sparse_weight": 0.7, "colbert_weight": 0.2}
+    with ServerThread(m3) as running:
+        score = httpx.post(f"{running.url}/score", json={"text_1": QUERY, "text_2": DOCUMENTS, **fields})
+        assert score.status_code == 200, score.text
+        np.testing.assert_allclose([item["score"] for item in score.json()["data"]], expected, rtol=1e-5, atol=1e-6)
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            rerank = httpx.post(f"{running.url}{path}", json={"query": QUERY, "documents": DOCUMENTS, **fields})
+            assert rerank.status_code == 200, rerank.text
+            by_index = {item["index"]: item["relevance_score"] for item in rerank.json()["results"]}
+            np.testing.assert_allclose([by_index[0], by_index[1]], expected, rtol=1e-5, atol=1e-6)
+        refused = httpx.post(f"{running.url}/score", json={"text_1": QUERY, "text_2": DOCUMENTS, "dense_weight": "x"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "dense_weight"
+        again = httpx.post(f"{running.url}/score", json={"text_1": QUERY, "text_2": DOCUMENTS, **fields})
+        np.testing.assert_allclose([item["score"] for item in again.json()["data"]], expected, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,139 @@
+"""The models one server serves, and which of them answers a request.
+
+A server holds one or several runtimes, each under its own served names (``poolrunner serve
+--model A --model B``). Every runtime keeps its own engine loop, so a model's requests batch only
+with its own. A request names its model in ``model`` (OpenAI's, vLLM's, Cohere's field); a request
+without one (TEI's bodies have no such field) goes to the model that fits its route best: see
+:meth:`ModelRouter.pick`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from attrs import field, frozen
+
+from poolrunner.core.runtime import Runtime
+from poolrunner.core.server.errors import ApiError
+from poolrunner.core.server.service import PoolingService
+from poolrunner.core.server.settings import ServerSettings, served_names
+
+DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+
+
+def default_model_name(runtime: Runtime) -> str:
+    """The model folder's name; ``all-MiniLM-L6-v2`` for the model shipped with poolrunner."""
+    if runtime.config.model is None:
+        return DEFAULT_MODEL_NAME
+    return Path(runtime.config.model).resolve().name
+
+
+@frozen
+class ServedModel:
+    """A runtime and the names clients call it by: the first is the one answers report, the
+    others are aliases (vLLM's ``--served-model-name a b``); repeated names count once.
+
+    :raises ValueError: for no name or an empty one.
+    """
+
+    runtime: Runtime
+    names: tuple[str, ...] = field(converter=served_names)
+
+    @names.validator
+    def _named(self, _attribute: object, names: tuple[str, ...] | None) -> None:
+        if names is None:
+            raise ValueError("a served model needs one or more names, got None")
+
+
+def served_models(models: Runtime | Sequence[ServedModel], names: Sequence[str] | None) -> list[ServedModel]:
+    """``models`` as a list: a lone runtime is served under ``names`` (default: its folder's name).
+
+    :raises ValueError: for no model, ``names`` given with a list (each :class:`ServedModel` has
+        its own), or a name two models share.
+    """
+    if isinstance(models, Runtime):
+        return [ServedModel(models, names or (default_model_name(models),))]
+    if not models:
+        raise ValueError("a server needs at least one model")
+    if names is not None:
+        raise ValueError("served_model_name applies to a single runtime; name each ServedModel instead")
+    seen: dict[str, int] = {}
+    for index, model in enumerate(models):
+        for name in model.names:
+            if name in seen:
+                raise ValueError(f"models {seen[name]} and {index} are both named {name!r}: give each its own name")
+            seen[name] = index
+    return list(models)
+
+
+class ModelRouter:
+    """The served models' services, in the order they were given; the first is the default."""
+
+    def __init__(self, services: Sequence[PoolingService], settings: ServerSettings) -> None:
+        self.services = tuple(services)
+        self.settings = settings
+        self._by_name = {name: service for service in self.services for name in service.model_names}
+
+    @property
+    def default(self) -> PoolingService:
+        return self.services[0]
+
+    def pick(self, model: str | None, task: str | None = None) -> PoolingService:
+        """The service answering a request for ``model`` on a route of ``task``.
+
+        With ``model``, the model of that name. Without, the first model whose default task is
+        ``task`` (for ``score``: the first cross-encoder, then the first that scores at all; for
+        ``classify``: a classifier before a cross-encoder), else the first that serves ``task``,
+        else the first model (whose answer says what it does not serve). One model is always it.
+
+        :raises ApiError: 404 when no model is named ``model``.
+        """
+        if model is not None:
+            service = self._by_name.get(model)
+            if service is None:
+                raise ApiError(404, f"the model {model!r} does not exist: this server serves {self._listing()}",
+                               param="model")
+            return service
+        if task is None or len(self.services) == 1:
+            return self.default
+        ranked = [(rank, i) for i, service in enumerate(self.services) if (rank := _fit(service, task)) is not None]
+        return self.services[min(ranked)[1]] if ranked else self.default
+
+    def public_text(self, text: str) -> str:
+        """``text`` with every model's folder path replaced by its served name."""
+        for service in self.services:
+            text = service.public_text(text)
+        return text
+
+    @property
+    def alive(self) -> bool:
+        return all(service.alive for service in self.services)
+
+    @property
+    def pending(self) -> int:
+        return sum(service.pending for service in self.services)
+
+    @property
+    def waiting(self) -> int:
+        return sum(service.waiting for service in self.services)
+
+    def _listing(self) -> str:
+        return "; ".join(
+            repr(service.model_name) + (f" (aliases: {', '.join(map(repr, service.model_names[1:]))})"
+                                        if len(service.model_names) > 1 else "")
+            for service in self.services
+        )
+
+
+def _fit(service: PoolingService, task: str) -> int | None:
+    """How well ``service``'s model fits a route of ``task``: lower is better, ``None`` not at all."""
+    frontend = service.frontend
+    cross_encoder = frontend.default_task == "classify" and len(frontend.model_config.labels) == 1
+    if task == "score":  # a cross-encoder, else a bi-encoder's cosine or a plugin's score
+        return 0 if cross_encoder else (None if frontend.default_task == "classify" else 1)
+    if task == "classify" and cross_encoder:
+        return 1
+    if frontend.default_task == task:
+        return 0
+    return 2 if task in service.runtime.supported_tasks else None
