@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ctypes
 import platform
+import subprocess
+import sys
 import threading
 import time
 
@@ -134,3 +136,27 @@ def test_release_memory_calls_glibc_malloc_trim_and_never_fails(monkeypatch):
         assert memory.release_memory() is False
     finally:
         memory._malloc_trim.cache_clear()
+
+
+ARENAS_SCRIPT = """
+import ctypes, sys, threading
+from poolrunner.core import memory
+assert memory.limit_malloc_arenas(2)
+barrier = threading.Barrier(8)
+def churn():
+    barrier.wait()  # all at once, so that glibc would give each thread an arena of its own
+    for _ in range(2000):
+        ctypes.create_string_buffer(4096)
+threads = [threading.Thread(target=churn) for _ in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+ctypes.CDLL(None).malloc_stats()  # one "Arena N:" block per arena, on stderr
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt(M_ARENA_MAX) is glibc's")
+def test_limit_malloc_arenas_caps_the_arenas_threads_get():
+    result = subprocess.run([sys.executable, "-c", ARENAS_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    arenas = [line for line in result.stderr.splitlines() if line.startswith("Arena ")]
+    assert 1 <= len(arenas) <= 2, result.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 from typing import Any
 
 from poolrunner.core.cli.common import (
@@ -133,8 +134,10 @@ def run(args: argparse.Namespace) -> int:
     _check_installed()
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port must be 0..65535, got {args.port}")
+    from poolrunner.core.memory import limit_malloc_arenas
     from poolrunner.core.server.logs import configured
 
+    limit_malloc_arenas(max(2, os.cpu_count() or 1))  # before the server's threads exist
     with configured(args.log_level, args.log_format):  # the load logs too
         _serve(args)
     return 0
