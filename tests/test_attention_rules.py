@@ -41,7 +41,7 @@ def _bidirectional(_b, _h, q_idx, kv_idx):
 
 def test_an_argument_the_attention_does_not_implement_is_refused():
     q, k, v = _inputs()
-    layout = PackedLayout.build([5], torch.device("cpu"))
+    layout = PackedLayout.build([5])
     with pytest.raises(UnsupportedAttentionError, match="does not implement: new_feature$"):
         packed_attention(torch.nn.Identity(), q, k, v, MaskRule(_bidirectional, False),
                          new_feature=2.0, **{LAYOUT_KWARG: layout})
@@ -49,7 +49,7 @@ def test_an_argument_the_attention_does_not_implement_is_refused():
 
 def test_inert_and_empty_arguments_are_accepted():
     q, k, v = _inputs()
-    layout = PackedLayout.build([5], torch.device("cpu"))
+    layout = PackedLayout.build([5])
     out, _ = packed_attention(torch.nn.Identity(), q, k, v, MaskRule(_bidirectional, False),
                               position_ids=torch.arange(5), sliding_window=None, new_feature=None,
                               **{LAYOUT_KWARG: layout})
@@ -59,7 +59,7 @@ def test_inert_and_empty_arguments_are_accepted():
 
 def test_dropout_at_inference_is_refused():
     q, k, v = _inputs()
-    layout = PackedLayout.build([5], torch.device("cpu"))
+    layout = PackedLayout.build([5])
     with pytest.raises(UnsupportedAttentionError, match="attention dropout 0.1 at inference"):
         packed_attention(torch.nn.Identity(), q, k, v, MaskRule(_bidirectional, False), dropout=0.1,
                          **{LAYOUT_KWARG: layout})
@@ -67,7 +67,7 @@ def test_dropout_at_inference_is_refused():
 
 def test_a_mask_built_outside_the_mask_interface_is_refused():
     q, k, v = _inputs()
-    layout = PackedLayout.build([5], torch.device("cpu"))
+    layout = PackedLayout.build([5])
     with pytest.raises(UnsupportedAttentionError, match="did not build its attention mask through"):
         packed_attention(torch.nn.Identity(), q, k, v, torch.ones(1, 1, 5, 5, dtype=torch.bool),
                          **{LAYOUT_KWARG: layout})

@@ -9,11 +9,12 @@ third-party ones) works across chunks unchanged, and a request yields nothing un
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from attrs import frozen
 from torch import nn
 
 from poolrunner.core.engine.buckets import bucket_num_tokens
@@ -25,6 +26,10 @@ from poolrunner.core.plugin_api.output import OutputHandle
 from poolrunner.core.plugin_api.pooler import Pooler, PoolerOutput
 from poolrunner.core.plugin_api.request import RequestState
 from poolrunner.core.types import ModelConfig, PoolingTask
+
+# Padded path (families without the attention interface): a group of requests grows while its
+# padded size stays within this factor of its real tokens.
+MAX_PADDING_RATIO = 1.25
 
 
 class ModelRunner:
@@ -102,20 +107,34 @@ class ModelRunner:
         return results
 
     def forward(self, batch: InputBatch, finishing: list[bool]) -> torch.Tensor:
-        """The backbone's last hidden states of the scheduled tokens, ``[num_tokens, hidden_size]``."""
+        """The backbone's last hidden states of the scheduled tokens, ``[num_tokens, hidden_size]``.
+
+        On the packed path the requests run sorted by length (prefill chunks last), so requests of
+        equal length sit side by side and attend in one call (:class:`PackedLayout`); the rows are
+        put back in packing order after the backbone.
+        """
         extra = self.hooks.prepare_inputs(batch=batch, model_config=self.model_config)
+        if not self.packed:
+            return self._forward_padded(batch, extra)
         caches = [
             None if state.num_computed_tokens == 0 and done
             else (self.kv_caches.setdefault(state.request_id, KVCache()), not done)
             for state, done in zip(batch.requests, finishing, strict=True)
         ]
-        layout = PackedLayout.build(batch.num_scheduled_tokens, batch.device, caches=caches)
-        if not self.packed:
-            return self._forward_padded(batch, layout, extra)
+        order = sorted(range(batch.num_reqs), key=lambda i: (caches[i] is not None, batch.num_scheduled_tokens[i]))
+        layout = PackedLayout.build([batch.num_scheduled_tokens[i] for i in order], caches=[caches[i] for i in order])
         inputs = {"input_ids": batch.input_ids, "position_ids": batch.positions + self.position_offset, **extra}
+        if order == list(range(batch.num_reqs)):
+            return self._forward_packed(inputs, layout, batch.num_tokens)
+        tokens, inverse = _token_order(batch, order)
+        inputs = {key: value.index_select(0, tokens) for key, value in inputs.items()}
+        return self._forward_packed(inputs, layout, batch.num_tokens).index_select(0, inverse)
+
+    def _forward_packed(self, inputs: dict[str, torch.Tensor], layout: PackedLayout, num_tokens: int) -> torch.Tensor:
+        """One forward over ``inputs`` (``[num_tokens]`` each, in ``layout``'s order): ``[num_tokens, hidden_size]``."""
         if self.bucket_tokens:
             # Padding rows belong to no request: attention leaves them zero and they are dropped.
-            padding = bucket_num_tokens(batch.num_tokens) - batch.num_tokens
+            padding = bucket_num_tokens(num_tokens) - num_tokens
             inputs = {key: F.pad(value, (0, 0) * (value.dim() - 1) + (0, padding)) for key, value in inputs.items()}
         # An all-ones mask: transformers then builds each layer's mask rule from the model's own
         # mask functions, without re-deriving sequence boundaries from the packed positions.
@@ -124,20 +143,18 @@ class ModelRunner:
             use_cache=False, attention_mask=mask, **{LAYOUT_KWARG: layout},
             **{key: value.unsqueeze(0) for key, value in inputs.items()},
         )
-        return outputs[0][0, : batch.num_tokens]
+        return outputs[0][0, :num_tokens]
 
-    def _forward_padded(self, batch: InputBatch, layout: PackedLayout, extra: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _forward_padded(self, batch: InputBatch, extra: dict[str, torch.Tensor]) -> torch.Tensor:
         """One right-padded, masked forward per length group, as transformers runs a padded batch.
 
         Positions are left to the model (every prompt here starts at 0: no chunked prefill).
         """
         hidden = None
-        for group in layout.groups:
+        for group in _padded_groups(batch.num_scheduled_tokens, batch.device):
             inputs = {key: value.index_select(0, group.gather).view(group.count, group.length)
                       for key, value in {"input_ids": batch.input_ids, **extra}.items()}
-            mask = (torch.ones(group.count, group.length, dtype=torch.long, device=batch.device)
-                    if group.key_mask is None else group.key_mask[:, 0, 0].long())
-            states = self.backbone(attention_mask=mask, **inputs)[0]
+            states = self.backbone(attention_mask=group.mask, **inputs)[0]
             rows = states.reshape(group.count * group.length, -1).index_select(0, group.valid)
             if hidden is None:
                 hidden = rows.new_empty(batch.num_tokens, rows.shape[-1])
@@ -176,6 +193,71 @@ class ModelRunner:
         return torch.cat(rows), PoolingMetadata(
             **metadata_args, query_start_loc=starts.to(batch.device), prompt_token_ids=token_ids.to(batch.device)
         )
+
+
+def _token_order(batch: InputBatch, order: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat token indices that pack the requests in ``order``, and those that undo it.
+
+    :returns: ``(tokens, inverse)``, ``[num_tokens]`` int64 each on the batch's device:
+        ``packed.index_select(0, tokens)`` is in ``order`` and ``.index_select(0, inverse)`` of
+        that is ``packed`` again.
+    """
+    lengths = torch.tensor(batch.num_scheduled_tokens, dtype=torch.int64)[order]
+    starts = torch.zeros_like(lengths)
+    torch.cumsum(lengths[:-1], 0, out=starts[1:])
+    positions = torch.arange(batch.num_tokens)
+    # Each token moves by its request's new start minus its old one.
+    tokens = positions + torch.repeat_interleave(batch.query_start_loc_cpu[order] - starts, lengths)
+    inverse = torch.empty_like(tokens)
+    inverse[tokens] = positions
+    return tokens.to(batch.device, non_blocking=True), inverse.to(batch.device, non_blocking=True)
+
+
+@frozen(eq=False)
+class _PaddedGroup:
+    """Requests run as one right-padded batch: ``count`` rows of ``length`` tokens."""
+
+    count: int
+    length: int
+    gather: torch.Tensor  # [count * length] flat token index of each padded slot (pads -> 0)
+    valid: torch.Tensor  # [num_real] padded slots that hold real tokens
+    dest: torch.Tensor  # [num_real] flat token index of each of those slots
+    mask: torch.Tensor  # [count, length] int64, 1 where a token is real
+
+
+def _padded_groups(lengths: Sequence[int], device: torch.device) -> list[_PaddedGroup]:
+    """Requests sorted by length, a group closed when padding it to its longest member would
+    exceed :data:`MAX_PADDING_RATIO` times its real tokens; ``lengths[i]`` tokens are request ``i``'s."""
+    starts = [0]
+    for length in lengths:
+        starts.append(starts[-1] + length)
+    groups, members = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        candidate = members + [i]
+        if members and lengths[i] * len(candidate) > MAX_PADDING_RATIO * sum(lengths[j] for j in candidate):
+            groups.append(_padded_group(members, lengths, starts, device))
+            candidate = [i]
+        members = candidate
+    groups.append(_padded_group(members, lengths, starts, device))
+    return groups
+
+
+def _padded_group(members: list[int], lengths: Sequence[int], starts: list[int], device: torch.device) -> _PaddedGroup:
+    """Requests ``members`` as one batch padded to the longest; request ``i``'s tokens start at ``starts[i]``."""
+    longest = max(lengths[i] for i in members)
+    gather, valid, dest = [], [], []
+    for row, i in enumerate(members):
+        tokens = list(range(starts[i], starts[i] + lengths[i]))
+        gather.extend(tokens + [0] * (longest - lengths[i]))
+        valid.extend(range(row * longest, row * longest + lengths[i]))
+        dest.extend(tokens)
+    real = torch.tensor([lengths[i] for i in members])
+    mask = (torch.arange(longest)[None, :] < real[:, None]).long()
+
+    def to_device(values: list[int] | torch.Tensor) -> torch.Tensor:
+        return torch.as_tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+    return _PaddedGroup(len(members), longest, to_device(gather), to_device(valid), to_device(dest), to_device(mask))
 
 
 def _select(metadata: PoolingMetadata, members: list[int]) -> tuple[torch.Tensor, PoolingMetadata]:

@@ -174,14 +174,17 @@ def test_prepare_inputs_gives_every_token_its_type_in_a_mixed_batch(runtime, log
     outputs = dict(runtime.engine.run(requests))
     assert sorted(outputs) == ["late", "ones", "pair", "plain", "zeros"]
 
-    expected = torch.tensor([0, 0, 0, 1, 1, 1] + [0] * 5 + [1] * 4 + [0] * 3 + [0, 1, 1, 1], dtype=torch.int64)
+    types = [[0, 0, 0, 1, 1, 1], [0] * 5, [1] * 4, [0] * 3, [0, 1, 1, 1]]  # packing order
+    expected = torch.tensor(sum(types, []), dtype=torch.int64)
     assert len(forwarded) == 1  # one step for all five
     given = forwarded[0]["token_type_ids"]
     assert given.dtype == torch.int64 and given.device.type == runtime.device.type
-    # The runner adds the batch dimension; on the CPU it pads the step to a bucket with type 0.
+    # The runner adds the batch dimension, runs the requests sorted by length (stable) and, on
+    # the CPU, pads the step to a bucket with type 0.
     padded = bucket_num_tokens(22) if runtime.device.type == "cpu" else 22
     assert given.shape == (1, padded)
-    assert torch.equal(given[0].cpu(), F.pad(expected, (0, padded - 22)))
+    by_length = torch.tensor(sum(sorted(types, key=len), []), dtype=torch.int64)
+    assert torch.equal(given[0].cpu(), F.pad(by_length, (0, padded - 22)))
     # The hook's own result is that packed tensor, and it is the only one.
     (result,) = log.prepared[0]
     assert list(result) == ["token_type_ids"] and torch.equal(result["token_type_ids"].cpu(), expected)
