@@ -229,6 +229,7 @@ def _jsonl_records(source: Any, fields: Fields, name: str) -> Iterator[_Record]:
     id_field, id_option = fields.id or (None, "")
     id_kind: type | None = None  # the first id's type: every id of the file must have it
     optional = fields.optional_id  # until the first object says whether this file has ids
+    implicit = fields.optional_id  # ids copied because the file has them, not because they were asked for
     row = -1
     with _decoded(source) as lines:
         for number, line in enumerate(lines, start=1):
@@ -243,8 +244,8 @@ def _jsonl_records(source: Any, fields: Fields, name: str) -> Iterator[_Record]:
             if record is not None:
                 values, problem = _texts_of(record, fields)
             if record is not None and problem is None and id_field is not None:
-                record_id, problem = _id_of(record, id_field, id_option, id_kind)
-                id_kind = id_kind or (type(record_id) if problem is None else None)
+                record_id, problem = _id_of(record, id_field, id_option, id_kind, implicit)
+                id_kind = id_kind or (type(record_id) if problem is None and record_id is not None else None)
             yield row, f"{name}:{number}", values, record_id, problem
 
 
@@ -282,8 +283,13 @@ def _texts_of(record: Mapping[str, Any], fields: Fields) -> tuple[tuple[str, ...
     return tuple(values), None
 
 
-def _id_of(record: Mapping[str, Any], field: str, option: str, kind: type | None) -> tuple[Any, str | None]:
-    """A JSON record's id: a string or an integer (int64), of the same type in every record of a file."""
+def _id_of(record: Mapping[str, Any], field: str, option: str, kind: type | None,
+           implicit: bool = False) -> tuple[Any, str | None]:
+    """A JSON record's id: a string or an integer (int64), of the same type in every record of a
+    file. ``implicit`` (the default id field, copied because the file has it): a record without
+    it, or with ``null``, has no id (``None``, written as null, as a Parquet null is)."""
+    if implicit and record.get(field) is None:
+        return None, None
     if field not in record:
         known = ", ".join(repr(key) for key in record)
         return None, f"no field {field!r} (fields: {known}); pick one with {option}"
@@ -293,7 +299,9 @@ def _id_of(record: Mapping[str, Any], field: str, option: str, kind: type | None
     if isinstance(value, int) and not -(2**63) <= value < 2**63:
         return None, f"field {field!r} is an integer beyond int64"
     if kind is not None and type(value) is not kind:
-        return None, f"field {field!r} is {type(value).__name__}, but the first record's is {kind.__name__}"
+        hint = (f" (ids are copied from {field!r} because the file has it); give every id one type, or name "
+                f"another field with {option}") if implicit else "; give every id one type"
+        return None, f"field {field!r} is {type(value).__name__}, but the first record's is {kind.__name__}{hint}"
     problem = _lone_surrogate(value) if isinstance(value, str) else None
     return value, None if problem is None else f"field {field!r} {problem}"
 

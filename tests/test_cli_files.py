@@ -160,6 +160,27 @@ def test_an_id_field_is_copied_without_id_field(capsys, tmp_path, tiny, tiny_run
         ["embedding", "index"]] * 2
 
 
+def test_default_ids_may_be_missing_or_null_but_not_of_two_types(capsys, tmp_path, tiny, tiny_runtime) -> None:
+    """Copied because the file has them, ``id`` s are never asked for: a record without one, or
+    with ``null``, has a null id; ids of two types are an error that says what to do."""
+    source = tmp_path / "docs.jsonl"
+    rows = [{"text": TEXTS[0], "id": "doc-0"}, {"text": TEXTS[1]}, {"text": TEXTS[2], "id": None}]
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    target = tmp_path / "vectors.jsonl"
+    code, _, err = cli(capsys, "embed", "--model", tiny, "--input", str(source), "-o", str(target))
+    assert code == 0, err
+    records = [json.loads(line) for line in target.read_text(encoding="utf-8").splitlines()]
+    assert [(r["index"], r["id"]) for r in records] == [(0, "doc-0"), (1, None), (2, None)]
+    np.testing.assert_allclose([r["embedding"] for r in records], tiny_runtime.embed(TEXTS[:3]), atol=1e-6)
+
+    source.write_text(json.dumps({"text": TEXTS[0], "id": "a"}) + "\n" + json.dumps({"text": TEXTS[1], "id": 2}) + "\n",
+                      encoding="utf-8")
+    code, _, err = cli(capsys, "embed", "--model", tiny, "--input", str(source), "-o", str(target))
+    assert code == 2
+    assert (f"{source}:2: field 'id' is int, but the first record's is str (ids are copied from 'id' because the "
+            "file has it); give every id one type, or name another field with --id-field") in err
+
+
 def test_jsonl_named_txt_with_input_format_embeds_the_field_not_the_line(capsys, tmp_path, tiny,
                                                                           tiny_runtime) -> None:
     source = write_input(tmp_path / "docs.txt", "jsonl", TEXTS[:2])
@@ -214,7 +235,7 @@ def test_skip_leaves_bad_records_out_and_counts_them(capsys, tmp_path, tiny, tin
     assert err.splitlines()[1:] == [
         f"poolrunner: skipped {source}:2: invalid JSON: Expecting value (column 10)",
         f"poolrunner: skipped {source}:3: no field 'text' (fields: 'body', 'id'); pick one with --text-field",
-        f"poolrunner: skipped {source}:5: field 'id' is str, but the first record's is int",
+        f"poolrunner: skipped {source}:5: field 'id' is str, but the first record's is int; give every id one type",
         "poolrunner: skipped 3 bad records (--on-error skip)",
     ]
     records = [json.loads(line) for line in target.read_text(encoding="utf-8").splitlines()]

@@ -10,6 +10,7 @@ without one (TEI's bodies have no such field) goes to the model that fits its ro
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextvars import ContextVar
 from pathlib import Path
 
 from attrs import field, frozen
@@ -20,6 +21,9 @@ from poolrunner.core.server.service import PoolingService
 from poolrunner.core.server.settings import ServerSettings, served_names
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+
+_ANSWERING: ContextVar[PoolingService | None] = ContextVar("poolrunner_answering_model", default=None)
+"""The service :meth:`ModelRouter.pick` chose for the request being answered (its errors name it)."""
 
 
 def default_model_name(runtime: Runtime) -> str:
@@ -89,6 +93,11 @@ class ModelRouter:
 
         :raises ApiError: 404 when no model is named ``model``.
         """
+        service = self._choose(model, task)
+        _ANSWERING.set(service)
+        return service
+
+    def _choose(self, model: str | None, task: str | None) -> PoolingService:
         if model is not None:
             service = self._by_name.get(model)
             if service is None:
@@ -101,8 +110,10 @@ class ModelRouter:
         return self.services[min(ranked)[1]] if ranked else self.default
 
     def public_text(self, text: str) -> str:
-        """``text`` with every model's folder path replaced by its served name."""
-        for service in self.services:
+        """``text`` with every model's folder path replaced by its served name: the answering
+        model's name first (two models may share a folder), then the others'."""
+        answering = _ANSWERING.get()
+        for service in ([answering] if answering in self.services else []) + list(self.services):
             text = service.public_text(text)
         return text
 

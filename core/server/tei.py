@@ -155,7 +155,8 @@ class TeiApi:
         service = self.router.default
         runtime, settings = service.runtime, service.settings
         return t.Info(
-            model_id=str(runtime.config.model or service.model_name), model_sha=runtime.config.revision,
+            model_id=service.public_text(str(runtime.config.model or service.model_name)),  # never a local path
+            model_sha=runtime.config.revision,
             model_dtype=runtime.precision, served_model_name=service.model_name,
             model_type=_model_type(service), max_concurrent_requests=settings.max_waiting_requests,
             max_input_length=runtime.model_config.max_model_len,

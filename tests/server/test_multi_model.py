@@ -18,6 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
+import poolrunner
 from poolrunner.core.cli.common import CliError
 from poolrunner.core.cli.model_specs import ModelSpec, parse_model_spec
 from poolrunner.core.server.models import ServedModel, served_models
@@ -194,3 +195,16 @@ def test_serve_command_refuses_served_model_name_with_several_models(tmp_path):
     assert result.returncode != 0
     assert "--served-model-name names a single model; with several, give each its names as --model " \
            "PATH:name=NAME" in result.stderr
+
+
+def test_errors_name_the_answering_model_when_two_share_a_folder(minilm_classifier_folder, classifier_runtime):
+    folder = minilm_classifier_folder(3)
+    short = poolrunner.Runtime(folder, dtype="float32", max_model_len=16)
+    models = [ServedModel(classifier_runtime(folder), "labels"), ServedModel(short, "labels-16")]
+    text = " ".join(["word"] * 30)
+    with ServerThread(models) as running:
+        refused = httpx.post(f"{running.url}/classify", json={"model": "labels-16", "input": text})
+        assert refused.status_code == 400
+        message = refused.json()["error"]["message"]
+        assert "max_model_len of labels-16" in message and str(folder) not in message, message
+        assert httpx.post(f"{running.url}/classify", json={"model": "labels", "input": text}).status_code == 200
