@@ -80,15 +80,33 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
-def positive_int(value: str) -> int:
-    """argparse ``type`` for options that must be >= 1."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return number
+def at_least(minimum: int) -> Callable[[str], int]:
+    """argparse ``type`` for an integer >= ``minimum``."""
+    kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+
+    def check(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind}, got {value!r}") from None
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"expected {kind}, got {value!r}")
+        return number
+
+    check.__name__ = {1: "positive_int", 0: "non_negative_int"}.get(minimum, f"int_at_least_{minimum}")
+    return check
+
+
+positive_int = at_least(1)
+"""argparse ``type`` for options that must be >= 1."""
+
+
+def boolean(value: str) -> bool:
+    """argparse ``type`` for true / false (also 1 / 0, yes / no)."""
+    answer = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(value.lower())
+    if answer is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    return answer
 
 
 def plugin_option(value: str) -> tuple[str, Any]:

@@ -17,20 +17,13 @@ from typing import Any
 
 from attrs import frozen
 
-from poolrunner.core.cli.common import CliError, positive_int
+from poolrunner.core.cli.common import CliError, boolean, positive_int
 from poolrunner.core.config import DTYPES
 
 logger = logging.getLogger(__name__)
 
 _OPTION = re.compile(r":([a-z][a-z-]*)=([^:]*)")
 _OPTIONS_AT_END = re.compile(r"(?::[a-z][a-z-]*=[^:]*)+$")
-
-
-def _boolean(value: str) -> bool:
-    answer = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(value.lower())
-    if answer is None:
-        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
-    return answer
 
 
 def _choice(choices: Sequence[str]) -> Callable[[str], str]:
@@ -44,7 +37,7 @@ def _choice(choices: Sequence[str]) -> Callable[[str], str]:
 
 KEYS: dict[str, Callable[[str], Any]] = {
     "name": str, "task": str, "dtype": _choice(DTYPES), "revision": str, "max-model-len": positive_int,
-    "max-num-seqs": positive_int, "max-num-batched-tokens": positive_int, "is-matryoshka": _boolean,
+    "max-num-seqs": positive_int, "max-num-batched-tokens": positive_int, "is-matryoshka": boolean,
     "score-template": str,
 }
 """The keys a model may set, each read as its ``serve`` flag reads it; ``name`` may repeat."""

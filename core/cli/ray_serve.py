@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import signal
 import sys
 import time
@@ -14,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from poolrunner.core.cli.common import CliError, positive_int, runtime_options
+from poolrunner.core.cli.common import CliError, at_least, json_object, positive_int, runtime_options
 from poolrunner.core.cli.ray_job import resource_amount
 from poolrunner.core.errors import PoolrunnerError
 
@@ -41,13 +40,13 @@ def add_ray_serve_options(parser: argparse.ArgumentParser) -> None:
                        help="serve as Ray Serve replicas instead of one process")
     group.add_argument("--replicas", metavar="N", type=positive_int,
                        help="replicas, each holding one runtime (default: 1); with autoscaling, the initial number")
-    group.add_argument("--min-replicas", metavar="N", type=_non_negative_int,
+    group.add_argument("--min-replicas", metavar="N", type=at_least(0),
                        help="autoscale down to N replicas (Ray Serve's min_replicas)")
     group.add_argument("--max-replicas", metavar="N", type=positive_int,
                        help="autoscale up to N replicas (Ray Serve's max_replicas)")
     group.add_argument("--target-ongoing-requests", metavar="N", type=resource_amount(minimum_exclusive=True),
                        help="requests per replica the autoscaler aims at (Ray Serve's target_ongoing_requests)")
-    group.add_argument("--autoscaling-config", metavar="JSON", type=_json_object,
+    group.add_argument("--autoscaling-config", metavar="JSON", type=json_object,
                        help="Ray Serve's whole autoscaling_config as a JSON object (upscale_delay_s...); the "
                             "three flags above override its keys")
     group.add_argument("--max-ongoing-requests", metavar="N", type=positive_int,
@@ -184,25 +183,3 @@ def _stop_on_signals() -> Iterator[None]:
         for sig, handler in previous.items():
             if handler is not None:  # None: a handler not set from Python, which cannot be set back
                 signal.signal(sig, handler)
-
-
-def _non_negative_int(value: str) -> int:
-    """argparse ``type`` for a count that may be 0."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}") from None
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
-    return number
-
-
-def _json_object(value: str) -> dict[str, Any]:
-    """argparse ``type`` for a JSON object."""
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r} ({exc})") from None
-    if not isinstance(parsed, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
-    return parsed

@@ -13,6 +13,7 @@ from poolrunner.core.cli.common import (
     add_model_options,
     add_plugin_options,
     add_task_option,
+    boolean,
     positive_int,
 )
 from poolrunner.core.cli.environment import check_environment, read_environment
@@ -104,7 +105,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--read-timeout", metavar="SECONDS", type=_seconds, default=30.0,
                         help="how long a client may take to send a whole request (head and body), from the "
                              "connection's opening or its previous answer; then the connection is closed")
-    server.add_argument("--auto-truncate", metavar="BOOL", nargs="?", type=_boolean, const=True, default=False,
+    server.add_argument("--auto-truncate", metavar="BOOL", nargs="?", type=boolean, const=True, default=False,
                         help="TEI's routes (/embed, /predict...) truncate an over-long input to the model maximum "
                              "when the request does not set truncate (as TEI's --auto-truncate; default: false, "
                              "such an input is a 422)")
@@ -192,11 +193,3 @@ def _seconds(value: str) -> float:
     if not seconds > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value!r}")
     return seconds
-
-
-def _boolean(value: str) -> bool:
-    """argparse ``type`` for ``--auto-truncate [true|false]`` (TEI takes the flag alone or with a value)."""
-    answer = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(value.lower())
-    if answer is None:
-        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
-    return answer
