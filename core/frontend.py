@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -125,6 +126,7 @@ class Frontend:
         self, pairs: Sequence[tuple[str, str]], *, truncate_prompt_tokens: int | None = None,
         truncation_side: TruncationSide = "right", use_activation: bool | None = None,
         max_document_tokens: int | None = None, plugin_options: Mapping[str, Any] | None = None,
+        labels: Mapping[str, tuple[str, str]] | None = None,
     ) -> ScorePlan:
         """The requests scoring ``pairs`` needs, and how their outputs become scores.
 
@@ -138,6 +140,9 @@ class Frontend:
             ``max_tokens_per_doc``); the query is never cut. ``None``: documents stay whole.
         :param plugin_options: Request options the plugins declare for the task, checked as
             :meth:`params` checks them; they reach the pooler and the ``score_outputs`` hook.
+        :param labels: How the caller names each text (:func:`~poolrunner.core.scoring.text_labels`):
+            an input error of a bi-encoder, which pools the distinct texts sorted, names the text
+            so (``documents[1]``) instead of its place among them.
         :raises InvalidRequestError: for bad input (nothing is tokenized past the first error).
         :raises UnsupportedTaskError: for a runtime whose task cannot score pairs; from ``finish``
             when the ``score_outputs`` plugins decline this runtime's task.
@@ -155,7 +160,10 @@ class Frontend:
             raise self._cannot_score()
         params = self.params(task, plugin_options)
         texts = sorted({text for pair in pairs for text in pair})  # each distinct text is pooled once
-        requests = self.prepare(texts, params, **options)
+        try:
+            requests = self.prepare(texts, params, **options)
+        except InvalidRequestError as exc:
+            raise _relabelled(exc, texts, labels) from None
         return ScorePlan(requests, functools.partial(self._score_pooled, pairs, texts, params.extra_kwargs or {}))
 
     def _formatted(self, pairs: Sequence[tuple[str, str]]) -> Sequence[ClassifyInput]:
@@ -302,3 +310,18 @@ def rank(scores: np.ndarray, documents: Sequence[str], *, top_n: int | None = No
     order = sorted(range(len(scores)), key=lambda i: -scores[i])[:top_n]
     return [RerankResult(index=i, score=float(scores[i]), document=documents[i] if return_documents else None)
             for i in order]
+
+
+_INPUT_INDEX = re.compile(r"^input (\d+)\b")
+
+
+def _relabelled(error: InvalidRequestError, texts: list[str], labels: Mapping[str, tuple[str, str]] | None,
+                ) -> InvalidRequestError:
+    """``error`` about ``input i`` of ``texts`` naming that text as the caller did (``labels``),
+    with its ``param``; ``error`` itself when it names no input or the text has no label (a
+    document cut by ``max_document_tokens``)."""
+    match = _INPUT_INDEX.match(str(error))
+    label = labels.get(texts[int(match.group(1))]) if labels is not None and match is not None else None
+    if label is None:
+        return error
+    return type(error)(label[0] + str(error)[match.end():], param=label[1])

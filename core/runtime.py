@@ -23,7 +23,7 @@ from poolrunner.core.manager import PoolrunnerPluginManager
 from poolrunner.core.plugin_api.output import RequestOutput
 from poolrunner.core.quantize import Precision, check_precision, check_ranges, quantize
 from poolrunner.core.results import ClassificationResult, RerankResult
-from poolrunner.core.scoring import check_side, pair_up
+from poolrunner.core.scoring import check_side, pair_up, text_labels
 from poolrunner.core.similarity import SimilarityFn, check_similarity_fn
 from poolrunner.core.types import ModelConfig, PoolingRequest, PoolingTask, TruncationSide
 
@@ -289,7 +289,8 @@ class Runtime:
         """
         if _empty(queries) and _empty(documents):
             return np.zeros(0, dtype=np.float32)
-        plan = self.frontend.plan_score(pair_up(queries, documents), truncate_prompt_tokens=truncate_prompt_tokens,
+        plan = self.frontend.plan_score(pair_up(queries, documents), labels=text_labels(queries, documents),
+                                        truncate_prompt_tokens=truncate_prompt_tokens,
                                         truncation_side=truncation_side, use_activation=use_activation,
                                         plugin_options=options)
         scores = plan.finish(self._run(plan.requests, False))

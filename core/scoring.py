@@ -33,6 +33,19 @@ def pair_up(queries: str | Sequence[str], documents: str | Sequence[str], *,
     )
 
 
+def text_labels(queries: str | Sequence[str], documents: str | Sequence[str], *,
+                names: tuple[str, str] = ("queries", "documents")) -> dict[str, tuple[str, str]]:
+    """Each text of a scoring request by where the caller first sent it, ``(label, param)``:
+    ``("documents[1]", "documents")``, or ``("query", "query")`` for a side sent as one string;
+    errors found after the texts are deduplicated and sorted name them so."""
+    labels: dict[str, tuple[str, str]] = {}
+    for side, name in zip((queries, documents), names, strict=True):
+        items = [side] if isinstance(side, str) else side
+        for index, text in enumerate(items):
+            labels.setdefault(text, (name if isinstance(side, str) else f"{name}[{index}]", name))
+    return labels
+
+
 def check_side(texts: str | Sequence[str], name: str) -> list[str]:
     """One side of a scoring request as a list, each item checked: a string of valid Unicode.
 

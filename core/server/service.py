@@ -25,7 +25,7 @@ from poolrunner.core.plugin_api.output import RequestOutput
 from poolrunner.core.quantize import Precision, check_ranges, quantize
 from poolrunner.core.results import ClassificationResult, RerankResult
 from poolrunner.core.runtime import Runtime, Serving
-from poolrunner.core.scoring import pair_up
+from poolrunner.core.scoring import pair_up, text_labels
 from poolrunner.core.server.errors import ApiError
 from poolrunner.core.server.metrics import ServerMetrics
 from poolrunner.core.server.middleware import REQUEST_STATS
@@ -205,7 +205,8 @@ class PoolingService:
         self.check_count(len(pairs), "pairs")
         plan = await run_in_threadpool(self.frontend.plan_score, pairs, truncate_prompt_tokens=truncate_prompt_tokens,
                                        truncation_side=truncation_side, use_activation=use_activation,
-                                       max_document_tokens=max_tokens_per_doc, plugin_options=options)
+                                       max_document_tokens=max_tokens_per_doc, plugin_options=options,
+                                       labels=text_labels(queries, documents, names=names))
         outputs, num_tokens = await self.run_requests(request, plan.requests, priority=priority)
         return await run_in_threadpool(plan.finish, outputs), num_tokens
 

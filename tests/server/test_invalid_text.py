@@ -100,3 +100,24 @@ def test_a_bug_is_a_json_500_with_an_id_and_the_connection_survives(server, runt
         assert any(error_id in record.getMessage() and record.exc_info for record in caplog.records)
         again = client.post("/v1/embeddings", json={"input": "fine", "encoding_format": "float"})
         np.testing.assert_allclose(again.json()["data"][0]["embedding"], runtime.embed("fine"), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("/rerank", {"query": "fine", "documents": ["zebra", "fine", "LONG"]}, "documents[2]"),
+    ("/rerank", {"query": "LONG", "documents": ["fine"]}, "query"),
+    ("/score", {"text_1": ["fine", "good"], "text_2": ["LONG", "ok"]}, "text_2[0]"),
+    ("/v1/score", {"queries": "LONG", "documents": ["fine", "good"]}, "queries"),
+])
+def test_a_too_long_text_is_named_as_sent(server, runtime, text_with_tokens, path, body, field):
+    """A bi-encoder pools each distinct text once, sorted: the error still names the text as the
+    client sent it (it said "input 2" of the sorted texts, with no param)."""
+    long_text = text_with_tokens(300, 5)
+    body = {key: ([long_text if v == "LONG" else v for v in value] if isinstance(value, list)
+                  else long_text if value == "LONG" else value) for key, value in body.items()}
+    refused = httpx.post(f"{server.url}{path}", json=body)
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["message"].startswith(f"{field} has 300 tokens, more than the maximum of 256"), error
+    assert error["param"] == field.split("[")[0]
+    again = httpx.post(f"{server.url}/rerank", json={"query": "fine", "documents": ["fine", "good"]})
+    assert again.status_code == 200
