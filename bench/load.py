@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
 from profiles import PROFILES, load_texts  # noqa: E402
+from serving import cpu_kind, start_serve  # noqa: E402
 
 MB = 1_000_000
 HEALTH_EVERY = 0.02
@@ -117,22 +117,10 @@ class MemoryWatch:
 
 def start_server(args: argparse.Namespace, body_bytes: int, log: Path) -> subprocess.Popen:
     """``poolrunner serve`` on ``args.port``, once its ``/health`` answers; its log goes to ``log``."""
-    command = [sys.executable, "-m", "poolrunner", "serve", "--port", str(args.port), "--log-level", "warning",
-               "--max-request-bytes", str(max(2 * body_bytes, 32 * MB))]
-    if args.dtype:
-        command += ["--dtype", args.dtype]
-    if args.model:
-        command += ["--model", args.model]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("wb"))
-    deadline = time.monotonic() + 300
-    while True:
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{' '.join(command)} did not come up; its log: {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{args.port}/health").status_code == 200:
-                return process
-        except httpx.TransportError:
-            time.sleep(0.2)
+    options = ["--log-level", "warning", "--max-request-bytes", str(max(2 * body_bytes, 32 * MB))]
+    options += ["--dtype", args.dtype] if args.dtype else []
+    options += ["--model", args.model] if args.model else []
+    return start_serve(options, args.port, stderr=log.open("wb"))
 
 
 def big_text(sentences: list[str], megabytes: float) -> str:
@@ -205,12 +193,6 @@ def percentile(values: list[float], share: float) -> float:
     return 1000 * ordered[min(len(ordered) - 1, max(0, round(share * len(ordered)) - 1))]
 
 
-def cpu_name() -> str:
-    lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name")]
-    return names[0] if names else platform.processor()
-
-
 def loadavg() -> str:
     try:
         return Path("/proc/loadavg").read_text().strip()
@@ -219,7 +201,7 @@ def loadavg() -> str:
 
 
 def report(phases: list[Phase], memory: dict[str, float], args: argparse.Namespace, loads: list[str]) -> None:
-    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; /proc/loadavg before: {loads[0]}; after: {loads[1]}")
+    print(f"CPU: {cpu_kind()}; /proc/loadavg before: {loads[0]}; after: {loads[1]}")
     print(f"{args.clients} clients of one short sentence each; big: {args.big_mb:g} MB text to "
           f"{BIG_ROUTES[args.big_route]}, truncated, {args.rounds} rounds {args.pause:g} s apart; "
           f"dtype: {args.dtype or 'the server default'}")

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +27,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
 from profiles import PROFILES, load_texts  # noqa: E402
+from serving import cpu_kind, start_serve  # noqa: E402
 
 from poolrunner.core.model.metadata import resolve_model_path  # noqa: E402
 
@@ -51,22 +50,6 @@ def build_heads(folder: Path) -> dict[str, str]:
         AutoTokenizer.from_pretrained(source, local_files_only=True).save_pretrained(folder / name)
         made[name] = str(folder / name)
     return made
-
-
-def start(models: list[str], port: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "poolrunner", "serve", "--port", str(port), "--log-level", "warning"]
-    for model in models:
-        command += ["--model", model]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while True:
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{' '.join(command)} did not come up")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return process
-        except httpx.TransportError:
-            time.sleep(0.2)
 
 
 def calls(urls: dict[str, str], texts: list[str], count: int) -> list[tuple[str, dict]]:
@@ -104,7 +87,7 @@ def run_setup(groups: list[list[str]], names: list[list[str]], texts: list[str],
     processes, urls = [], {}
     try:
         for port, (group, served) in enumerate(zip(groups, names, strict=True), start=args.port):
-            processes.append(start(group, port))
+            processes.append(start_serve(["--log-level", "warning", *(f"--model={m}" for m in group)], port))
             urls.update({name: f"http://127.0.0.1:{port}" for name in served})
         load(calls(urls, texts, 12), args.clients)  # warm-up
         throughput, p50 = load(calls(urls, texts, args.requests), args.clients)
@@ -115,12 +98,6 @@ def run_setup(groups: list[list[str]], names: list[list[str]], texts: list[str],
             process.terminate()
         for process in processes:
             process.wait(60)
-
-
-def cpu_name() -> str:
-    lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name")]
-    return names[0] if names else platform.processor()
 
 
 def main() -> None:
@@ -142,7 +119,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, (groups, served) in setups.items():
                 results[name].append(run_setup(groups, served, texts, args))
-    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f}; "
+    print(f"CPU: {cpu_kind()}; load average {os.getloadavg()[0]:.2f}; "
           f"{args.rounds} rounds, {args.requests} requests of {BATCH} texts, {args.clients} clients")
     print(f"{'set-up':28} {'resident MiB':>13} {'requests/s':>11} {'p50 ms':>8}")
     medians = {}

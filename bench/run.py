@@ -42,6 +42,7 @@ sys.path.insert(0, str(BENCH.parent))  # tests.models.smollm2 builds the SmolLM2
 import ceiling  # noqa: E402
 import peers  # noqa: E402
 from profiles import PROFILES, Profile, load_texts  # noqa: E402
+from serving import lscpu  # noqa: E402
 
 FAMILIES = ("sentence-transformers", "transformers", "openvino", "vllm", "poolrunner", "poolrunner-eager")
 DTYPES = ("float32", "bfloat16", "auto")  # auto: poolrunner only
@@ -387,10 +388,9 @@ def measure_latency(args: argparse.Namespace, model: dict, workdir: Path) -> lis
 def machine() -> dict:
     import torch
 
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(line.split(":", 1) for line in cpu.splitlines() if ":" in line)
+    fields = lscpu()
     flags = set(fields.get("Flags", "").split())
-    return {"cpu": fields.get("Model name", "?").strip(), "cores": os.cpu_count(),
+    return {"cpu": fields.get("Model name", "?"), "cores": os.cpu_count(),
             "bf16": sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile"}),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "load_average": os.getloadavg()}
 

@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.helpers import cosine_rows, widen_weights
+from tests.helpers import cosine_rows, qwen2_style_bpe, widen_weights
 
 # A fixed sentence every "the runtime still serves" check embeds after an error.
 SANITY_TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
@@ -368,28 +368,11 @@ def _tiny_tokenizer(family: str, *, append_eos: bool = False) -> Any:
 
 
 def _qwen2_style_bpe(specials: list[str]) -> Any:
-    """A byte-level BPE trained on the tiny vocabulary with Qwen2's pre-tokenization.
-
-    transformers loads any ``model_type: qwen2`` tokenizer as ``Qwen2Tokenizer``, which rebuilds
-    its own pipeline from the vocabulary and merges (a WordLevel model would turn every text into
-    one unknown token), so the qwen2 folder gets a tokenizer that pipeline reproduces.
-    """
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-    backend = Tokenizer(models.BPE())
-    backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=CLASSIFIER_VOCAB_SIZE, special_tokens=specials, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
+    """A byte-level BPE trained on the tiny vocabulary with Qwen2's pre-tokenization
+    (:func:`tests.helpers.qwen2_style_bpe`), which the qwen2 folder's tokenizer reproduces."""
     words = [f"w{i}" for i in range(CLASSIFIER_VOCAB_SIZE)]
-    backend.train_from_iterator([" ".join(words[i : i + 10]) for i in range(0, len(words), 10)] * 3, trainer)
+    backend = qwen2_style_bpe([" ".join(words[i : i + 10]) for i in range(0, len(words), 10)] * 3,
+                              CLASSIFIER_VOCAB_SIZE, specials)
     assert backend.get_vocab_size() <= CLASSIFIER_VOCAB_SIZE
     return backend
 

@@ -1,7 +1,8 @@
-"""Small numeric helpers shared by test modules (import as ``from tests.helpers import ...``)."""
+"""Small helpers shared by test modules (import as ``from tests.helpers import ...``)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -34,3 +35,24 @@ def widen_weights(model: Any, std: float = 0.2) -> Any:
             if parameter.dim() > 1:
                 parameter.normal_(0.0, std)
     return model
+
+
+def qwen2_style_bpe(corpus: Sequence[str], vocab_size: int, specials: list[str]) -> Any:
+    """A byte-level BPE (``tokenizers.Tokenizer``) trained on ``corpus`` with Qwen2's
+    pre-tokenization: transformers loads a ``qwen2`` / ``qwen3`` folder's tokenizer as
+    ``Qwen2Tokenizer``, which rebuilds this pipeline from the vocabulary and merges (a WordLevel
+    model would turn every text into one unknown token)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    backend = Tokenizer(models.BPE())
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(corpus, trainer)
+    return backend

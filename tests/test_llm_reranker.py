@@ -23,7 +23,7 @@ import torch
 from poolrunner.core import InvalidRequestError, ModelLoadError, Runtime
 from poolrunner.core.cli.main import main
 from poolrunner.core.testing.server import ServerThread
-from tests.helpers import widen_weights
+from tests.helpers import qwen2_style_bpe, widen_weights
 
 VOCAB_SIZE = 1200
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -65,21 +65,10 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 def _tokenizer():
     """A byte-level BPE with Qwen2's pre-tokenization (transformers rebuilds a ``qwen3`` folder's
     tokenizer as ``Qwen2Tokenizer`` from the vocabulary and merges), trained on the prompts."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-    backend = Tokenizer(models.BPE())
-    backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     corpus = [qwen3_prompt(q, d) + bge_prompt(q, d) for q in QUERIES for d in DOCUMENTS]
-    backend.train_from_iterator(corpus + ["yes\nno\nYes\nNo\n"] * 20, trainer)
+    backend = qwen2_style_bpe(corpus + ["yes\nno\nYes\nNo\n"] * 20, VOCAB_SIZE, SPECIALS)
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 
