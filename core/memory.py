@@ -29,18 +29,24 @@ TRIM_AFTER_CHARS = 1_000_000
 _trim_lock = threading.Lock()
 
 
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, or ``None`` off Linux, without glibc, or if it cannot be loaded."""
+def _glibc_function(name: str, argtypes: list[type]) -> Callable[..., int] | None:
+    """The C library's function ``name`` (returning ``int``), or ``None`` off Linux, without
+    glibc, or if it cannot be loaded."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        trim = ctypes.CDLL(None).malloc_trim  # the process's own C library; musl has none: AttributeError
+        function = getattr(ctypes.CDLL(None), name)  # the process's own C library; musl has neither: AttributeError
     except (OSError, AttributeError):
         return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
+    function.argtypes = argtypes
+    function.restype = ctypes.c_int
+    return function
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or ``None`` where there is none (:func:`_glibc_function`)."""
+    return _glibc_function("malloc_trim", [ctypes.c_size_t])
 
 
 M_ARENA_MAX = -8
@@ -56,15 +62,8 @@ def limit_malloc_arenas(count: int) -> bool:
 
     :returns: Whether the limit was set (``False`` without glibc).
     """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    return bool(mallopt(M_ARENA_MAX, count))
+    mallopt = _glibc_function("mallopt", [ctypes.c_int, ctypes.c_int])
+    return mallopt is not None and bool(mallopt(M_ARENA_MAX, count))
 
 
 def release_memory() -> bool:

@@ -93,7 +93,6 @@ def at_least(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected {kind}, got {value!r}")
         return number
 
-    check.__name__ = {1: "positive_int", 0: "non_negative_int"}.get(minimum, f"int_at_least_{minimum}")
     return check
 
 

@@ -64,10 +64,7 @@ def run_ray(args: argparse.Namespace, task: str | None, request_options: dict[st
     except PoolrunnerError:
         raise
     except Exception as exc:
-        if not type(exc).__module__.startswith("ray"):
-            raise
-        raise CliError(f"the Ray job failed: {_one_line(exc)}",
-                       hint="Ray's own logs are in /tmp/ray/session_latest/logs on each node") from None
+        raise ray_cli_error(exc, "the Ray job failed") from None
     for message in result.left_out:
         print(f"poolrunner: skipped {message}", file=sys.stderr)
     rows = "row" if result.rows_left_out == 1 else "rows"
@@ -75,6 +72,14 @@ def run_ray(args: argparse.Namespace, task: str | None, request_options: dict[st
     print(f"wrote {len(result.written)} files ({result.num_rows} rows, {result.rows_per_second:.1f} rows/s), "
           f"skipped {len(result.skipped)} already written{left_out}, in {result.output}", file=sys.stderr)
     return 0
+
+
+def ray_cli_error(exc: Exception, what: str) -> Exception:
+    """``exc`` as a one-line :class:`CliError` (``WHAT: Type: first line``, pointing at Ray's logs)
+    when it is Ray's own error or a refused connection to the cluster; any other error as it is."""
+    if not (type(exc).__module__.startswith("ray") or isinstance(exc, ConnectionError)):
+        return exc
+    return CliError(f"{what}: {_one_line(exc)}", hint="Ray's own logs are in /tmp/ray/session_latest/logs on each node")
 
 
 def _one_line(exc: BaseException) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from poolrunner.core.cli.common import CliError, at_least, json_object, positive_int, runtime_options
-from poolrunner.core.cli.ray_job import resource_amount
+from poolrunner.core.cli.ray_job import ray_cli_error, resource_amount
 from poolrunner.core.errors import PoolrunnerError
 
 GROUP_DESCRIPTION = """\
@@ -98,7 +98,7 @@ def run_ray_serve(args: argparse.Namespace, settings: Any, names: Sequence[str] 
     try:
         started = replicas.connect(args.ray_address)
     except Exception as exc:
-        raise _ray_failure(exc) from None
+        raise ray_cli_error(exc, "Ray Serve did not start") from None
     try:
         with _stop_on_signals():  # after ray.init, which installs its own SIGTERM handler
             served = _deploy(args, settings, scaling)
@@ -141,16 +141,7 @@ def _deploy(args: argparse.Namespace, settings: Any, scaling: dict[str, Any]) ->
     except PoolrunnerError:
         raise  # ReplicaStartError (the model did not load...): main() reports it
     except Exception as exc:
-        raise _ray_failure(exc) from None
-
-
-def _ray_failure(exc: Exception) -> Exception:
-    """A :class:`CliError` for an error of Ray's own (or a refused connection); other errors as they are."""
-    if not (type(exc).__module__.startswith("ray") or isinstance(exc, ConnectionError)):
-        return exc
-    lines = str(exc).strip().splitlines()  # Ray's messages go on with advice and tracebacks
-    return CliError(f"Ray Serve did not start: {type(exc).__name__}: {lines[0] if lines else ''}",
-                    hint="Ray's own logs are in /tmp/ray/session_latest/logs on each node")
+        raise ray_cli_error(exc, "Ray Serve did not start") from None
 
 
 def _autoscaling(args: argparse.Namespace) -> dict[str, Any] | None:

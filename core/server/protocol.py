@@ -30,7 +30,6 @@ from pydantic_core import PydanticCustomError
 
 from poolrunner.core.plugin_api.options import RequestOptions
 from poolrunner.core.quantize import Precision
-from poolrunner.core.scoring import check_side
 from poolrunner.core.server.errors import ApiError
 from poolrunner.core.validators import unencodable_at
 
@@ -254,15 +253,10 @@ class ScoreRequest(_Request):
         """The form used (its two field names) and its two sides.
 
         :raises ApiError: 400 unless the body sets exactly the two fields of one form.
-        :raises InvalidRequestError: for a side that is empty or holds text that is not valid
-            Unicode, naming the form's field and the position (``text_2[1]``).
         """
         given = [name for name in _SCORE_FIELDS if getattr(self, name) is not None]
         for form in SCORE_FORMS:
             if set(given) == set(form):
-                # checked here, where the form is known: scoring names its sides queries and documents
-                for name in form:
-                    check_side(getattr(self, name), name)
                 return form, getattr(self, form[0]), getattr(self, form[1])
         forms = ", ".join(f"{first} + {second}" for first, second in SCORE_FORMS)
         raise ApiError(400, f"send exactly one pair of fields ({forms}); got {', '.join(given) or 'none of them'}",
