@@ -17,7 +17,6 @@ importing this module works without it.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import logging.config
 import os
@@ -45,7 +44,6 @@ APP_NAME = "poolrunner"
 DEPLOYMENT_NAME = "PoolrunnerReplica"
 REPLICA_HEADER = "x-poolrunner-replica"
 """Response header naming the replica that answered (Ray Serve's replica id)."""
-REQUEST_ID_HEADER = b"x-request-id"
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 """The variable Ray Serve's proxies read, when they start, for a function returning their middlewares."""
 PROXY_CALLBACK = "poolrunner.core.distributed.replicas.proxy_middlewares"
@@ -401,21 +399,24 @@ class ReplicaHeaderMiddleware:
     """
 
     def __init__(self, app: ASGIApp, *, replica: str) -> None:
+        from poolrunner.core.server.middleware import REQUEST_ID_HEADER  # the server's: in the replica only
+
         self.app = app
         self.header = (REPLICA_HEADER.encode(), replica.encode())
+        self.request_id = REQUEST_ID_HEADER.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
 
-        given = _header(scope, REQUEST_ID_HEADER)
+        given = _header(scope, self.request_id)
 
         async def send_with_header(message: Message) -> None:
             if message["type"] == "http.response.start":
                 # Ray's proxy adds the request id it passed in; the app's copy of it would repeat it.
                 headers = [(name, value) for name, value in message.get("headers", [])
-                           if name.lower() != REQUEST_ID_HEADER or value != given]
+                           if name.lower() != self.request_id or value != given]
                 message = {**message, "headers": [*headers, self.header]}
             await send(message)
 
@@ -458,13 +459,9 @@ class ReplicaLostMiddleware:
 
 
 async def _send_unanswered(send: Send) -> None:
-    from poolrunner.core.server.errors import error_body
+    from poolrunner.core.server.errors import send_error
 
-    body = json.dumps(error_body(503, REPLICA_LOST_MESSAGE)).encode()
-    await send({"type": "http.response.start", "status": 503, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        (b"retry-after", b"1")]})
-    await send({"type": "http.response.body", "body": body})
+    await send_error(send, 503, REPLICA_LOST_MESSAGE, [(b"retry-after", b"1")])
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 from typing import Any
 
@@ -20,7 +19,7 @@ import h11
 from attrs import field, frozen
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from poolrunner.core.server.errors import error_body
+from poolrunner.core.server.errors import send_error
 from poolrunner.core.validators import positive_int
 
 logger = logging.getLogger(__name__)
@@ -135,12 +134,7 @@ class GuardedH11Protocol(H11Protocol):
                        self.max_connections)
         message = (f"the server is at its limit of {self.max_connections} connections (--max-connections); "
                    "try again later")
-        body = json.dumps(error_body(503, message)).encode()
-        await send({"type": "http.response.start", "status": 503, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close"),
-        ]})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        await send_error(send, 503, message, [(b"connection", b"close")])
 
 
 FILE_RESERVE = 256

@@ -9,7 +9,8 @@ error they raise in that shape, including the body validation FastAPI does befor
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Coroutine
+import json
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Literal
 
 import pydantic
@@ -52,6 +53,17 @@ class ApiError(Exception):
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
                       "code": status}}
+
+
+async def send_error(send: Callable[[dict[str, Any]], Awaitable[None]], status: int, message: str,
+                     headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    """Answer :func:`error_body` as JSON through an ASGI ``send``, with ``headers`` besides the
+    content type and length: for the layers below FastAPI's exception handlers (the middleware,
+    the connection cap, Ray Serve's proxies)."""
+    body = json.dumps(error_body(status, message)).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:

@@ -8,7 +8,6 @@ client's ``http.disconnect`` (they abort their engine requests on it).
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import secrets
@@ -23,7 +22,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from poolrunner.core.memory import TRIM_AFTER_CHARS, release_memory
-from poolrunner.core.server.errors import error_body
+from poolrunner.core.server.errors import send_error
 from poolrunner.core.server.metrics import ServerMetrics
 from poolrunner.core.server.protocol import ALLOW_EXTRA_FIELDS
 
@@ -186,9 +185,4 @@ def _log_access(request_id: str, method: str, endpoint: str, status: int, stats:
 
 
 async def _send_error(send: Any, status: int, message: str) -> None:
-    body = json.dumps(error_body(status, message)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if status == 401:
-        headers.append((b"www-authenticate", b"Bearer"))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    await send_error(send, status, message, [(b"www-authenticate", b"Bearer")] if status == 401 else [])
