@@ -71,8 +71,9 @@ class RuntimeConfig:
         the CPU with ``compile="auto"`` only).
     :ivar device: ``auto`` (CUDA when present, else CPU) or a torch device string.
     :ivar compile: ``auto``: on the CPU, linear layers run with weights prepacked for oneDNN once at
-        load, bias and known activations fused into the matmul (:mod:`poolrunner.core.model.onednn`);
-        ``off``: transformers' modules as they are.
+        load, bias and known activations fused into the matmul (:mod:`poolrunner.core.model.onednn`),
+        and attention in poolrunner's own kernel where it builds (:mod:`poolrunner.core.model.cpu_attention`);
+        ``off``: transformers' modules and torch's attention as they are.
     :ivar load_entrypoints: Load the ``poolrunner.plugins`` entry-point group.
     :ivar disable_plugins: Names of plugins to leave out (built-ins too).
     :ivar pooler_plugin: Plugin whose pooler to use when several non-built-in plugins offer one.

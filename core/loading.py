@@ -21,7 +21,7 @@ import torch
 from attrs import frozen
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from poolrunner.core import chunking
+from poolrunner.core import chunking, memory
 from poolrunner.core.config import ModelOverrides, RuntimeConfig, default_max_input_chars, default_token_budget
 from poolrunner.core.engine import precision
 from poolrunner.core.engine.engine import Engine
@@ -33,7 +33,7 @@ from poolrunner.core.inputs import score_template
 from poolrunner.core.inputs.score_template import ScoreTemplate
 from poolrunner.core.inputs.tokenize import InputProcessor
 from poolrunner.core.manager import PoolrunnerPluginManager, build_plugin_manager
-from poolrunner.core.model import loader, metadata, onednn, token_logits
+from poolrunner.core.model import cpu_attention, loader, metadata, onednn, token_logits
 from poolrunner.core.model.hf_overrides import apply_hf_overrides
 from poolrunner.core.plugin_api.options import RequestOptions
 from poolrunner.core.selection import required_plugin, resolve_task, select_pooler, served_tasks
@@ -198,8 +198,13 @@ def _build_engine(
             if task == tasks[0]:
                 raise
             logger.info("task %r is not served: %s", task, exc)
+    if device.type == "cpu":
+        memory.keep_step_buffers()
+    # Built here, at load, so that no request waits for a compile.
+    native_attention = (config.compile == "auto" and device.type == "cpu"
+                        and chosen.weights in cpu_attention.supported_dtypes())
     runner = ModelRunner(model, poolers, hooks, model_config, default_task=tasks[0],
-                         bucket_tokens=device.type == "cpu")
+                         bucket_tokens=device.type == "cpu", native_attention=native_attention)
     scheduler = Scheduler(max_num_batched_tokens=config.max_num_batched_tokens or default_token_budget(device.type),
                           max_num_seqs=config.max_num_seqs, chunked_prefill=runner.causal)
     async_scheduling = device.type == "cuda" if config.async_scheduling is None else config.async_scheduling

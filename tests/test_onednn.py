@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import BertConfig, BertModel, LlamaConfig, LlamaModel, activations
+from transformers.models.llama.modeling_llama import LlamaMLP
 
 import poolrunner
 from poolrunner.core.engine import precision
@@ -111,6 +112,7 @@ def test_prepacking_a_model_keeps_its_outputs(build):
         assert onednn.prepack(model) == linears
         got = model(input_ids=input_ids).last_hidden_state
     assert not any(type(m) is nn.Linear for m in model.modules())
+    assert sum(type(m) is onednn.GatedMLP for m in model.modules()) == (2 if isinstance(model, LlamaModel) else 0)
     fused = [m for m in model.modules() if isinstance(m, onednn.PackedLinear) and m.activation != onednn.NO_ACTIVATION]
     assert len(fused) == 2  # one MLP activation per layer: BERT's GELU, Llama's SiLU on gate_proj
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -128,6 +130,76 @@ def test_a_module_with_known_code_but_an_inexact_activation_keeps_its_activation
     assert type(intermediate.intermediate_act_fn) is activations.NewGELUActivation
     assert intermediate.dense.activation == onednn.NO_ACTIVATION
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def _mlp(hidden_act: str = "silu", mlp_bias: bool = False, dtype: torch.dtype = torch.float32) -> nn.ModuleDict:
+    """A seeded ``LlamaMLP`` (hidden 32, intermediate 64) in a parent, which prepacking replaces it in."""
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, hidden_act=hidden_act, mlp_bias=mlp_bias)
+    return nn.ModuleDict({"mlp": LlamaMLP(config).to(dtype)})
+
+
+@pytest.mark.parametrize("mlp_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_silu_gated_mlp_computes_what_llama_mlp_computes(dtype, mlp_bias):
+    parent, x = _mlp(mlp_bias=mlp_bias, dtype=dtype), torch.randn(3, 7, 32).to(dtype)
+    with torch.inference_mode():
+        expected = parent["mlp"](x)
+        assert onednn.prepack(parent) == 3
+        got = parent["mlp"](x)
+    assert type(parent["mlp"]) is onednn.GatedMLP
+    assert got.shape == expected.shape and got.dtype == dtype
+    # bfloat16: up_proj's output is not rounded before the multiply; the module's is
+    assert _relative_error(got, expected) < (1e-6 if dtype == torch.float32 else 2**-7)
+
+
+def test_a_gated_mlp_in_bf16_mixed_rounds_the_product_inputs_and_returns_float32():
+    parent, x = _mlp(mlp_bias=True), torch.randn(5, 32)
+    # The module in float64 on the bf16-rounded input and weights, with the float32 biases.
+    reference = _mlp(mlp_bias=True)["mlp"].double()
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        getattr(reference, name).weight.data = getattr(parent["mlp"], name).weight.data.bfloat16().double()
+    with torch.inference_mode():
+        expected = reference(x.bfloat16().double())
+        onednn.prepack(parent, torch.bfloat16)
+        got = parent["mlp"](x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, got.bfloat16().float(), rtol=0, atol=0)  # down_proj's bf16 output
+    assert _relative_error(got, expected) < 2**-7
+
+
+class _SwappedMLP(LlamaMLP):
+    """The same function as ``LlamaMLP`` in other code: only known code is fused."""
+
+    def forward(self, x):
+        return self.down_proj(self.up_proj(x) * self.act_fn(self.gate_proj(x)))
+
+
+@pytest.mark.parametrize(("hidden_act", "post_op"), [("gelu", ("gelu", "none")), ("gelu_new", None)])
+def test_a_gated_mlp_without_silu_keeps_its_multiply(hidden_act, post_op):
+    parent, x = _mlp(hidden_act), torch.randn(4, 32)
+    with torch.inference_mode():
+        expected = parent["mlp"](x)
+        assert onednn.prepack(parent) == 3
+        got = parent["mlp"](x)
+    mlp = parent["mlp"]
+    assert type(mlp) is LlamaMLP
+    assert mlp.gate_proj.activation == (post_op or onednn.NO_ACTIVATION)  # the activation alone, where exact
+    assert mlp.up_proj.activation == onednn.NO_ACTIVATION
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_an_mlp_with_other_code_is_not_fused():
+    parent, x = _mlp(), torch.randn(4, 32)
+    parent["mlp"] = _SwappedMLP(parent["mlp"].config)
+    with torch.inference_mode():
+        expected = parent["mlp"](x)
+        assert onednn.prepack(parent) == 3
+        got = parent["mlp"](x)
+    mlp = parent["mlp"]
+    assert type(mlp) is _SwappedMLP and type(mlp.act_fn) is activations.SiLUActivation
+    assert all(m.activation == onednn.NO_ACTIVATION for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
 def _packed_layers(runtime) -> int:

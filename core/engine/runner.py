@@ -41,18 +41,21 @@ class ModelRunner:
 
     def __init__(
         self, model: nn.Module, poolers: Mapping[PoolingTask, Pooler], hooks: Hooks, model_config: ModelConfig, *,
-        default_task: PoolingTask, bucket_tokens: bool = False,
+        default_task: PoolingTask, bucket_tokens: bool = False, native_attention: bool = False,
     ) -> None:
         """:param poolers: The pooler of each served task.
         :param default_task: The task :attr:`pooler` serves (the runtime's default).
         :param bucket_tokens: Round each step's token count up to a bucket
-            (:func:`~poolrunner.core.engine.buckets.bucket_num_tokens`) so kernels are reused: on the CPU."""
+            (:func:`~poolrunner.core.engine.buckets.bucket_num_tokens`) so kernels are reused: on the CPU.
+        :param native_attention: Attend in poolrunner's CPU kernel
+            (:mod:`~poolrunner.core.model.cpu_attention`, already built) where a layer's mask allows."""
         self.backbone = model.base_model  # hidden states; heads belong to poolers
         self.poolers = dict(poolers)
         self.pooler = self.poolers[default_task]
         self.hooks = hooks
         self.model_config = model_config
         self.bucket_tokens = bucket_tokens
+        self.native_attention = native_attention
         # transformers derives RoBERTa-family positions from the ids (starting after the padding
         # index) only when none are passed; packed position ids must carry the same offset.
         self.position_offset = position_offset(model_config.model_type, model_config.hf_config.get("pad_token_id"))
@@ -122,7 +125,8 @@ class ModelRunner:
             for state, done in zip(batch.requests, finishing, strict=True)
         ]
         order = sorted(range(batch.num_reqs), key=lambda i: (caches[i] is not None, batch.num_scheduled_tokens[i]))
-        layout = PackedLayout.build([batch.num_scheduled_tokens[i] for i in order], caches=[caches[i] for i in order])
+        layout = PackedLayout.build([batch.num_scheduled_tokens[i] for i in order], caches=[caches[i] for i in order],
+                                    native=self.native_attention)
         inputs = {"input_ids": batch.input_ids, "position_ids": batch.positions + self.position_offset, **extra}
         if order == list(range(batch.num_reqs)):
             return self._forward_packed(inputs, layout, batch.num_tokens)

@@ -30,6 +30,10 @@ about 200 tokens, 1,000 of about 31; bf16 and fp32), its attention 17-38%: the p
 queries cost more than the extra kernel calls. The layout is built once per step and shared by
 every layer.
 
+On an x86 CPU with AVX-512 (``compile="auto"``), the runs whose mask is full or causal attend in
+poolrunner's own kernel instead (:mod:`~poolrunner.core.model.cpu_attention`), all of them in one
+call per layer; other masks, soft-capping and sinks stay on the path above.
+
 Chunked prefill (models that never attend to later tokens, see :func:`probe_attention`): a
 request whose prompt runs over several steps has a :class:`KVCache`; its chunk attends to the
 cached keys and values of its earlier chunks plus its own, with the layer's mask rule evaluated
@@ -49,6 +53,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from poolrunner.core.errors import UnsupportedAttentionError
+from poolrunner.core.model import cpu_attention
 
 ATTENTION_NAME = "poolrunner_packed"
 LAYOUT_KWARG = "poolrunner_layout"
@@ -155,16 +160,19 @@ class PackedLayout:
     runs: tuple[_Run, ...]
     cached: tuple[_CachedSpan, ...]
     probe: list[bool] | None = None
+    native: bool = False
 
     @classmethod
     def build(
         cls, lengths: Sequence[int], *, caches: Sequence[tuple[KVCache, bool] | None] = (),
-        probe: list[bool] | None = None,
+        probe: list[bool] | None = None, native: bool = False,
     ) -> PackedLayout:
         """Split the step into runs; ``lengths[i]`` tokens belong to request ``i``, in packing order.
 
         Adjacent requests of equal length form one run. A request with an entry
-        ``(cache, store)`` in ``caches`` is a prefill chunk and attends on its own.
+        ``(cache, store)`` in ``caches`` is a prefill chunk and attends on its own. ``native``:
+        runs with a full or causal mask attend in poolrunner's CPU kernel
+        (:mod:`~poolrunner.core.model.cpu_attention`), which the caller has built.
         """
         starts = [0]
         for length in lengths:
@@ -182,7 +190,7 @@ class PackedLayout:
                 runs[-1] = _Run(last.start, last.count + 1, length)
             else:
                 runs.append(_Run(starts[i], 1, length))
-        return cls(num_tokens=starts[-1], runs=tuple(runs), cached=cached, probe=probe)
+        return cls(num_tokens=starts[-1], runs=tuple(runs), cached=cached, probe=probe, native=native)
 
 
 def packed_attention(
@@ -219,7 +227,10 @@ def packed_attention(
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [num_tokens, heads, head_dim]
     output = q.new_empty(q.shape)
     output[layout.num_tokens :] = 0  # rows past the requests' tokens pad the step to a bucket
-    for run in layout.runs:
+    runs = layout.runs
+    if layout.native and softcap is None and s_aux is None and layout.probe is None:
+        runs = _attend_native(attention_mask, runs, q, k, v, output, scaling)
+    for run in runs:
         block = attention_mask.block(0, run.length, run.length, q.device)
         if layout.probe is not None:
             layout.probe.append(block.attends_future)
@@ -247,6 +258,28 @@ def _check_arguments(module: nn.Module, mask: Any, dropout: float, kwargs: dict[
         raise UnsupportedAttentionError(
             f"{layer} passes attention arguments poolrunner does not implement: {', '.join(unknown)}"
         )
+
+
+def _attend_native(
+    rule: MaskRule, runs: tuple[_Run, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor,
+    scaling: float | None,
+) -> tuple[_Run, ...]:
+    """Attend the runs whose mask is full or causal in poolrunner's CPU kernel, one call per mask
+    kind, into ``output`` (``[num_tokens, heads, head_dim]``); return the runs left for SDPA (other
+    masks, or a dtype or head size the kernel does not take)."""
+    if q.dtype not in cpu_attention.supported_dtypes() or q.shape[-1] % cpu_attention.HEAD_DIM_MULTIPLE:
+        return runs
+    kinds: dict[str, list[_Run]] = {"full": [], "causal": []}
+    rest = []
+    for run in runs:
+        kinds.get(rule.block(0, run.length, run.length, q.device).kind, rest).append(run)
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    for kind, members in kinds.items():
+        if members:
+            starts = [run.start + i * run.length for run in members for i in range(run.count)]
+            lengths = [run.length for run in members for _ in range(run.count)]
+            cpu_attention.attend(q, k, v, output, torch.tensor(starts), torch.tensor(lengths), kind == "causal", scale)
+    return tuple(rest)
 
 
 def _attend(

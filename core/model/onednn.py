@@ -9,6 +9,12 @@ which applies bias and, where the module's code is known, the activation inside 
 (AVX512-BF16, no AMX), ``[2048, 384] x [384, 384]``: float32 1.37 ms against 2.88 ms for
 ``F.linear``, bfloat16 0.59 against 0.64 ms.
 
+In a SiLU-gated MLP (Llama's and its copies), :class:`GatedMLP` also makes the multiply
+``silu(gate_proj(x)) * up_proj(x)`` up_proj's post-op, which saves a pass over the
+``[tokens, intermediate]`` product and its allocation. SmolLM2-135M embedding 100 paragraphs on the
+same cores: its 30 MLPs took 1.19-1.31 s against 1.34-1.39 s in float32 (the whole pass 4-10% less);
+in bfloat16 0.55 s either way, the post-op costing what the pass did.
+
 Only the computation changes, never the function: results equal transformers' own modules to
 float32 rounding (or bf16 rounding in bf16), which the architecture tests check for every family.
 """
@@ -65,9 +71,40 @@ class PackedLinear(nn.Module):
         out = torch.ops.mkldnn._linear_pointwise(x.to(self.matmul_dtype), self._packed, self.bias, name, [], algorithm)
         return out if self.activation != NO_ACTIVATION else out.to(x.dtype)
 
+    def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """``(x @ weight.T + bias) * other`` in one kernel (oneDNN's binary post-op), for a layer
+        without an activation: ``x`` ``[..., in_features]``, ``other`` ``[..., out_features]`` in the
+        matmul dtype -> ``[..., out_features]`` in the matmul dtype, rounded once, after the multiply."""
+        # The binary kernel wants the bias in the input's dtype; bf16-mixed keeps it in float32.
+        bias = None if self.bias is None else self.bias.to(self.matmul_dtype)
+        return torch.ops.mkldnn._linear_pointwise.binary(x.to(self.matmul_dtype), other, self._packed, bias, "mul")
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, activation={self.activation}, "
                 f"matmul_dtype={self.matmul_dtype}")
+
+
+class GatedMLP(nn.Module):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))``, transformers' ``LlamaMLP`` with SiLU, in
+    three kernels: SiLU is gate_proj's post-op and the multiply up_proj's, so neither is a separate
+    pass over the ``[tokens, intermediate]`` tensors.
+
+    Takes the place of such a module (:func:`_fuse_gated_mlps`) under the same attribute names,
+    so parameter names do not change.
+    """
+
+    def __init__(self, mlp: nn.Module, matmul_dtype: torch.dtype | None = None) -> None:
+        """:param mlp: A module that :func:`_is_silu_gated_mlp` accepts.
+        :param matmul_dtype: See :class:`PackedLinear`."""
+        super().__init__()
+        self.gate_proj = PackedLinear(mlp.gate_proj, ("swish", ""), matmul_dtype)
+        self.up_proj = PackedLinear(mlp.up_proj, matmul_dtype=matmul_dtype)
+        self.down_proj = PackedLinear(mlp.down_proj, matmul_dtype=matmul_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., hidden]`` -> ``[..., hidden]``, in ``x``'s dtype."""
+        h = x.to(self.up_proj.matmul_dtype)  # bf16-mixed: rounded once for both products
+        return self.down_proj(self.up_proj.mul(h, self.gate_proj(h))).to(x.dtype)
 
 
 def supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -77,20 +114,44 @@ def supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 def prepack(module: nn.Module, matmul_dtype: torch.dtype | None = None) -> int:
     """Replace every ``nn.Linear`` inside ``module`` by a :class:`PackedLinear`, in place, fusing
-    the activation into the linear layer where the module's forward code is known (:data:`_FUSABLE`).
+    the activation into the linear layer where the module's forward code is known (:data:`_FUSABLE`)
+    and replacing SiLU-gated MLPs by :class:`GatedMLP`.
 
     :param matmul_dtype: See :class:`PackedLinear`; ``None``: each weight's own dtype.
     :returns: The number of linear layers replaced.
     """
+    gated = _replace(module, lambda child: GatedMLP(child, matmul_dtype) if _is_silu_gated_mlp(child) else None)
     fused = _fuse_activations(module, matmul_dtype)
+    plain = _replace(module, lambda child: PackedLinear(child, matmul_dtype=matmul_dtype)
+                     if type(child) is nn.Linear else None)
+    logger.debug("prepacked %d linear layers (%d with a fused activation, %d with a fused multiply)",
+                 3 * gated + fused + plain, gated + fused, gated)
+    return 3 * gated + fused + plain
+
+
+def _replace(module: nn.Module, replacement: Callable[[nn.Module], nn.Module | None]) -> int:
+    """Put ``replacement(child)`` in the place of each module inside ``module`` for which it is not ``None``.
+
+    :returns: The number of modules replaced.
+    """
     replaced = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                setattr(parent, name, PackedLinear(child, matmul_dtype=matmul_dtype))
+            new = replacement(child)
+            if new is not None:
+                setattr(parent, name, new)
                 replaced += 1
-    logger.debug("prepacked %d linear layers (%d with a fused activation)", replaced + fused, fused)
-    return replaced + fused
+    return replaced
+
+
+def _is_silu_gated_mlp(module: nn.Module) -> bool:
+    """Whether ``module`` computes ``down_proj(silu(gate_proj(x)) * up_proj(x))``: its forward is
+    ``LlamaMLP.forward`` or a bytecode-identical copy, its activation SiLU, its layers ``nn.Linear``."""
+    return (
+        _code_key(type(module).forward) == _GATED_MLP
+        and _post_op(getattr(module, "act_fn", None)) == ("swish", "")
+        and all(type(getattr(module, name, None)) is nn.Linear for name in ("gate_proj", "up_proj", "down_proj"))
+    )
 
 
 def _fuse_activations(module: nn.Module, matmul_dtype: torch.dtype | None) -> int:
@@ -133,15 +194,25 @@ def _code_key(function: Callable[..., object]) -> tuple[bytes, tuple[str, ...]] 
     return None if code is None else (code.co_code, code.co_names)
 
 
+def _gated_mlp() -> tuple[bytes, tuple[str, ...]] | None:
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    return _code_key(LlamaMLP.forward)
+
+
+_GATED_MLP = _gated_mlp()
+"""The code of ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: Llama's MLP and its copies."""
+
+
 def _fusable() -> dict[tuple[bytes, tuple[str, ...]] | None, tuple[str, str]]:
     from transformers.models.bert.modeling_bert import BertIntermediate
-    from transformers.models.llama.modeling_llama import LlamaMLP
 
     return {
         # act(dense(x)): BERT's block and its ~60 copies (RoBERTa, XLM-R, ELECTRA, MPNet, ...)
         _code_key(BertIntermediate.forward): ("dense", "intermediate_act_fn"),
-        # down(act(gate(x)) * up(x)): the activation reads gate_proj's output alone
-        _code_key(LlamaMLP.forward): ("gate_proj", "act_fn"),
+        # down(act(gate(x)) * up(x)) with an activation other than SiLU (SiLU's become GatedMLP):
+        # the activation reads gate_proj's output alone
+        _GATED_MLP: ("gate_proj", "act_fn"),
     }
 
 

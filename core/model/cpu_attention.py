@@ -1,0 +1,110 @@
+"""poolrunner's own attention kernel for x86 CPUs with AVX-512 (``packed_attention.cpp``).
+
+One call attends every request of a packed step (or all of those sharing a mask kind), instead
+of one torch SDPA call per run of equal lengths. On 2 Zen 4 cores (AVX512-BF16, no AMX) it is
+1.4-7x faster than torch's CPU flash kernel at the lengths embedding models see (8-512 tokens,
+32- and 64-wide heads), with the same numerics (see the source's header).
+
+The kernel is C++ built once per machine on first use by torch's extension builder
+(``torch.utils.cpp_extension``: g++ and the ``ninja`` package), about 10 s, and cached in torch's
+extension folder (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``); later loads
+take milliseconds. Where it cannot be built (not x86 with AVX-512, no C++ compiler) attention runs
+on torch's SDPA as before, with one log line saying why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("packed_attention.cpp")
+HEAD_DIM_MULTIPLE = 16
+STALE_LOCK_S = 600.0
+"""A build lock older than this was left by a process that died while building: removed."""
+# -fopenmp: at::parallel_for is a header template, parallel only where OpenMP is on; the
+# OpenMP runtime is the one torch ships and has loaded (same soname), so one thread pool.
+_X86_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]
+
+
+def supported_dtypes() -> frozenset[torch.dtype]:
+    """The dtypes the kernel runs in on this machine, building it on first call; empty when it
+    cannot be built."""
+    return _load()
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    starts: torch.Tensor, lengths: torch.Tensor, causal: bool, scale: float,
+) -> None:
+    """Attention within each request of a packed step, written into ``out``.
+
+    :param q: ``[num_tokens, num_heads, head_dim]``, float32 or bfloat16 (a dtype of
+        :func:`supported_dtypes`); any token and head strides, ``head_dim`` contiguous and a
+        multiple of 16.
+    :param k: ``[num_tokens, num_kv_heads, head_dim]``; ``num_heads`` a multiple of ``num_kv_heads``.
+    :param v: Same shape as ``k``.
+    :param out: Contiguous, shaped and typed like ``q``; rows outside every request are left as is.
+    :param starts: int64 ``[num_requests]``, each request's first token.
+    :param lengths: int64 ``[num_requests]``, its token count.
+    :param causal: Query ``i`` of a request sees its keys ``0..i`` (else all of them).
+    :param scale: Softmax scale of the scores.
+    """
+    torch.ops.poolrunner_cpu.packed_attention(q, k, v, out, starts, lengths, causal, scale)
+
+
+@functools.cache
+def _load() -> frozenset[torch.dtype]:
+    if not torch.cpu._is_avx512_supported():
+        logger.info("poolrunner's CPU attention kernel needs AVX-512; attention runs on torch's SDPA")
+        return frozenset()
+    bf16 = torch.cpu._is_avx512_bf16_supported()
+    name = "poolrunner_packed_attention_avx512" + ("_bf16" if bf16 else "")
+    flags = _X86_FLAGS + (["-mavx512bf16"] if bf16 else [])
+    started = time.perf_counter()
+    try:
+        from torch.utils import cpp_extension
+
+        _remove_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
+        with _ninja_on_path():
+            cpp_extension.load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False)
+    except (ImportError, OSError, RuntimeError) as exc:  # no compiler, no ninja, a failed build
+        logger.warning("poolrunner's CPU attention kernel could not be built, attention runs on torch's SDPA: %s",
+                       str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
+        return frozenset()
+    logger.info("CPU attention kernel %s ready in %.1f s", name, time.perf_counter() - started)
+    return frozenset({torch.float32, torch.bfloat16} if bf16 else {torch.float32})
+
+
+def _remove_stale_lock(build_directory: Path) -> None:
+    # torch's builder waits for a lock file to go away; one left by a killed build never does.
+    lock = build_directory / "lock"
+    with contextlib.suppress(FileNotFoundError):
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            logger.warning("removing a stale build lock %s", lock)
+            lock.unlink()
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """The ``ninja`` package's binary on ``PATH`` while building: torch's builder runs ``ninja``
+    from ``PATH``, which lacks a virtual environment's ``bin`` when it is not activated."""
+    try:
+        import ninja
+    except ImportError:
+        yield
+        return
+    saved = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, saved])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = saved

@@ -1,0 +1,136 @@
+"""poolrunner's CPU attention kernel against torch's attention in float64.
+
+The kernel (``core/model/packed_attention.cpp``) attends every request of a packed step in one
+call. Each request must get what torch's scaled_dot_product_attention gives it alone, no further
+from the float64 truth than torch's own SDPA in the same dtype: both compute in float32 and
+round the output once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from poolrunner import Runtime
+from poolrunner.core.model import cpu_attention
+from poolrunner.core.model.attention import LAYOUT_KWARG, MaskRule, PackedLayout, packed_attention
+
+SUPPORTED = cpu_attention.supported_dtypes()
+pytestmark = pytest.mark.skipif(not SUPPORTED, reason="the kernel needs an x86 CPU with AVX-512 and a C++ compiler")
+DTYPES = [pytest.param(dtype, marks=pytest.mark.skipif(dtype not in SUPPORTED, reason=f"no {dtype} kernel here"))
+          for dtype in (torch.float32, torch.bfloat16)]
+
+# Lengths around the kernel's blocks: 16 keys per vector, 4 query rows per micro-kernel, 256
+# query rows per work item.
+LENGTHS = [1, 3, 16, 17, 4, 31, 64, 255, 300, 5]
+
+
+def _packed(lengths: list[int], heads: int, kv_heads: int, dim: int, dtype: torch.dtype, extra_rows: int = 0):
+    """q, k, v as linear layers leave them: ``[num_tokens, heads, dim]`` views of ``[num_tokens, heads * dim]``."""
+    torch.manual_seed(0)
+    tokens = sum(lengths) + extra_rows
+    q = (torch.randn(tokens, heads * dim) * 2).to(dtype).view(tokens, heads, dim)
+    k = (torch.randn(tokens, kv_heads * dim) * 2).to(dtype).view(tokens, kv_heads, dim)
+    v = torch.randn(tokens, kv_heads * dim).to(dtype).view(tokens, kv_heads, dim)
+    return q, k, v
+
+
+def _reference(q, k, v, lengths, causal, dtype):
+    """Each request alone through torch's SDPA, in ``dtype`` and in float64."""
+    outputs = {dtype: [], torch.float64: []}
+    start = 0
+    for length in lengths:
+        alone = [t[start : start + length].transpose(0, 1) for t in (q, k, v)]
+        gqa = q.shape[1] != k.shape[1]
+        for kind in outputs:
+            out = F.scaled_dot_product_attention(*(t.to(kind) for t in alone), is_causal=causal, enable_gqa=gqa)
+            outputs[kind].append(out.transpose(0, 1))
+        start += length
+    return torch.cat(outputs[dtype]), torch.cat(outputs[torch.float64])
+
+
+def _run_kernel(q, k, v, lengths, causal, scale):
+    out = torch.full_like(q, 7.0)
+    starts = torch.tensor([sum(lengths[:i]) for i in range(len(lengths))])
+    cpu_attention.attend(q, k, v, out, starts, torch.tensor(lengths), causal, scale)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 32), (6, 2, 64), (2, 2, 80), (2, 1, 128)])
+def test_each_request_gets_what_torch_gives_it_alone(dtype, causal, heads, kv_heads, dim):
+    q, k, v = _packed(LENGTHS, heads, kv_heads, dim, dtype, extra_rows=3)
+    out = _run_kernel(q, k, v, LENGTHS, causal, dim**-0.5)
+    tokens = sum(LENGTHS)
+    torch_out, truth = _reference(q, k, v, LENGTHS, causal, dtype)
+    ours = (out[:tokens].double() - truth).abs()
+    theirs = (torch_out.double() - truth).abs()
+    # float32: the same rounding, summed in another order (the largest error ~7e-6 on outputs
+    # of ~1, from scores of ~20); bfloat16: the output's rounding dominates both.
+    worst, mean = (1.5, 1.1) if dtype == torch.float32 else (1.05, 1.05)
+    assert ours.max() <= theirs.max() * worst, (ours.max(), theirs.max())
+    assert ours.mean() <= theirs.mean() * mean, (ours.mean(), theirs.mean())
+    assert torch.equal(out[tokens:], torch.full_like(out[tokens:], 7.0))  # rows of no request: untouched
+
+
+def test_a_custom_scale_is_applied():
+    q, k, v = _packed([9, 12], 2, 2, 32, torch.float32)
+    out = _run_kernel(q, k, v, [9, 12], False, 0.05)
+    expected = torch.cat([
+        F.scaled_dot_product_attention(*(t[s:e].transpose(0, 1).double() for t in (q, k, v)), scale=0.05).transpose(0, 1)
+        for s, e in [(0, 9), (9, 21)]
+    ])
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda q, k, v, out: (q.half(), k.half(), v.half(), out.half()), "packed_attention takes bfloat16 or float32"),
+    (lambda q, k, v, out: (q[..., :24], k[..., :24], v[..., :24], out[..., :24].contiguous()),
+     "head_dim must be a multiple of 16"),
+    (lambda q, k, v, out: (q, k[:, :3], v[:, :3], out), "query heads must be a multiple of kv heads"),
+])
+def test_inputs_it_does_not_take_are_refused_by_name(change, message):
+    q, k, v = _packed([5], 4, 4, 32, torch.float32)
+    args = change(q, k, v, torch.empty_like(q))
+    with pytest.raises(RuntimeError, match=message):
+        cpu_attention.attend(*args, torch.tensor([0]), torch.tensor([5]), False, 0.1)
+    out = _run_kernel(q, k, v, [5], False, 32**-0.5)  # and the next call is served
+    torch.testing.assert_close(out.double(), _reference(q, k, v, [5], False, torch.float32)[1], rtol=1e-5, atol=2e-6)
+
+
+def test_a_request_spanning_tokens_outside_q_is_refused():
+    q, k, v = _packed([5], 2, 2, 32, torch.float32)
+    with pytest.raises(RuntimeError, match="request 0 spans tokens outside q"):
+        cpu_attention.attend(q, k, v, torch.empty_like(q), torch.tensor([2]), torch.tensor([5]), False, 0.1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_packed_attention_function_uses_it_and_keeps_sdpa_for_custom_masks(dtype):
+    """A layer whose mask is neither full nor causal (a sliding window shorter than a request)
+    still attends on torch's SDPA with that mask, in the same step."""
+    lengths = [6, 6, 20]
+
+    def window(_b, _h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < 8)
+
+    q, k, v = _packed(lengths, 2, 2, 32, dtype)
+    as_transformers = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]  # [1, heads, tokens, dim]
+    layout = PackedLayout.build(lengths, native=True)
+    with torch.inference_mode():
+        out, _ = packed_attention(torch.nn.Identity(), *as_transformers, MaskRule(window, False), **{LAYOUT_KWARG: layout})
+    start = 0
+    for length in lengths:
+        alone = [t[start : start + length].transpose(0, 1).double() for t in (q, k, v)]
+        rows = torch.arange(length)
+        mask = (rows[None] <= rows[:, None]) & (rows[:, None] - rows[None] < 8)
+        expected = F.scaled_dot_product_attention(*alone, attn_mask=mask).transpose(0, 1)
+        tolerance = {"rtol": 1e-5, "atol": 2e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+        torch.testing.assert_close(out[0, start : start + length].double(), expected, **tolerance)
+        start += length
+
+
+def test_a_runtime_on_the_cpu_fast_path_attends_in_it(model_path):
+    assert Runtime(model_path, dtype="float32", load_entrypoints=False).engine.runner.native_attention
+    assert not Runtime(model_path, dtype="float32", compile="off", load_entrypoints=False).engine.runner.native_attention
