@@ -8,6 +8,7 @@ round the output once.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -134,3 +135,24 @@ def test_the_packed_attention_function_uses_it_and_keeps_sdpa_for_custom_masks(d
 def test_a_runtime_on_the_cpu_fast_path_attends_in_it(model_path):
     assert Runtime(model_path, dtype="float32", load_entrypoints=False).engine.runner.native_attention
     assert not Runtime(model_path, dtype="float32", compile="off", load_entrypoints=False).engine.runner.native_attention
+
+
+def test_a_machine_that_cannot_build_it_attends_on_sdpa_and_says_why(monkeypatch, caplog, model_path, st_model):
+    from torch.utils import cpp_extension
+
+    def no_compiler(*_args, **_kwargs):
+        raise RuntimeError("Error building extension 'poolrunner_packed_attention': g++: command not found")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    cpu_attention._load.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="poolrunner.core.model.cpu_attention"):
+            runtime = Runtime(model_path, dtype="float32", load_entrypoints=False)
+        assert not runtime.engine.runner.native_attention
+        assert ("poolrunner's CPU attention kernel could not be built, attention runs on torch's SDPA: "
+                "Error building extension 'poolrunner_packed_attention': g++: command not found") in caplog.messages
+        texts = ["a kernel that did not build", "still answers"]
+        expected = st_model.encode(texts, normalize_embeddings=True)
+        np.testing.assert_allclose(runtime.embed(texts), expected, atol=1e-5)
+    finally:
+        cpu_attention._load.cache_clear()  # the next caller loads the real build again
