@@ -82,10 +82,16 @@ def _load() -> frozenset[torch.dtype]:
             cpp_extension.load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False)
     except (ImportError, OSError, RuntimeError) as exc:  # no compiler, no ninja, a failed build
         logger.warning("poolrunner's CPU attention kernel could not be built, attention runs on torch's SDPA: %s",
-                       str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
+                       _reason(exc))
         return frozenset()
     logger.info("CPU attention kernel %s ready in %.1f s", name, time.perf_counter() - started)
     return frozenset({torch.float32, torch.bfloat16} if bf16 else {torch.float32})
+
+
+def _reason(exc: BaseException) -> str:
+    """The line of a failed build that says why (``/bin/sh: 1: g++: not found``), not ninja's summary."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip() and not line.startswith("ninja:")]
+    return lines[-1] if lines else type(exc).__name__
 
 
 def _remove_stale_lock(build_directory: Path) -> None:
