@@ -137,6 +137,26 @@ def test_a_runtime_on_the_cpu_fast_path_attends_in_it(model_path):
     assert not Runtime(model_path, dtype="float32", compile="off", load_entrypoints=False).engine.runner.native_attention
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_queries_whose_head_dim_is_strided_are_copied_for_it(dtype):
+    """A layer may hand over head_dim-strided views (the kernel reads head_dim contiguous)."""
+    lengths = [5, 5, 9]
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(sum(lengths), 32, 2).to(dtype).transpose(1, 2) for _ in range(3))  # [tokens, 2, 32]
+    assert q.stride(-1) != 1
+    layout = PackedLayout.build(lengths, native=True)
+
+    def bidirectional(_b, _h, q_idx, kv_idx):
+        return q_idx >= 0
+
+    as_transformers = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+    with torch.inference_mode():
+        out, _ = packed_attention(torch.nn.Identity(), *as_transformers, MaskRule(bidirectional, False),
+                                  **{LAYOUT_KWARG: layout})
+    torch_out, truth = _reference(q, k, v, lengths, False, dtype)
+    assert (out[0].double() - truth).abs().max() <= (torch_out.double() - truth).abs().max() * 1.5
+
+
 def test_a_machine_that_cannot_build_it_attends_on_sdpa_and_says_why(monkeypatch, caplog, model_path, st_model):
     from torch.utils import cpp_extension
 

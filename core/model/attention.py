@@ -274,12 +274,22 @@ def _attend_native(
     for run in runs:
         kinds.get(rule.block(0, run.length, run.length, q.device).kind, rest).append(run)
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    q, k, v = (_kernel_layout(t) for t in (q, k, v))
     for kind, members in kinds.items():
         if members:
             starts = [run.start + i * run.length for run in members for i in range(run.count)]
             lengths = [run.length for run in members for _ in range(run.count)]
             cpu_attention.attend(q, k, v, output, torch.tensor(starts), torch.tensor(lengths), kind == "causal", scale)
     return tuple(rest)
+
+
+def _kernel_layout(tokens: torch.Tensor) -> torch.Tensor:
+    """``tokens`` as the kernel reads it: ``head_dim`` contiguous, and bf16 rows starting at even
+    offsets (it reads bf16 pairs); a copy only for a layout a model seldom produces."""
+    strides = tokens.stride()
+    if strides[-1] == 1 and (tokens.dtype != torch.bfloat16 or all(stride % 2 == 0 for stride in strides[:-1])):
+        return tokens
+    return tokens.contiguous()
 
 
 def _attend(
