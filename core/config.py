@@ -72,7 +72,8 @@ class RuntimeConfig:
     :ivar device: ``auto`` (CUDA when present, else CPU) or a torch device string.
     :ivar compile: ``auto``: on the CPU, linear layers run with weights prepacked for oneDNN once at
         load, bias and known activations fused into the matmul (:mod:`poolrunner.core.model.onednn`),
-        and attention in poolrunner's own kernel where it builds (:mod:`poolrunner.core.model.cpu_attention`);
+        and attention (and bfloat16 RMSNorm) in poolrunner's own kernels where they build
+        (:mod:`poolrunner.core.model.cpu_kernels`);
         ``off``: transformers' modules and torch's attention as they are.
     :ivar load_entrypoints: Load the ``poolrunner.plugins`` entry-point group.
     :ivar disable_plugins: Names of plugins to leave out (built-ins too).

@@ -33,7 +33,7 @@ from poolrunner.core.inputs import score_template
 from poolrunner.core.inputs.score_template import ScoreTemplate
 from poolrunner.core.inputs.tokenize import InputProcessor
 from poolrunner.core.manager import PoolrunnerPluginManager, build_plugin_manager
-from poolrunner.core.model import cpu_attention, loader, metadata, onednn, token_logits
+from poolrunner.core.model import cpu_kernels, fused_norms, loader, metadata, onednn, token_logits
 from poolrunner.core.model.hf_overrides import apply_hf_overrides
 from poolrunner.core.plugin_api.options import RequestOptions
 from poolrunner.core.selection import required_plugin, resolve_task, select_pooler, served_tasks
@@ -188,8 +188,12 @@ def _build_engine(
     the served set, with a log line; a request for it then gets the usual clear error.
     """
     model = loader.load_model(path, hf_config, chosen.weights, device, model_config.token_logits)
+    # Built here, at load, so that no request waits for a compile.
+    kernels = cpu_kernels.supported_dtypes() if config.compile == "auto" and device.type == "cpu" else frozenset()
     if config.compile == "auto" and onednn.supported(device, chosen.weights):
         onednn.prepack(model.base_model, chosen.matmul)
+    if chosen.weights == torch.bfloat16 and torch.bfloat16 in kernels:
+        fused_norms.fuse_rms_norms(model.base_model)
     poolers = {}
     for task in tasks:
         try:
@@ -200,11 +204,8 @@ def _build_engine(
             logger.info("task %r is not served: %s", task, exc)
     if device.type == "cpu":
         memory.keep_step_buffers()
-    # Built here, at load, so that no request waits for a compile.
-    native_attention = (config.compile == "auto" and device.type == "cpu"
-                        and chosen.weights in cpu_attention.supported_dtypes())
     runner = ModelRunner(model, poolers, hooks, model_config, default_task=tasks[0],
-                         bucket_tokens=device.type == "cpu", native_attention=native_attention)
+                         bucket_tokens=device.type == "cpu", native_attention=chosen.weights in kernels)
     scheduler = Scheduler(max_num_batched_tokens=config.max_num_batched_tokens or default_token_budget(device.type),
                           max_num_seqs=config.max_num_seqs, chunked_prefill=runner.causal)
     async_scheduling = device.type == "cuda" if config.async_scheduling is None else config.async_scheduling

@@ -48,7 +48,7 @@ class ModelRunner:
         :param bucket_tokens: Round each step's token count up to a bucket
             (:func:`~poolrunner.core.engine.buckets.bucket_num_tokens`) so kernels are reused: on the CPU.
         :param native_attention: Attend in poolrunner's CPU kernel
-            (:mod:`~poolrunner.core.model.cpu_attention`, already built) where a layer's mask allows."""
+            (:mod:`~poolrunner.core.model.cpu_kernels`, already built) where a layer's mask allows."""
         self.backbone = model.base_model  # hidden states; heads belong to poolers
         self.poolers = dict(poolers)
         self.pooler = self.poolers[default_task]

@@ -31,7 +31,7 @@ queries cost more than the extra kernel calls. The layout is built once per step
 every layer.
 
 On an x86 CPU with AVX-512 (``compile="auto"``), the runs whose mask is full or causal attend in
-poolrunner's own kernel instead (:mod:`~poolrunner.core.model.cpu_attention`), all of them in one
+poolrunner's own kernel instead (:mod:`~poolrunner.core.model.cpu_kernels`), all of them in one
 call per layer; other masks, soft-capping and sinks stay on the path above.
 
 Chunked prefill (models that never attend to later tokens, see :func:`probe_attention`): a
@@ -53,7 +53,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from poolrunner.core.errors import UnsupportedAttentionError
-from poolrunner.core.model import cpu_attention
+from poolrunner.core.model import cpu_kernels
 
 ATTENTION_NAME = "poolrunner_packed"
 LAYOUT_KWARG = "poolrunner_layout"
@@ -172,7 +172,7 @@ class PackedLayout:
         Adjacent requests of equal length form one run. A request with an entry
         ``(cache, store)`` in ``caches`` is a prefill chunk and attends on its own. ``native``:
         runs with a full or causal mask attend in poolrunner's CPU kernel
-        (:mod:`~poolrunner.core.model.cpu_attention`), which the caller has built.
+        (:mod:`~poolrunner.core.model.cpu_kernels`), which the caller has built.
         """
         starts = [0]
         for length in lengths:
@@ -267,7 +267,7 @@ def _attend_native(
     """Attend the runs whose mask is full or causal in poolrunner's CPU kernel, one call per mask
     kind, into ``output`` (``[num_tokens, heads, head_dim]``); return the runs left for SDPA (other
     masks, or a dtype or head size the kernel does not take)."""
-    if q.dtype not in cpu_attention.supported_dtypes() or q.shape[-1] % cpu_attention.HEAD_DIM_MULTIPLE:
+    if q.dtype not in cpu_kernels.supported_dtypes() or q.shape[-1] % cpu_kernels.HEAD_DIM_MULTIPLE:
         return runs
     kinds: dict[str, list[_Run]] = {"full": [], "causal": []}
     rest = []
@@ -279,7 +279,7 @@ def _attend_native(
         if members:
             starts = [run.start + i * run.length for run in members for i in range(run.count)]
             lengths = [run.length for run in members for _ in range(run.count)]
-            cpu_attention.attend(q, k, v, output, torch.tensor(starts), torch.tensor(lengths), kind == "causal", scale)
+            cpu_kernels.attend(q, k, v, output, torch.tensor(starts), torch.tensor(lengths), kind == "causal", scale)
     return tuple(rest)
 
 

@@ -148,7 +148,7 @@ def _is_silu_gated_mlp(module: nn.Module) -> bool:
     """Whether ``module`` computes ``down_proj(silu(gate_proj(x)) * up_proj(x))``: its forward is
     ``LlamaMLP.forward`` or a bytecode-identical copy, its activation SiLU, its layers ``nn.Linear``."""
     return (
-        _code_key(type(module).forward) == _GATED_MLP
+        code_key(type(module).forward) == _GATED_MLP
         and _post_op(getattr(module, "act_fn", None)) == ("swish", "")
         and all(type(getattr(module, name, None)) is nn.Linear for name in ("gate_proj", "up_proj", "down_proj"))
     )
@@ -159,7 +159,7 @@ def _fuse_activations(module: nn.Module, matmul_dtype: torch.dtype | None) -> in
     (:data:`_FUSABLE`); the activation slot becomes ``nn.Identity``."""
     fused = 0
     for child in module.modules():
-        pattern = _FUSABLE.get(_code_key(type(child).forward))
+        pattern = _FUSABLE.get(code_key(type(child).forward))
         if pattern is None:
             continue
         linear_name, activation_name = pattern
@@ -188,7 +188,7 @@ def _post_op(activation: object) -> tuple[str, str] | None:
     return None
 
 
-def _code_key(function: Callable[..., object]) -> tuple[bytes, tuple[str, ...]] | None:
+def code_key(function: Callable[..., object]) -> tuple[bytes, tuple[str, ...]] | None:
     """Bytecode and names of a function: equal for transformers' "Copied from" duplicates."""
     code = getattr(function, "__code__", None)
     return None if code is None else (code.co_code, code.co_names)
@@ -197,7 +197,7 @@ def _code_key(function: Callable[..., object]) -> tuple[bytes, tuple[str, ...]] 
 def _gated_mlp() -> tuple[bytes, tuple[str, ...]] | None:
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    return _code_key(LlamaMLP.forward)
+    return code_key(LlamaMLP.forward)
 
 
 _GATED_MLP = _gated_mlp()
@@ -209,7 +209,7 @@ def _fusable() -> dict[tuple[bytes, tuple[str, ...]] | None, tuple[str, str]]:
 
     return {
         # act(dense(x)): BERT's block and its ~60 copies (RoBERTa, XLM-R, ELECTRA, MPNet, ...)
-        _code_key(BertIntermediate.forward): ("dense", "intermediate_act_fn"),
+        code_key(BertIntermediate.forward): ("dense", "intermediate_act_fn"),
         # down(act(gate(x)) * up(x)) with an activation other than SiLU (SiLU's become GatedMLP):
         # the activation reads gate_proj's output alone
         _GATED_MLP: ("gate_proj", "act_fn"),

@@ -1,4 +1,4 @@
-"""poolrunner's CPU attention kernel against torch's attention in float64.
+"""poolrunner's CPU kernels against torch and transformers: packed attention in float64, RMSNorm.
 
 The kernel (``core/model/packed_attention.cpp``) attends every request of a packed step in one
 call. Each request must get what torch's scaled_dot_product_attention gives it alone, no further
@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from poolrunner import Runtime
-from poolrunner.core.model import cpu_attention
+from poolrunner.core.model import cpu_kernels
 from poolrunner.core.model.attention import LAYOUT_KWARG, MaskRule, PackedLayout, packed_attention
 
-SUPPORTED = cpu_attention.supported_dtypes()
+SUPPORTED = cpu_kernels.supported_dtypes()
 pytestmark = pytest.mark.skipif(not SUPPORTED, reason="the kernel needs an x86 CPU with AVX-512 and a C++ compiler")
 DTYPES = [pytest.param(dtype, marks=pytest.mark.skipif(dtype not in SUPPORTED, reason=f"no {dtype} kernel here"))
           for dtype in (torch.float32, torch.bfloat16)]
@@ -54,7 +54,7 @@ def _reference(q, k, v, lengths, causal, dtype):
 def _run_kernel(q, k, v, lengths, causal, scale):
     out = torch.full_like(q, 7.0)
     starts = torch.tensor([sum(lengths[:i]) for i in range(len(lengths))])
-    cpu_attention.attend(q, k, v, out, starts, torch.tensor(lengths), causal, scale)
+    cpu_kernels.attend(q, k, v, out, starts, torch.tensor(lengths), causal, scale)
     return out
 
 
@@ -96,7 +96,7 @@ def test_inputs_it_does_not_take_are_refused_by_name(change, message):
     q, k, v = _packed([5], 4, 4, 32, torch.float32)
     args = change(q, k, v, torch.empty_like(q))
     with pytest.raises(RuntimeError, match=message):
-        cpu_attention.attend(*args, torch.tensor([0]), torch.tensor([5]), False, 0.1)
+        cpu_kernels.attend(*args, torch.tensor([0]), torch.tensor([5]), False, 0.1)
     out = _run_kernel(q, k, v, [5], False, 32**-0.5)  # and the next call is served
     torch.testing.assert_close(out.double(), _reference(q, k, v, [5], False, torch.float32)[1], rtol=1e-5, atol=2e-6)
 
@@ -104,7 +104,7 @@ def test_inputs_it_does_not_take_are_refused_by_name(change, message):
 def test_a_request_spanning_tokens_outside_q_is_refused():
     q, k, v = _packed([5], 2, 2, 32, torch.float32)
     with pytest.raises(RuntimeError, match="request 0 spans tokens outside q"):
-        cpu_attention.attend(q, k, v, torch.empty_like(q), torch.tensor([2]), torch.tensor([5]), False, 0.1)
+        cpu_kernels.attend(q, k, v, torch.empty_like(q), torch.tensor([2]), torch.tensor([5]), False, 0.1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -164,15 +164,68 @@ def test_a_machine_that_cannot_build_it_attends_on_sdpa_and_says_why(monkeypatch
         raise RuntimeError("Error building extension 'poolrunner_packed_attention': g++: command not found")
 
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
-    cpu_attention._load.cache_clear()
+    cpu_kernels._load.cache_clear()
     try:
-        with caplog.at_level("WARNING", logger="poolrunner.core.model.cpu_attention"):
+        with caplog.at_level("WARNING", logger="poolrunner.core.model.cpu_kernels"):
             runtime = Runtime(model_path, dtype="float32", load_entrypoints=False)
         assert not runtime.engine.runner.native_attention
-        assert ("poolrunner's CPU attention kernel could not be built, attention runs on torch's SDPA: "
+        assert ("poolrunner's CPU kernels could not be built, attention and RMSNorm run on torch: "
                 "Error building extension 'poolrunner_packed_attention': g++: command not found") in caplog.messages
         texts = ["a kernel that did not build", "still answers"]
         expected = st_model.encode(texts, normalize_embeddings=True)
         np.testing.assert_allclose(runtime.embed(texts), expected, atol=1e-5)
     finally:
-        cpu_attention._load.cache_clear()  # the next caller loads the real build again
+        cpu_kernels._load.cache_clear()  # the next caller loads the real build again
+
+
+@pytest.mark.skipif(torch.bfloat16 not in SUPPORTED, reason="the RMSNorm kernel is bfloat16 on AVX512-BF16")
+@pytest.mark.parametrize("hidden", [576, 40, 7])
+def test_rms_norm_computes_what_llama_rms_norm_computes(hidden):
+    """The same roundings as the module; only the order of the sum of squares differs."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from poolrunner.core.model.fused_norms import FusedRMSNorm
+
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(hidden, eps=1e-5)
+    norm.weight.data = torch.rand(hidden) + 0.5
+    norm = norm.bfloat16()
+    x = (torch.randn(3, 300, hidden) * 3).bfloat16()
+    with torch.inference_mode():
+        expected, got = norm(x), FusedRMSNorm(norm)(x)
+        assert torch.equal(FusedRMSNorm(norm.float())(x.float()), norm.float()(x.float()))  # other dtypes: the module's code
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    assert (got == expected).float().mean() >= 0.99
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=0)  # at most one bf16 rounding step
+
+
+@pytest.mark.skipif(torch.bfloat16 not in SUPPORTED, reason="the RMSNorm kernel is bfloat16 on AVX512-BF16")
+def test_only_llama_rms_norm_code_in_bfloat16_is_replaced():
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from poolrunner.core.model.fused_norms import FusedRMSNorm, fuse_rms_norms
+
+    model = torch.nn.ModuleDict({
+        "llama": LlamaRMSNorm(16).bfloat16(), "gemma": GemmaRMSNorm(16).bfloat16(), "fp32": LlamaRMSNorm(16),
+    })
+    assert fuse_rms_norms(model) == 1
+    assert [type(m) for m in model.values()] == [FusedRMSNorm, GemmaRMSNorm, LlamaRMSNorm]
+
+
+@pytest.mark.skipif(torch.bfloat16 not in SUPPORTED, reason="the RMSNorm kernel is bfloat16 on AVX512-BF16")
+def test_a_bfloat16_decoder_on_the_fast_path_runs_its_norms_in_the_kernel(tmp_path):
+    import transformers
+
+    from poolrunner.core.model.fused_norms import FusedRMSNorm
+    from tests.test_attention_rules import _DECODER, _folder
+
+    folder = _folder(transformers.LlamaConfig(**_DECODER, architectures=["LlamaModel"]), tmp_path)
+    fast = Runtime(folder, dtype="bfloat16", load_entrypoints=False)
+    eager = Runtime(folder, dtype="bfloat16", compile="off", load_entrypoints=False)
+    assert sum(type(m) is FusedRMSNorm for m in fast.engine.runner.backbone.modules()) == 5  # 2 per layer + final
+    assert not any(type(m) is FusedRMSNorm for m in eager.engine.runner.backbone.modules())
+    texts = ["a b c d", "b c"]
+    cosine = (fast.embed(texts) * eager.embed(texts)).sum(-1) / (
+        np.linalg.norm(fast.embed(texts), axis=-1) * np.linalg.norm(eager.embed(texts), axis=-1))
+    assert cosine.min() > 0.999
