@@ -161,6 +161,7 @@ class PackedLayout:
     cached: tuple[_CachedSpan, ...]
     probe: list[bool] | None = None
     native: bool = False
+    _spans: dict[tuple[_Run, ...], tuple[torch.Tensor, torch.Tensor]] = field(factory=dict, init=False)
 
     @classmethod
     def build(
@@ -191,6 +192,15 @@ class PackedLayout:
             else:
                 runs.append(_Run(starts[i], 1, length))
         return cls(num_tokens=starts[-1], runs=tuple(runs), cached=cached, probe=probe, native=native)
+
+    def request_spans(self, runs: tuple[_Run, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each request of ``runs``: its first token and its length, int64 ``[num_requests]`` each;
+        computed once per step, then shared by every layer that attends these runs."""
+        if runs not in self._spans:
+            starts = [run.start + i * run.length for run in runs for i in range(run.count)]
+            lengths = [run.length for run in runs for _ in range(run.count)]
+            self._spans[runs] = (torch.tensor(starts), torch.tensor(lengths))
+        return self._spans[runs]
 
 
 def packed_attention(
@@ -229,7 +239,7 @@ def packed_attention(
     output[layout.num_tokens :] = 0  # rows past the requests' tokens pad the step to a bucket
     runs = layout.runs
     if layout.native and softcap is None and s_aux is None and layout.probe is None:
-        runs = _attend_native(attention_mask, runs, q, k, v, output, scaling)
+        runs = _attend_native(attention_mask, layout, q, k, v, output, scaling)
     for run in runs:
         block = attention_mask.block(0, run.length, run.length, q.device)
         if layout.probe is not None:
@@ -261,25 +271,24 @@ def _check_arguments(module: nn.Module, mask: Any, dropout: float, kwargs: dict[
 
 
 def _attend_native(
-    rule: MaskRule, runs: tuple[_Run, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor,
+    rule: MaskRule, layout: PackedLayout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor,
     scaling: float | None,
 ) -> tuple[_Run, ...]:
     """Attend the runs whose mask is full or causal in poolrunner's CPU kernel, one call per mask
     kind, into ``output`` (``[num_tokens, heads, head_dim]``); return the runs left for SDPA (other
     masks, or a dtype or head size the kernel does not take)."""
     if q.dtype not in cpu_kernels.supported_dtypes() or q.shape[-1] % cpu_kernels.HEAD_DIM_MULTIPLE:
-        return runs
+        return layout.runs
     kinds: dict[str, list[_Run]] = {"full": [], "causal": []}
     rest = []
-    for run in runs:
+    for run in layout.runs:
         kinds.get(rule.block(0, run.length, run.length, q.device).kind, rest).append(run)
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
     q, k, v = (_kernel_layout(t) for t in (q, k, v))
     for kind, members in kinds.items():
         if members:
-            starts = [run.start + i * run.length for run in members for i in range(run.count)]
-            lengths = [run.length for run in members for _ in range(run.count)]
-            cpu_kernels.attend(q, k, v, output, torch.tensor(starts), torch.tensor(lengths), kind == "causal", scale)
+            starts, lengths = layout.request_spans(tuple(members))
+            cpu_kernels.attend(q, k, v, output, starts, lengths, kind == "causal", scale)
     return tuple(rest)
 
 

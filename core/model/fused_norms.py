@@ -14,7 +14,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from poolrunner.core.model import cpu_kernels
-from poolrunner.core.model.onednn import code_key
+from poolrunner.core.model.onednn import code_key, replace_modules
 
 _RMS_NORM = code_key(LlamaRMSNorm.forward)
 
@@ -45,12 +45,10 @@ def fuse_rms_norms(module: nn.Module) -> int:
 
     :returns: The number of modules replaced.
     """
-    replaced = 0
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            weight = getattr(child, "weight", None)
-            if (code_key(type(child).forward) == _RMS_NORM and isinstance(weight, torch.Tensor)
-                    and weight.dtype == torch.bfloat16 and hasattr(child, "variance_epsilon")):
-                setattr(parent, name, FusedRMSNorm(child))
-                replaced += 1
-    return replaced
+    return replace_modules(module, lambda child: FusedRMSNorm(child) if _is_bf16_llama_rms_norm(child) else None)
+
+
+def _is_bf16_llama_rms_norm(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (code_key(type(module).forward) == _RMS_NORM and isinstance(weight, torch.Tensor)
+            and weight.dtype == torch.bfloat16 and hasattr(module, "variance_epsilon"))

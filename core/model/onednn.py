@@ -89,7 +89,7 @@ class GatedMLP(nn.Module):
     three kernels: SiLU is gate_proj's post-op and the multiply up_proj's, so neither is a separate
     pass over the ``[tokens, intermediate]`` tensors.
 
-    Takes the place of such a module (:func:`_fuse_gated_mlps`) under the same attribute names,
+    Takes the place of such a module (:func:`prepack`) under the same attribute names,
     so parameter names do not change.
     """
 
@@ -120,17 +120,17 @@ def prepack(module: nn.Module, matmul_dtype: torch.dtype | None = None) -> int:
     :param matmul_dtype: See :class:`PackedLinear`; ``None``: each weight's own dtype.
     :returns: The number of linear layers replaced.
     """
-    gated = _replace(module, lambda child: GatedMLP(child, matmul_dtype) if _is_silu_gated_mlp(child) else None)
+    gated = replace_modules(module, lambda child: GatedMLP(child, matmul_dtype) if _is_silu_gated_mlp(child) else None)
     fused = _fuse_activations(module, matmul_dtype)
-    plain = _replace(module, lambda child: PackedLinear(child, matmul_dtype=matmul_dtype)
+    plain = replace_modules(module, lambda child: PackedLinear(child, matmul_dtype=matmul_dtype)
                      if type(child) is nn.Linear else None)
     logger.debug("prepacked %d linear layers (%d with a fused activation, %d with a fused multiply)",
                  3 * gated + fused + plain, gated + fused, gated)
     return 3 * gated + fused + plain
 
 
-def _replace(module: nn.Module, replacement: Callable[[nn.Module], nn.Module | None]) -> int:
-    """Put ``replacement(child)`` in the place of each module inside ``module`` for which it is not ``None``.
+def replace_modules(module: nn.Module, replacement: Callable[[nn.Module], nn.Module | None]) -> int:
+    """Put ``replacement(child)``, in place, where each module inside ``module`` is, when it is not ``None``.
 
     :returns: The number of modules replaced.
     """
