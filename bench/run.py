@@ -45,8 +45,10 @@ from profiles import PROFILES, Profile, load_texts  # noqa: E402
 from serving import lscpu  # noqa: E402
 
 FAMILIES = ("sentence-transformers", "transformers", "openvino", "vllm", "poolrunner", "poolrunner-eager")
-DTYPES = ("float32", "bfloat16", "auto")  # auto: poolrunner only
-SHORT = {"float32": "fp32", "bfloat16": "bf16", "auto": "auto"}
+DTYPES = ("float32", "bfloat16", "auto", "int8")
+SHORT = {"float32": "fp32", "bfloat16": "bf16", "auto": "auto", "int8": "int8"}
+# dtypes only poolrunner has: auto on both paths, int8 on the compiled one
+ONLY_FOR = {"auto": ("poolrunner", "poolrunner-eager"), "int8": ("poolrunner",)}
 LABELS = {"sentence-transformers": "sentence-transformers", "transformers": "transformers padded",
           "openvino": "ST OpenVINO", "vllm": "vLLM", "poolrunner": "poolrunner",
           "poolrunner-eager": "poolrunner eager"}
@@ -75,7 +77,7 @@ def variants(model: str, families: list[str], dtypes: list[str]) -> list[Variant
             continue  # the reference is its only dtype; OpenVINO here serves MiniLM only
         for dtype in dtypes:
             variant = Variant(family, dtype)
-            if (dtype != "auto" or family.startswith("poolrunner")) and variant != reference:
+            if family in ONLY_FOR.get(dtype, (family,)) and variant != reference:
                 found.append(variant)
     return found
 
@@ -372,7 +374,7 @@ def measure_latency(args: argparse.Namespace, model: dict, workdir: Path) -> lis
     rows = []
     chosen = [Variant("sentence-transformers", "float32")]
     chosen += [Variant(family, d) for family in ("poolrunner", "poolrunner-eager") if family in args.systems
-               for d in args.dtypes]
+               for d in args.dtypes if family in ONLY_FOR.get(d, (family,))]
     for variant in chosen:
         print(f"latency: {variant.label}", file=sys.stderr, flush=True)
         result = run_worker(variant, job, workdir, args.timeout)

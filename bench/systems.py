@@ -4,7 +4,7 @@
 their library lazily: this module is also imported by the peers' own virtual environments,
 which hold only numpy, torch and that peer. ``spec`` is the worker's job description (see
 ``worker.py``): ``model`` (a local folder), ``pooling`` ("MEAN" or "LAST"), ``max_length`` (the
-model maximum in tokens) and ``dtype`` ("float32", "bfloat16" or, for poolrunner, "auto").
+model maximum in tokens) and ``dtype`` ("float32", "bfloat16" or, for poolrunner, "auto" or "int8").
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from poolrunner.core.inputs import score_template
 from poolrunner.core.types import PLUGIN_TASK_NAME, POOLING_TASKS, POOLING_TYPES, PoolingTask, PoolingType
 from poolrunner.core.validators import json_object, one_of, optional_bool, positive_int, task_name
 
-DTYPES = ("auto", "float32", "bfloat16", "float16", "bf16-mixed")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "bf16-mixed", "int8")
 COMPILE_MODES = ("auto", "off")
 SPEED_ONLY = "poolrunner_speed_only"
 """Field metadata key: the setting changes how fast results come, never what they are (a Ray job
@@ -67,8 +67,11 @@ class RuntimeConfig:
     :ivar dtype: ``auto`` (on CUDA the config's half-precision dtype; on a CPU with native bf16 the
         first of ``bfloat16`` and ``bf16-mixed`` that holds the accuracy bar, see
         :mod:`poolrunner.core.engine.precision`, else float32), ``float32``, ``bfloat16``,
-        ``float16`` or ``bf16-mixed`` (float32 weights and activations, bfloat16 matrix products;
-        the CPU with ``compile="auto"`` only).
+        ``float16``, ``bf16-mixed`` (float32 weights and activations, bfloat16 matrix products;
+        the CPU with ``compile="auto"`` only) or ``int8`` (linear layers as dynamic int8
+        products calibrated at load, the rest bfloat16: :mod:`poolrunner.core.model.int8`; the
+        CPU with ``compile="auto"`` and native bf16 only; refused at load for a model whose probe
+        outputs fall under cosine 0.999 of float32's).
     :ivar device: ``auto`` (CUDA when present, else CPU) or a torch device string.
     :ivar compile: ``auto``: on the CPU, linear layers run with weights prepacked for oneDNN once at
         load, bias and known activations fused into the matmul (:mod:`poolrunner.core.model.onednn`),

@@ -103,6 +103,11 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
     if config.dtype == "auto" and precision.native_bf16(device):
         candidates = precision.AUTO_CANDIDATES if fast_path else (precision.BFLOAT16,)
         engine, chosen = precision.choose_cpu_precision(build, _probe_requests(inputs, wanted, options), candidates)
+    elif config.dtype == precision.INT8.name:
+        _check_int8(config, device, fast_path)
+        chosen = precision.INT8
+        engine = precision.quantize_checked(build, _probe_requests(inputs, wanted, options, words_from=1),
+                                            _probe_requests(inputs, wanted, options))
     else:
         chosen = _explicit_precision(config, hf_config, device, fast_path)
         engine = build(chosen)
@@ -129,6 +134,21 @@ def _explicit_precision(
             f"this runtime has device {device.type!r} and compile={config.compile!r}"
         )
     return precision.PRECISIONS[config.dtype]
+
+
+def _check_int8(config: RuntimeConfig, device: torch.device, fast_path: bool) -> None:
+    """:raises ModelLoadError: where ``dtype="int8"`` cannot run: it needs the CPU fast path, a
+        CPU with native bf16 and poolrunner's kernels."""
+    if not fast_path:
+        reason = f"the CPU fast path (compile='auto' on a CPU with oneDNN); this runtime has device " \
+                 f"{device.type!r} and compile={config.compile!r}"
+    elif not precision.native_bf16(device):
+        reason = "a CPU that multiplies bfloat16 natively (AVX512-BF16 or AMX)"
+    elif torch.bfloat16 not in cpu_kernels.supported_dtypes():
+        reason = "poolrunner's CPU kernels, which could not be built here (see the warning above)"
+    else:
+        return
+    raise ModelLoadError(f"dtype 'int8' needs {reason}")
 
 
 def declared_options(config: RuntimeConfig, plugins: Sequence[object] = ()) -> RequestOptions:
@@ -213,11 +233,11 @@ def _build_engine(
 
 
 def _probe_requests(inputs: InputProcessor, tasks: Sequence[PoolingTask],
-                    options: RequestOptions) -> list[PoolingRequest]:
+                    options: RequestOptions, words_from: int = 0) -> list[PoolingRequest]:
     """:func:`~poolrunner.core.engine.precision.probe_texts` as requests of each of ``tasks``
     (with their options' defaults), each at most ``LONG_PROBE_TOKENS`` long: every task the
     runtime serves is held to the bar, not only its default one."""
-    texts = precision.probe_texts(inputs.tokenizer, inputs.model_config.max_model_len)
+    texts = precision.probe_texts(inputs.tokenizer, inputs.model_config.max_model_len, words_from)
     keep = min(inputs.model_config.max_model_len, precision.LONG_PROBE_TOKENS)
     encoded = inputs.encode(texts, truncate_prompt_tokens=keep)
     return [

@@ -80,7 +80,8 @@ def test_a_custom_scale_is_applied():
     q, k, v = _packed([9, 12], 2, 2, 32, torch.float32)
     out = _run_kernel(q, k, v, [9, 12], False, 0.05)
     expected = torch.cat([
-        F.scaled_dot_product_attention(*(t[s:e].transpose(0, 1).double() for t in (q, k, v)), scale=0.05).transpose(0, 1)
+        F.scaled_dot_product_attention(*(t[s:e].transpose(0, 1).double() for t in (q, k, v)),
+                                       scale=0.05).transpose(0, 1)
         for s, e in [(0, 9), (9, 21)]
     ])
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-6)
@@ -120,7 +121,8 @@ def test_the_packed_attention_function_uses_it_and_keeps_sdpa_for_custom_masks(d
     as_transformers = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]  # [1, heads, tokens, dim]
     layout = PackedLayout.build(lengths, native=True)
     with torch.inference_mode():
-        out, _ = packed_attention(torch.nn.Identity(), *as_transformers, MaskRule(window, False), **{LAYOUT_KWARG: layout})
+        out, _ = packed_attention(torch.nn.Identity(), *as_transformers, MaskRule(window, False),
+                                  **{LAYOUT_KWARG: layout})
     start = 0
     for length in lengths:
         alone = [t[start : start + length].transpose(0, 1).double() for t in (q, k, v)]
@@ -134,7 +136,8 @@ def test_the_packed_attention_function_uses_it_and_keeps_sdpa_for_custom_masks(d
 
 def test_a_runtime_on_the_cpu_fast_path_attends_in_it(model_path):
     assert Runtime(model_path, dtype="float32", load_entrypoints=False).engine.runner.native_attention
-    assert not Runtime(model_path, dtype="float32", compile="off", load_entrypoints=False).engine.runner.native_attention
+    eager = Runtime(model_path, dtype="float32", compile="off", load_entrypoints=False)
+    assert not eager.engine.runner.native_attention
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -193,7 +196,8 @@ def test_rms_norm_computes_what_llama_rms_norm_computes(hidden):
     x = (torch.randn(3, 300, hidden) * 3).bfloat16()
     with torch.inference_mode():
         expected, got = norm(x), FusedRMSNorm(norm)(x)
-        assert torch.equal(FusedRMSNorm(norm.float())(x.float()), norm.float()(x.float()))  # other dtypes: the module's code
+        # other dtypes: the module's code
+        assert torch.equal(FusedRMSNorm(norm.float())(x.float()), norm.float()(x.float()))
     assert got.dtype == torch.bfloat16 and got.shape == x.shape
     assert (got == expected).float().mean() >= 0.99
     torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=0)  # at most one bf16 rounding step

@@ -165,7 +165,8 @@ def test_token_embed_dimension_errors(make_decoder_folder, task_runtime):
     prompt = [[1, 5, 6, 7]]
     expected = plain.encode(prompt)
     message = (f"model {folder} does not support Matryoshka dimensions (got dimensions=8): its config declares "
-               "neither is_matryoshka nor matryoshka_dimensions; load it with is_matryoshka=True (--is-matryoshka on the command line and the server) to allow it")
+               "neither is_matryoshka nor matryoshka_dimensions; load it with is_matryoshka=True "
+               "(--is-matryoshka on the command line and the server) to allow it")
     with pytest.raises(InvalidRequestError, match=f"^{re.escape(message)}$"):
         plain.encode(prompt, dimensions=8)
     assert_still_serves(plain, prompt, expected)

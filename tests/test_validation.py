@@ -341,7 +341,7 @@ def test_pooling_request_validators():
     ({"max_num_seqs": 0}, ValueError, r"^max_num_seqs must be a positive integer, got 0$"),
     ({"max_num_batched_tokens": -5}, ValueError, r"^max_num_batched_tokens must be a positive integer, got -5$"),
     ({"dtype": "float64"}, ValueError,
-     r"^dtype must be one of \['auto', 'float32', 'bfloat16', 'float16', 'bf16-mixed'\], got 'float64'$"),
+     r"^dtype must be one of \['auto', 'float32', 'bfloat16', 'float16', 'bf16-mixed', 'int8'\], got 'float64'$"),
     ({"pooling_type": "MEAN+MAX"}, ValueError,
      r"^pooling_type must be one of \['CLS', 'MEAN', 'LAST', 'MAX', 'WEIGHTEDMEAN', 'MEAN_SQRT_LEN', 'ALL', 'STEP'\], "
      r"got 'MEAN\+MAX'$"),

@@ -232,7 +232,8 @@ def add_model_options(parser: argparse.ArgumentParser, *, several: str | None = 
     model.add_argument("--dtype", choices=DTYPES, default="auto",
                        help="precision; bf16-mixed: float32 weights, bfloat16 matrix products (CPU); auto: half "
                             "precision on CUDA; on the CPU bfloat16 or else bf16-mixed where bf16 is native and "
-                            "accurate for this model (checked at load), else float32")
+                            "accurate for this model (checked at load), else float32; int8: int8 linear layers "
+                            "(CPU with native bf16), refused at load for a model that falls under cosine 0.999")
     model.add_argument("--device", default="auto",
                        help="torch device, e.g. cpu, cuda, cuda:1; auto picks CUDA when present")
     model.add_argument("--compile", choices=COMPILE_MODES, default="auto",

@@ -36,6 +36,8 @@ from attrs import frozen
 from transformers import PreTrainedTokenizerBase
 
 from poolrunner.core.engine.engine import Engine
+from poolrunner.core.errors import ModelLoadError
+from poolrunner.core.model import int8
 from poolrunner.core.plugin_api.output import RequestOutput
 from poolrunner.core.types import PoolingRequest
 
@@ -57,13 +59,18 @@ FLOAT32 = Precision("float32", torch.float32, torch.float32)
 BFLOAT16 = Precision("bfloat16", torch.bfloat16, torch.bfloat16)
 FLOAT16 = Precision("float16", torch.float16, torch.float16)
 BF16_MIXED = Precision("bf16-mixed", torch.float32, torch.bfloat16)
-PRECISIONS = {p.name: p for p in (FLOAT32, BFLOAT16, FLOAT16, BF16_MIXED)}
+INT8 = Precision("int8", torch.bfloat16, torch.int8)
+"""bfloat16 model, linear layers as dynamic int8 products (:mod:`poolrunner.core.model.int8`)."""
+PRECISIONS = {p.name: p for p in (FLOAT32, BFLOAT16, FLOAT16, BF16_MIXED, INT8)}
 AUTO_CANDIDATES = (BFLOAT16, BF16_MIXED)
 """What ``auto`` tries on a CPU with native bf16, fastest first."""
 
 MAX_RELATIVE_ERROR = 2e-4**0.5
 """Largest ``||bf16 - fp32|| / ||fp32||`` accepted per probe output, about 1.41%: for unit
 vectors exactly the embedding bar ``cosine >= 0.9999``, applied alike to every task's output."""
+
+MAX_INT8_RELATIVE_ERROR = 2e-3**0.5
+"""The int8 bar, about 4.47%: cosine >= 0.999 for unit vectors."""
 
 PROBE_TEXTS = (
     "Hello!",
@@ -86,10 +93,14 @@ LONG_PROBE_TOKENS = 512
 """The long probe's length cap, in tokens (the model maximum when smaller): bounded load time."""
 
 
-def probe_texts(tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> list[str]:
+def probe_texts(tokenizer: PreTrainedTokenizerBase, max_model_len: int, words_from: int = 0) -> list[str]:
     """:data:`PROBE_TEXTS`, single words of the tokenizer's vocabulary (whole words, spread
     evenly over it, the same on every load), and one long text (callers truncate it to
-    ``min(max_model_len, LONG_PROBE_TOKENS)`` tokens)."""
+    ``min(max_model_len, LONG_PROBE_TOKENS)`` tokens).
+
+    :param words_from: Shifts the choice of words: another value gives other words (int8's
+        calibration texts are the probe's with ``words_from=1``, so the probe judges held-out words).
+    """
     vocabulary = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
     stride = max(1, len(vocabulary) // (8 * NUM_PROBE_WORDS))
     words: list[str] = []
@@ -99,7 +110,7 @@ def probe_texts(tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> list[
             words.append(word)
     step = max(1, len(words) // NUM_PROBE_WORDS)
     long_text = " ".join([PROBE_TEXTS[-1]] * (1 + min(max_model_len, LONG_PROBE_TOKENS) // 8))
-    return [*PROBE_TEXTS, *words[::step][:NUM_PROBE_WORDS], long_text]
+    return [*PROBE_TEXTS, *words[words_from::step][:NUM_PROBE_WORDS], long_text]
 
 
 def native_bf16(device: torch.device) -> bool:
@@ -138,6 +149,33 @@ def choose_cpu_precision(
         logger.info("dtype auto: not %s (probe error %.2e > %.2e)", candidate.name, error, MAX_RELATIVE_ERROR)
     del engine
     return build(FLOAT32), FLOAT32
+
+
+def quantize_checked(
+    build: Callable[[Precision], Engine], calibration: Sequence[PoolingRequest], probes: Sequence[PoolingRequest],
+) -> Engine:
+    """Build the engine in :data:`INT8`, calibrate it on ``calibration``, and keep it only if its
+    outputs on ``probes`` stay within :data:`MAX_INT8_RELATIVE_ERROR` of float32's.
+
+    :raises ModelLoadError: naming the probe error and the bar, when the model misses it.
+    """
+    engine = build(FLOAT32)
+    probes = [probe for probe in probes if probe.params.task in engine.runner.poolers]
+    reference = _run(engine, probes)
+    del engine
+    engine = build(INT8)
+    calibration = [request for request in calibration if request.params.task in engine.runner.poolers]
+    int8.calibrate(engine.runner.backbone, lambda: _run(engine, calibration))
+    error = max(_relative_error(ref, out) for ref, out in zip(reference, _run(engine, probes), strict=True))
+    if error > MAX_INT8_RELATIVE_ERROR:
+        detail = ("its outputs differ from float32's in shape or in integer values" if math.isinf(error)
+                  else f"its outputs are up to {error:.4f} away from float32's (relative error)")
+        raise ModelLoadError(
+            f"dtype 'int8' is refused for this model: on the probe texts {detail}; the bar is "
+            f"{MAX_INT8_RELATIVE_ERROR:.4f} (cosine 0.999); use dtype 'bfloat16' or 'auto'"
+        )
+    logger.info("dtype int8: probe error %.2e <= %.2e against float32", error, MAX_INT8_RELATIVE_ERROR)
+    return engine
 
 
 def _run(engine: Engine, probes: Sequence[PoolingRequest]) -> list[RequestOutput]:

@@ -1,5 +1,5 @@
-"""poolrunner's own kernels for x86 CPUs with AVX-512: packed attention (``packed_attention.cpp``)
-and RMSNorm (``rms_norm.cpp``).
+"""poolrunner's own kernels for x86 CPUs with AVX-512: packed attention (``packed_attention.cpp``),
+RMSNorm (``rms_norm.cpp``) and the passes around a dynamic int8 product (``int8_linear.cpp``).
 
 Attention: one call attends every request of a packed step (or all of those sharing a mask
 kind), instead of one torch SDPA call per run of equal lengths. On 2 Zen 4 cores (AVX512-BF16, no
@@ -32,7 +32,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("packed_attention.cpp", "rms_norm.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("packed_attention.cpp", "rms_norm.cpp", "int8_linear.cpp")]
 HEAD_DIM_MULTIPLE = 16
 STALE_LOCK_S = 600.0
 """A build lock older than this was left by a process that died while building: removed."""
@@ -81,6 +81,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+def quantize_rows(x: torch.Tensor, inv_smooth: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                  offset: torch.Tensor) -> None:
+    """Quantize each row of ``x / smooth`` to int8 with its own scale and zero point (the
+    formulas are in ``int8_linear.cpp``), written into ``q``, ``scale`` and ``offset``.
+
+    :param x: float32 or bfloat16 ``[rows, in]``, contiguous.
+    :param inv_smooth: float32 ``[in]``, the reciprocal smoothing factor of each input channel.
+    :param q: int8 ``[rows, in]``: ``round(x * inv_smooth / scale) + zero - 128``.
+    :param scale: float32 ``[rows]``, each row's step.
+    :param offset: int32 ``[rows]``, ``128 - zero``.
+    """
+    torch.ops.poolrunner_cpu.quantize_rows(x, inv_smooth, q, scale, offset)
+
+
+def dequantize_rows(acc: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, col_scale: torch.Tensor,
+                    col_sum: torch.Tensor, bias: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = (acc + offset * col_sum) * scale * col_scale + bias``, row by row, the sum exact in int32.
+
+    :param acc: int32 ``[rows, out]``, the int8 product of :func:`quantize_rows`'s ``q`` and the weight.
+    :param scale: float32 ``[rows]`` and ``offset`` int32 ``[rows]``, from :func:`quantize_rows`.
+    :param col_scale: float32 ``[out]``, each output channel's weight step.
+    :param col_sum: int32 ``[out]``, each output channel's sum of int8 weights.
+    :param bias: float32 ``[out]``, or empty for none.
+    :param out: float32 or bfloat16 ``[rows, out]``, contiguous.
+    """
+    torch.ops.poolrunner_cpu.dequantize_rows(acc, scale, offset, col_scale, col_sum, bias, out)
+
+
 @functools.cache
 def _load() -> frozenset[torch.dtype]:
     if not torch.cpu._is_avx512_supported():
@@ -97,7 +125,8 @@ def _load() -> frozenset[torch.dtype]:
 
         _remove_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
         with _ninja_on_path():
-            cpp_extension.load(name, [str(source) for source in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False)
+            cpp_extension.load(name, [str(source) for source in SOURCES], extra_cflags=flags,
+                               extra_ldflags=["-fopenmp"], is_python_module=False)
     except (ImportError, OSError, RuntimeError) as exc:  # no compiler, no ninja, a failed build
         logger.warning("poolrunner's CPU kernels could not be built, attention and RMSNorm run on torch: %s",
                        _reason(exc))

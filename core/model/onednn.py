@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import activations
 
+from poolrunner.core.model.int8 import Int8Linear
+
 logger = logging.getLogger(__name__)
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -97,14 +99,23 @@ class GatedMLP(nn.Module):
         """:param mlp: A module that :func:`_is_silu_gated_mlp` accepts.
         :param matmul_dtype: See :class:`PackedLinear`."""
         super().__init__()
-        self.gate_proj = PackedLinear(mlp.gate_proj, ("swish", ""), matmul_dtype)
-        self.up_proj = PackedLinear(mlp.up_proj, matmul_dtype=matmul_dtype)
-        self.down_proj = PackedLinear(mlp.down_proj, matmul_dtype=matmul_dtype)
+        self.gate_proj = packed_linear(mlp.gate_proj, ("swish", ""), matmul_dtype)
+        self.up_proj = packed_linear(mlp.up_proj, matmul_dtype=matmul_dtype)
+        self.down_proj = packed_linear(mlp.down_proj, matmul_dtype=matmul_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., hidden]`` -> ``[..., hidden]``, in ``x``'s dtype."""
         h = x.to(self.up_proj.matmul_dtype)  # bf16-mixed: rounded once for both products
         return self.down_proj(self.up_proj.mul(h, self.gate_proj(h))).to(x.dtype)
+
+
+def packed_linear(
+    linear: nn.Linear, activation: tuple[str, str] = NO_ACTIVATION, matmul_dtype: torch.dtype | None = None,
+) -> PackedLinear | Int8Linear:
+    """:class:`PackedLinear`, or :class:`~poolrunner.core.model.int8.Int8Linear` for an int8 ``matmul_dtype``."""
+    if matmul_dtype == torch.int8:
+        return Int8Linear(linear, activation)
+    return PackedLinear(linear, activation, matmul_dtype)
 
 
 def supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -113,16 +124,17 @@ def supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def prepack(module: nn.Module, matmul_dtype: torch.dtype | None = None) -> int:
-    """Replace every ``nn.Linear`` inside ``module`` by a :class:`PackedLinear`, in place, fusing
+    """Replace every ``nn.Linear`` inside ``module`` by a :func:`packed_linear`, in place, fusing
     the activation into the linear layer where the module's forward code is known (:data:`_FUSABLE`)
     and replacing SiLU-gated MLPs by :class:`GatedMLP`.
 
-    :param matmul_dtype: See :class:`PackedLinear`; ``None``: each weight's own dtype.
+    :param matmul_dtype: See :class:`PackedLinear`; ``None``: each weight's own dtype;
+        ``torch.int8``: :class:`~poolrunner.core.model.int8.Int8Linear` layers, to be calibrated.
     :returns: The number of linear layers replaced.
     """
     gated = replace_modules(module, lambda child: GatedMLP(child, matmul_dtype) if _is_silu_gated_mlp(child) else None)
     fused = _fuse_activations(module, matmul_dtype)
-    plain = replace_modules(module, lambda child: PackedLinear(child, matmul_dtype=matmul_dtype)
+    plain = replace_modules(module, lambda child: packed_linear(child, matmul_dtype=matmul_dtype)
                      if type(child) is nn.Linear else None)
     logger.debug("prepacked %d linear layers (%d with a fused activation, %d with a fused multiply)",
                  3 * gated + fused + plain, gated + fused, gated)
@@ -166,7 +178,7 @@ def _fuse_activations(module: nn.Module, matmul_dtype: torch.dtype | None) -> in
         linear, activation = getattr(child, linear_name, None), getattr(child, activation_name, None)
         post_op = _post_op(activation)
         if type(linear) is nn.Linear and post_op is not None:
-            setattr(child, linear_name, PackedLinear(linear, post_op, matmul_dtype))
+            setattr(child, linear_name, packed_linear(linear, post_op, matmul_dtype))
             setattr(child, activation_name, nn.Identity())
             fused += 1
     return fused

@@ -1,0 +1,207 @@
+"""``dtype="int8"``: the quantization kernels against torch, int8 linear layers against float
+arithmetic, and the load-time bar against transformers and sentence-transformers.
+
+The kernels (``core/model/int8_linear.cpp``) must compute the formulas their header states: the
+quantization bit for bit as torch computes them, the conversion back as float64 does, to float32
+rounding. The bar must refuse a model whose int8 outputs leave cosine 0.999 of float32 (all of
+the real models here) and keep one that stays within it, whose outputs then stay within it on
+inputs the probe never saw.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import poolrunner
+from poolrunner.core.errors import ModelLoadError
+from poolrunner.core.model import cpu_kernels, int8, onednn
+from tests.helpers import cosine_rows
+from tests.models import architectures
+
+pytestmark = pytest.mark.skipif(
+    torch.bfloat16 not in cpu_kernels.supported_dtypes(),
+    reason="int8 needs poolrunner's kernels on an x86 CPU with AVX512-BF16 (or AMX) and a C++ compiler",
+)
+
+
+def _quantized_by_torch(x: torch.Tensor, inv_smooth: torch.Tensor):
+    """The header's formulas, in torch: ``(q, scale, offset)``."""
+    y = x.float() * inv_smooth
+    lo, hi = y.amin(1).clamp_max(0), y.amax(1).clamp_min(0)
+    step = (hi - lo) / 255
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    inverse = 1 / step
+    zero = torch.round(-lo * inverse)
+    q = (torch.round(y * inverse[:, None]) + zero[:, None]).clamp(0, 255) - 128
+    return q.to(torch.int8), step, (128 - zero).to(torch.int32)
+
+
+def _quantize(x: torch.Tensor, inv_smooth: torch.Tensor):
+    q = torch.empty(x.shape, dtype=torch.int8)
+    scale, offset = torch.empty(len(x)), torch.empty(len(x), dtype=torch.int32)
+    cpu_kernels.quantize_rows(x, inv_smooth, q, scale, offset)
+    return q, scale, offset
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "width"), [(1, 16), (7, 33), (300, 384), (5, 1536), (3, 1)])
+def test_rows_are_quantized_as_torch_computes_the_formulas(dtype, rows, width):
+    torch.manual_seed(0)
+    x = (torch.randn(rows, width) * 3).to(dtype)
+    x[0] = 0  # an all-zero row: its zero point, scale 1
+    if rows > 2:
+        x[1] = x[1].abs()  # all positive: the range starts at 0
+        x[2] = -x[2].abs()
+    inv_smooth = torch.rand(width) + 0.5
+    got = _quantize(x, inv_smooth)
+    for g, expected in zip(got, _quantized_by_torch(x, inv_smooth), strict=True):
+        assert torch.equal(g, expected)
+    assert got[1][0] == 1 and got[2][0] == 128
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_products_are_converted_back_as_float64_computes_them(dtype, bias):
+    torch.manual_seed(1)
+    rows, width, out_features = 37, 70, 45
+    q, scale, offset = _quantize(torch.randn(rows, width).to(dtype), torch.rand(width) + 0.5)
+    weight = torch.randint(-127, 128, (out_features, width), dtype=torch.int8)
+    acc = torch._int_mm(q, weight.t())
+    col_scale, col_sum = torch.rand(out_features) * 1e-3, weight.sum(1, dtype=torch.int32)
+    b = torch.randn(out_features) if bias else torch.empty(0)
+    out = torch.empty(rows, out_features, dtype=dtype)
+    cpu_kernels.dequantize_rows(acc, scale, offset, col_scale, col_sum, b, out)
+    # (q + 128 - zero) @ w.T, from the int8 values, in float64
+    levels = q.double() + offset.double()[:, None]
+    expected = (levels @ weight.double().t()) * scale.double()[:, None] * col_scale.double()
+    expected = expected + (b.double() if bias else 0)
+    if dtype == torch.bfloat16:
+        assert torch.equal(out, expected.to(dtype))
+    else:
+        torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6)  # float32 sums of terms ~1
+
+
+def test_kernel_inputs_of_the_wrong_kind_are_refused_by_name_and_the_next_call_served():
+    x, inv_smooth = torch.randn(4, 32), torch.ones(32)
+    with pytest.raises(RuntimeError, match=re.escape("x must be float32 or bfloat16")):
+        _quantize(x.double(), inv_smooth)
+    with pytest.raises(RuntimeError, match=re.escape("inv_smooth must be float32 [in]")):
+        _quantize(x, torch.ones(31))
+    acc = torch.zeros(4, 8, dtype=torch.int32)
+    scale, offset = torch.ones(4), torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=re.escape("col_sum must be int32 [out]")):
+        cpu_kernels.dequantize_rows(acc, scale, offset, torch.ones(8), torch.zeros(8), torch.empty(0),
+                                    torch.empty(4, 8))
+    q, _, _ = _quantize(x, inv_smooth)
+    assert torch.equal(q, _quantized_by_torch(x, inv_smooth)[0])
+
+
+def _linear(in_features: int, out_features: int, bias: bool = True, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+def test_an_int8_layer_computes_the_product_of_its_quantized_operands():
+    linear = _linear(96, 40)
+    layer = int8.Int8Linear(linear)
+    calibration = torch.randn(64, 96) * torch.linspace(0.1, 8, 96)  # outlier channels to smooth
+    assert int8.calibrate(layer, lambda: layer(calibration)) == 1
+    x = torch.randn(2, 5, 96) * torch.linspace(0.1, 8, 96)
+    got = layer(x)
+    # float64: the dequantized smoothed input times the dequantized smoothed weight
+    inv_smooth, qweight, col_scale, _, _ = layer._quantized
+    q, scale, offset = _quantized_by_torch(x.reshape(-1, 96), inv_smooth)
+    x_hat = (q.double() + offset.double()[:, None]) * scale.double()[:, None]
+    w_hat = qweight.double() * col_scale.double()[:, None]
+    expected = (x_hat @ w_hat.t() + linear.bias.double()).reshape(2, 5, 40)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+    # and close to the float layer: int8 rounding only
+    assert cosine_rows(got.reshape(-1, 40).detach(), linear(x).reshape(-1, 40).detach()).min() > 0.9999
+
+
+def test_until_calibrated_an_int8_layer_is_the_float_layer_and_records_its_inputs():
+    linear = _linear(24, 8)
+    layer = int8.Int8Linear(linear, ("gelu", "none"))
+    x = torch.randn(6, 24)
+    torch.testing.assert_close(layer(x), F.gelu(linear(x)), rtol=0, atol=0)
+    assert torch.equal(layer.input_absmax, x.abs().amax(0))
+
+
+def test_calibration_forgets_what_ran_before_it_and_refuses_a_layer_it_never_reached():
+    layer = int8.Int8Linear(_linear(16, 4))
+    layer(torch.full((1, 16), 100.0))
+    with pytest.raises(ValueError, match="no calibration input reached this layer"):
+        int8.calibrate(layer, lambda: None)
+    int8.calibrate(layer, lambda: layer(torch.ones(1, 16)))
+    assert torch.equal(layer.input_absmax, torch.ones(16))
+
+
+def test_an_activation_is_applied_after_the_int8_product():
+    linear = _linear(32, 48, seed=3)
+    plain, with_gelu = int8.Int8Linear(linear), int8.Int8Linear(linear, ("gelu", "none"))
+    x = torch.randn(9, 32)
+    for layer in (plain, with_gelu):
+        int8.calibrate(layer, lambda layer=layer: layer(x))
+    assert torch.equal(with_gelu(x), F.gelu(plain(x)))
+
+
+def test_prepacking_for_int8_puts_int8_layers_where_packed_layers_would_be():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    assert onednn.prepack(model, torch.int8) == 2
+    assert [type(m) for m in model] == [int8.Int8Linear, nn.ReLU, int8.Int8Linear]
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+    """A seeded tiny BERT (the architecture matrix's): its int8 outputs stay within the bar."""
+    row = next(r for r in architectures.rows() if r.id == "bert/model")
+    folder = architectures.build_folder(row, tmp_path_factory.mktemp("int8") / "bert")
+    return folder, architectures.load_reference(row, folder)
+
+
+def test_a_model_within_the_bar_is_served_in_int8_within_it_on_inputs_the_probe_never_saw(tiny_bert):
+    folder, reference = tiny_bert
+    runtime = poolrunner.Runtime(str(folder), dtype="int8", pooling_type="MEAN", load_entrypoints=False)
+    assert (runtime.precision, runtime.dtype) == ("int8", torch.bfloat16)
+    assert sum(isinstance(m, int8.Int8Linear) for m in runtime.engine.runner.backbone.modules()) == 13
+    torch.manual_seed(7)
+    inputs = [torch.randint(5, architectures.VOCAB_SIZE, (n,)).tolist() for n in (3, 9, 40, 100)]
+    got = runtime.embed(inputs, normalize=False)
+    with torch.inference_mode():
+        expected = [reference(input_ids=torch.tensor([ids])).last_hidden_state[0].mean(0).numpy() for ids in inputs]
+    assert cosine_rows(got, expected).min() >= 0.999
+
+
+def test_a_model_under_the_bar_is_refused_naming_its_error_and_the_bar(model_path, st_model):
+    with pytest.raises(ModelLoadError) as error:
+        poolrunner.Runtime(model_path, dtype="int8", load_entrypoints=False)
+    message = str(error.value)
+    measured = float(re.search(r"up to (\d\.\d{4}) away", message).group(1))
+    assert 0.0447 < measured < 0.2
+    assert message == (
+        f"dtype 'int8' is refused for this model: on the probe texts its outputs are up to {measured:.4f} away "
+        "from float32's (relative error); the bar is 0.0447 (cosine 0.999); use dtype 'bfloat16' or 'auto'"
+    )
+    served = poolrunner.Runtime(model_path, dtype="float32", load_entrypoints=False)
+    assert cosine_rows([served.embed("next")], st_model.encode(["next"])).min() > 0.99999
+
+
+def test_int8_off_the_fast_path_is_refused_saying_what_it_needs(tiny_bert):
+    with pytest.raises(ModelLoadError) as error:
+        poolrunner.Runtime(str(tiny_bert[0]), dtype="int8", compile="off", load_entrypoints=False)
+    assert str(error.value) == ("dtype 'int8' needs the CPU fast path (compile='auto' on a CPU with oneDNN); this "
+                                "runtime has device 'cpu' and compile='off'")
+
+
+def test_int8_without_the_kernels_is_refused(tiny_bert, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "supported_dtypes", lambda: frozenset())
+    with pytest.raises(ModelLoadError) as error:
+        poolrunner.Runtime(str(tiny_bert[0]), dtype="int8", load_entrypoints=False)
+    assert str(error.value) == ("dtype 'int8' needs poolrunner's CPU kernels, which could not be built here "
+                                "(see the warning above)")
