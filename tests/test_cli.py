@@ -153,7 +153,8 @@ def test_bad_option_value_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -
 
 @pytest.mark.parametrize(("argv", "prog", "message"), [
     (["embed", "--dtype", "nope", "x"], "poolrunner embed",
-     "argument --dtype: invalid choice: 'nope' (choose from 'auto', 'float32', 'bfloat16', 'float16', 'bf16-mixed', 'int8')"),
+     "argument --dtype: invalid choice: 'nope' (choose from 'auto', 'float32', 'bfloat16', 'float16', "
+     "'bf16-mixed', 'int8')"),
     (["serve", "--port", "x"], "poolrunner serve", "argument --port: invalid int value: 'x'"),
     (["embed", "--no-such-flag", "x"], "poolrunner", "unrecognized arguments: --no-such-flag"),
     (["nope"], "poolrunner", "argument COMMAND: invalid choice: 'nope' (choose from 'embed', 'classify', 'score', "

@@ -132,13 +132,19 @@ def test_until_calibrated_an_int8_layer_is_the_float_layer_and_records_its_input
     assert torch.equal(layer.input_absmax, x.abs().amax(0))
 
 
-def test_calibration_forgets_what_ran_before_it_and_refuses_a_layer_it_never_reached():
+def test_calibration_forgets_what_ran_before_it():
     layer = int8.Int8Linear(_linear(16, 4))
     layer(torch.full((1, 16), 100.0))
-    with pytest.raises(ValueError, match="no calibration input reached this layer"):
-        int8.calibrate(layer, lambda: None)
-    int8.calibrate(layer, lambda: layer(torch.ones(1, 16)))
+    assert int8.calibrate(layer, lambda: layer(torch.ones(1, 16))) == 1
     assert torch.equal(layer.input_absmax, torch.ones(16))
+
+
+def test_a_layer_calibration_never_reached_stays_the_float_layer_and_stops_recording():
+    model = nn.Sequential(int8.Int8Linear(_linear(16, 4)), int8.Int8Linear(_linear(4, 4, seed=1)))
+    assert int8.calibrate(model, lambda: model[0](torch.ones(1, 16))) == 1
+    x = torch.randn(3, 4)
+    assert torch.equal(model[1](x), F.linear(x, model[1].weight, model[1].bias))
+    assert not model[1].input_absmax.any()
 
 
 def test_an_activation_is_applied_after_the_int8_product():

@@ -19,6 +19,7 @@ Everything but the linear layers (embeddings, LayerNorm, attention, pooling) run
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -26,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from poolrunner.core.model import cpu_kernels
+
+logger = logging.getLogger(__name__)
 
 SMOOTHING_ALPHA = 0.5
 """SmoothQuant's migration strength: 0.5 measured best on all-MiniLM-L6-v2 (0.65 and 0.8 lost
@@ -52,7 +55,8 @@ class Int8Linear(nn.Module):
     """``activation(x @ weight.T + bias)`` with int8 products, after :meth:`calibrate`.
 
     Until then (while the calibration texts run) it computes in the weight's dtype and records
-    each input channel's largest magnitude.
+    each input channel's largest magnitude. A layer no calibration input reached stays so, without
+    recording: nothing says how to quantize its inputs.
 
     :ivar matmul_dtype: The dtype its inputs arrive in and its outputs leave in (the weight's);
         the int8 rounding happens inside.
@@ -68,30 +72,32 @@ class Int8Linear(nn.Module):
         self.matmul_dtype = linear.weight.dtype
         self._function = _TORCH_ACTIVATIONS[activation]
         self.register_buffer("input_absmax", torch.zeros(self.in_features), persistent=False)
+        self.recording = True
         self._quantized: tuple[torch.Tensor, ...] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features]`` -> ``[..., out_features]``, in ``x``'s dtype."""
-        if self._quantized is None:
-            rows = x.reshape(-1, self.in_features)
-            if len(rows):
-                torch.maximum(self.input_absmax, rows.abs().amax(0).float(), out=self.input_absmax)
-            return self._function(F.linear(x, self.weight, self.bias))
-        return self._function(self._int8_forward(x))
+        if self._quantized is not None:
+            return self._function(self._int8_forward(x))
+        rows = x.reshape(-1, self.in_features)
+        if self.recording and len(rows):
+            torch.maximum(self.input_absmax, rows.abs().amax(0).float(), out=self.input_absmax)
+        return self._function(F.linear(x, self.weight, self.bias))
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``(x @ weight.T + bias) * other`` (:class:`~poolrunner.core.model.onednn.GatedMLP`'s call)."""
         return self(x) * other
 
-    def calibrate(self, alpha: float = SMOOTHING_ALPHA) -> None:
+    def calibrate(self, alpha: float = SMOOTHING_ALPHA) -> bool:
         """Quantize the weight with smoothing factors from the inputs seen so far; from now on the
-        products run in int8.
+        products run in int8, and nothing more is recorded.
 
-        :raises ValueError: if no input was seen.
+        :returns: Whether it quantized: ``False`` where no input (or only zeros) was seen.
         """
+        self.recording = False
         seen = self.input_absmax
         if not bool(seen.any()):
-            raise ValueError(f"{self}: no calibration input reached this layer")
+            return False
         weight = self.weight.detach().float()
         activation_max = seen.clamp_min(UNSEEN_CHANNEL_FLOOR * seen.max())
         weight_max = weight.abs().amax(0).clamp_min(torch.finfo(torch.float32).tiny)
@@ -102,6 +108,7 @@ class Int8Linear(nn.Module):
         bias = torch.empty(0) if self.bias is None else self.bias.detach().float()
         self._quantized = ((1 / smooth).contiguous(), qweight, col_scale.contiguous(),
                            qweight.sum(1, dtype=torch.int32), bias.contiguous())
+        return True
 
     def _int8_forward(self, x: torch.Tensor) -> torch.Tensor:
         inv_smooth, qweight, col_scale, col_sum, bias = self._quantized  # type: ignore[misc]
@@ -130,13 +137,14 @@ def calibrate(module: nn.Module, run: Callable[[], object]) -> int:
     """Calibrate every int8 layer inside ``module`` on the inputs that reach it during ``run()``
     (:meth:`Int8Linear.calibrate`); what reached them before is forgotten.
 
-    :returns: The number of layers calibrated.
-    :raises ValueError: if a layer saw no calibration input.
+    :returns: The number of layers quantized; the others (no input reached them) stay in float.
     """
     layers = [child for child in module.modules() if isinstance(child, Int8Linear)]
     for layer in layers:
         layer.input_absmax.zero_()
     run()
-    for layer in layers:
-        layer.calibrate()
-    return len(layers)
+    quantized = sum(layer.calibrate() for layer in layers)
+    if quantized < len(layers):
+        logger.info("int8: %d of %d linear layers saw no calibration input and stay in %s",
+                    len(layers) - quantized, len(layers), layers[0].matmul_dtype)
+    return quantized
