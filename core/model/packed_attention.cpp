@@ -115,26 +115,34 @@ void pack_bf16(const Problem& p, int64_t start, int64_t length, int64_t kv_head,
   }
 }
 
-// bf16 pairs multiply exactly into fp32 and accumulate in fp32 (vdpbf16ps).
-template <int R>
-void scores_bf16(const Problem& p, const Panel& panel, const int64_t* q_rows, int64_t blocks, float* s) {
-  const int64_t pairs = p.dim / 2;
-  const uint32_t* q[R];
-  for (int i = 0; i < R; ++i) q[i] = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.q) + q_rows[i]);
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m512 acc[R];
-    for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
-    const uint32_t* keys = panel.key_pairs.data() + b * kKeys;
-    for (int64_t t = 0; t < pairs; ++t) {
-      const __m512bh kv = (__m512bh)_mm512_loadu_si512(keys + t * panel.padded);
-      for (int i = 0; i < R; ++i) {
-        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(static_cast<int>(q[i][t])), kv);
-      }
-    }
+// bf16 pairs multiply exactly into fp32 and accumulate in fp32 (vdpbf16ps). B key blocks at a
+// time: R * B independent sums hide the instruction's latency, and each query broadcast serves B.
+template <int R, int B>
+void score_blocks_bf16(const Problem& p, const Panel& panel, const uint32_t* const* q, int64_t b, float* s) {
+  __m512 acc[B][R];
+  for (int c = 0; c < B; ++c)
+    for (int i = 0; i < R; ++i) acc[c][i] = _mm512_setzero_ps();
+  const uint32_t* keys = panel.key_pairs.data() + b * kKeys;
+  for (int64_t t = 0; t < p.dim / 2; ++t) {
+    __m512bh kv[B];
+    for (int c = 0; c < B; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(keys + t * panel.padded + c * kKeys);
     for (int i = 0; i < R; ++i) {
-      _mm512_storeu_ps(s + i * panel.padded + b * kKeys, _mm512_mul_ps(acc[i], _mm512_set1_ps(p.scale)));
+      const __m512bh qi = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[i][t]));
+      for (int c = 0; c < B; ++c) acc[c][i] = _mm512_dpbf16_ps(acc[c][i], qi, kv[c]);
     }
   }
+  for (int c = 0; c < B; ++c)
+    for (int i = 0; i < R; ++i)
+      _mm512_storeu_ps(s + i * panel.padded + (b + c) * kKeys, _mm512_mul_ps(acc[c][i], _mm512_set1_ps(p.scale)));
+}
+
+template <int R>
+void scores_bf16(const Problem& p, const Panel& panel, const int64_t* q_rows, int64_t blocks, float* s) {
+  const uint32_t* q[R];
+  for (int i = 0; i < R; ++i) q[i] = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.q) + q_rows[i]);
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) score_blocks_bf16<R, 2>(p, panel, q, b, s);
+  if (b < blocks) score_blocks_bf16<R, 1>(p, panel, q, b, s);
 }
 #endif  // __AVX512BF16__
 
@@ -147,22 +155,32 @@ void pack_f32(const Problem& p, int64_t start, int64_t length, int64_t kv_head, 
   }
 }
 
+template <int R, int B>
+void score_blocks_f32(const Problem& p, const Panel& panel, const float* const* q, int64_t b, float* s) {
+  __m512 acc[B][R];
+  for (int c = 0; c < B; ++c)
+    for (int i = 0; i < R; ++i) acc[c][i] = _mm512_setzero_ps();
+  const float* keys = panel.keys.data() + b * kKeys;
+  for (int64_t d = 0; d < p.dim; ++d) {
+    __m512 kv[B];
+    for (int c = 0; c < B; ++c) kv[c] = _mm512_loadu_ps(keys + d * panel.padded + c * kKeys);
+    for (int i = 0; i < R; ++i) {
+      const __m512 qi = _mm512_set1_ps(q[i][d]);
+      for (int c = 0; c < B; ++c) acc[c][i] = _mm512_fmadd_ps(qi, kv[c], acc[c][i]);
+    }
+  }
+  for (int c = 0; c < B; ++c)
+    for (int i = 0; i < R; ++i)
+      _mm512_storeu_ps(s + i * panel.padded + (b + c) * kKeys, _mm512_mul_ps(acc[c][i], _mm512_set1_ps(p.scale)));
+}
+
 template <int R>
 void scores_f32(const Problem& p, const Panel& panel, const int64_t* q_rows, int64_t blocks, float* s) {
   const float* q[R];
   for (int i = 0; i < R; ++i) q[i] = static_cast<const float*>(p.q) + q_rows[i];
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m512 acc[R];
-    for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
-    const float* keys = panel.keys.data() + b * kKeys;
-    for (int64_t d = 0; d < p.dim; ++d) {
-      const __m512 kv = _mm512_loadu_ps(keys + d * panel.padded);
-      for (int i = 0; i < R; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][d]), kv, acc[i]);
-    }
-    for (int i = 0; i < R; ++i) {
-      _mm512_storeu_ps(s + i * panel.padded + b * kKeys, _mm512_mul_ps(acc[i], _mm512_set1_ps(p.scale)));
-    }
-  }
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) score_blocks_f32<R, 2>(p, panel, q, b, s);
+  if (b < blocks) score_blocks_f32<R, 1>(p, panel, q, b, s);
 }
 
 // ---- values: sum over keys of e[i][j] * v[j], in fp32 ----------------------------------------
