@@ -19,12 +19,15 @@ def check_dimensions(model_config: ModelConfig, dimensions: int | None, size: in
         raise DimensionsNotSupportedError(
             f"model {name} does not support Matryoshka dimensions (got dimensions={dimensions}): "
             "its config declares neither is_matryoshka nor matryoshka_dimensions; load it "
-            "with is_matryoshka=True (--is-matryoshka on the command line and the server) to allow it"
+            "with is_matryoshka=True (--is-matryoshka on the command line and the server) to allow it",
+            param="dimensions",
         )
     if not 1 <= dimensions <= size:
-        raise InvalidRequestError(f"dimensions={dimensions} is out of range for model {name}: 1..{size}")
+        raise InvalidRequestError(f"dimensions={dimensions} is out of range for model {name}: 1..{size}",
+                                  param="dimensions")
     allowed = model_config.matryoshka_dimensions
     if allowed and dimensions not in allowed:
         raise InvalidRequestError(
-            f"dimensions={dimensions} is not one of the Matryoshka dimensions of model {name}: {list(allowed)}"
+            f"dimensions={dimensions} is not one of the Matryoshka dimensions of model {name}: {list(allowed)}",
+            param="dimensions",
         )

@@ -188,11 +188,13 @@ def test_a_model_under_the_bar_is_refused_naming_its_error_and_the_bar(model_pat
     with pytest.raises(ModelLoadError) as error:
         poolrunner.Runtime(model_path, dtype="int8", load_entrypoints=False)
     message = str(error.value)
-    measured = float(re.search(r"up to (\d\.\d{4}) away", message).group(1))
-    assert 0.0447 < measured < 0.2
+    found = re.search(r"up to (\d\.\d{4}) away .* cosine (\d\.\d{4})\)", message)
+    measured, cosine = float(found.group(1)), float(found.group(2))
+    assert 0.0447 < measured < 0.2 and abs(cosine - (1 - measured**2 / 2)) < 1e-4
     assert message == (
         f"dtype 'int8' is refused for this model: on the probe texts its outputs are up to {measured:.4f} away "
-        "from float32's (relative error); the bar is 0.0447 (cosine 0.999); use dtype 'bfloat16' or 'auto'"
+        f"from float32's (relative error; for unit vectors cosine {cosine:.4f}); the bar is 0.0447 "
+        "(cosine 0.999); use dtype 'bfloat16' or 'auto'"
     )
     served = poolrunner.Runtime(model_path, dtype="float32", load_entrypoints=False)
     assert cosine_rows([served.embed("next")], st_model.encode(["next"])).min() > 0.99999

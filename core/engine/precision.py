@@ -169,7 +169,8 @@ def quantize_checked(
     error = max(_relative_error(ref, out) for ref, out in zip(reference, _run(engine, probes), strict=True))
     if error > MAX_INT8_RELATIVE_ERROR:
         detail = ("its outputs differ from float32's in shape or in integer values" if math.isinf(error)
-                  else f"its outputs are up to {error:.4f} away from float32's (relative error)")
+                  else f"its outputs are up to {error:.4f} away from float32's (relative error; for unit "
+                       f"vectors cosine {1 - error**2 / 2:.4f})")
         raise ModelLoadError(
             f"dtype 'int8' is refused for this model: on the probe texts {detail}; the bar is "
             f"{MAX_INT8_RELATIVE_ERROR:.4f} (cosine 0.999); use dtype 'bfloat16' or 'auto'"

@@ -114,7 +114,10 @@ def _describe(errors: Any) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     if errors[0].get("type") == "json_invalid":
-        return f"the request body is not valid JSON: {errors[0].get('ctx', {}).get('error', 'parse error')}", None
+        reason = errors[0].get("ctx", {}).get("error", "parse error")
+        position = next((part for part in errors[0].get("loc", ()) if isinstance(part, int)), None)
+        where = "" if position is None else f" (at character {position})"
+        return f"the request body is not valid JSON: {reason}{where}", None
     lines, fields = [], []
     for error in errors[:5]:
         location = ".".join(str(part) for part in error.get("loc", ()) if part != "body")

@@ -109,7 +109,8 @@ class PoolingService:
         self.check_count(len(items), what)
         for index, item in enumerate(items):
             if isinstance(item, str) and not item:
-                raise ApiError(400, f"{what}[{index}] is an empty string", param=what)
+                where = what if isinstance(value, str) else f"{what}[{index}]"
+                raise ApiError(400, f"{where} is an empty string", param=what)
             if frontend.is_pair(item):
                 for side, text in enumerate(item):
                     if not text:

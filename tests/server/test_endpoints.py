@@ -149,7 +149,9 @@ def test_tokenize_and_models(server, hf_tokenizer):
 
 
 BAD_REQUESTS = [
-    ("malformed JSON", "/v1/embeddings", b'{"input": ["a",', "the request body is not valid JSON"),
+    ("malformed JSON", "/v1/embeddings", b'{"input": ["a",',
+     "the request body is not valid JSON: Expecting value (at character 15)"),
+    ("empty lone string", "/v1/embeddings", {"input": ""}, "input is an empty string"),
     ("not UTF-8", "/v1/embeddings", b'{"input": "\xff"}',
      "the request body is not valid JSON: 'utf-8' codec can't decode byte 0xff in position 11: invalid start byte"),
     ("nested too deeply", "/v1/embeddings", b"[" * 100_000,
@@ -187,6 +189,16 @@ def test_bad_requests_are_400_and_the_server_still_serves(server, runtime, sanit
     assert server.serving.pending == 0 and not runtime.engine.requests
     vector = httpx.post(f"{server.url}/v1/embeddings", json={"input": SANITY_TEXT}).json()["data"][0]["embedding"]
     assert cosine_rows(vector, sanity_reference)[0] >= MIN_COSINE
+
+
+@pytest.mark.parametrize(("payload", "param"), [
+    ({"input": "a", "dimensions": 8}, "dimensions"),
+    ({"input": ""}, "input"),
+    ({"input": ["a", ""]}, "input"),
+])
+def test_an_error_in_a_field_names_it_in_param(server, payload, param):
+    answer = httpx.post(f"{server.url}/v1/embeddings", json=payload)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == param
 
 
 def test_truncation_keeps_the_model_maximum(server, runtime, lee_long_docs):
