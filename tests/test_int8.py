@@ -86,6 +86,17 @@ def test_products_are_converted_back_as_float64_computes_them(dtype, bias):
         torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6)  # float32 sums of terms ~1
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_row_holding_a_nan_or_an_infinity_comes_out_nan_as_from_the_float_layer(bad):
+    layer = int8.Int8Linear(_linear(32, 8))
+    int8.calibrate(layer, lambda: layer(torch.randn(4, 32)))
+    x = torch.randn(3, 32, dtype=torch.float32)
+    x[1, 5] = bad
+    got = layer(x.bfloat16())
+    assert got[1].isnan().all() and torch.isfinite(got[[0, 2]]).all()
+    assert not torch.isfinite(F.linear(x, layer.weight, layer.bias)[1]).all()  # nor is the float layer's row
+
+
 def test_kernel_inputs_of_the_wrong_kind_are_refused_by_name_and_the_next_call_served():
     x, inv_smooth = torch.randn(4, 32), torch.ones(32)
     with pytest.raises(RuntimeError, match=re.escape("x must be float32 or bfloat16")):

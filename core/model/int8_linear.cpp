@@ -7,7 +7,8 @@
 //
 // Quantization is asymmetric per row, after a per-input-channel smoothing factor (SmoothQuant):
 //   y = x * inv_smooth; lo = min(min(y), 0); hi = max(max(y), 0)
-//   scale = (hi - lo) / 255 (1 for an all-zero row); zero = round(-lo / scale) in [0, 255]
+//   scale = (hi - lo) / 255 (1 for an all-zero row, NaN for a row holding a NaN or an infinity,
+//   so that its outputs are NaN as the float layer's would be); zero = round(-lo / scale) in [0, 255]
 //   q = clamp(round(y / scale) + zero, 0, 255) - 128      (int8, as torch._int_mm takes)
 // Every rounding is to nearest even, as torch.round; the division is a multiply by 1 / scale.
 // Then sum_k (q + 128 - zero) * w = acc + offset * col_sum with offset = 128 - zero and
@@ -26,6 +27,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -55,12 +57,21 @@ inline void store(c10::BFloat16* p, __mmask16 m, __m512 v) { _mm256_mask_storeu_
 
 template <typename T>
 void quantize_row(const T* x, const float* inv_smooth, int8_t* q, float* scale, int32_t* offset, int64_t in) {
+  constexpr int kNotFinite = 0x01 | 0x08 | 0x10 | 0x80;  // vfpclassps: quiet NaN, +inf, -inf, signalling NaN
   __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();  // zero is always in the range
+  __mmask16 not_finite = 0;
   for (int64_t k = 0; k < in; k += kLanes) {
     const __mmask16 m = lanes(in - k);
     const __m512 y = _mm512_mul_ps(load(x + k, m), load(inv_smooth + k, m));
     lo = _mm512_mask_min_ps(lo, m, lo, y);
     hi = _mm512_mask_max_ps(hi, m, hi, y);
+    not_finite |= _mm512_mask_fpclass_ps_mask(m, y, kNotFinite);
+  }
+  if (not_finite) {
+    std::fill(q, q + in, int8_t{0});
+    *scale = NAN;
+    *offset = 0;
+    return;
   }
   float step = (_mm512_reduce_max_ps(hi) - _mm512_reduce_min_ps(lo)) / 255.0f;
   if (!(step > 0.0f)) step = 1.0f;  // an all-zero row quantizes to its zero point
