@@ -114,36 +114,6 @@ void pack_bf16(const Problem& p, int64_t start, int64_t length, int64_t kv_head,
     for (int64_t d = 0; d < p.dim; ++d) panel.values[j * p.dim + d] = static_cast<float>(vrow[d]);
   }
 }
-
-// bf16 pairs multiply exactly into fp32 and accumulate in fp32 (vdpbf16ps). B key blocks at a
-// time: R * B independent sums hide the instruction's latency, and each query broadcast serves B.
-template <int R, int B>
-void score_blocks_bf16(const Problem& p, const Panel& panel, const uint32_t* const* q, int64_t b, float* s) {
-  __m512 acc[B][R];
-  for (int c = 0; c < B; ++c)
-    for (int i = 0; i < R; ++i) acc[c][i] = _mm512_setzero_ps();
-  const uint32_t* keys = panel.key_pairs.data() + b * kKeys;
-  for (int64_t t = 0; t < p.dim / 2; ++t) {
-    __m512bh kv[B];
-    for (int c = 0; c < B; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(keys + t * panel.padded + c * kKeys);
-    for (int i = 0; i < R; ++i) {
-      const __m512bh qi = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[i][t]));
-      for (int c = 0; c < B; ++c) acc[c][i] = _mm512_dpbf16_ps(acc[c][i], qi, kv[c]);
-    }
-  }
-  for (int c = 0; c < B; ++c)
-    for (int i = 0; i < R; ++i)
-      _mm512_storeu_ps(s + i * panel.padded + (b + c) * kKeys, _mm512_mul_ps(acc[c][i], _mm512_set1_ps(p.scale)));
-}
-
-template <int R>
-void scores_bf16(const Problem& p, const Panel& panel, const int64_t* q_rows, int64_t blocks, float* s) {
-  const uint32_t* q[R];
-  for (int i = 0; i < R; ++i) q[i] = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.q) + q_rows[i]);
-  int64_t b = 0;
-  for (; b + 2 <= blocks; b += 2) score_blocks_bf16<R, 2>(p, panel, q, b, s);
-  if (b < blocks) score_blocks_bf16<R, 1>(p, panel, q, b, s);
-}
 #endif  // __AVX512BF16__
 
 void pack_f32(const Problem& p, int64_t start, int64_t length, int64_t kv_head, Panel& panel) {
@@ -155,18 +125,32 @@ void pack_f32(const Problem& p, int64_t start, int64_t length, int64_t kv_head, 
   }
 }
 
-template <int R, int B>
-void score_blocks_f32(const Problem& p, const Panel& panel, const float* const* q, int64_t b, float* s) {
+// q . k for R query rows against B 16-key blocks from block b, scaled, into s. bf16: q holds
+// the rows' bf16 pairs and the keys are the panel's pairs, multiplied exactly into fp32 and
+// summed in fp32 (vdpbf16ps); fp32: FMAs. B blocks at a time: R * B independent sums hide the
+// instruction's latency, and each query broadcast serves B blocks.
+template <typename T, int R, int B>
+void score_blocks(const Problem& p, const Panel& panel, const T* const* q, int64_t b, float* s) {
+  constexpr bool kPairs = std::is_same_v<T, uint32_t>;
   __m512 acc[B][R];
   for (int c = 0; c < B; ++c)
     for (int i = 0; i < R; ++i) acc[c][i] = _mm512_setzero_ps();
-  const float* keys = panel.keys.data() + b * kKeys;
-  for (int64_t d = 0; d < p.dim; ++d) {
+  const T* keys = (kPairs ? reinterpret_cast<const T*>(panel.key_pairs.data())
+                          : reinterpret_cast<const T*>(panel.keys.data())) + b * kKeys;
+  for (int64_t t = 0; t < (kPairs ? p.dim / 2 : p.dim); ++t) {
+    const T* row = keys + t * panel.padded;
     __m512 kv[B];
-    for (int c = 0; c < B; ++c) kv[c] = _mm512_loadu_ps(keys + d * panel.padded + c * kKeys);
+    for (int c = 0; c < B; ++c) kv[c] = _mm512_loadu_ps(reinterpret_cast<const float*>(row + c * kKeys));
     for (int i = 0; i < R; ++i) {
-      const __m512 qi = _mm512_set1_ps(q[i][d]);
-      for (int c = 0; c < B; ++c) acc[c][i] = _mm512_fmadd_ps(qi, kv[c], acc[c][i]);
+      if constexpr (kPairs) {
+#ifdef __AVX512BF16__
+        const __m512bh qi = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[i][t]));
+        for (int c = 0; c < B; ++c) acc[c][i] = _mm512_dpbf16_ps(acc[c][i], qi, (__m512bh)kv[c]);
+#endif
+      } else {
+        const __m512 qi = _mm512_set1_ps(q[i][t]);
+        for (int c = 0; c < B; ++c) acc[c][i] = _mm512_fmadd_ps(qi, kv[c], acc[c][i]);
+      }
     }
   }
   for (int c = 0; c < B; ++c)
@@ -174,13 +158,15 @@ void score_blocks_f32(const Problem& p, const Panel& panel, const float* const* 
       _mm512_storeu_ps(s + i * panel.padded + (b + c) * kKeys, _mm512_mul_ps(acc[c][i], _mm512_set1_ps(p.scale)));
 }
 
-template <int R>
-void scores_f32(const Problem& p, const Panel& panel, const int64_t* q_rows, int64_t blocks, float* s) {
-  const float* q[R];
-  for (int i = 0; i < R; ++i) q[i] = static_cast<const float*>(p.q) + q_rows[i];
+// Scores of R query rows (element offsets q_rows into q) against `blocks` 16-key blocks.
+template <typename T, int R>
+void scores(const Problem& p, const Panel& panel, const int64_t* q_rows, int64_t blocks, float* s) {
+  using Q = std::conditional_t<std::is_same_v<T, float>, float, uint32_t>;  // bf16 rows as pairs
+  const Q* q[R];
+  for (int i = 0; i < R; ++i) q[i] = reinterpret_cast<const Q*>(static_cast<const T*>(p.q) + q_rows[i]);
   int64_t b = 0;
-  for (; b + 2 <= blocks; b += 2) score_blocks_f32<R, 2>(p, panel, q, b, s);
-  if (b < blocks) score_blocks_f32<R, 1>(p, panel, q, b, s);
+  for (; b + 2 <= blocks; b += 2) score_blocks<Q, R, 2>(p, panel, q, b, s);
+  if (b < blocks) score_blocks<Q, R, 1>(p, panel, q, b, s);
 }
 
 // ---- values: sum over keys of e[i][j] * v[j], in fp32 ----------------------------------------
@@ -225,13 +211,7 @@ void rows(const Problem& p, const Panel& panel, const Item& item, int64_t r0, st
     e[i] = s.data() + i * panel.padded;
   }
   const int64_t blocks = (keys + kKeys - 1) / kKeys;
-  if constexpr (std::is_same_v<T, float>) {
-    scores_f32<R>(p, panel, q_rows, blocks, s.data());
-  } else {
-#ifdef __AVX512BF16__
-    scores_bf16<R>(p, panel, q_rows, blocks, s.data());
-#endif
-  }
+  scores<T, R>(p, panel, q_rows, blocks, s.data());
   float inv_sum[R];
   for (int i = 0; i < R; ++i) inv_sum[i] = 1.0f / exp_row(s.data() + i * panel.padded, blocks, valid[i]);
   // fp32 values are read in place; bf16 ones from the panel's fp32 copy.
