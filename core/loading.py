@@ -129,19 +129,21 @@ def _explicit_precision(
     if config.dtype == "auto":
         return precision.PRECISIONS[str(loader.auto_dtype(hf_config, device)).removeprefix("torch.")]
     if config.dtype == precision.BF16_MIXED.name and not fast_path:
-        raise ModelLoadError(
-            f"dtype {config.dtype!r} needs the CPU fast path (compile='auto' on a CPU with oneDNN); "
-            f"this runtime has device {device.type!r} and compile={config.compile!r}"
-        )
+        raise ModelLoadError(f"dtype {config.dtype!r} needs {_the_fast_path(config, device)}")
     return precision.PRECISIONS[config.dtype]
+
+
+def _the_fast_path(config: RuntimeConfig, device: torch.device) -> str:
+    """What a dtype that only the CPU fast path runs needs, and what this runtime has instead."""
+    return (f"the CPU fast path (compile='auto' on a CPU with oneDNN); this runtime has device {device.type!r} "
+            f"and compile={config.compile!r}")
 
 
 def _check_int8(config: RuntimeConfig, device: torch.device, fast_path: bool) -> None:
     """:raises ModelLoadError: where ``dtype="int8"`` cannot run: it needs the CPU fast path, a
         CPU with native bf16 and poolrunner's kernels."""
     if not fast_path:
-        reason = f"the CPU fast path (compile='auto' on a CPU with oneDNN); this runtime has device " \
-                 f"{device.type!r} and compile={config.compile!r}"
+        reason = _the_fast_path(config, device)
     elif not precision.native_bf16(device):
         reason = "a CPU that multiplies bfloat16 natively (AVX512-BF16 or AMX)"
     elif torch.bfloat16 not in cpu_kernels.supported_dtypes():

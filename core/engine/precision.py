@@ -136,12 +136,12 @@ def choose_cpu_precision(
     :returns: The engine to serve with and its precision.
     """
     engine = build(FLOAT32)
-    probes = [probe for probe in probes if probe.params.task in engine.runner.poolers]
+    probes = _served(probes, engine)
     reference = _run(engine, probes)
     for candidate in candidates:
         del engine
         engine = build(candidate)
-        error = max(_relative_error(ref, out) for ref, out in zip(reference, _run(engine, probes), strict=True))
+        error = _probe_error(engine, probes, reference)
         if error <= MAX_RELATIVE_ERROR:
             logger.info("dtype auto: %s (probe error %.2e <= %.2e against float32)",
                         candidate.name, error, MAX_RELATIVE_ERROR)
@@ -160,13 +160,13 @@ def quantize_checked(
     :raises ModelLoadError: naming the probe error and the bar, when the model misses it.
     """
     engine = build(FLOAT32)
-    probes = [probe for probe in probes if probe.params.task in engine.runner.poolers]
+    probes = _served(probes, engine)
     reference = _run(engine, probes)
     del engine
     engine = build(INT8)
-    calibration = [request for request in calibration if request.params.task in engine.runner.poolers]
+    calibration = _served(calibration, engine)
     int8.calibrate(engine.runner.backbone, lambda: _run(engine, calibration))
-    error = max(_relative_error(ref, out) for ref, out in zip(reference, _run(engine, probes), strict=True))
+    error = _probe_error(engine, probes, reference)
     if error > MAX_INT8_RELATIVE_ERROR:
         detail = ("its outputs differ from float32's in shape or in integer values" if math.isinf(error)
                   else f"its outputs are up to {error:.4f} away from float32's (relative error; for unit "
@@ -177,6 +177,16 @@ def quantize_checked(
         )
     logger.info("dtype int8: probe error %.2e <= %.2e against float32", error, MAX_INT8_RELATIVE_ERROR)
     return engine
+
+
+def _served(requests: Sequence[PoolingRequest], engine: Engine) -> list[PoolingRequest]:
+    """The requests of a task ``engine`` has a pooler for."""
+    return [request for request in requests if request.params.task in engine.runner.poolers]
+
+
+def _probe_error(engine: Engine, probes: Sequence[PoolingRequest], reference: Sequence[RequestOutput]) -> float:
+    """The largest :func:`_relative_error` of ``engine``'s outputs on ``probes`` against ``reference``."""
+    return max(_relative_error(ref, out) for ref, out in zip(reference, _run(engine, probes), strict=True))
 
 
 def _run(engine: Engine, probes: Sequence[PoolingRequest]) -> list[RequestOutput]:

@@ -73,10 +73,11 @@ void quantize_row(const T* x, const float* inv_smooth, int8_t* q, float* scale, 
     *offset = 0;
     return;
   }
-  float step = (_mm512_reduce_max_ps(hi) - _mm512_reduce_min_ps(lo)) / 255.0f;
+  const float low = _mm512_reduce_min_ps(lo);
+  float step = (_mm512_reduce_max_ps(hi) - low) / 255.0f;
   if (!(step > 0.0f)) step = 1.0f;  // an all-zero row quantizes to its zero point
   const float inverse = 1.0f / step;
-  const float zero = std::nearbyint(-_mm512_reduce_min_ps(lo) * inverse);
+  const float zero = std::nearbyint(-low * inverse);
   const __m512 vinverse = _mm512_set1_ps(inverse);
   const __m512i vshift = _mm512_set1_epi32(static_cast<int32_t>(zero) - 128);
   for (int64_t k = 0; k < in; k += kLanes) {
