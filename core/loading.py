@@ -33,7 +33,7 @@ from poolrunner.core.inputs import score_template
 from poolrunner.core.inputs.score_template import ScoreTemplate
 from poolrunner.core.inputs.tokenize import InputProcessor
 from poolrunner.core.manager import PoolrunnerPluginManager, build_plugin_manager
-from poolrunner.core.model import cpu_kernels, fused_norms, loader, metadata, onednn, token_logits
+from poolrunner.core.model import cpu_kernels, families, fused_norms, loader, metadata, onednn, token_logits
 from poolrunner.core.model.hf_overrides import apply_hf_overrides
 from poolrunner.core.plugin_api.options import RequestOptions
 from poolrunner.core.selection import required_plugin, resolve_task, select_pooler, served_tasks
@@ -181,12 +181,15 @@ def read_model(
 
     :raises ModelLoadError: if the folder cannot be read or describes something poolrunner refuses.
     """
-    hf_config = metadata.load_hf_config(path)
-    folder_architecture = metadata.architecture_name(hf_config)
+    hf_config = families.load_hf_config(path)
+    folder_architecture = families.architecture_name(hf_config)
     apply_hf_overrides(hf_config, hf_overrides or {}, path)
+    families.check_config(path, hf_config)
+    architecture = families.architecture_name(hf_config)
+    families.architecture_class(architecture, hf_config.model_type, path)
     tokenizer = loader.load_tokenizer(path)
     logits = token_logits.read_token_logits(hf_config, tokenizer, folder_architecture, path)
-    required = required_plugin(hooks, manager, path, metadata.architecture_name(hf_config))
+    required = required_plugin(hooks, manager, path, architecture)
     model_config = metadata.load_model_config(path, hf_config, tokenizer.model_max_length, overrides, required)
     if logits is not None:
         model_config = attrs.evolve(model_config, token_logits=logits)

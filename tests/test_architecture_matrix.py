@@ -21,7 +21,10 @@ one, no padding). ``exact`` rows must give it in every mode:
 Outputs: ``*Model`` -> ``token_embed`` rows ``[T, hidden]`` (per-token cosine >= 0.9999 and max
 abs <= 1e-4); ``*ForSequenceClassification`` -> ``classify`` raw logits ``[num_labels]`` and
 ``*ForTokenClassification`` -> ``token_classify`` raw logits ``[T, num_labels]`` (max abs <= 1e-4).
-``refused`` rows must raise :class:`poolrunner.ModelLoadError` naming the architecture.
+``refused`` rows must raise :class:`poolrunner.ModelLoadError` naming the architecture, and so
+must the folders of :data:`~tests.models.architectures.VARIANTS` (a row's folder edited into a
+layout poolrunner refuses: remote code, weights the class would drop or leave random, malformed
+configs), with one line that names only classes transformers has.
 
 Every test prints its measured deviation (``pytest -s``): ``deviation <row>/<mode>: ...``.
 """
@@ -38,9 +41,10 @@ import pytest
 from tests.models.architectures import (
     EXACT,
     FAMILIES,
-    HEAD_SUFFIX,
     HEADS,
     REFUSED,
+    REMOTE_CODE_MARKER,
+    VARIANTS,
     Inputs,
     Row,
     build_folder,
@@ -171,7 +175,7 @@ def test_table_lists_every_head_transformers_has():
 
     assert len({f.id for f in FAMILIES}) == len(FAMILIES) and len({f.label for f in FAMILIES}) == len(FAMILIES)
     for family in FAMILIES:
-        present = tuple(h for h in HEADS if hasattr(transformers, family.prefix + HEAD_SUFFIX[h]))
+        present = tuple(h for h in HEADS if hasattr(transformers, family.architecture(h)))
         assert family.heads == present, family.id
         assert set(family.status.values()) <= {EXACT, REFUSED}, family.id
 
@@ -206,6 +210,30 @@ def test_load(row, matrix):
     assert rt.task == row.task
     # Prompts run in chunks exactly where every layer is causal (the load probe's verdict).
     assert rt.engine.scheduler.chunked_prefill is row.family.causal
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=[variant.id for variant in VARIANTS])
+def test_refused_folder(variant, matrix, tmp_path):
+    """Each variant fails at load with its one-line reason; no folder code runs."""
+    import re
+    import shutil
+
+    import transformers
+
+    from poolrunner import ModelLoadError, Runtime
+
+    row = next(row for row in ROWS if row.id == variant.row)
+    folder = tmp_path / variant.id
+    shutil.copytree(matrix.folder(row), folder)
+    variant.edit(folder)
+    with pytest.raises(ModelLoadError) as info:
+        Runtime(str(folder), dtype="float32", load_entrypoints=False)
+    message = str(info.value)
+    assert variant.message in message and "\n" not in message, message
+    assert not (folder / REMOTE_CODE_MARKER).exists()
+    named = set(re.findall(r"\b[A-Z]\w*(?:Model|For\w+)\b", message))
+    assert {name for name in named if not hasattr(transformers, name)} <= {"Qwen2ForRewardModel",
+                                                                            "Qwen2ForProcessRewardModel"}, message
 
 
 # --------------------------------------------------------------------------- the matrix

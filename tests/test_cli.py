@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -828,3 +829,33 @@ def test_console_script_end_to_end(reference: Reference) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert_close(parse_jsonl(result.stdout), reference(["some text"]))
+
+
+def test_folder_code_never_runs_even_with_yes_on_stdin(tmp_path) -> None:
+    """transformers asks on stdin before running a folder's code when it is not told; poolrunner
+    always tells it no. A folder of an unknown model type is refused on one line; a folder of a
+    transformers model type whose auto_map also names its own code loads transformers' class."""
+    from tests.models.architectures import FAMILIES, REMOTE_CODE_MARKER, VARIANTS, Row, build_folder, edit_config
+
+    script = Path(sysconfig.get_path("scripts")) / "poolrunner"
+    remote = next(variant for variant in VARIANTS if variant.id == "remote-code")
+    unknown = build_folder(Row(next(f for f in FAMILIES if f.id == "bert"), "model"), tmp_path / "unknown")
+    remote.edit(unknown)
+    known = tmp_path / "known"
+    shutil.copytree(unknown, known)
+    edit_config(known, model_type="bert")
+
+    def run(folder: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(script), "embed", "--model", str(folder), "--dtype", "float32", "w1 w2"],
+                              input="y\n" * 100, capture_output=True, text=True, timeout=180, check=False)
+
+    refused = run(unknown)
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.count("\n") == 1 and refused.stderr.startswith(
+        f"poolrunner: error: {unknown}: config.json's model_type 'custom_bert' is not a transformers model type"
+    ), refused.stderr
+    assert "its auto_map names code inside the folder (configuration_custom.py, modeling_custom.py)" in refused.stderr
+    served = run(known)
+    assert served.returncode == 0, served.stderr
+    assert len(parse_jsonl(served.stdout)) == 1
+    assert not (unknown / REMOTE_CODE_MARKER).exists() and not (known / REMOTE_CODE_MARKER).exists()

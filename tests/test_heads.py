@@ -12,7 +12,6 @@ import torch
 import transformers
 
 from poolrunner import ModelLoadError, Runtime
-from poolrunner.core.model import loader
 from tests.models.architectures import make_tokenizer
 
 _BERT = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -33,7 +32,7 @@ class CustomHeadForTokenClassification(transformers.BertForTokenClassification):
 ])
 def test_an_unknown_head_layout_is_refused_at_load(tmp_path, monkeypatch, model_class, task, supported):
     # As if transformers shipped the class: the loader resolves config.json's architecture to it.
-    monkeypatch.setattr(loader, "architecture_class", lambda name: model_class)
+    monkeypatch.setattr(transformers, model_class.__name__, model_class, raising=False)
     torch.manual_seed(0)
     config = transformers.BertConfig(**_BERT, num_labels=2, architectures=[model_class.__name__])
     model_class(config).save_pretrained(tmp_path)

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_MASKED_LM_MAPPING_NAMES,
@@ -15,6 +15,7 @@ from transformers.models.auto.modeling_auto import (
 
 from poolrunner.core.config import ModelOverrides
 from poolrunner.core.errors import ModelLoadError
+from poolrunner.core.model.families import architecture_name
 from poolrunner.core.model.st_metadata import read_st_metadata
 from poolrunner.core.model.tasks import model_tasks, token_weight_head
 from poolrunner.core.types import ModelConfig, RequiredPlugin
@@ -187,7 +188,9 @@ def load_model_config(
         model_type=hf_config.model_type,
         hidden_size=hidden_size,
         embedding_size=dense[-1].out_features if dense else ModelConfig.pooled_size(hidden_size, pooling_type),
-        max_model_len=_max_model_len(path, hf_config, tokenizer_max_length, st and st.max_seq_length, overrides),
+        # sentence-transformers' max_seq_length replaces the tokenizer's model_max_length.
+        max_model_len=_max_model_len(path, hf_config, None if st and st.max_seq_length else tokenizer_max_length,
+                                     st and st.max_seq_length, overrides),
         is_causal=is_causal,
         model_tasks=tasks,
         pooling_type=pooling_type or ("LAST" if _is_decoder(hf_config) else "CLS"),
@@ -197,6 +200,7 @@ def load_model_config(
         dense_layers=dense,
         prompts=st.prompts if st else {},
         default_prompt_name=st.default_prompt_name if st else None,
+        lowercase=st.lowercase if st else False,
         similarity_fn_name=st.similarity_fn_name if st else "cosine",
         labels=_labels(hf_config) if tasks & {"classify", "token_classify"} else (),
         problem_type=getattr(hf_config, "problem_type", None),
@@ -206,18 +210,6 @@ def load_model_config(
         required_plugin=required,
         hf_config=hf_config.to_dict(),
     )
-
-
-def architecture_name(hf_config: PretrainedConfig) -> str:
-    """``config.json``'s ``architectures[0]``, else the config class's name."""
-    return (hf_config.architectures or [type(hf_config).__name__])[0]
-
-
-def load_hf_config(path: Path) -> PretrainedConfig:
-    try:
-        return AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read the model config of {path}: {exc}") from exc
 
 
 def _is_decoder(hf_config: PretrainedConfig) -> bool:

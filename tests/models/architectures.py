@@ -27,7 +27,7 @@ tokenizer appends EOS).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -75,6 +75,8 @@ class Family:
     :ivar decoder: A decoder (LAST pooling, sequence head reads the last non-pad token).
     :ivar causal: Causal in every layer (poolrunner may then run prompts in chunks with a KV cache).
     :ivar status: Expected status per head; its keys are the heads transformers has.
+    :ivar classes: A head's class when it is not ``prefix + HEAD_SUFFIX[head]``
+        (``CLIPTextModelWithProjection``).
     """
 
     id: str
@@ -85,6 +87,10 @@ class Family:
     decoder: bool = False
     causal: bool = False
     status: Mapping[str, str] = field(default_factory=lambda: dict.fromkeys(HEADS, EXACT))
+    classes: Mapping[str, str] = field(default_factory=dict)
+
+    def architecture(self, head: str) -> str:
+        return self.classes.get(head) or self.prefix + HEAD_SUFFIX[head]
 
     @property
     def heads(self) -> tuple[str, ...]:
@@ -104,7 +110,7 @@ class Row:
 
     @property
     def architecture(self) -> str:
-        return self.family.prefix + HEAD_SUFFIX[self.head]
+        return self.family.architecture(self.head)
 
     @property
     def status(self) -> str:
@@ -118,6 +124,14 @@ class Row:
 
 def _exact(*heads: str) -> dict[str, str]:
     return dict.fromkeys(heads, EXACT)
+
+
+# Text towers and composites of text-image families: refused until poolrunner implements their
+# pooled outputs (CLIP's EOS row and projection, SigLIP's head); never embedded another way.
+_CLIP_TEXT = {**_ENCODER, "projection_dim": 32}
+_VISION = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "image_size": 32, "patch_size": 8}
+_REFUSED_MODEL = {"model": REFUSED}
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -179,6 +193,14 @@ FAMILIES: tuple[Family, ...] = (
         "vocab_size": VOCAB_SIZE, "n_embd": 64, "n_inner": 128, "n_layer": 2, "n_head": 4,
         "n_positions": MAX_POSITIONS, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": EOS_ID},
         decoder=True, causal=True),
+    Family("clip-text", "CLIP text tower", "CLIPText", "CLIPTextConfig", _CLIP_TEXT, status=_REFUSED_MODEL),
+    Family("clip-text-projection", "CLIP text tower with projection", "CLIPText", "CLIPTextConfig", _CLIP_TEXT,
+           status=_REFUSED_MODEL, classes={"model": "CLIPTextModelWithProjection"}),
+    Family("clip", "CLIP (text and image)", "CLIP", "CLIPConfig",
+           {"text_config": _CLIP_TEXT, "vision_config": _VISION, "projection_dim": 32}, status=_REFUSED_MODEL),
+    Family("siglip-text", "SigLIP text tower", "SiglipText", "SiglipTextConfig", _ENCODER, status=_REFUSED_MODEL),
+    Family("siglip", "SigLIP (text and image)", "Siglip", "SiglipConfig",
+           {"text_config": _ENCODER, "vision_config": _VISION}, status=_REFUSED_MODEL),
 )
 
 
@@ -328,6 +350,116 @@ def reference_output(model: Any, ids: Sequence[int]) -> Any:
     return result[0].double().numpy()
 
 
+# --------------------------------------------------------------------------- refused folders
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A folder of a matrix row, edited into a layout that must be refused at load.
+
+    :ivar id: Test id.
+    :ivar row: The ``(family, head)`` id of the folder it starts from.
+    :ivar edit: Changes the saved folder (config keys, files, weights).
+    :ivar message: What the :class:`poolrunner.ModelLoadError` must contain.
+    """
+
+    id: str
+    row: str
+    edit: Callable[[Path], None]
+    message: str
+
+
+DROP = object()
+"""As a value of :func:`edit_config`: remove the key."""
+
+
+def edit_config(folder: Path, **changes: Any) -> None:
+    """Set keys of ``folder/config.json`` (remove those given :data:`DROP`)."""
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    for key, value in changes.items():
+        if value is DROP:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (folder / "config.json").write_text(json.dumps(config), encoding="utf-8")
+
+
+REMOTE_CODE_MARKER = "ran-folder-code"
+"""A file the remote-code variant's modules write next to themselves when they are imported."""
+
+
+def _remote_code(folder: Path) -> None:
+    """A folder written for ``trust_remote_code``: its own model type, config and model classes,
+    whose import would leave :data:`REMOTE_CODE_MARKER` in the folder."""
+    edit_config(folder, model_type="custom_bert", auto_map={
+        "AutoConfig": "configuration_custom.CustomConfig", "AutoModel": "modeling_custom.CustomModel"})
+    marker = f"(__import__('pathlib').Path(__file__).parent / {REMOTE_CODE_MARKER!r}).touch()\n"
+    (folder / "configuration_custom.py").write_text(
+        marker + "from transformers import BertConfig\n\n\nclass CustomConfig(BertConfig):\n"
+        "    model_type = 'custom_bert'\n", encoding="utf-8")
+    (folder / "modeling_custom.py").write_text(
+        marker + "from transformers import BertModel\n\n\nclass CustomModel(BertModel):\n    pass\n", encoding="utf-8")
+
+
+def _relative_key(folder: Path) -> None:
+    """A BERT ``relative_key`` checkpoint as transformers 4.x saved it: transformers 5 has no
+    place for its ``distance_embedding`` weights and would drop them."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    edit_config(folder, position_embedding_type="relative_key")
+    weights = load_file(folder / "model.safetensors")
+    head_dim = _ENCODER["hidden_size"] // _ENCODER["num_attention_heads"]
+    for layer in range(_ENCODER["num_hidden_layers"]):
+        weights[f"encoder.layer.{layer}.attention.self.distance_embedding.weight"] = torch.randn(
+            2 * MAX_POSITIONS - 1, head_dim, generator=torch.Generator().manual_seed(layer))
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _save_as(folder: Path, architecture: str) -> None:
+    """Replace the folder's weights with a seeded model of transformers' class ``architecture``."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(folder, architectures=[architecture])
+    torch.manual_seed(0)
+    getattr(transformers, architecture)(config).save_pretrained(folder)
+
+
+VARIANTS: tuple[Variant, ...] = (
+    Variant("bert-relative-key", "bert/model", _relative_key,
+            "BertModel has no place for the weights encoder.layer.0.attention.self.distance_embedding.weight"),
+    Variant("bert-more-layers-than-weights", "bert/model", lambda f: edit_config(f, num_hidden_layers=3),
+            "the weights lack encoder.layer.2."),
+    Variant("bert-head-not-in-weights", "bert/model",
+            lambda f: edit_config(f, architectures=["BertForSequenceClassification"]),
+            "the weights lack classifier.bias, classifier.weight, which BertForSequenceClassification would fill "
+            "with random values"),
+    Variant("bert-question-answering", "bert/model", lambda f: _save_as(f, "BertForQuestionAnswering"),
+            "BertForQuestionAnswering applies qa_outputs after its backbone, which poolrunner does not run"),
+    Variant("bert-shapes-not-the-config", "bert/model", lambda f: edit_config(f, vocab_size=100),
+            "weights of another shape than config.json describes: embeddings.word_embeddings.weight (512, 64) "
+            "(the config makes (100, 64))"),
+    Variant("remote-code", "bert/model", _remote_code,
+            "config.json's model_type 'custom_bert' is not a transformers model type"),
+    Variant("qwen2-reward", "qwen2/sequence", lambda f: edit_config(f, architectures=["Qwen2ForRewardModel"]),
+            "architectures names 'Qwen2ForRewardModel', which is not a transformers model class"),
+    Variant("qwen2-process-reward", "qwen2/token",
+            lambda f: edit_config(f, architectures=["Qwen2ForProcessRewardModel"]),
+            "architectures names 'Qwen2ForProcessRewardModel', which is not a transformers model class"),
+    Variant("no-model-type", "bert/model", lambda f: edit_config(f, model_type=DROP),
+            "config.json has no model_type"),
+    Variant("unknown-model-type", "bert/model", lambda f: edit_config(f, model_type="no_such_family"),
+            "config.json's model_type 'no_such_family' is not a transformers model type"),
+    Variant("hidden-size-not-an-int", "bert/model", lambda f: edit_config(f, hidden_size="64"),
+            "cannot read the model config of"),
+    Variant("architectures-not-a-list", "bert/model", lambda f: edit_config(f, architectures="BertModel"),
+            "architectures must be a list of class names, got 'BertModel'"),
+    Variant("config-not-an-object", "bert/model",
+            lambda f: (f / "config.json").write_text("[]", encoding="utf-8"), "expected a JSON object, got list"),
+)
+
+
 # --------------------------------------------------------------------------- README table
 
 _HEAD_COLUMNS = {
@@ -348,7 +480,8 @@ def support_table(families: Sequence[Family] = FAMILIES) -> str:
     ]
     for family in families:
         cells = [family.status.get(head, NO_HEAD) for head in HEADS]
-        lines.append(f"| {family.label} | `{family.prefix}*` | " + " | ".join(cells) + " |")
+        classes = ", ".join(f"`{name}`" for name in family.classes.values()) or f"`{family.prefix}*`"
+        lines.append(f"| {family.label} | {classes} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -58,7 +58,7 @@ def unused_token_ids(folder: str) -> tuple[int, ...]:
     """
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     ids = {getattr(tokenizer, f"{name}_id") for name in _UNUSED_TOKENS}
     return tuple(sorted(token for token in ids if token is not None))
 
