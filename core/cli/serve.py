@@ -93,7 +93,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="largest request body, bytes; larger is a 413 (TEI's --payload-limit)")
     server.add_argument("--max-waiting-requests", metavar="N", type=positive_int, default=8192,
                         help="most inputs queued or running over all clients; a request that would pass "
-                             "it is answered 429 at once")
+                             "it is answered 429 at once (413 when it alone needs more than N engine requests)")
     server.add_argument("--drain-timeout", metavar="SECONDS", type=float, default=30.0,
                         help="how long requests in flight may take to finish after SIGTERM; then their "
                              "connections are closed and the process exits")

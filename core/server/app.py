@@ -26,9 +26,11 @@ import pydantic
 from fastapi import Body, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
+from starlette.types import Message, Receive, Scope, Send
 
 from poolrunner.core.runtime import Runtime
 from poolrunner.core.server import protocol as p
@@ -39,7 +41,7 @@ from poolrunner.core.server.models import ModelRouter, ServedModel, served_model
 from poolrunner.core.server.payload import bytes_response, encode_array
 from poolrunner.core.server.service import PoolingService
 from poolrunner.core.server.settings import ServerSettings
-from poolrunner.core.server.tei import TeiApi, add_tei_routes, tei_rerank, tei_tokens
+from poolrunner.core.server.tei import add_tei_routes, tei_rerank, tei_tokens
 
 
 def create_app(models: Runtime | Sequence[ServedModel], settings: ServerSettings | None = None) -> FastAPI:
@@ -82,7 +84,8 @@ def create_app(models: Runtime | Sequence[ServedModel], settings: ServerSettings
     app.state.metrics = metrics
     install_handlers(app)
     vllm_routes = _add_routes(app, router, metrics, int(time.time()))
-    _add_invocations(app, vllm_routes, add_tei_routes(app, router))
+    add_tei_routes(app, router)
+    _add_invocations(app, vllm_routes)
     endpoints = frozenset(_paths(app.routes))  # metrics label every other path "other"
     open_paths = OPEN_PATHS if settings.protect_metrics else OPEN_PATHS | {"/metrics"}
     app.add_middleware(GuardMiddleware, state=state, metrics=metrics, api_key=settings.api_key,
@@ -147,8 +150,8 @@ def _bytes(body: Any, service: PoolingService, arrays: list[Any], prefix: str, n
 
 
 def _add_routes(app: FastAPI, router: ModelRouter, metrics: ServerMetrics,  # noqa: C901
-                created: int) -> list[tuple[type[BaseModel], Any]]:
-    """vLLM's and OpenAI's routes (one handler each); returns ``(body model, handler)`` of those
+                created: int) -> list[tuple[type[BaseModel], str]]:
+    """vLLM's and OpenAI's routes (one handler each); returns ``(body model, path)`` of those
     ``/invocations`` dispatches to, in vLLM's order, the task-specific ones only where served."""
 
     async def embeddings(body: p.EmbeddingRequest, request: Request) -> p.EmbeddingResponse | Response:
@@ -279,31 +282,60 @@ def _add_routes(app: FastAPI, router: ModelRouter, metrics: ServerMetrics,  # no
 
     tasks = frozenset().union(*(service.runtime.supported_tasks for service in router.services))
     return [
-        *([(p.EmbeddingRequest, embeddings)] if "embed" in tasks else []),
-        *([(p.ClassificationRequest, classify)] if "classify" in tasks else []),
-        (score_body, score), (rerank_body, _rerank_route(router, None, rerank_body, option_names)),
-        (pooling.__annotations__["body"], pooling),
+        *([(p.EmbeddingRequest, "/v1/embeddings")] if "embed" in tasks else []),
+        *([(p.ClassificationRequest, "/classify")] if "classify" in tasks else []),
+        (score_body, "/score"), (rerank_body, "/rerank"), (pooling.__annotations__["body"], "/pooling"),
     ]
 
 
-def _add_invocations(app: FastAPI, vllm_routes: list[tuple[type[BaseModel], Any]], tei: TeiApi) -> None:
+def _add_invocations(app: FastAPI, vllm_routes: list[tuple[type[BaseModel], str]]) -> None:
     """SageMaker's ``POST /invocations``, which vLLM and TEI both serve: a TEI body (``inputs``)
-    is answered as TEI's ``POST /`` (TEI's errors), any other by the first of ``vllm_routes`` whose
-    body it is, as vLLM dispatches it (request bodies refuse unknown fields, so one form fits)."""
+    is answered by TEI's ``POST /``, any other by the first of ``vllm_routes`` whose body it is,
+    as vLLM dispatches it (request bodies refuse unknown fields, so one form fits). The route
+    itself answers (:class:`_Forwarded`): its status, headers, response model and error shape.
+
+    :raises ApiError: 400 for a body of none of these routes.
+    """
+    routes = {route.path: route for route in app.router.routes
+              if isinstance(route, APIRoute) and "POST" in route.methods}
 
     @app.post("/invocations")
-    async def invocations(request: Request, body: Annotated[dict[str, Any], Body()]) -> Any:
-        if "inputs" in body:
-            return await in_tei_shape(request, tei.default_route(request, body))
-        for model, handler in vllm_routes:
-            try:
-                parsed = model.model_validate(body)
-            except pydantic.ValidationError:
-                continue
-            return await handler(parsed, request)
-        names = ", ".join(model.__name__ for model, _ in vllm_routes)
-        raise ApiError(400, f"/invocations takes the body of one of {names}, or TEI's (inputs); this body is none "
-                            "of them")
+    async def invocations(request: Request, body: Annotated[dict[str, Any], Body()]) -> Response:
+        path = "/" if "inputs" in body else next((path for model, path in vllm_routes if _fits(model, body)), None)
+        if path is None:
+            names = ", ".join(model.__name__ for model, _ in vllm_routes)
+            raise ApiError(400, f"/invocations takes the body of one of {names}, or TEI's (inputs); this body is "
+                                "none of them")
+        return _Forwarded(routes[path], await request.body())
+
+
+def _fits(model: type[BaseModel], body: dict[str, Any]) -> bool:
+    try:
+        model.model_validate(body)
+    except pydantic.ValidationError:
+        return False
+    return True
+
+
+class _Forwarded(Response):
+    """The answer ``route`` gives to the request with ``body`` (already read), as if it had been
+    sent there: the route reads the body again, and the client's disconnect after it."""
+
+    def __init__(self, route: APIRoute, body: bytes) -> None:
+        super().__init__()
+        self.route, self.request_body = route, body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": self.request_body, "more_body": False}
+
+        await self.route.handle(dict(scope), replay, send)
 
 
 def _plugin_options(router: ModelRouter) -> list[Any]:

@@ -178,9 +178,9 @@ def as_tei_error(exc: Exception) -> TeiError | None:
         return TeiError("Backend", str(exc))
     if isinstance(exc, LoopClosedError):
         return TeiError("Unhealthy", str(exc))
-    if isinstance(exc, ApiError):  # the service's own limits: not serving (503), else bad input
+    if isinstance(exc, ApiError):  # the service's own limits: not serving (503), else bad input (413: too large)
         return TeiError("Unhealthy" if exc.status == 503 else "Validation", str(exc),
-                        status=exc.status if exc.status in (499, 503) else None)
+                        status=exc.status if exc.status in (413, 499, 503) else None)
     if isinstance(exc, HTTPException):  # raised while FastAPI reads the body: over the size limit, or not JSON
         return TeiError("Validation", _http_detail(exc), status=exc.status_code if exc.status_code != 400 else None)
     return None

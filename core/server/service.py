@@ -19,7 +19,7 @@ from attrs import frozen
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from poolrunner.core import frontend
+from poolrunner.core import chunking, frontend
 from poolrunner.core.frontend import ClassifyInput, Result
 from poolrunner.core.plugin_api.output import RequestOutput
 from poolrunner.core.quantize import Precision, check_ranges, quantize
@@ -131,7 +131,7 @@ class PoolingService:
         """Tokenize (in a worker thread), run through the loop; outputs in order and their token count.
         ``priority`` is vLLM's (lower runs first; ``None``: 0).
 
-        :raises ApiError: 499 when the client disconnected; its requests are aborted then.
+        :raises ApiError: as :meth:`run_requests`.
         """
         requests: list[PoolingRequest] = await run_in_threadpool(
             self.frontend.prepare, items, params, truncate_prompt_tokens=truncate_prompt_tokens,
@@ -141,9 +141,22 @@ class PoolingService:
 
     async def run_requests(self, request: Request, requests: list[PoolingRequest], *, priority: int | None = None,
                            ) -> tuple[list[RequestOutput], int]:
-        """Run prepared ``requests`` through the loop, batched with other clients'; as :meth:`run`."""
+        """Run prepared ``requests`` through the loop, batched with other clients'; as :meth:`run`.
+
+        :raises ApiError: 503 when not serving; 413 when the engine requests (one per request, one
+            per window of a long input) are more than ``max_waiting_requests``, which they could
+            never fit (a queue merely busy now is
+            :class:`~poolrunner.core.errors.QueueFullError`'s 429); 499 when the
+            client disconnected (its requests are aborted then).
+        """
         if self.serving is None:
             raise ApiError(503, "the server is not serving (starting up or shut down)")
+        count, limit = len(chunking.expand(requests)[0]), self.settings.max_waiting_requests
+        if count > limit:
+            raise ApiError(413, f"this request needs {count} engine requests (one per text the model runs: each "
+                                "input, each distinct text of a score or rerank, each window of a long input), "
+                                f"more than the limit of {limit} waiting or running at once (max_waiting_requests, "
+                                "the --max-waiting-requests flag): it could never be queued; send fewer inputs")
         num_tokens = sum(r.num_tokens for r in requests)
         self.metrics.request_tokens.observe(num_tokens)
         stats = REQUEST_STATS.get()

@@ -38,7 +38,9 @@ class ServerSettings:
     :ivar max_request_bytes: Largest accepted request body, bytes (TEI's ``--payload-limit``,
         2,000,000); larger is a 413. It bounds the text one request makes the server read.
     :ivar max_waiting_requests: Most inputs queued or running in the engine at once, over all
-        clients; a request that would pass it is answered 429 at once.
+        clients; a request that would pass it is answered 429 at once, or 413 when it alone needs
+        more engine requests than this (a bi-encoder's score: each distinct text; a long input:
+        each window), which no wait would make fit.
     :ivar drain_timeout: Seconds that requests in flight get to finish after SIGTERM.
     :ivar auto_truncate: TEI's ``--auto-truncate``: TEI's routes (``/embed``, ``/predict``...) keep
         the model maximum of tokens of an over-long input when the request does not say

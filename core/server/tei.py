@@ -51,9 +51,9 @@ TEI_POOLING = {"CLS": "cls", "MEAN": "mean", "LAST": "last_token"}
 """TEI's names of the pooling types it shares with poolrunner (``/info``); others are lowercased."""
 
 
-def add_tei_routes(app: FastAPI, router: ModelRouter) -> TeiApi:
+def add_tei_routes(app: FastAPI, router: ModelRouter) -> None:
     """TEI's routes (``/embed``, ``/embed_all``, ...) over the served models; every error in TEI's
-    shape. Returns the handlers, for ``/invocations`` (which the app serves for vLLM's bodies too)."""
+    shape (``/invocations`` forwards a TEI body to ``POST /``)."""
     api = TeiApi(router)
     routes: list[tuple[str, str, Any, Any]] = [
         ("POST", "/embed", api.embed, list[list[float]]),
@@ -70,7 +70,6 @@ def add_tei_routes(app: FastAPI, router: ModelRouter) -> TeiApi:
         # entry without a path), and TeiRoute answers the route's errors in TEI's shape.
         app.router.add_api_route(path, endpoint, methods=[method], response_model=response_model,
                                  route_class_override=TeiRoute, tags=["Text Embeddings Inference"])
-    return api
 
 
 class TeiApi:
