@@ -100,16 +100,17 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
     inputs = InputProcessor(tokenizer, model_config, max_input_chars=max_input_chars)
     build = functools.partial(_build_engine, config, path, hf_config, hooks, manager, model_config, wanted, device)
     fast_path = config.compile == "auto" and onednn.supported(device, torch.float32)
+    mixed_path = fast_path and onednn.supported(device, torch.bfloat16)  # bf16 products, as bf16-mixed's
     if config.dtype == "auto" and precision.native_bf16(device):
-        candidates = precision.AUTO_CANDIDATES if fast_path else (precision.BFLOAT16,)
+        candidates = precision.AUTO_CANDIDATES if mixed_path else (precision.BFLOAT16,)
         engine, chosen = precision.choose_cpu_precision(build, _probe_requests(inputs, wanted, options), candidates)
     elif config.dtype == precision.INT8.name:
-        _check_int8(config, device, fast_path)
+        _check_int8(config, device, mixed_path)
         chosen = precision.INT8
         engine = precision.quantize_checked(build, _probe_requests(inputs, wanted, options, words_from=1),
                                             _probe_requests(inputs, wanted, options))
     else:
-        chosen = _explicit_precision(config, hf_config, device, fast_path)
+        chosen = _explicit_precision(config, hf_config, device, mixed_path)
         engine = build(chosen)
     tasks = frozenset(engine.runner.poolers)
     logger.info("loaded %s (%s) for tasks %s (default %r) on %s as %s", path, model_config.architecture,
@@ -120,29 +121,32 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
 
 
 def _explicit_precision(
-    config: RuntimeConfig, hf_config: PretrainedConfig, device: torch.device, fast_path: bool,
+    config: RuntimeConfig, hf_config: PretrainedConfig, device: torch.device, mixed_path: bool,
 ) -> precision.Precision:
     """The precision a ``dtype`` other than a measured ``auto`` names.
 
-    :raises ModelLoadError: for ``bf16-mixed`` off the CPU's fast path, which alone runs it.
+    :param mixed_path: Whether the CPU fast path runs bfloat16 products here.
+    :raises ModelLoadError: for ``bf16-mixed`` off that path, which alone runs it.
     """
     if config.dtype == "auto":
         return precision.PRECISIONS[str(loader.auto_dtype(hf_config, device)).removeprefix("torch.")]
-    if config.dtype == precision.BF16_MIXED.name and not fast_path:
+    if config.dtype == precision.BF16_MIXED.name and not mixed_path:
         raise ModelLoadError(f"dtype {config.dtype!r} needs {_the_fast_path(config, device)}")
     return precision.PRECISIONS[config.dtype]
 
 
 def _the_fast_path(config: RuntimeConfig, device: torch.device) -> str:
     """What a dtype that only the CPU fast path runs needs, and what this runtime has instead."""
-    return (f"the CPU fast path (compile='auto' on a CPU with oneDNN); this runtime has device {device.type!r} "
-            f"and compile={config.compile!r}")
+    bf16 = onednn.supported(device, torch.bfloat16)
+    return (f"the CPU fast path (compile='auto' on a CPU whose oneDNN multiplies bfloat16: AVX-512 BW/VL/DQ or "
+            f"AVX-NE-CONVERT); this runtime has device {device.type!r}, compile={config.compile!r} and "
+            f"{'' if bf16 else 'no '}oneDNN bfloat16 products")
 
 
-def _check_int8(config: RuntimeConfig, device: torch.device, fast_path: bool) -> None:
+def _check_int8(config: RuntimeConfig, device: torch.device, mixed_path: bool) -> None:
     """:raises ModelLoadError: where ``dtype="int8"`` cannot run: it needs the CPU fast path, a
         CPU with native bf16 and poolrunner's kernels."""
-    if not fast_path:
+    if not mixed_path:
         reason = _the_fast_path(config, device)
     elif not precision.native_bf16(device):
         reason = "a CPU that multiplies bfloat16 natively (AVX512-BF16 or AMX)"
@@ -215,7 +219,8 @@ def _build_engine(
     model = loader.load_model(path, hf_config, chosen.weights, device, model_config.token_logits)
     # Built here, at load, so that no request waits for a compile.
     kernels = cpu_kernels.supported_dtypes() if config.compile == "auto" and device.type == "cpu" else frozenset()
-    if config.compile == "auto" and onednn.supported(device, chosen.weights):
+    products = chosen.weights if chosen.matmul == torch.int8 else chosen.matmul
+    if config.compile == "auto" and onednn.supported(device, chosen.weights) and onednn.supported(device, products):
         onednn.prepack(model.base_model, chosen.matmul)
     if chosen.weights == torch.bfloat16 and torch.bfloat16 in kernels:
         fused_norms.fuse_rms_norms(model.base_model)

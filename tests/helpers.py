@@ -11,6 +11,16 @@ MIN_COSINE = 0.9999
 """The fp32 parity bar against an independent reference (vLLM's strict bar)."""
 
 
+def bf16_products() -> bool:
+    """Whether this CPU's oneDNN multiplies bfloat16 (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): not on
+    an AVX2-only CPU, where ``bf16-mixed`` is refused at load and bfloat16 layers are not packed."""
+    import torch
+
+    from poolrunner.core.model import onednn
+
+    return onednn.supported(torch.device("cpu"), torch.bfloat16)
+
+
 def cosine_rows(a: Any, b: Any) -> np.ndarray:
     """Row-wise cosine similarity of two ``[n, d]`` (or ``[d]``) arrays, in float64."""
     a = np.atleast_2d(np.asarray(a, dtype=np.float64))

@@ -214,8 +214,9 @@ def test_a_model_under_the_bar_is_refused_naming_its_error_and_the_bar(model_pat
 def test_int8_off_the_fast_path_is_refused_saying_what_it_needs(tiny_bert):
     with pytest.raises(ModelLoadError) as error:
         poolrunner.Runtime(str(tiny_bert[0]), dtype="int8", compile="off", load_entrypoints=False)
-    assert str(error.value) == ("dtype 'int8' needs the CPU fast path (compile='auto' on a CPU with oneDNN); this "
-                                "runtime has device 'cpu' and compile='off'")
+    assert str(error.value) == (
+        "dtype 'int8' needs the CPU fast path (compile='auto' on a CPU whose oneDNN multiplies bfloat16: AVX-512 "
+        "BW/VL/DQ or AVX-NE-CONVERT); this runtime has device 'cpu', compile='off' and oneDNN bfloat16 products")
 
 
 def test_int8_without_the_kernels_is_refused(tiny_bert, monkeypatch):

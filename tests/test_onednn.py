@@ -18,9 +18,20 @@ import poolrunner
 from poolrunner.core.engine import precision
 from poolrunner.core.errors import ModelLoadError
 from poolrunner.core.model import onednn
-from tests.helpers import MIN_COSINE, cosine_rows
+from tests.helpers import MIN_COSINE, bf16_products, cosine_rows
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+BF16_PRODUCTS = bf16_products()
+# The layers themselves in bfloat16: only where oneDNN has the kernels (the runtime never packs
+# bfloat16 elsewhere; test_bf16_mixed_holds_the_bar_on_single_words proves the refusal there).
+needs_bf16_products = pytest.mark.skipif(not BF16_PRODUCTS, reason="this CPU's oneDNN has no bfloat16 products")
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_products)]
+
+
+def _bf16_mixed_refusal(compile: str) -> str:
+    return ("dtype 'bf16-mixed' needs the CPU fast path (compile='auto' on a CPU whose oneDNN multiplies bfloat16: "
+            f"AVX-512 BW/VL/DQ or AVX-NE-CONVERT); this runtime has device 'cpu', compile={compile!r} and "
+            f"{'' if BF16_PRODUCTS else 'no '}oneDNN bfloat16 products")
 
 FUSED = [
     (activations.GELUActivation(), ("gelu", "none")),
@@ -66,7 +77,7 @@ def test_an_activation_without_an_exact_post_op_is_not_fused(activation):
     assert onednn._post_op(activation) is None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_a_packed_linear_takes_any_leading_shape(dtype):
     linear, x = _linear(dtype), torch.randn(2, 5, 48).to(dtype)
     with torch.inference_mode():
@@ -76,6 +87,7 @@ def test_a_packed_linear_takes_any_leading_shape(dtype):
     assert _relative_error(got, expected) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
+@needs_bf16_products
 def test_bf16_mixed_rounds_the_product_inputs_and_keeps_float32_around_them():
     linear, x = _linear(), torch.randn(9, 48)
     # The product of the bf16-rounded operands, accumulated exactly, plus the float32 bias.
@@ -140,7 +152,7 @@ def _mlp(hidden_act: str = "silu", mlp_bias: bool = False, dtype: torch.dtype = 
 
 
 @pytest.mark.parametrize("mlp_bias", [False, True], ids=["no-bias", "bias"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_a_silu_gated_mlp_computes_what_llama_mlp_computes(dtype, mlp_bias):
     parent, x = _mlp(mlp_bias=mlp_bias, dtype=dtype), torch.randn(3, 7, 32).to(dtype)
     with torch.inference_mode():
@@ -153,6 +165,7 @@ def test_a_silu_gated_mlp_computes_what_llama_mlp_computes(dtype, mlp_bias):
     assert _relative_error(got, expected) < (1e-6 if dtype == torch.float32 else 2**-7)
 
 
+@needs_bf16_products
 def test_a_gated_mlp_in_bf16_mixed_rounds_the_product_inputs_and_returns_float32():
     parent, x = _mlp(mlp_bias=True), torch.randn(5, 32)
     # The module in float64 on the bf16-rounded input and weights, with the float32 biases.
@@ -217,6 +230,11 @@ def test_compile_auto_prepacks_the_backbone_and_off_leaves_it(model_path, st_mod
 
 
 def test_bf16_mixed_holds_the_bar_on_single_words(model_path, st_model, lee_docs):
+    if not BF16_PRODUCTS:  # an AVX2-only CPU: refused at load, never run another way
+        with pytest.raises(ModelLoadError) as error:
+            poolrunner.Runtime(model_path, dtype="bf16-mixed", load_entrypoints=False)
+        assert str(error.value) == _bf16_mixed_refusal("auto")
+        return
     runtime = poolrunner.Runtime(model_path, dtype="bf16-mixed", load_entrypoints=False)
     assert (runtime.precision, runtime.dtype) == ("bf16-mixed", torch.float32)
     words = sorted(t for t in runtime.inputs.tokenizer.get_vocab() if t.isalpha() and len(t) >= 2)[::97][:300]
@@ -228,11 +246,9 @@ def test_bf16_mixed_holds_the_bar_on_single_words(model_path, st_model, lee_docs
 def test_bf16_mixed_is_refused_off_the_fast_path(model_path):
     with pytest.raises(ModelLoadError) as error:
         poolrunner.Runtime(model_path, dtype="bf16-mixed", compile="off", load_entrypoints=False)
-    assert str(error.value) == (
-        "dtype 'bf16-mixed' needs the CPU fast path (compile='auto' on a CPU with oneDNN); "
-        "this runtime has device 'cpu' and compile='off'"
-    )
-    assert poolrunner.Runtime(model_path, dtype="bf16-mixed", load_entrypoints=False).embed("next").shape == (384,)
+    assert str(error.value) == _bf16_mixed_refusal("off")
+    if BF16_PRODUCTS:
+        assert poolrunner.Runtime(model_path, dtype="bf16-mixed", load_entrypoints=False).embed("next").shape == (384,)
 
 
 class _FakeEngine:

@@ -119,8 +119,12 @@ def packed_linear(
 
 
 def supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the packed path can run here: a CPU build with oneDNN, float32 or bfloat16 weights."""
-    return device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
+    """Whether the packed path can run products in ``dtype`` here: a CPU build with oneDNN, float32,
+    or bfloat16 on a CPU whose oneDNN has bf16 kernels (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; not on
+    an AVX2-only CPU)."""
+    if device.type != "cpu" or dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def prepack(module: nn.Module, matmul_dtype: torch.dtype | None = None) -> int:
