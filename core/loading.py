@@ -190,10 +190,10 @@ def read_model(
     apply_hf_overrides(hf_config, hf_overrides or {}, path)
     families.check_config(path, hf_config)
     architecture = families.architecture_name(hf_config)
-    families.architecture_class(architecture, hf_config.model_type, path)
     tokenizer = loader.load_tokenizer(path)
     logits = token_logits.read_token_logits(hf_config, tokenizer, folder_architecture, path)
     required = required_plugin(hooks, manager, path, architecture)
+    families.architecture_class(architecture, hf_config.model_type, path, claimed=required is not None)
     model_config = metadata.load_model_config(path, hf_config, tokenizer.model_max_length, overrides, required)
     if logits is not None:
         model_config = attrs.evolve(model_config, token_logits=logits)
@@ -216,7 +216,8 @@ def _build_engine(
     built (no plugin offers one, two conflict, the folder lacks a file it needs) is left out of
     the served set, with a log line; a request for it then gets the usual clear error.
     """
-    model = loader.load_model(path, hf_config, chosen.weights, device, model_config.token_logits)
+    model = loader.load_model(path, hf_config, chosen.weights, device, model_config.token_logits,
+                              claimed=model_config.required_plugin is not None)
     # Built here, at load, so that no request waits for a compile.
     kernels = cpu_kernels.supported_dtypes() if config.compile == "auto" and device.type == "cpu" else frozenset()
     products = chosen.weights if chosen.matmul == torch.int8 else chosen.matmul

@@ -386,7 +386,8 @@ def test_a_head_the_configured_class_would_drop_is_refused(tmp_path, model_path,
         poolrunner.Runtime(tmp_path, load_entrypoints=False, dtype="float32")
     assert str(excinfo.value) == (
         f"{tmp_path}: the weights hold a head (classifier.bias, classifier.weight) that BertModel does not use; "
-        "config.json `architectures` decides the head, so name the class the weights were trained as "
-        "(e.g. BertForSequenceClassification)"
+        "config.json `architectures` decides the head, so name the class the weights were trained as (for "
+        "model_type 'bert': BertModel, BertForSequenceClassification, BertForTokenClassification, BertForMaskedLM, "
+        "BertLMHeadModel)"
     )
     assert_serves(runtime)

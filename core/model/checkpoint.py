@@ -14,6 +14,10 @@ every difference is on this short list, where no output poolrunner computes read
 * missing ``pooler.*`` in a class whose output never reads it (every class but a
   ``*ForSequenceClassification``, whose BERT-style head runs the pooler).
 
+A folder a plugin claimed as its own format (``claim_model_folder``: Stanford ColBERT's
+``linear.weight`` beside the backbone) may hold weights the class drops: the plugin reads those
+itself. Weights of another shape and missing ones are refused all the same.
+
 Modules of the class outside its backbone are applied by poolrunner only as a classification head
 (:mod:`~poolrunner.core.model.heads`) or an LM head; any other (``CLIPTextModelWithProjection``'s
 ``text_projection``, a question-answering head) refuses the load.
@@ -38,11 +42,12 @@ _LEGACY_BUFFERS = frozenset({"position_ids", "token_type_ids", "inv_freq", "mask
 _CLASSIFIER_SUFFIXES = ("ForSequenceClassification", "ForTokenClassification")
 
 
-def check_loaded(path: Path, model: nn.Module, info: dict[str, Collection[str]]) -> None:
+def check_loaded(path: Path, model: nn.Module, info: dict[str, Collection[str]], *, claimed: bool = False) -> None:
     """Refuse a load whose weights differ from ``model``'s class beyond the module's allow-list.
 
     :param info: transformers' ``output_loading_info`` (``mismatched_keys``, ``missing_keys``,
         ``unexpected_keys``), of a load with ``ignore_mismatched_sizes=True``.
+    :param claimed: A plugin claimed the folder: it reads the weights the class drops.
     :raises ModelLoadError: naming the folder, the class and the keys (at most five) of another
         shape, dropped or left random, or the modules outside the backbone that poolrunner would
         not apply.
@@ -64,7 +69,7 @@ def check_loaded(path: Path, model: nn.Module, info: dict[str, Collection[str]])
             f"`architectures` decides the head, so name the class the weights were trained as (for model_type "
             f"{model.config.model_type!r}: {served_classes(model.config.model_type)})"
         )
-    dropped = [key for key in unexpected if not _ignorable_unexpected(key, prefix)]
+    dropped = [] if claimed else [key for key in unexpected if not _ignorable_unexpected(key, prefix)]
     if dropped:
         raise ModelLoadError(
             f"{path}: {class_name} has no place for the weights {_keys(dropped)}, which transformers would drop; "

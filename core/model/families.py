@@ -102,14 +102,21 @@ def architecture_name(config: PretrainedConfig) -> str:
     return backbone if isinstance(backbone, str) else type(config).__name__
 
 
-def architecture_class(architecture: str, model_type: str, path: Path) -> type[PreTrainedModel]:
+def architecture_class(architecture: str, model_type: str, path: Path, *, claimed: bool = False,
+                       ) -> type[PreTrainedModel]:
     """transformers' model class named ``architecture``.
 
+    :param claimed: A plugin claimed the folder as its own format (``claim_model_folder``, e.g.
+        Stanford ColBERT's ``HF_ColBERT``): an architecture transformers lacks is then the family's
+        backbone class, and the rest of the folder is the plugin's to read.
     :raises ModelLoadError: when transformers has no such model class (a remote-code class such as
         ``Qwen2ForRewardModel``, a typo), naming the classes poolrunner serves for ``model_type``.
     """
     model_class = getattr(transformers, architecture, None)
-    if isinstance(model_class, type) and issubclass(model_class, PreTrainedModel):
+    if not _is_model_class(model_class) and claimed:
+        backbone = modeling_auto.MODEL_MAPPING_NAMES.get(model_type)
+        model_class = getattr(transformers, backbone, None) if isinstance(backbone, str) else None
+    if _is_model_class(model_class):
         return model_class
     raise ModelLoadError(
         f"{path}: architectures names {architecture!r}, which is not a transformers model class (poolrunner runs "
@@ -117,6 +124,10 @@ def architecture_class(architecture: str, model_type: str, path: Path) -> type[P
         f"{served_classes(model_type)}. A class written as remote code has its own head layout: renaming it "
         "would load other weights, so such a folder cannot be served"
     )
+
+
+def _is_model_class(candidate: Any) -> bool:
+    return isinstance(candidate, type) and issubclass(candidate, PreTrainedModel)
 
 
 def served_classes(model_type: str) -> str:

@@ -48,7 +48,7 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
 
 def load_model(
     path: Path, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-    token_logits: TokenLogits | None = None,
+    token_logits: TokenLogits | None = None, *, claimed: bool = False,
 ) -> nn.Module:
     """Load the weights with the class ``config.architectures`` names, in eval mode.
 
@@ -57,12 +57,16 @@ def load_model(
 
     :param token_logits: Load the family's causal LM instead and keep only these rows of its LM
         head, as its classification head (:mod:`~poolrunner.core.model.token_logits`).
+    :param claimed: A plugin claimed the folder's format: see
+        :func:`~poolrunner.core.model.families.architecture_class` and
+        :func:`~poolrunner.core.model.checkpoint.check_loaded`.
     :returns: The full model (head included); the runner calls its ``base_model``.
     :raises ModelLoadError: if transformers does not know the architecture, the weights fail to
         load, or they differ from the class's (:func:`~poolrunner.core.model.checkpoint.check_loaded`).
     """
     model_class = (token_logits_rules.causal_lm_class(hf_config, path) if token_logits is not None
-                   else families.architecture_class(families.architecture_name(hf_config), hf_config.model_type, path))
+                   else families.architecture_class(families.architecture_name(hf_config), hf_config.model_type, path,
+                                                    claimed=claimed))
     # Families with attention of their own (DeBERTa-v2, MPNet) cannot take the packed attention;
     # the runner gives them padded batches instead.
     packed = getattr(model_class, "_supports_attention_backend", True)
@@ -77,7 +81,7 @@ def load_model(
         raise ModelLoadError(f"cannot load the weights of {path} as {model_class.__name__}: {one_line(exc)}") from exc
     if token_logits is not None:
         token_logits_rules.check_lm_head_loaded(path, info.get("missing_keys", ()))
-    checkpoint.check_loaded(path, model, info)
+    checkpoint.check_loaded(path, model, info, claimed=claimed)
     if token_logits is not None:
         token_logits_rules.install_head(model, token_logits)
     return model.to(device).eval()
