@@ -244,6 +244,10 @@ class ModelConfig:
     :ivar dense_layers: sentence-transformers Dense projections, applied in order after pooling.
     :ivar prompts: Named prompt prefixes (``config_sentence_transformers.json``).
     :ivar default_prompt_name: Prompt used when the caller names none.
+    :ivar lowercase: sentence-transformers' ``do_lower_case`` (``sentence_bert_config.json``): text
+        is lowercased, prompts included, by a ``Lowercase`` normalizer put first in the tokenizer's
+        pipeline, as sentence-transformers does it (single texts and both texts of a pair alike);
+        token-id inputs are taken as given.
     :ivar similarity_fn_name: How the model's embeddings compare (``cosine``, ``dot``,
         ``euclidean``, ``manhattan``): a sentence-transformers folder's own, else ``cosine``.
     :ivar labels: Label names of a classification head, by class index (``id2label``).
@@ -285,6 +289,7 @@ class ModelConfig:
         factory=dict, converter=_frozen_mapping, eq=False, hash=False
     )
     default_prompt_name: str | None = None
+    lowercase: bool = False
     similarity_fn_name: str = "cosine"
     labels: tuple[str, ...] = field(default=(), converter=tuple)
     problem_type: str | None = None

@@ -11,10 +11,11 @@ from typing import Any
 
 import attrs
 import numpy as np
+from tokenizers import normalizers
 from transformers import PreTrainedTokenizerBase
 
 from poolrunner.core.config import default_max_input_chars
-from poolrunner.core.errors import InvalidRequestError, PromptTooLongError
+from poolrunner.core.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from poolrunner.core.inputs import cutting
 from poolrunner.core.memory import TRIM_AFTER_CHARS, release_memory
 from poolrunner.core.types import ModelConfig, TruncationSide
@@ -35,6 +36,10 @@ class InputProcessor:
       stripped (sentence-transformers strips, so compare against it with stripped text).
     * A prompt is a literal prefix of the text: ``prompt``, or the model's named prompt
       ``prompt_name`` (``config_sentence_transformers.json``), else its ``default_prompt_name``.
+    * :attr:`~poolrunner.core.types.ModelConfig.lowercase` (sentence-transformers'
+      ``do_lower_case``) lowercases text, prompt included, inside the tokenizer, which is changed
+      for good as sentence-transformers changes its own (:func:`lowercase_text`); token ids are
+      taken as given.
     * ``truncate_prompt_tokens``: ``None`` never truncates (a longer input is an error naming
       both lengths); ``k`` keeps ``k`` tokens, special tokens included; ``-1`` keeps the model
       maximum. ``truncation_side`` picks which end is kept. For text, ``k`` must cover the
@@ -55,10 +60,13 @@ class InputProcessor:
 
     :param max_input_chars: Longest text accepted, characters; ``None``:
         :func:`~poolrunner.core.config.default_max_input_chars` of ``max_model_len``.
+    :raises ModelLoadError: for ``lowercase`` with a tokenizer that has no ``tokenizers`` pipeline.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, model_config: ModelConfig, *,
                  max_input_chars: int | None = None) -> None:
+        if model_config.lowercase:
+            lowercase_text(tokenizer, model_config.name)
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.max_input_chars = max_input_chars or default_max_input_chars(model_config.max_model_len)
@@ -376,6 +384,29 @@ class InputProcessor:
                 "truncate_prompt_tokens (-1 keeps the maximum)"
             )
         return ids
+
+
+def lowercase_text(tokenizer: PreTrainedTokenizerBase, model: str) -> None:
+    """Make ``tokenizer`` lowercase every text it reads, as sentence-transformers' Transformer
+    module does for ``do_lower_case``: a ``Lowercase`` normalizer put first in the tokenizer's
+    pipeline, unless its normalizer already is one or a ``Sequence`` holding one. So the prompt and
+    the text are lowercased together, both texts of a pair too, by the tokenizer's own rules (added
+    tokens it does not normalize, such as its special tokens, are matched before it).
+
+    :raises ModelLoadError: naming ``model``, for a tokenizer without a ``tokenizers`` pipeline
+        (``backend_tokenizer``).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ModelLoadError(
+            f"{model}: do_lower_case=true (sentence_bert_config.json) needs a fast tokenizer (tokenizer.json); "
+            f"{type(tokenizer).__name__} has none"
+        )
+    normalizer = backend.normalizer
+    parts = list(normalizer) if isinstance(normalizer, normalizers.Sequence) else [normalizer]
+    if any(isinstance(part, normalizers.Lowercase) for part in parts):
+        return
+    backend.normalizer = normalizers.Sequence([normalizers.Lowercase(), *(part for part in parts if part is not None)])
 
 
 _CHAT_TEMPLATE_PARAMETERS = frozenset(

@@ -1,16 +1,26 @@
 """Reads the sentence-transformers files of a model folder, when they exist.
 
 ``modules.json`` lists the pipeline (Transformer -> Pooling -> optional Dense -> optional
-Normalize); ``1_Pooling/config.json`` gives the pooling mode or modes; ``sentence_bert_config.json``
-gives ``max_seq_length``; ``config_sentence_transformers.json`` gives named prompts. Only these
-files are read: no sentence-transformers code is imported. Settings poolrunner cannot honour
-exactly are refused at load, never mapped to something close.
+Normalize); ``1_Pooling/config.json`` gives the pooling mode or modes; the Transformer module's
+``sentence_bert_config.json`` gives ``max_seq_length`` and ``do_lower_case``;
+``config_sentence_transformers.json`` gives the model type, named prompts and the similarity.
+Only these files are read: no sentence-transformers code is imported.
+
+Every key sentence-transformers 6.2 reads from these files is in one table per file below, with
+what poolrunner does with it: honoured (poolrunner computes what sentence-transformers computes),
+inert (it cannot change what sentence-transformers computes), or refused at load, for the values
+poolrunner cannot honour exactly, by a :class:`~poolrunner.core.errors.ModelLoadError` naming the
+file, the key and the value: never mapped to something close. Unknown keys are refused where
+sentence-transformers refuses them (``sentence_bert_config.json``, the Pooling ``config.json``) and
+ignored where it ignores them (``modules.json`` entries, ``config_sentence_transformers.json``, the
+Dense and Normalize ``config.json``): a key it never reads cannot change its vectors.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from collections.abc import Callable, Mapping
+from pathlib import Path, PureWindowsPath
 from typing import Any
 
 from attrs import field, frozen
@@ -42,6 +52,173 @@ _LEGACY_MODE_KEYS = {
 _POOLING_KEYS = ("word_embedding_dimension", "embedding_dimension", "pooling_mode", "include_prompt",
                  *_LEGACY_MODE_KEYS)
 _MODULE_PREFIX = "sentence_transformers."
+_TANH = "torch.nn.modules.activation.Tanh"
+_SENTENCE_EMBEDDING = "sentence_embedding"
+
+
+@frozen
+class _Rule:
+    """The values of one key that poolrunner runs as sentence-transformers does (``accepts``),
+    and why any other value is refused (``why``, the end of the error message)."""
+
+    accepts: Callable[[Any], bool]
+    why: str = ""
+
+
+_ANY = _Rule(lambda _value: True)
+
+
+def _null_or(why: str) -> _Rule:
+    return _Rule(lambda value: value is None, why)
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _relative_path(value: Any) -> bool:
+    # sentence-transformers' own check (_validate_relative_path), POSIX and Windows spellings alike.
+    return isinstance(value, str) and not (PureWindowsPath(value).anchor or ".." in PureWindowsPath(value).parts
+                                           or "\0" in value)
+
+
+# ----------------------------------------------------------------------------------- modules.json
+
+# The keys of a modules.json entry sentence-transformers reads; it ignores any other, and so does
+# poolrunner (a key it never reads cannot change its vectors).
+_MODULE_KEYS: dict[str, _Rule] = {
+    # Inert: sentence-transformers runs the modules in list order and never reads idx.
+    "idx": _ANY,
+    # Honoured: names key the pipeline; read_modules refuses a name given twice.
+    "name": _ANY,
+    # Honoured: the module's folder, relative and without '..' (sentence-transformers refuses others).
+    "path": _Rule(_relative_path, "sentence-transformers loads modules only from relative paths without '..'"),
+    # Honoured: read_st_metadata runs Transformer, Pooling, Dense and Normalize and refuses other types.
+    "type": _Rule(lambda value: isinstance(value, str), "it must be a class path"),
+    # Inert: names of encode() keyword arguments a caller may forward to the module;
+    # sentence-transformers' encode(texts) forwards none, nor does poolrunner.
+    "kwargs": _ANY,
+}
+
+# ------------------------------------------------------------------- sentence_bert_config.json
+
+_TRANSFORMER_CONFIG_FILES = (
+    "sentence_bert_config.json", "sentence_roberta_config.json", "sentence_distilbert_config.json",
+    "sentence_camembert_config.json", "sentence_albert_config.json", "sentence_xlm-roberta_config.json",
+    "sentence_xlnet_config.json",
+)
+"""Where sentence-transformers reads the Transformer module's settings, in its order: the first of
+these files with any setting in it."""
+_HUB_KWARGS = frozenset({"subfolder", "token", "cache_dir", "revision", "local_files_only", "trust_remote_code"})
+"""Keys of the ``from_pretrained`` argument mappings that sentence-transformers replaces with its
+own loading arguments (``trust_remote_code``: drops) whatever the file says: inert there."""
+_QUERY_DOCUMENT = ("it changes only what sentence-transformers' encode_query / encode_document compute, "
+                   "which poolrunner does not tell apart from encode")
+
+
+def _from_pretrained(loader: str) -> _Rule:
+    return _Rule(
+        lambda value: isinstance(value, dict) and set(value) <= _HUB_KWARGS,
+        f"sentence-transformers passes these to {loader}.from_pretrained, where they change what it loads; "
+        f"poolrunner passes none (only {sorted(_HUB_KWARGS)}, which sentence-transformers overrides, may appear)",
+    )
+
+
+# Every key sentence-transformers' Transformer module takes from its config file (it passes each one
+# to Transformer(...), which raises on any other): an unknown key is refused here too.
+_TRANSFORMER_KEYS: dict[str, _Rule] = {
+    # Honoured: the tokenizer's model_max_length in sentence-transformers (replacing the tokenizer's
+    # own), poolrunner's max_model_len.
+    "max_seq_length": _Rule(lambda value: value is None or _positive_int(value), "it must be a positive integer"),
+    # Honoured: ModelConfig.lowercase, a Lowercase normalizer first in the tokenizer as in sentence-transformers.
+    "do_lower_case": _Rule(lambda value: value is None or isinstance(value, bool), "it must be true or false"),
+    # Honoured: the task of the folder's model_type, with that task's outputs (_transformer_settings).
+    "transformer_task": _ANY,
+    "modality_config": _ANY,
+    "module_output_name": _ANY,
+    # Inert: sentence-transformers 6.2 replaces it with the backend its caller passes (torch by default).
+    "backend": _ANY,
+    # Inert: whether sentence-transformers' batches skip padding (flash attention): speed only.
+    "unpad_inputs": _ANY,
+    # Inert: where downloads are cached.
+    "cache_dir": _ANY,
+    # Refused unless only _HUB_KWARGS: each from_pretrained mapping under its name and its legacy name.
+    "model_kwargs": _from_pretrained("AutoModel"),
+    "model_args": _from_pretrained("AutoModel"),
+    "processor_kwargs": _from_pretrained("AutoProcessor"),
+    "tokenizer_args": _from_pretrained("AutoProcessor"),
+    "config_kwargs": _from_pretrained("AutoConfig"),
+    "config_args": _from_pretrained("AutoConfig"),
+    # Refused unless empty: arguments of every tokenizer call (truncation, padding, chat template...).
+    "processing_kwargs": _Rule(lambda value: not value, "sentence-transformers passes them to every tokenizer "
+                               "call; poolrunner calls the tokenizer with its own settings"),
+    # Refused unless null: query and document settings (ColBERT-style).
+    "query_length": _null_or(_QUERY_DOCUMENT),
+    "document_length": _null_or(_QUERY_DOCUMENT),
+    "query_expansion": _null_or(_QUERY_DOCUMENT),
+    # Refused unless null: sentence-transformers would load the tokenizer from that other folder.
+    "tokenizer_name_or_path": _null_or("poolrunner loads the tokenizer of the model folder itself"),
+}
+# transformer_task -> the modality_config and module_output_name sentence-transformers gives it by
+# default (TRANSFORMER_TASK_DEFAULTS): what poolrunner runs for that task.
+_TASK_OUTPUTS: dict[str, tuple[dict[str, Any], str]] = {
+    "feature-extraction": ({"text": {"method": "forward", "method_output_name": "last_hidden_state"}},
+                           "token_embeddings"),
+    "sequence-classification": ({"text": {"method": "forward", "method_output_name": "logits"}}, "scores"),
+}
+
+# ------------------------------------------------------------ config_sentence_transformers.json
+
+_MODEL_TYPES = {"SentenceTransformer": "feature-extraction", "CrossEncoder": "sequence-classification"}
+"""The sentence-transformers classes whose folders core runs, with their Transformer's task."""
+
+# The keys sentence-transformers reads from config_sentence_transformers.json; it ignores any other,
+# and so does poolrunner.
+_MODEL_CONFIG_KEYS: dict[str, _Rule] = {
+    # Inert: sentence-transformers only warns when the folder was saved by a newer release.
+    "__version__": _ANY,
+    # Inert: sentence-transformers refuses to load when the installed packages miss these versions;
+    # they never change what it computes.
+    "requirements": _ANY,
+    # Honoured: which class's pipeline the folder is (a missing key is SentenceTransformer).
+    "model_type": _Rule(lambda value: isinstance(value, str) and value in _MODEL_TYPES,
+                        f"poolrunner runs the pipelines of {list(_MODEL_TYPES)} only; a folder of another type "
+                        "computes other outputs"),
+    # Honoured: _prompts and _similarity_fn_name check their values.
+    "prompts": _ANY,
+    "default_prompt_name": _ANY,
+    "similarity_fn_name": _ANY,
+    # Honoured: a CrossEncoder's activation (ModelConfig.classifier_activation, read by metadata.py).
+    "activation_fn": _ANY,
+    # Inert (precision only): the Linear layers a CrossEncoder keeps in float32 when it runs in half
+    # precision; poolrunner's dtype sets the precision of every layer, and in float32 both agree.
+    "keep_in_fp32_modules": _ANY,
+    # Refused unless null: SentenceTransformer.encode cuts every embedding to its first truncate_dim
+    # values (after Normalize, so no longer of unit length).
+    "truncate_dim": _null_or("sentence-transformers cuts every embedding to its first truncate_dim values; "
+                             "poolrunner returns them whole"),
+}
+
+# ---------------------------------------------------- Dense and Normalize config.json
+
+_OTHER_FEATURE = f"poolrunner applies the module to the pooled {_SENTENCE_EMBEDDING!r} only"
+# The keys of Dense's config.json that sentence-transformers' Dense takes; it drops any other (with
+# a warning), and so does poolrunner.
+_DENSE_KEYS: dict[str, _Rule] = {
+    # Honoured: the projection's shape (in_features is checked against the pooled width at load).
+    "in_features": _Rule(_positive_int, "it must be a positive integer"),
+    "out_features": _Rule(_positive_int, "it must be a positive integer"),
+    "bias": _Rule(lambda value: isinstance(value, bool), "it must be true or false"),
+    # Honoured: a torch.nn module class (_dense_layer; no other path is ever imported).
+    "activation_function": _ANY,
+    # Honoured for the pooled embedding only: sentence-transformers can read and write another feature.
+    "module_input_name": _Rule(lambda value: value == _SENTENCE_EMBEDDING, _OTHER_FEATURE),
+    "module_output_name": _Rule(lambda value: value in (None, _SENTENCE_EMBEDDING), _OTHER_FEATURE),
+    # Refused unless false: poolrunner's Dense adds no residual connection.
+    "use_residual": _Rule(lambda value: not value, "poolrunner's Dense layer adds no residual connection"),
+}
+# Normalize's config.json (sentence-transformers keeps only these keys of it).
+_NORMALIZE_KEYS = {key: _DENSE_KEYS[key] for key in ("module_input_name", "module_output_name")}
 
 
 @frozen(kw_only=True)
@@ -53,6 +230,7 @@ class SentenceTransformerMetadata:
     :ivar normalize: Whether ``modules.json`` lists a Normalize module.
     :ivar dense_layers: Dense modules after pooling, in order.
     :ivar max_seq_length: From ``sentence_bert_config.json``, if set.
+    :ivar lowercase: ``do_lower_case`` of ``sentence_bert_config.json``.
     :ivar prompts: Named prompts from ``config_sentence_transformers.json``.
     :ivar default_prompt_name: Prompt applied when the caller names none.
     :ivar similarity_fn_name: The similarity the model was trained for (``cosine`` when unset).
@@ -62,31 +240,74 @@ class SentenceTransformerMetadata:
     normalize: bool
     dense_layers: tuple[DenseLayerSpec, ...] = ()
     max_seq_length: int | None = None
+    lowercase: bool = False
     prompts: dict[str, str] = field(factory=dict)
     default_prompt_name: str | None = None
     similarity_fn_name: str = "cosine"
 
 
 def read_st_metadata(folder: Path) -> SentenceTransformerMetadata | None:
-    """Parse the sentence-transformers pipeline of ``folder``.
+    """Parse the sentence-transformers pipeline of ``folder``: ``modules.json``, the Transformer's
+    ``sentence_bert_config.json`` (or a legacy name of it), ``config_sentence_transformers.json``
+    and each module's ``config.json``.
 
     :returns: ``None`` when ``folder`` has no ``modules.json`` (a plain Hugging Face folder).
-    :raises ModelLoadError: for a pipeline module, pooling mode or pooling setting poolrunner does
-        not run, or prompts that sentence-transformers itself would refuse or cannot apply.
+    :raises ModelLoadError: naming the file, the key and the value, for a setting poolrunner cannot
+        honour exactly (a module type, a module order, a pooling mode or setting, a model type, a
+        from_pretrained argument, a Dense or Normalize feature...), an unknown key where
+        sentence-transformers refuses unknown keys, or prompts that sentence-transformers itself
+        would refuse or that poolrunner cannot apply.
     """
     modules = read_modules(folder)
     if not modules:
         return None
+    config_file = folder / "config_sentence_transformers.json"
+    model_config = _read_object(config_file, optional=True)
+    _check_keys(config_file, model_config, _MODEL_CONFIG_KEYS, strict=False)
+    model_type = model_config.get("model_type", "SentenceTransformer")
+    max_seq_length, lowercase = _transformer_settings(folder, model_type)
+    pooling_type, normalize, dense = _pipeline(folder, modules)
+    prompts, default_prompt_name = _prompts(config_file, model_config)
+    if model_type == "CrossEncoder" and default_prompt_name is not None and prompts[default_prompt_name]:
+        raise _refused(config_file, "default_prompt_name", default_prompt_name,
+                       f"a CrossEncoder prepends its prompt {prompts[default_prompt_name]!r} to the first text of "
+                       "every pair; poolrunner scores pairs without prompts")
+    return SentenceTransformerMetadata(
+        pooling_type=pooling_type,
+        normalize=normalize,
+        dense_layers=dense,
+        max_seq_length=max_seq_length,
+        lowercase=lowercase,
+        prompts=prompts,
+        default_prompt_name=default_prompt_name,
+        similarity_fn_name=_similarity_fn_name(config_file, model_config),
+    )
+
+
+def _pipeline(folder: Path, modules: tuple[StModule, ...]) -> tuple[str | None, bool, tuple[DenseLayerSpec, ...]]:
+    """``(pooling_type, normalize, dense_layers)`` of the modules after the Transformer.
+
+    :raises ModelLoadError: unless the pipeline is one Transformer first, at the folder itself (the
+        backbone poolrunner loads), then Pooling, Dense layers and a last Normalize, of those types.
+    """
     pooling_type: str | None = None
     normalize = False
     dense: list[DenseLayerSpec] = []
-    for module in modules:
+    for index, module in enumerate(modules):
         kind = _module_kind(module.type)
-        path = module.path
+        if (index == 0) != (kind == "Transformer") or (kind == "Transformer" and module.path != folder):
+            path = "" if module.path == folder else str(module.path.relative_to(folder))
+            raise ModelLoadError(
+                f"{folder / 'modules.json'}: module {index} (type={module.type!r}, path={json.dumps(path)}) is not "
+                'supported: the pipeline must start with its only Transformer module, at path "" (the model '
+                "folder itself)"
+            )
         if kind == "Transformer":
             continue
+        if kind in ("Dense", "Normalize") and pooling_type is None:
+            raise ModelLoadError(f"{folder}: a {kind} module before the Pooling module is not supported")
         if kind == "Pooling":
-            pooling_type = _pooling_type(path / "config.json")
+            pooling_type = _pooling_type(module.path / "config.json")
         elif kind == "Dense":
             if normalize:
                 # sentence-transformers would project the normalized vector; poolrunner
@@ -95,26 +316,18 @@ def read_st_metadata(folder: Path) -> SentenceTransformerMetadata | None:
                     f"{folder}: a Dense module after Normalize is not supported (Normalize must be "
                     "the last module of the pipeline)"
                 )
-            dense.append(_dense_layer(path))
+            dense.append(_dense_layer(module.path))
         elif kind == "Normalize":
-            normalize = True  # the folder itself may be missing: Normalize has no files
+            normalize = True  # the folder (or its config.json) may be missing: the defaults then
+            normalize_config = module.path / "config.json"
+            _check_keys(normalize_config, _read_object(normalize_config, optional=True), _NORMALIZE_KEYS,
+                        strict=False)
         else:
             raise ModelLoadError(
                 f"{folder}: sentence-transformers module {module.type!r} is not supported "
                 "(supported: Transformer, Pooling, Dense, Normalize)"
             )
-    prompts, default_prompt_name = _prompts(folder / "config_sentence_transformers.json")
-    similarity_fn_name = _similarity_fn_name(folder / "config_sentence_transformers.json")
-    bert_config = _read_optional_json(folder / "sentence_bert_config.json")
-    return SentenceTransformerMetadata(
-        pooling_type=pooling_type,
-        normalize=normalize,
-        dense_layers=tuple(dense),
-        max_seq_length=bert_config.get("max_seq_length"),
-        prompts=prompts,
-        default_prompt_name=default_prompt_name,
-        similarity_fn_name=similarity_fn_name,
-    )
+    return pooling_type, normalize, tuple(dense)
 
 
 def _module_kind(module_type: str) -> str:
@@ -126,6 +339,37 @@ def _module_kind(module_type: str) -> str:
     if module_type.startswith(_MODULE_PREFIX):
         return module_type.rsplit(".", 1)[-1]
     return module_type
+
+
+def _transformer_settings(folder: Path, model_type: str) -> tuple[int | None, bool]:
+    """``(max_seq_length, do_lower_case)`` of the Transformer module's config file, checked
+    against :data:`_TRANSFORMER_KEYS` and the task of ``model_type``.
+
+    :raises ModelLoadError: naming the file, the key and the value.
+    """
+    config_file, config = _transformer_config(folder)
+    _check_keys(config_file, config, _TRANSFORMER_KEYS, strict=True)
+    task = _MODEL_TYPES[model_type]
+    given = config.get("transformer_task", "feature-extraction")
+    if given != task:
+        raise _refused(config_file, "transformer_task", given, f"the Transformer of a {model_type} runs {task!r}")
+    if "modality_config" in config:  # else sentence-transformers takes the task's own, whatever the file says
+        modality_config, output_name = _TASK_OUTPUTS[task]
+        for key, expected in (("modality_config", modality_config), ("module_output_name", output_name)):
+            if config.get(key) != expected:
+                raise _refused(config_file, key, config.get(key), f"poolrunner runs {task!r} with {key}="
+                               f"{json.dumps(expected)} only")
+    return config.get("max_seq_length"), bool(config.get("do_lower_case"))
+
+
+def _transformer_config(folder: Path) -> tuple[Path, dict[str, Any]]:
+    """The Transformer module's config file and its settings: the first file of
+    :data:`_TRANSFORMER_CONFIG_FILES` with any setting, as sentence-transformers picks it."""
+    for name in _TRANSFORMER_CONFIG_FILES:
+        config = _read_object(folder / name, optional=True)
+        if config:
+            return folder / name, config
+    return folder / _TRANSFORMER_CONFIG_FILES[0], {}
 
 
 def _pooling_type(config_file: Path) -> str:
@@ -140,9 +384,7 @@ def _pooling_type(config_file: Path) -> str:
         mode list, and for ``include_prompt`` false (sentence-transformers then leaves the prompt's
         tokens out of pooling; poolrunner pools every token of the prompt).
     """
-    config = _read_json(config_file)
-    if not isinstance(config, dict):
-        raise ModelLoadError(f"{config_file}: expected a JSON object, got {config!r}")
+    config = _read_object(config_file)
     unknown = [key for key in config if key not in _POOLING_KEYS]
     if unknown:
         raise ModelLoadError(
@@ -169,7 +411,7 @@ def _pooling_type(config_file: Path) -> str:
     return POOLING_TYPE_SEPARATOR.join(_POOLING_MODES[mode] for mode in modes)
 
 
-def _prompts(config_file: Path) -> tuple[dict[str, str], str | None]:
+def _prompts(config_file: Path, config: Mapping[str, Any]) -> tuple[dict[str, str], str | None]:
     """Named prompts and the default prompt name of ``config_sentence_transformers.json``.
 
     A ``null`` prompt is the empty prompt, as sentence-transformers reads it.
@@ -178,9 +420,6 @@ def _prompts(config_file: Path) -> tuple[dict[str, str], str | None]:
         ``prompts`` is not a mapping of names to strings, or ``default_prompt_name`` names no
         prompt (sentence-transformers refuses such a folder; every request would fail).
     """
-    config = _read_optional_json(config_file)
-    if not isinstance(config, dict):
-        raise ModelLoadError(f"{config_file}: expected a JSON object, got {config!r}")
     prompts = config.get("prompts")
     if prompts is None:
         prompts = {}
@@ -200,14 +439,13 @@ def _prompts(config_file: Path) -> tuple[dict[str, str], str | None]:
     return {name: text or "" for name, text in prompts.items()}, default
 
 
-def _similarity_fn_name(config_file: Path) -> str:
+def _similarity_fn_name(config_file: Path, config: Mapping[str, Any]) -> str:
     """``similarity_fn_name`` of ``config_sentence_transformers.json``; ``cosine`` when unset, as
     sentence-transformers reads it.
 
     :raises ModelLoadError: for a name sentence-transformers does not define.
     """
-    config = _read_optional_json(config_file)
-    name = config.get("similarity_fn_name") if isinstance(config, dict) else None
+    name = config.get("similarity_fn_name")
     if name is None:
         return "cosine"
     if name not in SIMILARITY_FNS:
@@ -216,8 +454,19 @@ def _similarity_fn_name(config_file: Path) -> str:
 
 
 def _dense_layer(folder: Path) -> DenseLayerSpec:
-    config = _read_json(folder / "config.json")
-    activation = str(config.get("activation_function") or "torch.nn.modules.activation.Tanh")
+    """The Dense module in ``folder``, from its ``config.json`` checked against :data:`_DENSE_KEYS`.
+
+    :raises ModelLoadError: naming the file, the key and the value; for a missing size; for an
+        activation that is not a ``torch.nn`` class path (sentence-transformers would fall back to
+        Tanh for some, poolrunner never guesses).
+    """
+    config_file = folder / "config.json"
+    config = _read_object(config_file)
+    _check_keys(config_file, config, _DENSE_KEYS, strict=False)
+    missing = [key for key in ("in_features", "out_features") if key not in config]
+    if missing:
+        raise ModelLoadError(f"{config_file}: {missing} missing; sentence-transformers' Dense needs both sizes")
+    activation = str(config.get("activation_function") or _TANH)
     if not activation.startswith("torch.nn."):
         # Never import an arbitrary path named by a config file.
         raise ModelLoadError(
@@ -225,11 +474,27 @@ def _dense_layer(folder: Path) -> DenseLayerSpec:
         )
     return DenseLayerSpec(
         path=str(folder),
-        in_features=int(config["in_features"]),
-        out_features=int(config["out_features"]),
-        bias=bool(config.get("bias", True)),
+        in_features=config["in_features"],
+        out_features=config["out_features"],
+        bias=config.get("bias", True),
         activation=activation.rsplit(".", 1)[-1],
     )
+
+
+def _check_keys(config_file: Path, config: Mapping[str, Any], rules: Mapping[str, _Rule], *, strict: bool) -> None:
+    """:raises ModelLoadError: naming ``config_file``, the key and the value, for a value its rule
+    refuses; with ``strict``, for keys ``rules`` does not name."""
+    unknown = [key for key in config if key not in rules]
+    if strict and unknown:
+        raise ModelLoadError(f"{config_file}: unsupported setting(s) {unknown}; supported settings: {list(rules)}")
+    for key, value in config.items():
+        rule = rules.get(key)
+        if rule is not None and not rule.accepts(value):
+            raise _refused(config_file, key, value, rule.why)
+
+
+def _refused(config_file: Path, key: str, value: Any, why: str) -> ModelLoadError:
+    return ModelLoadError(f"{config_file}: {key}={json.dumps(value)} is not supported: {why}")
 
 
 @frozen
@@ -248,9 +513,12 @@ def read_modules(folder: Path) -> tuple[StModule, ...]:
     """The pipeline ``folder/modules.json`` lists, in order; empty when there is no such file.
 
     The one reader of ``modules.json`` for core and plugins alike (re-exported as
-    ``poolrunner.core.read_modules``).
+    ``poolrunner.core.read_modules``). Each entry's keys are checked against :data:`_MODULE_KEYS`.
 
-    :raises ModelLoadError: if the file cannot be read or is not a list of modules.
+    :raises ModelLoadError: if the file cannot be read or is not a list of modules; for an entry
+        without ``type`` or ``path``, a ``path`` that is absolute or has ``..`` (refused by
+        sentence-transformers too), or a ``name`` given to two modules (sentence-transformers would
+        keep one of them).
     """
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
@@ -258,7 +526,17 @@ def read_modules(folder: Path) -> tuple[StModule, ...]:
     modules = _read_json(modules_file)
     if not isinstance(modules, list) or not all(isinstance(module, dict) for module in modules):
         raise ModelLoadError(f"{modules_file}: expected a list of modules, got {modules!r:.120}")
-    return tuple(StModule(str(module.get("type", "")), folder / str(module.get("path", ""))) for module in modules)
+    for module in modules:
+        missing = [key for key in ("type", "path") if key not in module]
+        if missing:
+            raise ModelLoadError(f"{modules_file}: module {module!r:.120} has no {' or '.join(missing)}")
+        _check_keys(modules_file, module, _MODULE_KEYS, strict=False)
+    names = [module["name"] for module in modules if "name" in module]
+    twice = next((name for index, name in enumerate(names) if name in names[:index]), None)
+    if twice is not None:
+        raise _refused(modules_file, "name", twice, "two modules have this name; sentence-transformers keeps only "
+                       "one of them")
+    return tuple(StModule(module["type"], folder / module["path"]) for module in modules)
 
 
 def _read_json(path: Path) -> Any:
@@ -268,5 +546,14 @@ def _read_json(path: Path) -> Any:
         raise ModelLoadError(f"cannot read {path}: {exc}") from exc
 
 
-def _read_optional_json(path: Path) -> dict[str, Any]:
-    return _read_json(path) if path.is_file() else {}
+def _read_object(path: Path, *, optional: bool = False) -> dict[str, Any]:
+    """The JSON object in ``path``; ``{}`` for a missing ``optional`` file.
+
+    :raises ModelLoadError: if the file cannot be read or holds no JSON object.
+    """
+    if optional and not path.is_file():
+        return {}
+    config = _read_json(path)
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {config!r}")
+    return config
