@@ -77,7 +77,7 @@ def load_model(
                 local_files_only=True, output_loading_info=True, trust_remote_code=False,
                 ignore_mismatched_sizes=True,  # refused by check_loaded, naming the weights
             )
-    except Exception as exc:  # OSError, ValueError, RuntimeError (shapes that differ from the config)...
+    except Exception as exc:  # OSError, ValueError, a config whose modules transformers cannot build...
         raise ModelLoadError(f"cannot load the weights of {path} as {model_class.__name__}: {one_line(exc)}") from exc
     if token_logits is not None:
         token_logits_rules.check_lm_head_loaded(path, info.get("missing_keys", ()))
