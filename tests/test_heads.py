@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from poolrunner import ModelLoadError, Runtime
+from poolrunner.core.model import families
 from tests.models.architectures import make_tokenizer
 
 _BERT = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -32,7 +33,7 @@ class CustomHeadForTokenClassification(transformers.BertForTokenClassification):
 ])
 def test_an_unknown_head_layout_is_refused_at_load(tmp_path, monkeypatch, model_class, task, supported):
     # As if transformers shipped the class: the loader resolves config.json's architecture to it.
-    monkeypatch.setattr(transformers, model_class.__name__, model_class, raising=False)
+    monkeypatch.setattr(families, "architecture_class", lambda *args, **kwargs: model_class)
     torch.manual_seed(0)
     config = transformers.BertConfig(**_BERT, num_labels=2, architectures=[model_class.__name__])
     model_class(config).save_pretrained(tmp_path)
