@@ -426,7 +426,8 @@ CROSS_ENCODER = {"modules.json": entries(TRANSFORMER), SBERT: {"transformer_task
 
 REFUSED = [
     # sentence_bert_config.json
-    (SBERT, {SBERT: {"foo": 1}}, f"unsupported setting(s) ['foo']; supported settings: {SBERT_KEYS}"),
+    (SBERT, {SBERT: {"foo": 1}}, "unknown setting(s) foo=1, which sentence-transformers itself refuses; the "
+                                 f"settings it reads there: {SBERT_KEYS} (for some, only some values are supported)"),
     (SBERT, {SBERT: {"max_seq_length": "256"}}, 'max_seq_length="256" is not supported: it must be a positive integer'),
     (SBERT, {SBERT: {"max_seq_length": 0}}, "max_seq_length=0 is not supported: it must be a positive integer"),
     (SBERT, {SBERT: {"do_lower_case": "false"}}, 'do_lower_case="false" is not supported: it must be true or false'),

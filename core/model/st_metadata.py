@@ -484,9 +484,12 @@ def _dense_layer(folder: Path) -> DenseLayerSpec:
 def _check_keys(config_file: Path, config: Mapping[str, Any], rules: Mapping[str, _Rule], *, strict: bool) -> None:
     """:raises ModelLoadError: naming ``config_file``, the key and the value, for a value its rule
     refuses; with ``strict``, for keys ``rules`` does not name."""
-    unknown = [key for key in config if key not in rules]
+    unknown = [f"{key}={json.dumps(value)}" for key, value in config.items() if key not in rules]
     if strict and unknown:
-        raise ModelLoadError(f"{config_file}: unsupported setting(s) {unknown}; supported settings: {list(rules)}")
+        raise ModelLoadError(
+            f"{config_file}: unknown setting(s) {', '.join(unknown)}, which sentence-transformers itself refuses; "
+            f"the settings it reads there: {list(rules)} (for some, only some values are supported)"
+        )
     for key, value in config.items():
         rule = rules.get(key)
         if rule is not None and not rule.accepts(value):
