@@ -151,7 +151,7 @@ def _serve(args: argparse.Namespace) -> None:
 
     try:
         settings = ServerSettings(
-            api_key=args.api_key or None,
+            api_key=args.api_key,
             max_inputs_per_request=args.max_inputs_per_request, max_request_bytes=args.max_request_bytes,
             max_waiting_requests=args.max_waiting_requests, drain_timeout=args.drain_timeout,
             auto_truncate=args.auto_truncate, allow_extra_fields=args.allow_extra_fields,

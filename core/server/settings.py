@@ -22,6 +22,23 @@ def served_names(names: str | Sequence[str] | None) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(names))
 
 
+def check_api_key(_instance: object, _attribute: object, key: str | None) -> None:
+    """A key that is set must be usable: an empty one would leave the server open, one with
+    surrounding whitespace (a newline read from a file) would lock every client out. The key
+    itself is never put in the message.
+
+    :raises ValueError: for an empty or whitespace-only key, or one with leading or trailing whitespace.
+    """
+    if key is None:
+        return
+    if not key.strip():
+        raise ValueError("the API key is empty or only whitespace, which would leave the server open to anyone; "
+                         "set a key, or leave --api-key and POOLRUNNER_API_KEY unset for an open server")
+    if key != key.strip():
+        raise ValueError("the API key has leading or trailing whitespace (a newline read from a file?), which no "
+                         "client sends, so every request would be refused; strip it")
+
+
 @frozen(kw_only=True)
 class ServerSettings:
     """Settings of one server app; the defaults are those of ``poolrunner serve``.
@@ -31,7 +48,8 @@ class ServerSettings:
         ``/v1/models`` lists each. Kept as a tuple. ``None``: the model folder's name
         (``all-MiniLM-L6-v2`` for the default model). For an app of one runtime only: several
         models each carry their own names (:class:`~poolrunner.core.server.models.ServedModel`).
-    :ivar api_key: When set, every endpoint but ``/health`` needs ``Authorization: Bearer KEY``.
+    :ivar api_key: When set, every endpoint but ``/health`` needs ``Authorization: Bearer KEY``;
+        empty, whitespace-only or padded with whitespace is refused (:func:`check_api_key`).
     :ivar max_inputs_per_request: Most inputs (texts, token-id lists, documents) in one request
         (OpenAI's embeddings limit is 2048, which OpenAI clients batch up to; TEI's 32 would refuse
         them); more is a 400.
@@ -54,7 +72,7 @@ class ServerSettings:
     """
 
     served_model_name: tuple[str, ...] | None = field(default=None, converter=served_names)
-    api_key: str | None = None
+    api_key: str | None = field(default=None, validator=check_api_key)
     max_inputs_per_request: int = field(default=2048, validator=positive_int)
     max_request_bytes: int = field(default=2_000_000, validator=positive_int)
     max_waiting_requests: int = field(default=8192, validator=positive_int)
