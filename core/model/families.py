@@ -42,12 +42,12 @@ NATIVE_FAMILIES = ("NomicBERT 'nomic_bert', GTE 'gte', Jina-v3 'jina_embeddings_
 
 
 def load_hf_config(path: Path) -> PretrainedConfig:
-    """``config.json`` as transformers' own config class reads it (no folder code runs), checked
-    by :func:`check_config`.
+    """``config.json`` as transformers' own config class reads it (no folder code runs); the caller
+    checks it with :func:`check_config` once its overrides are applied.
 
     :raises ModelLoadError: one line naming the folder and what is wrong: unreadable or not a JSON
         object, no or an unknown ``model_type`` (with remote code: what poolrunner runs instead),
-        a value transformers rejects, a composite config or a text-image text tower.
+        a value transformers rejects.
     """
     raw = _read_config_json(path)
     model_type = raw.get("model_type")
@@ -60,7 +60,6 @@ def load_hf_config(path: Path) -> PretrainedConfig:
         config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as exc:  # transformers' validation: ValueError, TypeError, its strict-field errors
         raise ModelLoadError(f"cannot read the model config of {path}: {one_line(exc)}") from exc
-    check_config(path, config)
     return config
 
 
