@@ -51,8 +51,8 @@ _LAZY = {
     "read_modules": "poolrunner.core.model.st_metadata",
     "sequence_classifier_head": "poolrunner.core.model.heads",
     "token_classifier_head": "poolrunner.core.model.heads",
-    "ClassificationResult": "poolrunner.core.results",
-    "RerankResult": "poolrunner.core.results",
+    "ClassificationResult": "poolrunner.core.frontend.results",
+    "RerankResult": "poolrunner.core.frontend.results",
 }
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from poolrunner.core.plugin_api.batch import InputBatch, PoolingMetadata
     from poolrunner.core.plugin_api.output import OutputHandle, RequestOutput
     from poolrunner.core.plugin_api.pooler import Pooler, PoolerOutput
-    from poolrunner.core.results import ClassificationResult, RerankResult
+    from poolrunner.core.frontend.results import ClassificationResult, RerankResult
     from poolrunner.core.runtime import Runtime
 
 

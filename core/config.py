@@ -89,7 +89,7 @@ class RuntimeConfig:
     :ivar max_embed_len: Accept ``embed`` inputs longer than the model's ``max_model_len``, up to
         this many tokens: each runs in windows of ``max_model_len`` tokens whose vectors are
         combined (vLLM's chunked processing; MEAN pooling only; see
-        :mod:`poolrunner.core.chunking`). Must be above ``max_model_len``. ``None``: such inputs
+        :mod:`poolrunner.core.frontend.chunking`). Must be above ``max_model_len``. ``None``: such inputs
         are an error unless truncated.
     :ivar max_input_chars: Longest text input, characters; a longer one is refused before it is
         tokenized, unless it is truncated and the kept tokens are found in a window of it

@@ -21,13 +21,14 @@ import torch
 from attrs import frozen
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from poolrunner.core import chunking, memory
+from poolrunner.core import memory
 from poolrunner.core.config import ModelOverrides, RuntimeConfig, default_max_input_chars, default_token_budget
 from poolrunner.core.engine import precision
 from poolrunner.core.engine.engine import Engine
 from poolrunner.core.engine.runner import ModelRunner
 from poolrunner.core.engine.scheduler import Scheduler
 from poolrunner.core.errors import ModelLoadError, PluginConflictError, UnsupportedTaskError
+from poolrunner.core.frontend import chunking
 from poolrunner.core.hooks import Hooks
 from poolrunner.core.inputs import score_template
 from poolrunner.core.inputs.score_template import ScoreTemplate
@@ -81,7 +82,7 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
     if ``config.load_entrypoints``, the installed entry points).
 
     :raises ModelLoadError: if the model cannot be loaded or is refused, or ``config.max_embed_len``
-        does not fit it (see :func:`~poolrunner.core.chunking.check_config`).
+        does not fit it (see :func:`~poolrunner.core.frontend.chunking.check_config`).
     :raises UnsupportedTaskError: if ``config.task`` is not served for this model by the plugins.
     :raises PluginLoadError: if a plugin fails to import or names an unknown hook.
     :raises PluginConflictError: if two plugins declare one request option.

@@ -12,18 +12,28 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from poolrunner.core import chunking, frontend, similarity
+from poolrunner.core import similarity
 from poolrunner.core.config import RuntimeConfig
 from poolrunner.core.engine.loop import EngineLoop, LoopObserver
-from poolrunner.core.errors import InvalidRequestError
-from poolrunner.core.frontend import ClassifyInput, Frontend, Result
+from poolrunner.core.frontend import chunking
+from poolrunner.core.frontend.outputs import Result
+from poolrunner.core.frontend.plans import Frontend
+from poolrunner.core.frontend.quantize import Precision, quantize
+from poolrunner.core.frontend.requests import (
+    ClassifyRequest,
+    EncodeRequest,
+    Input,
+    Request,
+    RerankRequest,
+    ScoreRequest,
+    TokenizeRequest,
+    is_token_ids,
+)
+from poolrunner.core.frontend.results import ClassificationResult, RerankResult
 from poolrunner.core.inputs.tokenize import PromptInput
 from poolrunner.core.loading import LoadedModel, load
 from poolrunner.core.manager import PoolrunnerPluginManager
 from poolrunner.core.plugin_api.output import RequestOutput
-from poolrunner.core.quantize import Precision, check_precision, check_ranges, quantize
-from poolrunner.core.results import ClassificationResult, RerankResult
-from poolrunner.core.scoring import check_side, pair_up, text_labels
 from poolrunner.core.similarity import SimilarityFn, check_similarity_fn
 from poolrunner.core.types import ModelConfig, PoolingRequest, PoolingTask, TruncationSide
 
@@ -115,13 +125,13 @@ class Runtime:
         :param normalize: L2-normalize; ``None`` keeps the model's default.
         :param truncate_prompt_tokens: ``None``: no truncation (longer input is an error, or,
             with ``max_embed_len`` set, up to that many tokens are embedded in windows of
-            ``max_model_len``: :mod:`poolrunner.core.chunking`); ``k``: keep ``k`` tokens;
+            ``max_model_len``: :mod:`poolrunner.core.frontend.chunking`); ``k``: keep ``k`` tokens;
             ``-1``: keep the model maximum.
         :param truncation_side: ``right`` keeps the start, ``left`` keeps the end.
         :param prompt: Literal prefix for every text.
         :param prompt_name: Name of one of the model's prompts.
         :param precision: ``float32``, or sentence-transformers' ``int8``, ``uint8``, ``binary``,
-            ``ubinary`` (:mod:`poolrunner.core.quantize`), applied after ``dimensions`` and
+            ``ubinary`` (:mod:`poolrunner.core.frontend.quantize`), applied after ``dimensions`` and
             normalization.
         :param ranges: ``[2, d]`` per-dimension minima and maxima for ``int8`` / ``uint8``;
             without them the range is calibrated on this call's embeddings (sentence-transformers'
@@ -131,17 +141,15 @@ class Runtime:
             token-id list: float32, or the ``precision``'s dtype and width.
         :raises InvalidRequestError: naming the input and the limit it breaks; nothing runs then.
         """
-        single = isinstance(texts, str) or frontend.is_token_ids(texts)
-        inputs: list[PromptInput] = frontend.as_items(texts)  # type: ignore[assignment]
-        params = self.frontend.params("embed", dimensions=dimensions, normalize=normalize)
-        check_precision(precision)
-        check_ranges(precision, ranges)
-        if not inputs:
+        request = EncodeRequest.of(
+            inputs=texts, task="embed", dimensions=dimensions, normalize=normalize, precision=precision, ranges=ranges,
+            truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side, prompt=prompt,
+            prompt_name=prompt_name)
+        plan = self.frontend.plan(request)
+        if not request.inputs:
             return quantize(np.zeros((0, dimensions or self.model_config.embedding_size), np.float32), precision)
-        requests = self.frontend.prepare(inputs, params, truncate_prompt_tokens=truncate_prompt_tokens,
-                                         truncation_side=truncation_side, prompt=prompt, prompt_name=prompt_name)
-        vectors = quantize(np.stack(frontend.embeddings(self._run(requests, show_progress_bar))), precision, ranges)
-        return vectors[0] if single else vectors
+        vectors = np.stack(plan.finish(self._run(plan.requests, show_progress_bar)))
+        return vectors[0] if isinstance(texts, str) or is_token_ids(texts) else vectors
 
     def encode_query(self, texts: PromptInput | Sequence[PromptInput], **options: Any) -> np.ndarray:
         """:meth:`embed` for search queries, as sentence-transformers' ``encode_query``: with the
@@ -185,7 +193,7 @@ class Runtime:
 
     def encode(
         self,
-        inputs: ClassifyInput | Sequence[ClassifyInput],
+        inputs: Input | Sequence[Input],
         *,
         task: PoolingTask | None = None,
         dimensions: int | None = None,
@@ -224,18 +232,15 @@ class Runtime:
         :raises InvalidRequestError: for bad input, options the task does not take, or an
             unknown or invalid plugin option (naming it and its plugin).
         """
-        params = self.frontend.params(
-            task, options, dimensions=dimensions, normalize=normalize, use_activation=use_activation,
+        return self.execute(EncodeRequest.of(
+            inputs=inputs, task=task, dimensions=dimensions, normalize=normalize, use_activation=use_activation,
             step_tag_id=step_tag_id, returned_token_ids=returned_token_ids,
-        )
-        requests = self.frontend.prepare(frontend.as_items(inputs), params,
-                                         truncate_prompt_tokens=truncate_prompt_tokens,
-                                         truncation_side=truncation_side, prompt=prompt, prompt_name=prompt_name)
-        return [frontend.to_array(output) for output in self._run(requests, show_progress_bar)]
+            truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side, prompt=prompt,
+            prompt_name=prompt_name, **options), show_progress_bar=show_progress_bar)
 
     def classify(
         self,
-        inputs: ClassifyInput | Sequence[ClassifyInput],
+        inputs: Input | Sequence[Input],
         *,
         use_activation: bool | None = None,
         truncate_prompt_tokens: int | None = None,
@@ -254,10 +259,9 @@ class Runtime:
         :returns: One :class:`ClassificationResult` per input, in order.
         :raises InvalidRequestError: for bad input, or if this runtime's task is not ``classify``.
         """
-        params = self.frontend.params("classify", use_activation=use_activation)
-        requests = self.frontend.prepare(frontend.as_items(inputs), params,
-                                         truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side)
-        return self.frontend.classifications(self._run(requests, show_progress_bar))
+        return self.execute(ClassifyRequest.of(
+            inputs=inputs, use_activation=use_activation, truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side), show_progress_bar=show_progress_bar)
 
     def score(
         self,
@@ -289,11 +293,9 @@ class Runtime:
         """
         if _empty(queries) and _empty(documents):
             return np.zeros(0, dtype=np.float32)
-        plan = self.frontend.plan_score(pair_up(queries, documents), labels=text_labels(queries, documents),
-                                        truncate_prompt_tokens=truncate_prompt_tokens,
-                                        truncation_side=truncation_side, use_activation=use_activation,
-                                        plugin_options=options)
-        scores = plan.finish(self._run(plan.requests, False))
+        scores = self.execute(ScoreRequest.of(
+            queries=queries, documents=documents, use_activation=use_activation,
+            truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side, **options))
         return scores[0] if isinstance(queries, str) and isinstance(documents, str) else scores
 
     def rerank(
@@ -316,15 +318,30 @@ class Runtime:
         :raises InvalidRequestError: for a non-text query, no documents, text that is not valid
             Unicode (naming ``query`` or ``documents[i]``), or ``top_n < 1``.
         """
-        if not isinstance(query, str):
-            raise InvalidRequestError(f"query must be a string, got {query!r:.80}")
-        if isinstance(documents, str):
-            raise InvalidRequestError("documents must be a list of strings, not one string")
-        check_side(query, "query")  # score() would name it "queries"
-        frontend.check_top_n(top_n)
-        scores = self.score(query, list(documents), truncate_prompt_tokens=truncate_prompt_tokens,
-                            truncation_side=truncation_side, **options)
-        return frontend.rank(scores, documents, top_n=top_n, return_documents=return_documents)
+        return self.execute(RerankRequest.of(
+            query=query, documents=documents, top_n=top_n, return_documents=return_documents,
+            truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side, **options))
+
+    def tokenize(self, texts: str | Sequence[str], *, add_special_tokens: bool = True) -> list[list[int]]:
+        """Each text's ``prompt_token_ids``, as the model's requests see them (vLLM's ``/tokenize``).
+
+        :param add_special_tokens: ``False`` leaves out the tokenizer's special tokens.
+        :returns: One list of ids per text, in order (one list for one text too).
+        :raises InvalidRequestError: for text that is not valid Unicode, or (special tokens
+            added) longer than ``max_model_len``.
+        """
+        return self.execute(TokenizeRequest.of(texts=[texts] if isinstance(texts, str) else texts,
+                                                add_special_tokens=add_special_tokens))
+
+    def execute(self, request: Request, *, show_progress_bar: bool = False) -> Any:
+        """Plan ``request`` (:meth:`Frontend.plan <poolrunner.core.frontend.plans.Frontend.plan>`),
+        run its engine requests and return its answer: the road every method above, the CLI and
+        Ray take.
+
+        :raises InvalidRequestError: for bad input, before anything runs.
+        """
+        plan = self.frontend.plan(request)
+        return plan.finish(self._run(plan.requests, show_progress_bar))
 
     @contextlib.contextmanager
     def serving(self, *, max_pending: int | None = None, observer: LoopObserver | None = None) -> Iterator[Serving]:
@@ -351,7 +368,7 @@ class Runtime:
 
     def _run(self, requests: list[PoolingRequest], show_progress_bar: bool) -> list[RequestOutput]:
         """Run ``requests``; outputs in request order. A long ``embed`` input
-        (:class:`~poolrunner.core.chunking.WindowedRequest`) runs as its windows, and the bar
+        (:class:`~poolrunner.core.frontend.chunking.WindowedRequest`) runs as its windows, and the bar
         counts each window."""
         requests, combine = chunking.expand(requests)
         position = {request.request_id: i for i, request in enumerate(requests)}
@@ -409,7 +426,7 @@ class Serving:
         :raises InvalidRequestError: when a request is refused at admission (none of these run).
         :raises StepFailedError: when the step running one of them failed.
 
-        A long ``embed`` input (:class:`~poolrunner.core.chunking.WindowedRequest`) runs as its
+        A long ``embed`` input (:class:`~poolrunner.core.frontend.chunking.WindowedRequest`) runs as its
         windows (each counts towards ``max_pending``) and is answered by their combination.
         """
         requests, combine = chunking.expand(requests)

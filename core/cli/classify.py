@@ -24,7 +24,7 @@ from poolrunner.core.cli.common import (
     read_inputs,
 )
 from poolrunner.core.files import Chunk, open_output
-from poolrunner.core.results import ClassificationResult
+from poolrunner.core.frontend.results import ClassificationResult
 
 FORMATS = ("jsonl", "csv", "parquet")
 
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
 def columns(chunk: Chunk, results: Sequence[ClassificationResult], key: str,
             id_field: str | None) -> dict[str, list[Any]]:
-    """The output columns of a chunk's :class:`~poolrunner.core.results.ClassificationResult` objects:
+    """The output columns of a chunk's :class:`~poolrunner.core.frontend.results.ClassificationResult` objects:
     index, the id, the best label and its score, and every label's value under ``key``."""
     values = [[float(value) for value in result.probs] for result in results]
     return {**index_columns(chunk, id_field), "label": [result.label for result in results],

@@ -31,7 +31,7 @@ from poolrunner.core.cli.common import (
 from poolrunner.core.cli.ray_job import EPILOG as RAY_EPILOG
 from poolrunner.core.cli.ray_job import add_ray_options, run_ray
 from poolrunner.core.files import open_output
-from poolrunner.core.quantize import PRECISIONS, Precision, quantize
+from poolrunner.core.frontend.quantize import PRECISIONS, Precision, quantize
 
 __all__ = ["add_parser", "run"]
 

@@ -26,7 +26,7 @@ from poolrunner.core.cli.common import (
     read_inputs,
 )
 from poolrunner.core.files import open_output
-from poolrunner.core.scoring import pair_up
+from poolrunner.core.frontend.scoring import pair_up
 
 FORMATS = ("jsonl", "csv", "parquet")
 

@@ -78,7 +78,7 @@ class InputProcessor:
 
     def without_length_limit(self) -> InputProcessor:
         """The same tokenizer, prompts and checks with no ``max_model_len`` limit, for inputs a
-        caller checks against a limit of its own (:class:`~poolrunner.core.chunking.LongInputs`).
+        caller checks against a limit of its own (:class:`~poolrunner.core.frontend.chunking.LongInputs`).
         The lock is shared: the tokenizer's truncation side is state of the one tokenizer."""
         other = InputProcessor(self.tokenizer, attrs.evolve(self.model_config, max_model_len=sys.maxsize),
                                max_input_chars=self.max_input_chars)
@@ -88,10 +88,9 @@ class InputProcessor:
     def resolve_prompt(self, prompt: str | None, prompt_name: str | None) -> str:
         """The literal prefix to prepend to every text.
 
-        :raises InvalidRequestError: if both are given or ``prompt_name`` is unknown.
+        :raises InvalidRequestError: if ``prompt_name`` is unknown (both given is
+            :class:`~poolrunner.core.frontend.requests.Tokenization`'s error).
         """
-        if prompt is not None and prompt_name is not None:
-            raise InvalidRequestError("pass either prompt or prompt_name, not both")
         if prompt is not None:
             return prompt
         name = prompt_name or self.model_config.default_prompt_name
@@ -110,6 +109,8 @@ class InputProcessor:
 
         :param pair: What is truncated: single texts (``False``), ``(text, text_pair)`` pairs
             (``True``), or token ids only (``None``: the tokenizer adds nothing, so no minimum).
+        An integer already (:class:`~poolrunner.core.frontend.requests.Tokenization` checks the type).
+
         :raises InvalidRequestError: for 0, values below -1, values above ``max_model_len``, or
             (text) fewer tokens than the special tokens the tokenizer adds to every input
             (``tokenizer.num_special_tokens_to_add``): transformers would ignore such a limit.
@@ -117,8 +118,6 @@ class InputProcessor:
         limit = self.model_config.max_model_len
         if truncate_prompt_tokens is None:
             return None
-        if isinstance(truncate_prompt_tokens, bool) or not isinstance(truncate_prompt_tokens, int):
-            raise InvalidRequestError(f"truncate_prompt_tokens must be an integer, got {truncate_prompt_tokens!r}")
         keep = limit if truncate_prompt_tokens == -1 else truncate_prompt_tokens
         minimum = 0 if pair is None else self.num_special_tokens[pair]
         if not 1 <= keep <= limit:
@@ -160,8 +159,6 @@ class InputProcessor:
         :raises InvalidRequestError: naming the input's index and the limit it breaks (a text over
             ``max_input_chars`` characters: its length, the limit and the flag that sets it).
         """
-        if truncation_side not in ("left", "right"):
-            raise InvalidRequestError(f"truncation_side must be 'left' or 'right', got {truncation_side!r}")
         texts = {i: item for i, item in enumerate(inputs) if isinstance(item, str)}
         for index, text in texts.items():
             check_text(text, f"input {index}")
@@ -197,8 +194,6 @@ class InputProcessor:
             for models without token types (``type_vocab_size < 2``, e.g. RoBERTa).
         :raises InvalidRequestError: naming the pair's index and the limit it breaks.
         """
-        if truncation_side not in ("left", "right"):
-            raise InvalidRequestError(f"truncation_side must be 'left' or 'right', got {truncation_side!r}")
         keep = self.check_truncation(truncate_prompt_tokens, pair=True if add_special_tokens else None)
         for index, pair in enumerate(pairs):
             if not (isinstance(pair, tuple | list) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):

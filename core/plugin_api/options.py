@@ -17,16 +17,18 @@ from typing import Any
 from attrs import field, fields, frozen, validators
 
 from poolrunner.core.errors import InvalidRequestError, PluginConflictError
+from poolrunner.core.frontend.requests import REQUEST_FIELDS
 from poolrunner.core.types import PoolingParams, PoolingTask
 
 OPTION_TYPES: tuple[type, ...] = (int, float, bool, str)
 OPTION_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
-# Names the front ends already take for every request: an option may not shadow them.
-RESERVED_NAMES = frozenset(
-    {f.name for f in fields(PoolingParams)}
-    | {"input", "inputs", "model", "encoding_format", "truncate_prompt_tokens", "truncation_side", "prompt",
-       "prompt_name", "show_progress_bar", "user", "option"}
+# Names every request already has: an option may not shadow them. The request objects' fields
+# and the pooling params' are derived; the rest are what a surface adds around a request (the
+# HTTP body's model and encoding, the API's progress bar, the CLI's --option itself).
+RESERVED_NAMES = (
+    REQUEST_FIELDS | {f.name for f in fields(PoolingParams)}
+    | {"input", "model", "encoding_format", "user", "priority", "request_id", "show_progress_bar", "option"}
 )
 
 

@@ -29,7 +29,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from poolrunner.core.plugin_api.options import RequestOptions
-from poolrunner.core.quantize import Precision
+from poolrunner.core.frontend.quantize import Precision
 from poolrunner.core.server.errors import ApiError
 from poolrunner.core.validators import unencodable_at
 

@@ -22,10 +22,10 @@ from starlette.requests import Request
 from poolrunner.core import chunking, frontend
 from poolrunner.core.frontend import ClassifyInput, Result
 from poolrunner.core.plugin_api.output import RequestOutput
-from poolrunner.core.quantize import Precision, check_ranges, quantize
-from poolrunner.core.results import ClassificationResult, RerankResult
+from poolrunner.core.frontend.quantize import Precision, check_ranges, quantize
+from poolrunner.core.frontend.results import ClassificationResult, RerankResult
 from poolrunner.core.runtime import Runtime, Serving
-from poolrunner.core.scoring import pair_up, text_labels
+from poolrunner.core.frontend.scoring import pair_up, text_labels
 from poolrunner.core.server.errors import ApiError
 from poolrunner.core.server.metrics import ServerMetrics
 from poolrunner.core.server.middleware import REQUEST_STATS
@@ -212,7 +212,7 @@ class PoolingService:
         ``options`` the plugins' request options, as ``Runtime.score`` takes them.
 
         :raises InvalidRequestError: for a side that is empty or holds text that is not valid
-            Unicode (:func:`~poolrunner.core.scoring.check_side`), and the front end's errors.
+            Unicode (:func:`~poolrunner.core.frontend.scoring.check_side`), and the front end's errors.
         """
         check_max_tokens_per_doc(max_tokens_per_doc)
         pairs = pair_up(queries, documents, names=names)
@@ -333,7 +333,7 @@ async def _disconnected(request: Request) -> None:
 
 def _quantized(vectors: list[np.ndarray], precision: Precision, ranges: Sequence[Sequence[float]] | None,
                ) -> list[np.ndarray]:
-    """The request's ``[d]`` vectors at ``precision`` (:func:`~poolrunner.core.quantize.quantize`,
+    """The request's ``[d]`` vectors at ``precision`` (:func:`~poolrunner.core.frontend.quantize.quantize`,
     as ``Runtime.embed(precision=...)``), calibrated on them unless ``ranges`` are given."""
     try:
         calibration = None if ranges is None else np.asarray(ranges, dtype=np.float32)

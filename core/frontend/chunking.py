@@ -2,7 +2,7 @@
 
 With ``RuntimeConfig.max_embed_len`` set, an ``embed`` input (a text or token ids, not a pair)
 longer than the model's ``max_model_len`` and at most ``max_embed_len`` tokens long is not an
-error: :meth:`Frontend.prepare <poolrunner.core.frontend.Frontend.prepare>` turns it into one
+error: :meth:`Frontend.prepare <poolrunner.core.frontend.plans.Frontend.prepare>` turns it into one
 :class:`WindowedRequest`, and the runtime's two run paths (``Runtime._run`` and
 ``Serving.run``, which every surface uses) :func:`expand` it into engine requests and combine
 their outputs. Nothing else changes: an input within ``max_model_len`` is the ordinary request
@@ -51,10 +51,11 @@ import torch.nn.functional as F
 from attrs import field, frozen
 
 from poolrunner.core.errors import ModelLoadError, PromptTooLongError
+from poolrunner.core.frontend.requests import Tokenization
 from poolrunner.core.inputs.tokenize import InputProcessor, PromptInput
 from poolrunner.core.matryoshka import check_dimensions
 from poolrunner.core.plugin_api.output import RequestOutput
-from poolrunner.core.types import ModelConfig, PoolingParams, PoolingRequest, PoolingTask, TruncationSide
+from poolrunner.core.types import ModelConfig, PoolingParams, PoolingRequest, PoolingTask
 from poolrunner.core.validators import positive_int
 
 TASK = "embed"
@@ -163,18 +164,15 @@ class LongInputs:
         self.max_embed_len = max_embed_len
         self._inputs = inputs.without_length_limit()  # checked below against max_embed_len, own message
 
-    def encode(self, items: Sequence[PromptInput], *, truncation_side: TruncationSide = "right",
-               prompt: str | None = None, prompt_name: str | None = None,
-               add_special_tokens: bool = True) -> list[tuple[int, ...]]:
+    def encode(self, items: Sequence[PromptInput], tokenization: Tokenization) -> list[tuple[int, ...]]:
         """Tokenize ``items`` (texts or token ids, never truncated) as the runtime's input
-        processor does, up to ``max_embed_len`` tokens each (options as for
-        :meth:`InputProcessor.encode`).
+        processor does, up to ``max_embed_len`` tokens each (``tokenization`` as for
+        :meth:`InputProcessor.encode`, without ``truncate_prompt_tokens``).
 
         :raises InvalidRequestError: as :meth:`InputProcessor.encode`, and
             :class:`PromptTooLongError` naming both limits for an input over ``max_embed_len``.
         """
-        encoded = self._inputs.encode(items, prompt=prompt, prompt_name=prompt_name, truncation_side=truncation_side,
-                                      add_special_tokens=add_special_tokens)
+        encoded = self._inputs.encode(items, **attrs.asdict(attrs.evolve(tokenization, truncate_prompt_tokens=None)))
         for index, ids in enumerate(encoded):
             if len(ids) > self.max_embed_len:
                 raise PromptTooLongError(

@@ -1,0 +1,372 @@
+"""The front end's plans: one request object in, the engine requests and how their outputs
+become the answer out.
+
+:meth:`Frontend.plan` is the only road from a surface to the engine: the Python API
+(:class:`~poolrunner.core.runtime.Runtime`) runs a plan synchronously, the HTTP server through
+its serving loop, the CLI and Ray through the runtime. So each surface's answer for the same
+request is the same by construction. Nothing here runs the model.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Generic, TypeVar
+
+import attrs
+import numpy as np
+from attrs import frozen
+
+from poolrunner.core.errors import InvalidRequestError, UnsupportedTaskError
+from poolrunner.core.frontend import outputs
+from poolrunner.core.frontend.chunking import LongInputs
+from poolrunner.core.frontend.requests import (
+    ClassifyRequest,
+    EncodeRequest,
+    Input,
+    Request,
+    RerankRequest,
+    ScoreRequest,
+    Tokenization,
+    TokenizeRequest,
+    is_pair,
+)
+from poolrunner.core.frontend.scoring import cosine, pair_up, text_labels
+from poolrunner.core.hooks import Hooks
+from poolrunner.core.inputs.score_template import ScoreTemplate
+from poolrunner.core.inputs.tokenize import InputProcessor
+from poolrunner.core.plugin_api.options import RequestOptions
+from poolrunner.core.plugin_api.output import RequestOutput
+from poolrunner.core.types import ModelConfig, PoolingParams, PoolingRequest, PoolingTask
+from poolrunner.core.validators import check_text
+
+A = TypeVar("A")
+
+
+@frozen(eq=False)
+class Plan(Generic[A]):
+    """From :meth:`Frontend.plan`: run ``requests`` (none for tokenize), then
+    ``finish(outputs)``, the outputs in request order, is the answer.
+
+    :ivar count: The request's inputs (pairs for score, documents for rerank).
+    :ivar offload: ``finish`` may be slow (a plugin scoring outputs): the server runs it in a
+        worker thread.
+    """
+
+    requests: list[PoolingRequest]
+    finish: Callable[[list[RequestOutput]], A]
+    offload: bool = False
+
+
+@frozen
+class Token:
+    """One token of a tokenize plan with ``with_tokens``: ``span`` is ``(start, stop)`` in
+    characters, ``None`` for a special token the tokenizer added."""
+
+    id: int
+    token: str
+    special: bool
+    span: tuple[int, int] | None
+
+
+class Frontend:
+    """Plans the requests of one loaded model, and reads their outputs.
+
+    :param model_config: The loaded model.
+    :param inputs: Its prompts, tokenizer and truncation rules.
+    :param hooks: The plugins' hooks (``score_outputs``).
+    :param tasks: Every task the runtime serves.
+    :param default_task: The task of a request that names none.
+    :param options: The request options the plugins declare.
+    :param max_embed_len: Embed inputs longer than ``max_model_len``, up to this many tokens, in
+        windows (:mod:`poolrunner.core.frontend.chunking`); ``None``: such inputs are refused.
+    :param score_template: Formats each (query, document) pair into the one prompt a
+        cross-encoder scores (:mod:`poolrunner.core.inputs.score_template`); ``None``: the pair
+        is tokenized as a (text, text_pair).
+    """
+
+    def __init__(self, model_config: ModelConfig, inputs: InputProcessor, hooks: Hooks, tasks: frozenset[PoolingTask],
+                 default_task: PoolingTask, options: RequestOptions, *, max_embed_len: int | None = None,
+                 score_template: ScoreTemplate | None = None) -> None:
+        self.model_config = model_config
+        self.inputs = inputs
+        self.tasks = tasks
+        self.default_task = default_task
+        self.options = options
+        self._hooks = hooks
+        self._request_ids = itertools.count()
+        self.long_inputs = LongInputs(inputs, max_embed_len) if max_embed_len is not None else None
+        self.score_template = score_template
+
+    @functools.singledispatchmethod
+    def plan(self, request: Request) -> Plan[Any]:
+        """The engine requests ``request`` needs, and how their outputs become its answer:
+
+        - :class:`EncodeRequest`: one result per input (``[d]``, ``[num_tokens, d]``, a dict of
+          arrays...), float32, or quantized codes for ``embed`` at another precision;
+        - :class:`ClassifyRequest`: one :class:`~poolrunner.core.frontend.results.ClassificationResult` per input;
+        - :class:`ScoreRequest`: ``[num_pairs]`` float32 scores, in pair order;
+        - :class:`RerankRequest`: :class:`~poolrunner.core.frontend.results.RerankResult` objects, best first;
+        - :class:`TokenizeRequest`: each text's ``prompt_token_ids`` (or :class:`Token` lists);
+          no engine request.
+
+        Inputs are checked and tokenized here (nothing past the first error).
+
+        :raises InvalidRequestError: for bad input, naming it and the limit it breaks; for a task
+            the runtime does not serve, or a plugin option the task does not take.
+        :raises UnsupportedTaskError: for scoring with a runtime whose task cannot score pairs.
+        """
+        raise TypeError(f"not a request: {type(request).__name__}")
+
+    @plan.register
+    def _(self, request: EncodeRequest) -> Plan[list[outputs.Result]]:
+        params = self.params(request.task, request.options, **request.pooling())
+        if request.precision != "float32" and params.task != "embed":
+            raise InvalidRequestError(f"precision={request.precision} applies to task 'embed', not {params.task!r}",
+                                      param="precision")
+        ranges = request.calibration()
+        return Plan(self.prepare(request.inputs, params, request.tokenization),
+                    functools.partial(outputs.results, precision=request.precision, ranges=ranges))
+
+    @plan.register
+    def _(self, request: ClassifyRequest) -> Plan[list[Any]]:
+        params = self.params("classify", use_activation=request.use_activation)
+        return Plan(self.prepare(request.inputs, params, request.tokenization),
+                    functools.partial(outputs.classifications, labels=self.model_config.labels))
+
+    @plan.register
+    def _(self, request: ScoreRequest) -> Plan[np.ndarray]:
+        return self._plan_score(request)
+
+    @plan.register
+    def _(self, request: RerankRequest) -> Plan[list[Any]]:
+        for index, document in enumerate(request.documents):  # named as the caller sent them
+            if not isinstance(document, str):
+                raise InvalidRequestError(f"documents[{index}] must be a string, got {document!r:.80}",
+                                          param="documents")
+        scoring = self._plan_score(request.score_request())
+        documents = list(request.documents)
+        return Plan(scoring.requests, lambda done: outputs.rank(
+            scoring.finish(done), documents, top_n=request.top_n, return_documents=request.return_documents),
+            offload=scoring.offload)
+
+    @plan.register
+    def _(self, request: TokenizeRequest) -> Plan[list[Any]]:
+        tokenization = request.tokenization
+        if request.with_tokens or not tokenization.add_special_tokens:
+            tokens = self._tokens(request.texts, tokenization.add_special_tokens)
+            answer: list[Any] = tokens if request.with_tokens else [[token.id for token in row] for row in tokens]
+        else:  # the requests' own path: checked against the model maximum
+            answer = [list(ids) for ids in self.inputs.encode(request.texts, **attrs.asdict(tokenization))]
+        return Plan([], lambda _: answer)
+
+    def params(self, task: PoolingTask | None = None, options: Mapping[str, Any] | None = None,
+               **core: Any) -> PoolingParams:
+        """:class:`PoolingParams` for ``task`` (``None``: the default task), with the core fields
+        ``core`` and the plugin ``options`` checked and their defaults filled in.
+
+        :raises InvalidRequestError: for a task this runtime does not serve, a bad core value,
+            or an option the task does not take (naming the option and its plugin).
+        """
+        params = PoolingParams(task=task or self.default_task, **core)  # a malformed value fails first
+        if params.task not in self.tasks:
+            raise InvalidRequestError(
+                f"this runtime serves tasks {sorted(self.tasks)}, not {params.task!r}; if the model supports "
+                f"{params.task!r}, load it without a task or with that task (Runtime(..., task=...), --task)",
+                param="task",
+            )
+        extra_kwargs = self.options.resolve(params.task, options or {})
+        return attrs.evolve(params, extra_kwargs=extra_kwargs) if extra_kwargs else params
+
+    def prepare(self, inputs: Sequence[Input], params: PoolingParams,
+                tokenization: Tokenization = Tokenization()) -> list[PoolingRequest]:  # noqa: B008 (frozen)
+        """Validate and tokenize ``inputs`` into engine requests (fresh ids), in input order.
+
+        ``params`` come from :meth:`params`; they are checked against the pooler (e.g.
+        ``dimensions``) when the requests are admitted.
+
+        With ``max_embed_len`` set, an ``embed`` input (not a pair, not truncated) over
+        ``max_model_len`` becomes one :class:`~poolrunner.core.frontend.chunking.WindowedRequest`,
+        which the runtime runs in windows and answers with one combined vector.
+
+        :raises InvalidRequestError: for bad input, naming its index and the limit it breaks.
+        """
+        if (self.long_inputs is not None and params.task == "embed" and tokenization.truncate_prompt_tokens is None
+                and not any(is_pair(item) for item in inputs)):
+            encoded = self.long_inputs.encode(inputs, tokenization)  # type: ignore[arg-type]
+            return [self.long_inputs.request(f"{params.task}-{next(self._request_ids)}", ids, params)
+                    for ids in encoded]
+        return [
+            PoolingRequest(request_id=f"{params.task}-{next(self._request_ids)}", prompt_token_ids=ids,
+                           token_type_ids=types, params=params)
+            for ids, types in self._tokenize(inputs, tokenization)
+        ]
+
+    def _plan_score(self, request: ScoreRequest) -> Plan[np.ndarray]:
+        """A ``classify`` model with one label scores each pair as a cross-encoder (formatted by
+        the score template into one prompt when the runtime has one); an ``embed`` model pools
+        each distinct text once and scores the cosine (a bi-encoder); any other default task
+        pools each text once and asks the ``score_outputs`` plugins. An input error of a
+        bi-encoder, which pools the distinct texts sorted, names the text as the caller sent it
+        (``documents[1]``)."""
+        pairs = pair_up(request.queries, request.documents, names=request.sides)
+        if request.max_tokens_per_doc is not None:
+            pairs = self._cut_documents(pairs, request.max_tokens_per_doc)
+        tokenization = request.tokenization
+        task = self.default_task
+        if task == "classify" and len(self.model_config.labels) == 1:
+            params = self.params("classify", request.options, use_activation=request.use_activation)
+            return Plan(self.prepare(self._formatted(pairs), params, tokenization), lambda done: np.array(
+                [output.numpy()[0] for output in done], dtype=np.float32))
+        if task != "embed" and not self._hooks.implementers("score_outputs"):
+            raise self._cannot_score()
+        params = self.params(task, request.options)
+        texts = sorted({text for pair in pairs for text in pair})  # each distinct text is pooled once
+        try:
+            requests = self.prepare(texts, params, tokenization)
+        except InvalidRequestError as exc:
+            labels = text_labels(request.queries, request.documents, names=request.sides)
+            raise _relabelled(exc, texts, labels) from None
+        return Plan(requests, functools.partial(self._score_pooled, pairs, texts, params.extra_kwargs or {}),
+                    offload=task != "embed")
+
+    def _formatted(self, pairs: Sequence[tuple[str, str]]) -> Sequence[Input]:
+        """Each pair as its :attr:`score_template` prompt (one text), or the pairs as they are."""
+        if self.score_template is None:
+            return pairs
+        return [self.score_template.render(query, document) for query, document in pairs]
+
+    def _cut_documents(self, pairs: Sequence[tuple[str, str]], max_tokens: int) -> list[tuple[str, str]]:
+        """``pairs`` with each distinct document cut to its first ``max_tokens`` tokens."""
+        cut = {document: self._first_tokens(document, max_tokens) for _, document in pairs}
+        return [(query, cut[document]) for query, document in pairs]
+
+    def _first_tokens(self, text: str, max_tokens: int) -> str:
+        """``text`` if it has at most ``max_tokens`` tokens (special tokens not counted), else the
+        decoded text of its first ``max_tokens`` tokens, which the tokenizer reads back as them.
+
+        A text longer than the model maximum is only cut when ``max_tokens`` is below it; else
+        it stays whole and pairing it answers the usual too-long error.
+        """
+        # One token more than kept tells whether the text was longer; the locked encode is
+        # safe next to other requests (the tokenizer's truncation is shared state).
+        keep = min(max_tokens + 1 + self.inputs.num_special_tokens[False], self.model_config.max_model_len)
+        ids = self.inputs.encode([text], truncate_prompt_tokens=keep)[0]
+        content = _strip_special(self.inputs.tokenizer, ids)
+        if len(content) <= max_tokens:
+            return text
+        return self.inputs.tokenizer.decode(content[:max_tokens])
+
+    def _score_pooled(self, pairs: Sequence[tuple[str, str]], texts: list[str], options: Mapping[str, Any],
+                      done: list[RequestOutput]) -> np.ndarray:
+        """Cosine of the embeddings (``embed``), else the plugins' ``score_outputs``; ``[num_pairs]`` float32."""
+        by_text = dict(zip(texts, done, strict=True))
+        if self.default_task == "embed":
+            vectors = {text: outputs.to_array(output) for text, output in by_text.items()}
+            return cosine(np.stack([vectors[q] for q, _ in pairs]), np.stack([vectors[d] for _, d in pairs]))
+        scores = self._hooks.score_outputs(
+            model_config=self.model_config, task=self.default_task,
+            queries=[by_text[q] for q, _ in pairs], documents=[by_text[d] for _, d in pairs], options=options,
+        )
+        if scores is None:
+            raise self._cannot_score()
+        result = scores.detach().float().cpu().numpy()
+        if result.shape != (len(pairs),):
+            raise RuntimeError(f"score_outputs returned shape {list(result.shape)} for {len(pairs)} pairs")
+        return result
+
+    def _cannot_score(self) -> UnsupportedTaskError:
+        return UnsupportedTaskError(
+            f"score needs an embed model (bi-encoder) or a classify model with one label "
+            f"(cross-encoder); this runtime serves {self.default_task!r} with "
+            f"{len(self.model_config.labels)} labels, and no plugin scores {self.default_task!r} outputs "
+            "(see `poolrunner plugins --hook score_outputs`).",
+            task=self.default_task,
+        )
+
+    def _tokenize(self, items: Sequence[Input], tokenization: Tokenization,
+                  ) -> list[tuple[tuple[int, ...], tuple[int, ...] | None]]:
+        """Tokenize single inputs and ``(text, text_pair)`` pairs, keeping input order."""
+        pair_at = [i for i, item in enumerate(items) if is_pair(item)]
+        single_at = [i for i, item in enumerate(items) if not is_pair(item)]
+        encoded: dict[int, tuple[tuple[int, ...], tuple[int, ...] | None]] = {}
+        if pair_at:
+            if tokenization.prompt is not None or tokenization.prompt_name is not None:
+                raise InvalidRequestError("prompt and prompt_name apply to single texts, not to pairs")
+            pairs = self.inputs.encode_pairs([items[i] for i in pair_at],  # type: ignore[misc]
+                                             truncate_prompt_tokens=tokenization.truncate_prompt_tokens,
+                                             truncation_side=tokenization.truncation_side,
+                                             add_special_tokens=tokenization.add_special_tokens)
+            encoded.update(zip(pair_at, pairs, strict=True))
+        if single_at:
+            singles = self.inputs.encode([items[i] for i in single_at], **attrs.asdict(tokenization))  # type: ignore[misc]
+            encoded.update((i, (ids, None)) for i, ids in zip(single_at, singles, strict=True))
+        return [encoded[i] for i in range(len(items))]
+
+    def _tokens(self, texts: Sequence[str], add_special_tokens: bool) -> list[list[Token]]:
+        """Each text's tokens with their character spans (``None`` for added special tokens),
+        untruncated.
+
+        :raises InvalidRequestError: for text that is not valid Unicode or over ``max_input_chars``.
+        """
+        for index, text in enumerate(texts):
+            check_text(text, f"input {index}")
+            self.inputs.check_chars(text, f"input {index}")
+        encoded = self._span_tokenizer(list(texts), add_special_tokens=add_special_tokens, return_offsets_mapping=True,
+                                       return_special_tokens_mask=True, return_attention_mask=False,
+                                       return_token_type_ids=False, verbose=False)
+        return [
+            [Token(id=token_id, token=token, special=bool(special), span=None if special else tuple(span))
+             for token_id, token, special, span in zip(encoded["input_ids"][row], encoded.tokens(row),
+                                                       encoded["special_tokens_mask"][row],
+                                                       encoded["offset_mapping"][row], strict=True)]
+            for row in range(len(texts))
+        ]
+
+    def detokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """``ids`` decoded as the model's tokenizer decodes them (vLLM's ``/detokenize``).
+
+        :raises InvalidRequestError: for an id outside the vocabulary, naming it and the range.
+        """
+        vocab_size = self.inputs.vocab_size
+        bad = next((i for i, token in enumerate(ids) if not 0 <= token < vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"tokens[{bad}] = {ids[bad]} is outside the vocabulary [0, {vocab_size})",
+                                      param="tokens")
+        return self._span_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def _span_tokenizer(self) -> Any:
+        """A copy of the model's tokenizer for spans and decoding: those calls change the
+        tokenizer's truncation settings, which :attr:`inputs` keeps per call on its own."""
+        return copy.deepcopy(self.inputs.tokenizer)
+
+
+def _strip_special(tokenizer: Any, ids: Sequence[int]) -> list[int]:
+    """``ids`` without the special tokens at either end (those the tokenizer added); an
+    unknown-token id inside the text stays."""
+    mask = tokenizer.get_special_tokens_mask(list(ids), already_has_special_tokens=True)
+    start, stop = 0, len(ids)
+    while start < stop and mask[start]:
+        start += 1
+    while stop > start and mask[stop - 1]:
+        stop -= 1
+    return list(ids[start:stop])
+
+
+_INPUT_INDEX = re.compile(r"^input (\d+)\b")
+
+
+def _relabelled(error: InvalidRequestError, texts: list[str], labels: Mapping[str, tuple[str, str]] | None,
+                ) -> InvalidRequestError:
+    """``error`` about ``input i`` of ``texts`` naming that text as the caller did (``labels``),
+    with its ``param``; ``error`` itself when it names no input or the text has no label (a
+    document cut by ``max_tokens_per_doc``)."""
+    match = _INPUT_INDEX.match(str(error))
+    label = labels.get(texts[int(match.group(1))]) if labels is not None and match is not None else None
+    if label is None:
+        return error
+    return type(error)(label[0] + str(error)[match.end():], param=label[1])

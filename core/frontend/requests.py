@@ -1,0 +1,301 @@
+"""What a caller asks of a runtime: one frozen object per operation, each field checked once.
+
+Every surface builds one of these: ``Runtime``'s methods from their keywords, the CLI from its
+flags, HTTP bodies with ``to_request()``, Ray jobs from their ``request_options``.
+:meth:`Frontend.plan <poolrunner.core.frontend.plans.Frontend.plan>` turns it into engine
+requests and an answer. A new per-request field is one attribute here (its check beside it), one
+HTTP body field and one CLI flag.
+
+The pooling fields (``dimensions``, ``normalize``, ``use_activation``, ``step_tag_id``,
+``returned_token_ids``) are :class:`~poolrunner.core.types.PoolingParams`' own and are checked
+there, when the plan builds the params; everything else is checked here, when the object is made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, TypeVar
+
+import attrs
+import numpy as np
+from attrs import field, frozen
+
+from poolrunner.core.errors import InvalidRequestError
+from poolrunner.core.frontend.quantize import Precision, check_precision, check_ranges
+from poolrunner.core.inputs.tokenize import PromptInput
+from poolrunner.core.types import PoolingTask, TruncationSide
+
+Input = PromptInput | tuple[str, str]
+"""One input: a text, token ids (``prompt_token_ids``), or a ``(text, text_pair)`` pair."""
+
+
+# ---- checks: each raises InvalidRequestError naming the field, the value and what is allowed ----
+
+
+def _truncation(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
+    # The model's own limits (max_model_len, special tokens) are checked by the tokenizer.
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise InvalidRequestError(f"{attribute.name} must be an integer, got {value!r}", param=attribute.name)
+
+
+def _side(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
+    if value not in ("left", "right"):
+        raise InvalidRequestError(f"{attribute.name} must be 'left' or 'right', got {value!r}", param=attribute.name)
+
+
+def _optional_text(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and not isinstance(value, str):
+        raise InvalidRequestError(f"{attribute.name} must be a string, got {value!r:.80}", param=attribute.name)
+
+
+def _flag(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"{attribute.name} must be true or false, got {value!r}", param=attribute.name)
+
+
+def _optional_positive(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise InvalidRequestError(f"{attribute.name} must be a positive integer, got {value!r}", param=attribute.name)
+
+
+def _precision(_instance: object, _attribute: attrs.Attribute, value: Any) -> None:
+    check_precision(value)
+
+
+# ---- the shared part ----
+
+
+@frozen(kw_only=True)
+class Tokenization:
+    """How each text of a request becomes ``prompt_token_ids``; shared by every operation.
+
+    :ivar truncate_prompt_tokens: ``None``: no truncation (a longer input is an error, or, with
+        ``max_embed_len``, embedded in windows); ``k``: keep ``k`` tokens; ``-1``: keep the
+        model maximum (vLLM's field).
+    :ivar truncation_side: ``right`` keeps the start, ``left`` keeps the end.
+    :ivar prompt: A literal prefix for every text.
+    :ivar prompt_name: The name of one of the model's prompts (sentence-transformers').
+    :ivar add_special_tokens: ``False`` tokenizes without the tokenizer's special tokens (vLLM's).
+    :raises InvalidRequestError: for a value of the wrong type, or both ``prompt`` and ``prompt_name``.
+    """
+
+    truncate_prompt_tokens: int | None = field(default=None, validator=_truncation)
+    truncation_side: TruncationSide = field(default="right", validator=_side)
+    prompt: str | None = field(default=None, validator=_optional_text)
+    prompt_name: str | None = field(default=None, validator=_optional_text)
+    add_special_tokens: bool = field(default=True, validator=_flag)
+
+    def __attrs_post_init__(self) -> None:
+        if self.prompt is not None and self.prompt_name is not None:
+            raise InvalidRequestError("pass either prompt or prompt_name, not both", param="prompt")
+
+
+TOKENIZATION_FIELDS = frozenset(f.name for f in attrs.fields(Tokenization))
+
+R = TypeVar("R", bound="_Request")
+
+
+class _Request:
+    """What every operation's object shares: :meth:`of`, which sorts flat keywords into fields."""
+
+    takes_plugin_options: ClassVar[bool] = False
+
+    @classmethod
+    def of(cls: type[R], **values: Any) -> R:
+        """The request from flat keywords, as the surfaces hold them: :class:`Tokenization`'s
+        fields go into ``tokenization``; with :attr:`takes_plugin_options`, any other unknown
+        name is a plugin's request option (checked when the plan is made).
+
+        :raises InvalidRequestError: for an unknown name, or a value its field refuses.
+        """
+        own = {f.name for f in attrs.fields(cls)} - {"tokenization", "options"}
+        tokenization = {name: values.pop(name) for name in TOKENIZATION_FIELDS & set(values)}
+        fields = {name: values.pop(name) for name in own & set(values)}
+        if values and not cls.takes_plugin_options:
+            raise InvalidRequestError(f"unknown request field {sorted(values)[0]!r} ({cls.__name__} takes "
+                                      f"{sorted(own | TOKENIZATION_FIELDS)})")
+        extra = {"options": values} if cls.takes_plugin_options else {}
+        return cls(**fields, tokenization=Tokenization(**tokenization), **extra)  # type: ignore[call-arg]
+
+
+def _options(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    return dict(value or {})
+
+
+def is_pair(item: object) -> bool:
+    """A ``(text, text_pair)`` tuple."""
+    return isinstance(item, tuple) and len(item) == 2 and all(isinstance(text, str) for text in item)
+
+
+def is_token_ids(value: object) -> bool:
+    """A non-empty list or tuple of integers (numpy's too; booleans are not token ids)."""
+    return (isinstance(value, list | tuple) and len(value) > 0
+            and all(isinstance(item, int | np.integer) and not isinstance(item, bool) for item in value))
+
+
+def is_single(inputs: object) -> bool:
+    """One input rather than a sequence of them: a text, one token-id list (ints, as the HTTP
+    routes read it) or one ``(text, text_pair)`` tuple."""
+    return isinstance(inputs, str) or is_pair(inputs) or is_token_ids(inputs)
+
+
+def as_items(inputs: Input | Sequence[Input]) -> tuple[Input, ...]:
+    """``inputs`` as a tuple of inputs (see :func:`is_single`)."""
+    return (inputs,) if is_single(inputs) else tuple(inputs)  # type: ignore[arg-type]
+
+
+# ---- one object per operation ----
+
+
+@frozen(kw_only=True)
+class EncodeRequest(_Request):
+    """Pool each input with ``task`` (``Runtime.encode``; ``embed`` is this with ``task="embed"``).
+
+    :ivar inputs: Texts, token-id lists, or ``(text, text_pair)`` pairs (one of them: one input).
+    :ivar task: ``None``: the runtime's default task.
+    :ivar options: The plugins' request options for ``task`` (SPLADE's ``top_k``...), checked
+        against their declarations when the plan is made.
+    :ivar precision: ``float32``, or a quantized precision for ``embed``
+        (:mod:`poolrunner.core.frontend.quantize`), applied after ``dimensions`` and normalization.
+    :ivar ranges: ``[2, d]`` minima and maxima for ``int8`` / ``uint8``; ``None``: calibrated on
+        this request's embeddings.
+    :raises InvalidRequestError: for an unknown precision, ``ranges`` with another precision, or
+        a quantized precision for a task other than ``embed``.
+    """
+
+    takes_plugin_options: ClassVar[bool] = True
+
+    inputs: tuple[Input, ...] = field(converter=as_items)
+    task: PoolingTask | None = None
+    dimensions: int | None = None
+    normalize: bool | None = None
+    use_activation: bool | None = None
+    step_tag_id: int | None = None
+    returned_token_ids: Sequence[int] | None = None
+    precision: Precision = field(default="float32", validator=_precision)
+    ranges: Any = field(default=None, eq=False)
+    options: Mapping[str, Any] = field(factory=dict, converter=_options)
+    tokenization: Tokenization = field(factory=Tokenization)
+
+    def __attrs_post_init__(self) -> None:
+        check_ranges(self.precision, self.ranges)
+        if self.precision != "float32" and self.task not in (None, "embed"):
+            raise InvalidRequestError(f"precision={self.precision} applies to task 'embed', not {self.task!r}",
+                                      param="precision")
+
+    def pooling(self) -> dict[str, Any]:
+        """The :class:`~poolrunner.core.types.PoolingParams` fields this request sets."""
+        return {"dimensions": self.dimensions, "normalize": self.normalize, "use_activation": self.use_activation,
+                "step_tag_id": self.step_tag_id, "returned_token_ids": self.returned_token_ids}
+
+    def calibration(self) -> np.ndarray | None:
+        """:attr:`ranges` as a float32 array.
+
+        :raises InvalidRequestError: for ragged lists.
+        """
+        if self.ranges is None:
+            return None
+        try:
+            return np.asarray(self.ranges, dtype=np.float32)
+        except ValueError as exc:
+            raise InvalidRequestError(f"ranges must be two lists of d numbers (minima, maxima): {exc}",
+                                      param="ranges") from None
+
+
+@frozen(kw_only=True)
+class ClassifyRequest(_Request):
+    """Score each input over the model's labels (``Runtime.classify``).
+
+    :ivar inputs: Texts, token-id lists, or ``(text, text_pair)`` pairs (one of them: one input).
+    :ivar use_activation: ``False``: raw logits instead of probabilities.
+    """
+
+    inputs: tuple[Input, ...] = field(converter=as_items)
+    use_activation: bool | None = None
+    tokenization: Tokenization = field(factory=Tokenization)
+
+
+@frozen(kw_only=True)
+class ScoreRequest(_Request):
+    """The relevance of each (query, document) pair: 1:1, 1:N or N:N (``Runtime.score``).
+
+    :ivar queries: One text, or a list of them.
+    :ivar documents: One text, or a list of them.
+    :ivar sides: What the caller calls the two sides, for errors (``documents[2]``).
+    :ivar use_activation: ``False``: a cross-encoder's raw logit.
+    :ivar max_tokens_per_doc: Cut each document to its first this many tokens, special tokens
+        not counted, before pairing (Cohere's and vLLM's field); the query is never cut.
+    :ivar options: The plugins' request options for the runtime's task (BGE-M3's weights).
+    """
+
+    takes_plugin_options: ClassVar[bool] = True
+
+    queries: str | Sequence[str]
+    documents: str | Sequence[str]
+    sides: tuple[str, str] = ("queries", "documents")
+    use_activation: bool | None = None
+    max_tokens_per_doc: int | None = field(default=None, validator=_optional_positive)
+    options: Mapping[str, Any] = field(factory=dict, converter=_options)
+    tokenization: Tokenization = field(factory=Tokenization)
+
+
+@frozen(kw_only=True)
+class RerankRequest(_Request):
+    """``documents`` ranked by relevance to ``query``, best first (``Runtime.rerank``).
+
+    :ivar top_n: Keep the best ``top_n``; ``None``: all.
+    :ivar return_documents: Include each document's text in its result.
+    :ivar max_tokens_per_doc: As :attr:`ScoreRequest.max_tokens_per_doc`.
+    :ivar options: As :attr:`ScoreRequest.options`.
+    :raises InvalidRequestError: for a non-text query, documents given as one string, or a
+        ``top_n`` that is not a positive integer.
+    """
+
+    takes_plugin_options: ClassVar[bool] = True
+
+    query: str = field()
+    documents: Sequence[str] = field()
+    top_n: int | None = field(default=None, validator=_optional_positive)
+    return_documents: bool = field(default=False, validator=_flag)
+    max_tokens_per_doc: int | None = field(default=None, validator=_optional_positive)
+    options: Mapping[str, Any] = field(factory=dict, converter=_options)
+    tokenization: Tokenization = field(factory=Tokenization)
+
+    @query.validator
+    def _query(self, _attribute: attrs.Attribute, value: Any) -> None:
+        if not isinstance(value, str):
+            raise InvalidRequestError(f"query must be a string, got {value!r:.80}", param="query")
+
+    @documents.validator
+    def _documents(self, _attribute: attrs.Attribute, value: Any) -> None:
+        if isinstance(value, str):
+            raise InvalidRequestError("documents must be a list of strings, not one string", param="documents")
+
+    def score_request(self) -> ScoreRequest:
+        """The scoring this ranking orders: the query against each document."""
+        return ScoreRequest(queries=self.query, documents=list(self.documents), sides=("query", "documents"),
+                            max_tokens_per_doc=self.max_tokens_per_doc, options=self.options,
+                            tokenization=self.tokenization)
+
+
+@frozen(kw_only=True)
+class TokenizeRequest(_Request):
+    """Each text's ``prompt_token_ids`` (vLLM's ``/tokenize``), untruncated.
+
+    :ivar texts: The texts.
+    :ivar with_tokens: Also each token's string and character span (TEI's ``/tokenize``,
+        vLLM's ``return_token_strs``); tokenized without the model-length check then.
+    """
+
+    texts: tuple[str, ...] = field(converter=tuple)
+    with_tokens: bool = field(default=False, validator=_flag)
+    tokenization: Tokenization = field(factory=Tokenization)
+
+
+Request = EncodeRequest | ClassifyRequest | ScoreRequest | RerankRequest | TokenizeRequest
+
+REQUEST_FIELDS = frozenset(
+    name for cls in (EncodeRequest, ClassifyRequest, ScoreRequest, RerankRequest, TokenizeRequest)
+    for name in (f.name for f in attrs.fields(cls)) if name not in ("tokenization", "options")
+) | TOKENIZATION_FIELDS
+"""Every per-request field name of every operation: no plugin option may take one."""
