@@ -1,7 +1,7 @@
 """Long ``embed`` inputs in windows (``max_embed_len``, vLLM's chunked processing).
 
 The expected vectors are built here from transformers' hidden states over each window, by the
-rule poolrunner documents (:mod:`poolrunner.core.chunking`): windows are consecutive slices of
+rule poolrunner documents (:mod:`poolrunner.core.frontend.chunking`): windows are consecutive slices of
 ``max_model_len`` tokens of the tokenized input (special tokens only where the tokenizer put
 them), each window is MEAN-pooled and normalized (when on), the window vectors are averaged
 weighted by their token counts, then sliced to ``dimensions`` and normalized (when on).
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from poolrunner import Runtime
-from poolrunner.core.chunking import WindowedRequest
+from poolrunner.core.frontend.chunking import WindowedRequest
 from poolrunner.core.config import SPEED_ONLY, RuntimeConfig
 from poolrunner.core.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from tests.helpers import MIN_COSINE, cosine_rows, normalized

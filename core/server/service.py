@@ -1,37 +1,29 @@
-"""What each endpoint computes: validated requests in, the runtime's serving loop, answers out.
+"""The HTTP side of running a request: limits, the serving loop, the client's disconnects, metrics.
 
-Requests are built, scores planned and outputs converted by the runtime's
-:class:`~poolrunner.core.frontend.Frontend`, the Python API's own path, so an answer equals what
-``Runtime.embed`` / ``classify`` / ``score`` / ``rerank`` / ``encode`` return for the same input.
-Only the HTTP limits and the client's disconnects are handled here.
+Routes build a request object (a body's ``to_request()``) and :meth:`PoolingService.answer` it:
+the runtime's :class:`~poolrunner.core.frontend.plans.Frontend` plans it, the Python API's own
+path, so an answer equals what ``Runtime.embed`` / ``classify`` / ``score`` / ``rerank`` /
+``encode`` / ``tokenize`` return for the same input. Nothing here is per operation.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
-import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-from attrs import frozen
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from poolrunner.core import chunking, frontend
-from poolrunner.core.frontend import ClassifyInput, Result
-from poolrunner.core.plugin_api.output import RequestOutput
-from poolrunner.core.frontend.quantize import Precision, check_ranges, quantize
-from poolrunner.core.frontend.results import ClassificationResult, RerankResult
+from poolrunner.core.frontend import chunking
+from poolrunner.core.frontend.plans import Plan
+from poolrunner.core.frontend.requests import Input, RerankRequest, ScoreRequest, as_items, is_pair
+from poolrunner.core.frontend.requests import Request as FrontendRequest
 from poolrunner.core.runtime import Runtime, Serving
-from poolrunner.core.frontend.scoring import pair_up, text_labels
 from poolrunner.core.server.errors import ApiError
 from poolrunner.core.server.metrics import ServerMetrics
 from poolrunner.core.server.middleware import REQUEST_STATS
 from poolrunner.core.server.settings import ServerSettings
-from poolrunner.core.types import PoolingParams, PoolingRequest, TruncationSide
-from poolrunner.core.validators import check_text
 
 CLIENT_CLOSED = 499
 """Status recorded for a request whose client went away (nginx's convention); never sent."""
@@ -71,7 +63,7 @@ class PoolingService:
     def waiting(self) -> int:
         return self.serving.waiting if self.serving is not None else 0
 
-    async def prompts(self, body: Any) -> tuple[list[ClassifyInput], bool]:
+    async def prompts(self, body: Any) -> tuple[list[Input], bool]:
         """A pooling body's inputs and whether to add special tokens: ``input`` as
         :meth:`inputs` reads it, or vLLM's chat form, ``messages`` rendered with the model's chat
         template into one text (special tokens then not added unless ``add_special_tokens``).
@@ -101,9 +93,9 @@ class PoolingService:
         )
         return [text], bool(body.add_special_tokens)
 
-    def inputs(self, value: str | list[Any], what: str = "input") -> list[ClassifyInput]:
+    def inputs(self, value: str | list[Any], what: str = "input") -> list[Input]:
         """A text, texts, token ids or token-id lists as a list of inputs, within the limits."""
-        items = frontend.as_items(value)
+        items = list(as_items(value))
         if not items:
             raise ApiError(400, f"{what} is empty: send at least one text or token-id list", param=what)
         self.check_count(len(items), what)
@@ -111,7 +103,7 @@ class PoolingService:
             if isinstance(item, str) and not item:
                 where = what if isinstance(value, str) else f"{what}[{index}]"
                 raise ApiError(400, f"{where} is an empty string", param=what)
-            if frontend.is_pair(item):
+            if is_pair(item):
                 for side, text in enumerate(item):
                     if not text:
                         raise ApiError(400, f"{what}[{index}][{side}] is an empty string", param=what)
@@ -123,25 +115,21 @@ class PoolingService:
             raise ApiError(400, f"{what} has {count} items, more than the limit of {limit} per request "
                                 "(max_inputs_per_request)", param=what)
 
-    async def run(
-        self, request: Request, items: Sequence[ClassifyInput], params: PoolingParams,
-        truncate_prompt_tokens: int | None, truncation_side: TruncationSide = "right", *,
-        add_special_tokens: bool = True, priority: int | None = None,
-    ) -> tuple[list[RequestOutput], int]:
-        """Tokenize (in a worker thread), run through the loop; outputs in order and their token count.
-        ``priority`` is vLLM's (lower runs first; ``None``: 0).
+    async def answer(self, request: Request, frontend_request: FrontendRequest, *, priority: int | None = None,
+                     ) -> tuple[Any, int]:
+        """Check ``frontend_request`` against the request limits, plan it (in a worker thread: it
+        tokenizes) and :meth:`execute` the plan; the answer and its token count.
 
-        :raises ApiError: as :meth:`run_requests`.
+        :raises ApiError: 400 for more items than ``max_inputs_per_request``; as :meth:`execute`.
+        :raises InvalidRequestError: from the plan, for bad input.
         """
-        requests: list[PoolingRequest] = await run_in_threadpool(
-            self.frontend.prepare, items, params, truncate_prompt_tokens=truncate_prompt_tokens,
-            truncation_side=truncation_side, add_special_tokens=add_special_tokens,
-        )
-        return await self.run_requests(request, requests, priority=priority)
+        self.check_count(*_size(frontend_request))
+        plan = await run_in_threadpool(self.frontend.plan, frontend_request)
+        return await self.execute(request, plan, priority=priority)
 
-    async def run_requests(self, request: Request, requests: list[PoolingRequest], *, priority: int | None = None,
-                           ) -> tuple[list[RequestOutput], int]:
-        """Run prepared ``requests`` through the loop, batched with other clients'; as :meth:`run`.
+    async def execute(self, request: Request, plan: Plan[Any], *, priority: int | None = None) -> tuple[Any, int]:
+        """Run ``plan``'s engine requests through the loop, batched with other clients' (``priority``
+        is vLLM's: lower runs first; ``None``: 0); its answer and the requests' token count.
 
         :raises ApiError: 503 when not serving; 413 when the engine requests (one per request, one
             per window of a long input) are more than ``max_waiting_requests``, which they could
@@ -149,6 +137,9 @@ class PoolingService:
             :class:`~poolrunner.core.errors.QueueFullError`'s 429); 499 when the
             client disconnected (its requests are aborted then).
         """
+        requests = plan.requests
+        if not requests:  # tokenize: answered by the plan alone
+            return plan.finish([]), 0
         if self.serving is None:
             raise ApiError(503, "the server is not serving (starting up or shut down)")
         count, limit = len(chunking.expand(requests)[0]), self.settings.max_waiting_requests
@@ -169,174 +160,26 @@ class PoolingService:
             await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not result.done():
                 raise ApiError(CLIENT_CLOSED, "the client closed the connection")
-            return result.result(), num_tokens
+            outputs = result.result()
         finally:
             gone.cancel()
             result.cancel()  # a no-op once done; else its requests leave the engine
-
-    async def embed(self, request: Request, items: Sequence[ClassifyInput], dimensions: int | None,
-                    truncate_prompt_tokens: int | None, *, normalize: bool | None = None,
-                    use_activation: bool | None = None, add_special_tokens: bool = True,
-                    precision: Precision = "float32", ranges: Sequence[Sequence[float]] | None = None,
-                    priority: int | None = None) -> tuple[list[np.ndarray], int]:
-        """Like ``Runtime.embed``: one float32 ``[d]`` vector per input, or at a quantized
-        ``precision`` (int8/uint8 ``[d]``, binary/ubinary ``[ceil(d / 8)]``) after ``dimensions``
-        and normalization, calibrated on this request's embeddings unless ``ranges`` are given."""
-        check_ranges(precision, ranges)
-        params = self.frontend.params("embed", dimensions=dimensions, normalize=normalize,
-                                      use_activation=use_activation)
-        outputs, num_tokens = await self.run(request, items, params, truncate_prompt_tokens,
-                                             add_special_tokens=add_special_tokens, priority=priority)
-        vectors = frontend.embeddings(outputs)
-        return _quantized(vectors, precision, ranges) if precision != "float32" else vectors, num_tokens
-
-    async def classify(self, request: Request, items: Sequence[ClassifyInput], use_activation: bool | None,
-                       truncate_prompt_tokens: int | None, *, add_special_tokens: bool = True,
-                       priority: int | None = None) -> tuple[list[ClassificationResult], int]:
-        """Like ``Runtime.classify`` (texts, token ids and ``(text, text_pair)`` pairs)."""
-        params = self.frontend.params("classify", use_activation=use_activation)
-        outputs, num_tokens = await self.run(request, items, params, truncate_prompt_tokens,
-                                             add_special_tokens=add_special_tokens, priority=priority)
-        return self.frontend.classifications(outputs), num_tokens
-
-    async def score(self, request: Request, queries: str | list[str], documents: str | list[str],
-                    use_activation: bool | None, truncate_prompt_tokens: int | None,
-                    truncation_side: TruncationSide = "right", max_tokens_per_doc: int | None = None, *,
-                    priority: int | None = None, names: tuple[str, str] = ("queries", "documents"),
-                    options: Mapping[str, Any] | None = None) -> tuple[np.ndarray, int]:
-        """``Runtime.score``'s own path (:meth:`Frontend.plan_score`): cosine of embeddings
-        (bi-encoder), a one-label classifier's score of each pair (cross-encoder), or a plugin's
-        ``score_outputs`` (SPLADE, ColBERT); ``[num_pairs]`` float32 and the token count.
-        ``max_tokens_per_doc`` cuts each document to its first tokens (Cohere's, vLLM's field);
-        ``names`` are the body's fields of the two sides, which errors name (``documents[2]``);
-        ``options`` the plugins' request options, as ``Runtime.score`` takes them.
-
-        :raises InvalidRequestError: for a side that is empty or holds text that is not valid
-            Unicode (:func:`~poolrunner.core.frontend.scoring.check_side`), and the front end's errors.
-        """
-        check_max_tokens_per_doc(max_tokens_per_doc)
-        pairs = pair_up(queries, documents, names=names)
-        self.check_count(len(pairs), "pairs")
-        plan = await run_in_threadpool(self.frontend.plan_score, pairs, truncate_prompt_tokens=truncate_prompt_tokens,
-                                       truncation_side=truncation_side, use_activation=use_activation,
-                                       max_document_tokens=max_tokens_per_doc, plugin_options=options,
-                                       labels=text_labels(queries, documents, names=names))
-        outputs, num_tokens = await self.run_requests(request, plan.requests, priority=priority)
-        return await run_in_threadpool(plan.finish, outputs), num_tokens
-
-    async def rerank(self, request: Request, query: str, documents: list[str], top_n: int | None,
-                     return_documents: bool, truncate_prompt_tokens: int | None,
-                     max_tokens_per_doc: int | None = None, *, priority: int | None = None,
-                     options: Mapping[str, Any] | None = None) -> tuple[list[RerankResult], int]:
-        """Like ``Runtime.rerank``: best first, ties in input order; results carry the whole
-        documents even when ``max_tokens_per_doc`` scored their first tokens only."""
-        frontend.check_top_n(top_n)
-        self.check_count(len(documents), "documents")
-        scores, num_tokens = await self.score(request, query, documents, None, truncate_prompt_tokens,
-                                              max_tokens_per_doc=max_tokens_per_doc, priority=priority,
-                                              names=("query", "documents"), options=options)
-        return frontend.rank(scores, documents, top_n=top_n, return_documents=return_documents), num_tokens
-
-    async def encode(self, request: Request, items: Sequence[ClassifyInput], task: str | None,
-                     core: Mapping[str, Any], options: Mapping[str, Any],
-                     truncate_prompt_tokens: int | None, *, add_special_tokens: bool = True,
-                     precision: Precision = "float32", ranges: Sequence[Sequence[float]] | None = None,
-                     priority: int | None = None) -> tuple[list[Result], int]:
-        """Like ``Runtime.encode``: the raw result of any task the runtime serves, float outputs as
-        float32 and integer ones (SPLADE's ``token_ids``) kept as they are (int64); ``embed``
-        results at a quantized ``precision`` as :meth:`embed` gives them.
-
-        :raises ApiError: 400 for a quantized ``precision`` on a task other than ``embed``.
-        """
-        check_ranges(precision, ranges)
-        params = self.frontend.params(task, options, **core)
-        if precision != "float32" and params.task != "embed":
-            raise ApiError(400, f"precision={precision} applies to task 'embed', not {params.task!r}",
-                           param="precision")
-        outputs, num_tokens = await self.run(request, items, params, truncate_prompt_tokens,
-                                             add_special_tokens=add_special_tokens, priority=priority)
-        results = [frontend.to_array(output) for output in outputs]
-        if precision != "float32":
-            results = _quantized(results, precision, ranges)  # type: ignore[arg-type]
-        return results, num_tokens
-
-    async def tokenize(self, text: str) -> list[int]:
-        """The model's ``prompt_token_ids`` for ``text``, checked against the model maximum."""
-        ids = await run_in_threadpool(self.frontend.inputs.encode, [text])
-        return list(ids[0])
-
-    async def tokens(self, texts: list[str], add_special_tokens: bool) -> list[list[Token]]:
-        """Each text's tokens with their character spans (``None`` for added special tokens),
-        untruncated; in a worker thread, on :attr:`tokenizer`.
-
-        :raises InvalidRequestError: for text that is not valid Unicode or over ``max_input_chars``.
-        """
-        for index, text in enumerate(texts):
-            check_text(text, f"input {index}")
-            self.frontend.inputs.check_chars(text, f"input {index}")
-        return await run_in_threadpool(_tokens, self.tokenizer, texts, add_special_tokens)
-
-    async def detokenize(self, ids: list[int]) -> str:
-        """vLLM's ``/detokenize``: ``ids`` decoded as the tokenizer does, special tokens kept.
-
-        :raises ApiError: 400 for an id outside the vocabulary.
-        """
-        vocab_size = self.frontend.inputs.vocab_size
-        bad = next((i for i, token in enumerate(ids) if not 0 <= token < vocab_size), None)
-        if bad is not None:
-            raise ApiError(400, f"tokens[{bad}] = {ids[bad]} is outside the vocabulary [0, {vocab_size})",
-                           param="tokens")
-        return await run_in_threadpool(self.tokenizer.decode, ids)
-
-    @functools.cached_property
-    def tokenizer(self) -> Any:
-        """A copy of the model's tokenizer for the tokenize routes: their calls change the
-        tokenizer's truncation settings, which the front end's shared tokenizer keeps per call."""
-        return copy.deepcopy(self.frontend.inputs.tokenizer)
+        answer = await run_in_threadpool(plan.finish, outputs) if plan.offload else plan.finish(outputs)
+        return answer, num_tokens
 
 
-@frozen
-class Token:
-    """One token of :meth:`PoolingService.tokens`: ``span`` is ``(start, stop)`` in characters,
-    ``None`` for a special token the tokenizer added."""
-
-    id: int
-    token: str
-    special: bool
-    span: tuple[int, int] | None
-
-
-def _tokens(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[list[Token]]:
-    encoded = tokenizer(texts, add_special_tokens=add_special_tokens, return_offsets_mapping=True,
-                        return_special_tokens_mask=True, return_attention_mask=False,
-                        return_token_type_ids=False, verbose=False)
-    return [
-        [Token(id=token_id, token=token, special=bool(special), span=None if special else tuple(span))
-         for token_id, token, special, span in zip(encoded["input_ids"][row], encoded.tokens(row),
-                                                   encoded["special_tokens_mask"][row],
-                                                   encoded["offset_mapping"][row], strict=True)]
-        for row in range(len(texts))
-    ]
-
-
-def check_max_tokens_per_doc(value: int | None) -> None:
-    """:raises ApiError: 400 unless ``value`` is ``None`` or a positive integer."""
-    if value is not None and value < 1:
-        raise ApiError(400, f"max_tokens_per_doc must be a positive integer, got {value}", param="max_tokens_per_doc")
+def _size(request: FrontendRequest) -> tuple[int, str]:
+    """How many items ``request`` has against ``max_inputs_per_request``, and what they are called:
+    inputs, a score's pairs, a ranking's documents."""
+    if isinstance(request, RerankRequest):
+        return len(request.documents), "documents"
+    if isinstance(request, ScoreRequest):
+        sides = [1 if isinstance(side, str) else len(side) for side in (request.queries, request.documents)]
+        return (sides[1] if sides[0] == 1 else max(sides)), "pairs"
+    return len(getattr(request, "inputs", None) or getattr(request, "texts", ())), "input"
 
 
 async def _disconnected(request: Request) -> None:
     """Return once the client has gone (the body was read already, so only that can arrive)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _quantized(vectors: list[np.ndarray], precision: Precision, ranges: Sequence[Sequence[float]] | None,
-               ) -> list[np.ndarray]:
-    """The request's ``[d]`` vectors at ``precision`` (:func:`~poolrunner.core.frontend.quantize.quantize`,
-    as ``Runtime.embed(precision=...)``), calibrated on them unless ``ranges`` are given."""
-    try:
-        calibration = None if ranges is None else np.asarray(ranges, dtype=np.float32)
-    except ValueError as exc:  # ragged lists
-        raise ApiError(400, f"ranges must be two lists of d numbers (minima, maxima): {exc}", param="ranges") from exc
-    return list(quantize(np.stack(vectors), precision, calibration))

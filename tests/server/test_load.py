@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from poolrunner import RerankResult
-from poolrunner.core.scoring import cosine
+from poolrunner.core.frontend.scoring import cosine
 from poolrunner.core.server import ServerSettings
 from poolrunner.core.testing.server import ServerThread
 
