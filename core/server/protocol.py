@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
 from contextvars import ContextVar
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -28,8 +27,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from poolrunner.core.plugin_api.options import RequestOptions
+from poolrunner.core.frontend import requests as fr
 from poolrunner.core.frontend.quantize import Precision
+from poolrunner.core.plugin_api.options import RequestOptions
 from poolrunner.core.server.errors import ApiError
 from poolrunner.core.validators import unencodable_at
 
@@ -97,6 +97,9 @@ class _Body(BaseModel):
 
 
 class _Request(_Body):
+    plugin_option_names: ClassVar[frozenset[str]] = frozenset()
+    """The body fields :func:`with_plugin_options` added: the plugins' request options."""
+
     model: StrictStr | None = Field(default=None, description="Must be a served model name when given.")
     truncate_prompt_tokens: StrictInt | None = Field(
         default=None, description="Keep this many tokens of each input (-1: the model maximum); "
@@ -106,6 +109,14 @@ class _Request(_Body):
         default=None, description="vLLM's: lower runs first (default 0); requests of equal priority take turns.")
     request_id: EchoedStr | None = Field(
         default=None, description="vLLM: the answer's id is the endpoint's prefix and this id (default: random).")
+
+    def plugin_options(self) -> dict[str, Any]:
+        """The plugin request options this body sets, by name (those it leaves out are not passed)."""
+        return {name: getattr(self, name) for name in self.plugin_option_names if getattr(self, name) is not None}
+
+    def tokenization(self, add_special_tokens: bool = True) -> fr.Tokenization:
+        return fr.Tokenization(truncate_prompt_tokens=self.truncate_prompt_tokens,
+                               add_special_tokens=add_special_tokens)
 
 
 class ContentPart(_Body):
@@ -178,6 +189,13 @@ class EmbeddingRequest(_Request, _Chat, _Encoding, _Quantize):
     normalize: StrictBool | None = None
     use_activation: StrictBool | None = Field(default=None, description="vLLM: normalize (normalize wins).")
 
+    def to_request(self, inputs: list[fr.Input], add_special_tokens: bool) -> fr.EncodeRequest:
+        """The request of ``inputs`` (:meth:`PoolingService.prompts` reads them from ``input`` or
+        ``messages``)."""
+        return fr.EncodeRequest(inputs=inputs, task="embed", dimensions=self.dimensions, normalize=self.normalize,
+                                use_activation=self.use_activation, precision=self.precision, ranges=self.ranges,
+                                tokenization=self.tokenization(add_special_tokens))
+
 
 class PoolingHttpRequest(_Request, _Chat, _Encoding, _Quantize):
     """vLLM's ``/pooling``: any task this server's runtime serves, per-token outputs included."""
@@ -187,6 +205,12 @@ class PoolingHttpRequest(_Request, _Chat, _Encoding, _Quantize):
     dimensions: StrictInt | None = None
     normalize: StrictBool | None = None
     use_activation: StrictBool | None = None
+
+    def to_request(self, inputs: list[fr.Input], add_special_tokens: bool) -> fr.EncodeRequest:
+        """As :meth:`EmbeddingRequest.to_request`, for any task, with the plugins' options."""
+        return fr.EncodeRequest(inputs=inputs, task=self.task, dimensions=self.dimensions, normalize=self.normalize,
+                                use_activation=self.use_activation, precision=self.precision, ranges=self.ranges,
+                                options=self.plugin_options(), tokenization=self.tokenization(add_special_tokens))
 
 
 _JSON_TYPES = {int: "integer", float: "number", bool: "boolean", str: "string"}
@@ -210,12 +234,9 @@ def with_plugin_options(base: type[BodyT], options: RequestOptions) -> type[Body
     }
     if not fields:
         return base
-    return create_model(base.__name__, __base__=base, __doc__=base.__doc__, **fields)
-
-
-def plugin_options(body: BaseModel, names: Iterable[str]) -> dict[str, Any]:
-    """The plugin request options ``body`` sets, by name (those it leaves out are not passed)."""
-    return {name: getattr(body, name) for name in names if getattr(body, name, None) is not None}
+    model = create_model(base.__name__, __base__=base, __doc__=base.__doc__, **fields)
+    model.plugin_option_names = frozenset(fields)
+    return model
 
 
 class ClassificationRequest(_Request, _Chat):
@@ -224,6 +245,11 @@ class ClassificationRequest(_Request, _Chat):
 
     input: Inputs | list[StrictStr | Pair] | None = None
     use_activation: StrictBool | None = None
+
+    def to_request(self, inputs: list[fr.Input], add_special_tokens: bool) -> fr.ClassifyRequest:
+        """As :meth:`EmbeddingRequest.to_request`."""
+        return fr.ClassifyRequest(inputs=inputs, use_activation=self.use_activation,
+                                  tokenization=self.tokenization(add_special_tokens))
 
 
 ScoreSide = StrictStr | list[StrictStr]
@@ -261,6 +287,15 @@ class ScoreRequest(_Request):
         forms = ", ".join(f"{first} + {second}" for first, second in SCORE_FORMS)
         raise ApiError(400, f"send exactly one pair of fields ({forms}); got {', '.join(given) or 'none of them'}",
                        param=given[0] if given else None)
+
+    def to_request(self) -> fr.ScoreRequest:
+        """The scoring this body asks for; errors name its fields (``documents[2]``, ``text_2``).
+
+        :raises ApiError: as :meth:`sides`.
+        """
+        form, first, second = self.sides()
+        return fr.ScoreRequest(queries=first, documents=second, sides=form, use_activation=self.use_activation,
+                               options=self.plugin_options(), tokenization=self.tokenization())
 
 
 _SCORE_FIELDS = tuple(dict.fromkeys(name for form in SCORE_FORMS for name in form))
@@ -332,6 +367,13 @@ class RerankRequest(_Request):
                                    param="documents") from None
         return documents
 
+    def to_request(self, documents: list[StrictStr | RerankDocumentInput]) -> fr.RerankRequest:
+        """The ranking of :meth:`document_list`'s ``documents`` (vLLM's, Jina's, Cohere's body)."""
+        return fr.RerankRequest(
+            query=self.query, documents=[d if isinstance(d, str) else d.text for d in documents], top_n=self.top_n,
+            return_documents=bool(self.return_documents), max_tokens_per_doc=self.max_tokens_per_doc,
+            options=self.plugin_options(), tokenization=self.tokenization())
+
 
 _TEI_RERANK_FIELDS = ("texts", "raw_scores", "return_text", "truncate", "truncation_direction")
 _RERANK_FIELDS = ("documents", "top_n", "return_documents", "max_tokens_per_doc", "truncate_prompt_tokens")
@@ -359,6 +401,19 @@ class TokenizeRequest(_Body):
             raise ApiError(400, "return_token_strs belongs to vLLM's body, which sends prompt",
                            param="return_token_strs")
         return "tei" if self.inputs is not None else "vllm"
+
+    def to_request(self) -> fr.TokenizeRequest:
+        """vLLM's (``prompt``: ids, and token strings when asked) or TEI's (``inputs``: tokens
+        with spans) tokenization.
+
+        :raises ApiError: as :meth:`api`.
+        """
+        if self.api() == "tei":
+            texts = [self.inputs] if isinstance(self.inputs, str) else self.inputs
+            return fr.TokenizeRequest(texts=texts, with_tokens=True,  # type: ignore[arg-type]
+                                      tokenization=fr.Tokenization(add_special_tokens=self.add_special_tokens))
+        return fr.TokenizeRequest(texts=[self.prompt], with_tokens=bool(self.return_token_strs),  # type: ignore[list-item]
+                                  tokenization=fr.Tokenization(add_special_tokens=self.add_special_tokens))
 
 
 class DetokenizeRequest(_Body):
