@@ -57,13 +57,13 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from poolrunner.core.activation import classifier_activation
+    from poolrunner.core.frontend.results import ClassificationResult, RerankResult
     from poolrunner.core.matryoshka import check_dimensions
     from poolrunner.core.model.heads import SequenceHead, sequence_classifier_head, token_classifier_head
     from poolrunner.core.model.st_metadata import StModule, read_modules
     from poolrunner.core.plugin_api.batch import InputBatch, PoolingMetadata
     from poolrunner.core.plugin_api.output import OutputHandle, RequestOutput
     from poolrunner.core.plugin_api.pooler import Pooler, PoolerOutput
-    from poolrunner.core.frontend.results import ClassificationResult, RerankResult
     from poolrunner.core.runtime import Runtime
 
 

@@ -30,12 +30,11 @@ from poolrunner.core.frontend.requests import (
     is_token_ids,
 )
 from poolrunner.core.frontend.results import ClassificationResult, RerankResult
-from poolrunner.core.inputs.tokenize import PromptInput
 from poolrunner.core.loading import LoadedModel, load
 from poolrunner.core.manager import PoolrunnerPluginManager
 from poolrunner.core.plugin_api.output import RequestOutput
 from poolrunner.core.similarity import SimilarityFn, check_similarity_fn
-from poolrunner.core.types import ModelConfig, PoolingRequest, PoolingTask, TruncationSide
+from poolrunner.core.types import ModelConfig, PoolingRequest, PoolingTask, PromptInput, TruncationSide
 
 
 class Runtime:

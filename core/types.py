@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, get_args
 
@@ -83,6 +83,9 @@ def _pooling_type(_instance: object, attribute: Any, value: Any) -> None:
 
 
 TruncationSide = Literal["left", "right"]
+
+PromptInput = str | Sequence[int]
+"""A text, or an already tokenized prompt (special tokens included)."""
 
 
 def _frozen_mapping(value: Mapping[Any, Any] | None) -> Mapping[Any, Any]:

@@ -7,6 +7,8 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
 from poolrunner.core.cli.common import (
     CliError,
     add_command,
@@ -22,8 +24,10 @@ from poolrunner.core.cli.common import (
     output_format,
     progress,
     read_inputs,
+    request_of,
 )
 from poolrunner.core.files import Chunk, open_output
+from poolrunner.core.frontend.requests import ClassifyRequest
 from poolrunner.core.frontend.results import ClassificationResult
 
 FORMATS = ("jsonl", "csv", "parquet")
@@ -101,9 +105,10 @@ def run(args: argparse.Namespace) -> int:
     check_output(args.output)
     runtime = load_model(args, task="classify")
 
+    request = request_of(ClassifyRequest, args, use_activation=False if args.raw_logits else None)
+
     def classify(items: list[Any]) -> list[ClassificationResult]:
-        return runtime.classify(items, use_activation=False if args.raw_logits else None,
-                                truncate_prompt_tokens=args.truncate, truncation_side=args.truncation_side)
+        return runtime.execute(attrs.evolve(request, inputs=items))
 
     with progress("classifying", inputs) as bar, open_output(args.output, fmt) as writer:
         for chunk, results in inputs.results(classify, bar.update):

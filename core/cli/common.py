@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from poolrunner.core.config import COMPILE_MODES, DTYPES
 from poolrunner.core.files import (
@@ -29,6 +29,11 @@ from poolrunner.core.files import (
 from poolrunner.core.manager import PoolrunnerPluginManager
 from poolrunner.core.manager import build_plugin_manager as _build_plugin_manager
 from poolrunner.core.types import POOLING_TASKS
+
+if TYPE_CHECKING:
+    from poolrunner.core.frontend.requests import Request
+
+R = TypeVar("R", bound="Request")
 
 DISABLE_ENV = "POOLRUNNER_DISABLE_PLUGINS"
 """Comma-separated plugin names the command line leaves out (the Python API ignores it)."""
@@ -298,11 +303,30 @@ def score_template_text(value: str | None) -> str | None:
 def add_truncation_options(group: argparse._ArgumentGroup, *, pairs: bool = False) -> None:
     """``--truncate N`` and ``--truncation-side``; ``pairs`` words the help for (text, pair) inputs."""
     what = "a (query, document) pair" if pairs else "longer inputs"
-    group.add_argument("--truncate", metavar="N", type=int,
+    group.add_argument("--truncate", dest="truncate_prompt_tokens", metavar="N", type=int,
                        help=f"keep N tokens of {what} (special tokens included); -1 keeps the model "
                             "maximum; without it a too long input is an error")
     group.add_argument("--truncation-side", choices=("left", "right"), default="right",
                        help="right keeps the start of a long input, left keeps its end")
+
+
+def request_of(cls: type[R], args: argparse.Namespace, **fields: Any) -> R:
+    """The request of class ``cls`` (:mod:`poolrunner.core.frontend.requests`) the flags
+    describe: each flag whose ``dest`` is one of its fields (``--truncate`` is
+    ``truncate_prompt_tokens``), then ``fields``, then the ``--option`` values where the request
+    takes plugin options. Inputs are left empty: ``attrs.evolve`` it per chunk.
+
+    :raises InvalidRequestError: for a value the request refuses.
+    """
+    values = {**flag_values(cls, args), **fields}
+    return cls.of(**{name: () for name in cls.input_fields}, **values)
+
+
+def flag_values(cls: type[Request], args: argparse.Namespace, *leave_out: str) -> dict[str, Any]:
+    """The values of the flags named as ``cls``' fields, and the ``--option`` values (plugin
+    request options), by name; ``leave_out`` names fields set elsewhere."""
+    values = {name: getattr(args, name) for name in cls.field_names() - set(leave_out) if hasattr(args, name)}
+    return {**values, **plugin_options(getattr(args, "options", ()))}
 
 
 def add_plugin_options(parser: argparse.ArgumentParser) -> None:

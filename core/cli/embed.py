@@ -8,6 +8,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import attrs
 import numpy as np
 
 from poolrunner.core.cli.common import (
@@ -20,6 +21,7 @@ from poolrunner.core.cli.common import (
     add_plugin_options,
     add_truncation_options,
     check_output,
+    flag_values,
     index_columns,
     input_fields,
     load_model,
@@ -27,11 +29,13 @@ from poolrunner.core.cli.common import (
     positive_int,
     progress,
     read_inputs,
+    request_of,
 )
 from poolrunner.core.cli.ray_job import EPILOG as RAY_EPILOG
 from poolrunner.core.cli.ray_job import add_ray_options, run_ray
 from poolrunner.core.files import open_output
 from poolrunner.core.frontend.quantize import PRECISIONS, Precision, quantize
+from poolrunner.core.frontend.requests import EncodeRequest
 
 __all__ = ["add_parser", "run"]
 
@@ -111,10 +115,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ray is not None:
         if args.precision != "float32":
             raise CliError("--precision runs on one machine only: a --ray job writes float32 vectors")
-        return run_ray(args, "embed", {
-            "dimensions": args.dimensions, "normalize": args.normalize, "truncate_prompt_tokens": args.truncate,
-            "truncation_side": args.truncation_side, "prompt": args.prompt, "prompt_name": args.prompt_name,
-        })
+        return run_ray(args, "embed", flag_values(EncodeRequest, args, "precision"))
     fmt = output_format(args, FORMATS)
     if fmt == "npy" and args.id_field is not None:
         raise CliError("--id-field: a .npy file holds the vectors only; write .jsonl, .csv or .parquet to keep ids")
@@ -122,12 +123,10 @@ def run(args: argparse.Namespace) -> int:
     check_output(args.output)
     runtime = load_model(args, task="embed", is_matryoshka=True if args.is_matryoshka else None)
     calibrated = args.precision in ("int8", "uint8")  # on the whole run's float32 vectors, after the run
+    request = request_of(EncodeRequest, args, task="embed", precision="float32" if calibrated else args.precision)
 
     def embed(texts: list[str]) -> np.ndarray:
-        return runtime.embed(texts, dimensions=args.dimensions, normalize=args.normalize,
-                             truncate_prompt_tokens=args.truncate, truncation_side=args.truncation_side,
-                             prompt=args.prompt, prompt_name=args.prompt_name,
-                             precision="float32" if calibrated else args.precision)
+        return np.stack(runtime.execute(attrs.evolve(request, inputs=texts)))
 
     with progress("embedding", inputs) as bar, open_output(args.output, fmt, column="embedding") as writer:
         chunks = _embedded(inputs, embed, bar.update, args.id_field)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import attrs
+
 from poolrunner.core.cli.common import (
     CliError,
     add_command,
@@ -17,18 +19,20 @@ from poolrunner.core.cli.common import (
     add_task_option,
     add_truncation_options,
     check_output,
+    flag_values,
     index_columns,
     input_fields,
     load_model,
     output_format,
-    plugin_options,
     positive_int,
     progress,
     read_inputs,
+    request_of,
 )
 from poolrunner.core.cli.ray_job import EPILOG as RAY_EPILOG
 from poolrunner.core.cli.ray_job import add_ray_options, run_ray
 from poolrunner.core.files import open_output
+from poolrunner.core.frontend.requests import EncodeRequest
 
 __all__ = ["add_parser", "run"]
 
@@ -106,13 +110,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Check the input and output, load the model, then encode and write chunk after chunk."""
-    options = plugin_options(args.options)
+    request = request_of(EncodeRequest, args)  # checked before anything is read or loaded
     if args.ray is not None:
-        return run_ray(args, args.task, {
-            "dimensions": args.dimensions, "normalize": args.normalize, "use_activation": args.use_activation,
-            "step_tag_id": args.step_tag_id, "returned_token_ids": args.returned_token_ids,
-            "truncate_prompt_tokens": args.truncate, "truncation_side": args.truncation_side, **options,
-        })
+        return run_ray(args, args.task, flag_values(EncodeRequest, args, "task"))
     if args.output_format is None and args.output and args.output.lower().endswith(".npy"):
         raise CliError("encode results are ragged: write .npz or JSONL, not .npy")
     fmt = output_format(args, FORMATS)
@@ -123,11 +123,7 @@ def run(args: argparse.Namespace) -> int:
     runtime = load_model(args, task=args.task, is_matryoshka=True if args.is_matryoshka else None)
 
     def encode(texts: list[str]) -> list[Any]:
-        return runtime.encode(
-            texts, dimensions=args.dimensions, normalize=args.normalize, use_activation=args.use_activation,
-            step_tag_id=args.step_tag_id, returned_token_ids=args.returned_token_ids,
-            truncate_prompt_tokens=args.truncate, truncation_side=args.truncation_side, **options,
-        )
+        return runtime.execute(attrs.evolve(request, inputs=texts))
 
     with progress("encoding", inputs) as bar, open_output(args.output, fmt, column="output") as writer:
         for chunk, results in inputs.results(encode, bar.update):

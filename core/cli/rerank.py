@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import attrs
 import numpy as np
 
 from poolrunner.core.cli.common import (
@@ -15,6 +16,7 @@ from poolrunner.core.cli.common import (
     add_model_options,
     add_output_option,
     add_plugin_options,
+    add_plugin_request_options,
     add_truncation_options,
     check_output,
     input_fields,
@@ -23,8 +25,10 @@ from poolrunner.core.cli.common import (
     positive_int,
     progress,
     read_inputs,
+    request_of,
 )
 from poolrunner.core.files import DEFAULT_ID_FIELD, open_output
+from poolrunner.core.frontend.requests import ScoreRequest
 
 FORMATS = ("jsonl", "csv", "parquet")
 
@@ -80,6 +84,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                          help="keep the N best documents (default: all)")
     request.add_argument("--return-documents", action="store_true",
                          help='add each document\'s text to its result, as "document"')
+    add_plugin_request_options(request)
     add_truncation_options(request, pairs=True)
 
     add_plugin_options(parser)
@@ -90,7 +95,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Check the query, documents and output, load the model, score the documents chunk after
     chunk, then write them ranked."""
-    from poolrunner.core.frontend import rank  # with the tokenizers: not for --help
+    from poolrunner.core.frontend.outputs import rank  # with the tokenizers: not for --help
 
     if not args.queries:
         raise CliError("--query Q is required: the query to rank the documents for")
@@ -104,9 +109,10 @@ def run(args: argparse.Namespace) -> int:
     runtime = load_model(args)
     query = args.queries[0]
 
+    request = request_of(ScoreRequest, args, sides=("query", "documents"))
+
     def score(documents: list[str]) -> np.ndarray:
-        return runtime.score(query, documents, truncate_prompt_tokens=args.truncate,
-                             truncation_side=args.truncation_side)
+        return runtime.execute(attrs.evolve(request, queries=query, documents=documents))
 
     rows: list[int] = []
     ids: list[object] = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import attrs
 import numpy as np
 
 from poolrunner.core.cli.common import (
@@ -15,6 +16,7 @@ from poolrunner.core.cli.common import (
     add_model_options,
     add_output_option,
     add_plugin_options,
+    add_plugin_request_options,
     add_truncation_options,
     check_output,
     index_columns,
@@ -24,8 +26,10 @@ from poolrunner.core.cli.common import (
     output_format,
     progress,
     read_inputs,
+    request_of,
 )
 from poolrunner.core.files import open_output
+from poolrunner.core.frontend.requests import ScoreRequest
 from poolrunner.core.frontend.scoring import pair_up
 
 FORMATS = ("jsonl", "csv", "parquet")
@@ -75,7 +79,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_output_option(files, FORMATS)
 
     add_model_options(parser)
-    add_truncation_options(parser.add_argument_group("scoring"), pairs=True)
+    scoring = parser.add_argument_group("scoring")
+    add_plugin_request_options(scoring)
+    add_truncation_options(scoring, pairs=True)
     add_plugin_options(parser)
     parser.set_defaults(run=run)
     return parser
@@ -90,9 +96,11 @@ def run(args: argparse.Namespace) -> int:
     check_output(args.output)
     runtime = load_model(args)
 
+    request = request_of(ScoreRequest, args)
+
     def score(pairs: list[tuple[str, str]]) -> np.ndarray:
-        return runtime.score([query for query, _ in pairs], [document for _, document in pairs],
-                             truncate_prompt_tokens=args.truncate, truncation_side=args.truncation_side)
+        return runtime.execute(attrs.evolve(request, queries=[query for query, _ in pairs],
+                                            documents=[document for _, document in pairs]))
 
     with progress("scoring", inputs) as bar, open_output(args.output, fmt) as writer:
         for chunk, scores in inputs.results(score, bar.update):

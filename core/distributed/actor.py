@@ -16,11 +16,12 @@ from poolrunner.core.files import run_each, to_arrow
 
 
 class RuntimeActor:
-    """Loads the model once per actor; each call runs :meth:`Runtime.encode` on one batch.
+    """Loads the model once per actor; each call executes one
+    :class:`~poolrunner.core.frontend.requests.EncodeRequest` on one batch.
 
     :param config: The runtime's settings.
     :param plugins: Plugin objects registered beside the built-ins and entry points.
-    :param request_options: Keyword arguments of :meth:`~poolrunner.core.runtime.Runtime.encode`.
+    :param request_options: The request's fields by name, plugin options too (:meth:`EncodeRequest.of`).
     :param on_error: ``fail``: a row the runtime refuses fails its file; ``skip``: it is left out.
     """
 
@@ -33,6 +34,11 @@ class RuntimeActor:
         self.request_options = dict(request_options)
         self.on_error = on_error
 
+    def _encode(self, texts: list[str]) -> list[Any]:
+        from poolrunner.core.frontend.requests import EncodeRequest
+
+        return self.runtime.execute(EncodeRequest.of(inputs=texts, **self.request_options))
+
     def __call__(self, batch: pa.Table) -> pa.Table:
         """The batch's rows, in order, without ``_text`` and ``_place``, with the results of the good
         ones (null for bad ones). A row the runtime refuses becomes a bad row: its ``_error`` names
@@ -44,7 +50,7 @@ class RuntimeActor:
         results: list[Any] = []
         if todo:
             texts = batch.column(TEXT).take(todo).to_pylist()
-            results, refused = run_each(lambda items: self.runtime.encode(items, **self.request_options), texts,
+            results, refused = run_each(self._encode, texts,
                                         batch.column(PLACE).take(todo).to_pylist(), stop=False)
             for index, error in refused:
                 errors[todo[index]] = str(error)

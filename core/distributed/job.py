@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import logging
 import os
 import posixpath
@@ -141,7 +140,6 @@ def run_job(
     :raises JobConflictError: if ``output`` holds a job with other settings.
     """
     require_ray()
-    from poolrunner.core.runtime import Runtime
 
     start = time.perf_counter()
     config, plugins = runtime_config(task, model, runtime_options)
@@ -164,7 +162,7 @@ def run_job(
         "text_field": text_field, "id_field": id_field,
         # Speed-only settings (RuntimeConfig's SPEED_ONLY fields) may differ when a job resumes.
         "runtime_options": _json_safe({**config.recorded(), **({"plugins": plugins} if plugins else {})}),
-        "request_options": _recorded(Runtime.encode, request_options),
+        "request_options": _recorded(request_options),
     }, committed=any(shard.output_name in done for shard in shards))
     pending = [shard for shard in shards if shard.output_name not in done]
     skipped = tuple(shard.output_name for shard in shards if shard.output_name in done)
@@ -229,14 +227,13 @@ def runtime_config(
 
 def _request_options(options: Mapping[str, Any] | None, config: RuntimeConfig,
                      plugins: Sequence[object]) -> dict[str, Any]:
-    """``options`` checked by name: :meth:`Runtime.encode`'s own, or a plugin's request option
+    """``options`` checked by name: an :class:`EncodeRequest` field, or a plugin's request option
     for this model (which the plugins declare once its folder is read; no weights are loaded)."""
+    from poolrunner.core.frontend.requests import EncodeRequest
     from poolrunner.core.loading import declared_options
-    from poolrunner.core.runtime import Runtime
 
     options = dict(options or {})
-    known = set(inspect.signature(Runtime.encode).parameters) - {"self", "inputs", "task", "show_progress_bar",
-                                                                  "options"}
+    known = set(EncodeRequest.field_names()) - {"task"}
     if set(options) - known:  # the rest must be request options the plugins declare for this model
         known |= {entry.option.name for entry in declared_options(config, plugins)}
     unknown = sorted(set(options) - known)
@@ -246,10 +243,12 @@ def _request_options(options: Mapping[str, Any] | None, config: RuntimeConfig,
     return options
 
 
-def _recorded(function: Any, options: Mapping[str, Any]) -> dict[str, Any]:
+def _recorded(options: Mapping[str, Any]) -> dict[str, Any]:
     """The options that change results, as JSON, defaults left out: the Python API and the command
     line record the same job alike."""
-    defaults = {name: parameter.default for name, parameter in inspect.signature(function).parameters.items()}
+    from poolrunner.core.frontend.requests import EncodeRequest
+
+    defaults = EncodeRequest.defaults()
     return {name: _json_safe(value) for name, value in sorted(options.items())
             if _json_safe(value) != _json_safe(defaults.get(name))}
 

@@ -52,10 +52,10 @@ from attrs import field, frozen
 
 from poolrunner.core.errors import ModelLoadError, PromptTooLongError
 from poolrunner.core.frontend.requests import Tokenization
-from poolrunner.core.inputs.tokenize import InputProcessor, PromptInput
+from poolrunner.core.inputs.tokenize import InputProcessor
 from poolrunner.core.matryoshka import check_dimensions
 from poolrunner.core.plugin_api.output import RequestOutput
-from poolrunner.core.types import ModelConfig, PoolingParams, PoolingRequest, PoolingTask
+from poolrunner.core.types import ModelConfig, PoolingParams, PoolingRequest, PoolingTask, PromptInput
 from poolrunner.core.validators import positive_int
 
 TASK = "embed"

@@ -22,8 +22,7 @@ from attrs import field, frozen
 
 from poolrunner.core.errors import InvalidRequestError
 from poolrunner.core.frontend.quantize import Precision, check_precision, check_ranges
-from poolrunner.core.inputs.tokenize import PromptInput
-from poolrunner.core.types import PoolingTask, TruncationSide
+from poolrunner.core.types import PoolingTask, PromptInput, TruncationSide
 
 Input = PromptInput | tuple[str, str]
 """One input: a text, token ids (``prompt_token_ids``), or a ``(text, text_pair)`` pair."""
@@ -99,6 +98,21 @@ class _Request:
     """What every operation's object shares: :meth:`of`, which sorts flat keywords into fields."""
 
     takes_plugin_options: ClassVar[bool] = False
+    input_fields: ClassVar[tuple[str, ...]] = ("inputs",)
+    """The fields holding what is pooled (texts, pairs), as against how it is pooled."""
+
+    @classmethod
+    def field_names(cls) -> frozenset[str]:
+        """Every field :meth:`of` takes by name, the input fields and ``options`` aside: what a
+        CLI flag or a Ray job's ``request_options`` may set."""
+        own = {f.name for f in attrs.fields(cls)} - {"tokenization", "options", *cls.input_fields}
+        return frozenset(own) | TOKENIZATION_FIELDS
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """The default of each of :meth:`field_names`."""
+        fields = [*attrs.fields(cls), *attrs.fields(Tokenization)]
+        return {f.name: f.default for f in fields if f.name in cls.field_names()}
 
     @classmethod
     def of(cls: type[R], **values: Any) -> R:
@@ -229,6 +243,7 @@ class ScoreRequest(_Request):
     """
 
     takes_plugin_options: ClassVar[bool] = True
+    input_fields: ClassVar[tuple[str, ...]] = ("queries", "documents")
 
     queries: str | Sequence[str]
     documents: str | Sequence[str]
@@ -252,6 +267,7 @@ class RerankRequest(_Request):
     """
 
     takes_plugin_options: ClassVar[bool] = True
+    input_fields: ClassVar[tuple[str, ...]] = ("query", "documents")
 
     query: str = field()
     documents: Sequence[str] = field()
@@ -286,6 +302,8 @@ class TokenizeRequest(_Request):
     :ivar with_tokens: Also each token's string and character span (TEI's ``/tokenize``,
         vLLM's ``return_token_strs``); tokenized without the model-length check then.
     """
+
+    input_fields: ClassVar[tuple[str, ...]] = ("texts",)
 
     texts: tuple[str, ...] = field(converter=tuple)
     with_tokens: bool = field(default=False, validator=_flag)

@@ -18,11 +18,8 @@ from poolrunner.core.config import default_max_input_chars
 from poolrunner.core.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from poolrunner.core.inputs import cutting
 from poolrunner.core.memory import TRIM_AFTER_CHARS, release_memory
-from poolrunner.core.types import ModelConfig, TruncationSide
+from poolrunner.core.types import ModelConfig, PromptInput, TruncationSide
 from poolrunner.core.validators import check_text
-
-PromptInput = str | Sequence[int]
-"""A text, or an already tokenized prompt (special tokens included)."""
 
 LOCK_CHARS = 65_536
 """Most characters tokenized under one hold of the tokenizer lock (about 20-60 ms on one CPU

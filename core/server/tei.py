@@ -29,8 +29,8 @@ from poolrunner.core import frontend
 from poolrunner.core.config import default_token_budget
 from poolrunner.core.errors import PromptTooLongError
 from poolrunner.core.frontend import ClassifyInput
-from poolrunner.core.plugin_api.output import RequestOutput
 from poolrunner.core.frontend.scoring import cosine
+from poolrunner.core.plugin_api.output import RequestOutput
 from poolrunner.core.server import protocol as p
 from poolrunner.core.server import tei_protocol as t
 from poolrunner.core.server.errors import TeiError, TeiRoute
