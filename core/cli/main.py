@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import importlib_metadata
 
-from poolrunner.core.cli import classify, embed, encode, plugins, rerank, score, serve
+from poolrunner.core.cli import classify, embed, encode, plugins, rerank, score, serve, tokenize
 from poolrunner.core.cli.common import (
     DISABLE_ENV,
     EXIT_USAGE,
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print poolrunner's version and the registered plugins, then exit",
     )
     subparsers = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
-    for command in (embed, classify, score, rerank, encode, serve, plugins):
+    for command in (embed, classify, score, rerank, encode, tokenize, serve, plugins):
         command.add_parser(subparsers)
     return parser
 
