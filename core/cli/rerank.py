@@ -17,6 +17,7 @@ from poolrunner.core.cli.common import (
     add_output_option,
     add_plugin_options,
     add_plugin_request_options,
+    add_task_option,
     add_truncation_options,
     check_output,
     input_fields,
@@ -77,7 +78,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_input_option(files, "documents")
     add_output_option(files, FORMATS)
 
-    add_model_options(parser)
+    add_task_option(add_model_options(parser), "score with",
+                    "the model's own default task (BGE-M3's weights need m3_embed)")
 
     request = parser.add_argument_group("ranking")
     request.add_argument("--top-n", metavar="N", type=positive_int,
@@ -106,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     inputs = read_inputs(args, input_fields(args), args.documents, what="documents to rerank", kind="documents",
                          argument_name="DOC")
     check_output(args.output)
-    runtime = load_model(args)
+    runtime = load_model(args, task=args.task)
     query = args.queries[0]
 
     request = request_of(ScoreRequest, args, sides=("query", "documents"))

@@ -17,6 +17,7 @@ from poolrunner.core.cli.common import (
     add_output_option,
     add_plugin_options,
     add_plugin_request_options,
+    add_task_option,
     add_truncation_options,
     check_output,
     index_columns,
@@ -78,7 +79,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                        help="field (column) holding the document")
     add_output_option(files, FORMATS)
 
-    add_model_options(parser)
+    add_task_option(add_model_options(parser), "score with",
+                    "the model's own default task (BGE-M3's weights need m3_embed)")
     scoring = parser.add_argument_group("scoring")
     add_plugin_request_options(scoring)
     add_truncation_options(scoring, pairs=True)
@@ -94,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     inputs = read_inputs(args, fields, read_pairs(args), what="pairs to score", kind="pairs",
                          argument_name="--query and DOC", default_format="jsonl")
     check_output(args.output)
-    runtime = load_model(args)
+    runtime = load_model(args, task=args.task)
 
     request = request_of(ScoreRequest, args)
 

@@ -257,6 +257,23 @@ def test_encode_from_the_command_line(runtime, folder, capsys):
     np.testing.assert_array_equal(np.array(line["output"]["weights"], dtype=np.float32), want["weights"])
 
 
+def test_score_and_rerank_take_the_weights_from_the_command_line(reference, folder, capsys):
+    from poolrunner.core.cli.main import main
+
+    weights = {"dense": 1.0, "sparse": 0.3, "colbert": 0.5}
+    query, documents = reference.encode(QUERY), [reference.encode(document) for document in DOCUMENTS]
+    expected = np.array([combined_score(query, document, weights) for document in documents], dtype=np.float32)
+    common = ["--model", str(folder), "--task", "m3_embed", "--dtype", "float32", "--device", "cpu", "--option",
+              "dense_weight=1", "--option", "sparse_weight=0.3", "--option", "colbert_weight=0.5", "--query", QUERY]
+    assert main(["score", *common, *DOCUMENTS]) == 0
+    scored = [json.loads(line)["score"] for line in capsys.readouterr().out.splitlines()]
+    np.testing.assert_allclose(scored, expected, rtol=1e-5, atol=1e-6)
+    assert main(["rerank", *common, *DOCUMENTS]) == 0
+    ranked = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [row["index"] for row in ranked] == list(np.argsort(-expected, kind="stable"))
+    np.testing.assert_allclose([row["score"] for row in ranked], np.sort(expected)[::-1], rtol=1e-5, atol=1e-6)
+
+
 def test_report_the_largest_deviations():
     """Printed for the record (``pytest -rP``); each part was asserted within ATOL where computed."""
     print(f"max deviation from the reference: {WORST}")
