@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from poolrunner.core.types import ModelConfig, PoolingTask
 
 # Forward keyword arguments the runner sets itself; no plugin may return them. Keep in sync
-# with ModelRunner.forward (``poolrunner_layout`` is core.model.attention.LAYOUT_KWARG);
+# with ModelRunner.forward (``poolrunner_layout`` is core.kernels.attention.LAYOUT_KWARG);
 # tests/plugin_system checks every one of them.
 RUNNER_INPUT_KEYS = frozenset({"input_ids", "position_ids", "attention_mask", "use_cache", "poolrunner_layout"})
 

@@ -21,9 +21,8 @@ import torch
 from attrs import frozen
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from poolrunner.core import chunking, memory
+from poolrunner.core import chunking, memory, precision
 from poolrunner.core.config import ModelOverrides, RuntimeConfig, default_max_input_chars, default_token_budget
-from poolrunner.core.engine import precision
 from poolrunner.core.engine.engine import Engine
 from poolrunner.core.engine.runner import ModelRunner
 from poolrunner.core.engine.scheduler import Scheduler
@@ -32,8 +31,9 @@ from poolrunner.core.hooks import Hooks
 from poolrunner.core.inputs import score_template
 from poolrunner.core.inputs.score_template import ScoreTemplate
 from poolrunner.core.inputs.tokenize import InputProcessor
+from poolrunner.core.kernels import cpu_kernels, fused_norms, onednn
 from poolrunner.core.manager import PoolrunnerPluginManager, build_plugin_manager
-from poolrunner.core.model import cpu_kernels, families, fused_norms, loader, metadata, onednn, token_logits
+from poolrunner.core.model import families, loader, metadata, token_logits
 from poolrunner.core.model.hf_overrides import apply_hf_overrides
 from poolrunner.core.plugin_api.options import RequestOptions
 from poolrunner.core.selection import required_plugin, resolve_task, select_pooler, served_tasks
@@ -245,7 +245,7 @@ def _build_engine(
 
 def _probe_requests(inputs: InputProcessor, tasks: Sequence[PoolingTask],
                     options: RequestOptions, words_from: int = 0) -> list[PoolingRequest]:
-    """:func:`~poolrunner.core.engine.precision.probe_texts` as requests of each of ``tasks``
+    """:func:`~poolrunner.core.precision.probe_texts` as requests of each of ``tasks``
     (with their options' defaults), each at most ``LONG_PROBE_TOKENS`` long: every task the
     runtime serves is held to the bar, not only its default one."""
     texts = precision.probe_texts(inputs.tokenizer, inputs.model_config.max_model_len, words_from)
