@@ -66,17 +66,17 @@ class RuntimeConfig:
     :ivar task: Task to serve; ``None`` picks the model's default.
     :ivar dtype: ``auto`` (on CUDA the config's half-precision dtype; on a CPU with native bf16 the
         first of ``bfloat16`` and ``bf16-mixed`` that holds the accuracy bar, see
-        :mod:`poolrunner.core.engine.precision`, else float32), ``float32``, ``bfloat16``,
+        :mod:`poolrunner.core.precision`, else float32), ``float32``, ``bfloat16``,
         ``float16``, ``bf16-mixed`` (float32 weights and activations, bfloat16 matrix products;
         the CPU with ``compile="auto"`` only) or ``int8`` (linear layers as dynamic int8
-        products calibrated at load, the rest bfloat16: :mod:`poolrunner.core.model.int8`; the
+        products calibrated at load, the rest bfloat16: :mod:`poolrunner.core.kernels.int8`; the
         CPU with ``compile="auto"`` and native bf16 only; refused at load for a model whose probe
         outputs fall under cosine 0.999 of float32's).
     :ivar device: ``auto`` (CUDA when present, else CPU) or a torch device string.
     :ivar compile: ``auto``: on the CPU, linear layers run with weights prepacked for oneDNN once at
-        load, bias and known activations fused into the matmul (:mod:`poolrunner.core.model.onednn`),
+        load, bias and known activations fused into the matmul (:mod:`poolrunner.core.kernels.onednn`),
         and attention (and bfloat16 RMSNorm) in poolrunner's own kernels where they build
-        (:mod:`poolrunner.core.model.cpu_kernels`);
+        (:mod:`poolrunner.core.kernels.cpu_kernels`);
         ``off``: transformers' modules and torch's attention as they are.
     :ivar load_entrypoints: Load the ``poolrunner.plugins`` entry-point group.
     :ivar disable_plugins: Names of plugins to leave out (built-ins too).

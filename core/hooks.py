@@ -1,7 +1,9 @@
-"""Typed facade over ``pm.hook``: the only code that calls hooks.
+"""The plugin manager of one runtime, and the only code that calls its hooks.
 
 ``pm.hook.<name>()`` returns ``Any``; each method here gives the runner a typed, keyword-only
-call and merges collect-all results by the rule the spec documents.
+call and merges collect-all results by the rule the spec documents. Every call goes through
+pluggy's own hook callers (``pm.hook.<name>``, ``pm.subset_hook_caller``), so hook wrappers and
+``tryfirst`` / ``trylast`` act exactly as pluggy defines, per-plugin answers included.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from poolrunner.core.errors import PluginConflictError
+from poolrunner.core.manager import PoolrunnerPluginManager, build_plugin_manager
 from poolrunner.core.plugin_api.options import DeclaredOption, RequestOptions
 
 if TYPE_CHECKING:
@@ -23,25 +26,47 @@ if TYPE_CHECKING:
     from poolrunner.core.plugin_api.output import OutputHandle, RequestOutput
     from poolrunner.core.plugin_api.pooler import Pooler, PoolerOutput
     from poolrunner.core.plugin_api.request import RequestState
-    from poolrunner.core.types import ModelConfig, PoolingTask
+    from poolrunner.core.types import ModelConfig, PluginInfo, PoolingTask
 
 # Forward keyword arguments the runner sets itself; no plugin may return them. Keep in sync
-# with ModelRunner.forward (``poolrunner_layout`` is core.model.attention.LAYOUT_KWARG);
+# with ModelRunner.forward (``poolrunner_layout`` is core.kernels.attention.LAYOUT_KWARG);
 # tests/plugin_system checks every one of them.
 RUNNER_INPUT_KEYS = frozenset({"input_ids", "position_ids", "attention_mask", "use_cache", "poolrunner_layout"})
 
 
 class Hooks:
-    """Calls the hooks of one plugin manager."""
+    """Owns one plugin manager and calls its hooks (as tox's ``Plugin`` owns its manager).
 
-    def __init__(self, pm: pluggy.PluginManager) -> None:
-        self._pm = pm
-        self._hook = pm.hook
+    :ivar manager: The plugin manager; read it (``plugin_infos``, ``add_hookcall_monitoring``),
+        call hooks through the methods here.
+    """
+
+    def __init__(self, manager: PoolrunnerPluginManager) -> None:
+        self.manager = manager
+        self._hook = manager.hook
+
+    @classmethod
+    def build(
+        cls, *, plugins: Sequence[object] = (), load_entrypoints: bool = True, disable: Collection[str] = (),
+    ) -> Hooks:
+        """The hooks of a fresh, frozen manager (:func:`~poolrunner.core.manager.build_plugin_manager`'s
+        arguments and errors): a loaded runtime's plugin set is fixed."""
+        manager = build_plugin_manager(plugins=plugins, load_entrypoints=load_entrypoints, disable=disable)
+        manager.freeze()
+        return cls(manager)
+
+    def plugin_infos(self) -> list[PluginInfo]:
+        """Every registered plugin, in registration order."""
+        return self.manager.plugin_infos()
+
+    def has_plugin(self, name: str) -> bool:
+        """Whether a plugin is registered under ``name`` (a disabled one is not)."""
+        return self.manager.has_plugin(name)
 
     def claim_model_folder(self, *, folder: Path, architecture: str) -> dict[str, str]:
-        """Each claiming plugin's name and reason (every implementation asked on its own)."""
-        return {plugin: str(reason) for plugin, reason in
-                self._each("claim_model_folder", folder=folder, architecture=architecture) if reason is not None}
+        """Each claiming plugin's name and reason (every plugin asked on its own)."""
+        answers = self._each("claim_model_folder", folder=folder, architecture=architecture)
+        return {plugin: "; ".join(map(str, reasons)) for plugin, reasons in answers if reasons}
 
     def supported_tasks(self, *, model_config: ModelConfig) -> frozenset[PoolingTask]:
         results = self._hook.supported_tasks(model_config=model_config)
@@ -50,7 +75,7 @@ class Hooks:
     def tasks_by_plugin(self, *, model_config: ModelConfig) -> dict[str, frozenset[PoolingTask]]:
         """Each plugin's own answer to ``supported_tasks``, for error messages and listings."""
         answers = self._each("supported_tasks", call_order=False, model_config=model_config)
-        return {plugin: frozenset(tasks or ()) for plugin, tasks in answers}
+        return {plugin: frozenset(task for tasks in results for task in tasks) for plugin, results in answers}
 
     def get_pooler(self, *, model_config: ModelConfig, task: PoolingTask, model: nn.Module) -> Pooler | None:
         return self._hook.get_pooler(model_config=model_config, task=task, model=model)
@@ -58,10 +83,8 @@ class Hooks:
     def get_pooler_from(
         self, plugins: Collection[str], *, model_config: ModelConfig, task: PoolingTask, model: nn.Module
     ) -> Pooler | None:
-        """``get_pooler`` asking only the named ``plugins``."""
-        others = [p for name, p in self._pm.list_name_plugin() if name not in plugins]
-        caller = self._pm.subset_hook_caller("get_pooler", remove_plugins=others)
-        return caller(model_config=model_config, task=task, model=model)
+        """``get_pooler`` asking only the named ``plugins`` (every wrapper kept)."""
+        return self._caller("get_pooler", plugins)(model_config=model_config, task=task, model=model)
 
     def request_options(self, *, model_config: ModelConfig) -> RequestOptions:
         """Every plugin's declared request options, each with its plugin's name.
@@ -69,19 +92,29 @@ class Hooks:
         :raises PluginConflictError: when two plugins declare one name.
         """
         return RequestOptions(DeclaredOption(option, plugin)
-                              for plugin, options in self._each("request_options", model_config=model_config)
-                              for option in options or ())
-
-    def _each(self, hook_name: str, *, call_order: bool = True, **arguments: Any) -> Iterator[tuple[str, Any]]:
-        """``(plugin name, answer)`` of every implementation of ``hook_name``, each asked on its
-        own with the arguments it names, in call order (else in registration order)."""
-        impls = getattr(self._hook, hook_name).get_hookimpls()
-        for impl in reversed(impls) if call_order else impls:
-            yield impl.plugin_name, impl.function(**{name: arguments[name] for name in impl.argnames})
+                              for plugin, results in self._each("request_options", model_config=model_config)
+                              for options in results for option in options)
 
     def implementers(self, hook_name: str) -> list[str]:
-        """Names of the plugins implementing ``hook_name``, in call order."""
-        return [impl.plugin_name for impl in reversed(getattr(self._hook, hook_name).get_hookimpls())]
+        """Names of the plugins answering ``hook_name`` (its implementations that are not
+        wrappers), in call order."""
+        impls = reversed(getattr(self._hook, hook_name).get_hookimpls())
+        return list(dict.fromkeys(impl.plugin_name for impl in impls if not _is_wrapper(impl)))
+
+    def _each(self, hook_name: str, *, call_order: bool = True, **arguments: Any) -> Iterator[tuple[str, list[Any]]]:
+        """``(plugin name, results)`` for every plugin answering the collect-all hook
+        ``hook_name``, each asked on its own through :meth:`_caller` (so every wrapper runs around
+        each plugin's answer, once per plugin); in call order, else in registration order."""
+        names = self.implementers(hook_name)
+        for name in names if call_order else reversed(names):
+            yield name, self._caller(hook_name, {name})(**arguments)
+
+    def _caller(self, hook_name: str, plugins: Collection[str]) -> pluggy.HookCaller:
+        """pluggy's caller of ``hook_name`` without the answers of the plugins not in ``plugins``;
+        the plugins wrapping the hook stay, so their wrappers see and may change the result."""
+        wrapping = {impl.plugin_name for impl in getattr(self._hook, hook_name).get_hookimpls() if _is_wrapper(impl)}
+        others = [plugin for name, plugin in self.manager.list_name_plugin() if name not in {*plugins, *wrapping}]
+        return self.manager.subset_hook_caller(hook_name, remove_plugins=others)
 
     def add_request(self, *, state: RequestState, model_config: ModelConfig) -> None:
         self._hook.add_request(state=state, model_config=model_config)
@@ -120,3 +153,8 @@ class Hooks:
     ) -> torch.Tensor | None:
         return self._hook.score_outputs(model_config=model_config, task=task, queries=queries, documents=documents,
                                         options=options)
+
+
+def _is_wrapper(impl: pluggy.HookImpl) -> bool:
+    """A new-style (``wrapper=True``) or old-style (``hookwrapper=True``) wrapper."""
+    return impl.wrapper or impl.hookwrapper

@@ -21,9 +21,8 @@ import torch
 from attrs import frozen
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from poolrunner.core import memory
+from poolrunner.core import memory, precision
 from poolrunner.core.config import ModelOverrides, RuntimeConfig, default_max_input_chars, default_token_budget
-from poolrunner.core.engine import precision
 from poolrunner.core.engine.engine import Engine
 from poolrunner.core.engine.runner import ModelRunner
 from poolrunner.core.engine.scheduler import Scheduler
@@ -33,8 +32,8 @@ from poolrunner.core.hooks import Hooks
 from poolrunner.core.inputs import score_template
 from poolrunner.core.inputs.score_template import ScoreTemplate
 from poolrunner.core.inputs.tokenize import InputProcessor
-from poolrunner.core.manager import PoolrunnerPluginManager, build_plugin_manager
-from poolrunner.core.model import cpu_kernels, families, fused_norms, loader, metadata, onednn, token_logits
+from poolrunner.core.kernels import cpu_kernels, fused_norms, onednn
+from poolrunner.core.model import families, loader, metadata, token_logits
 from poolrunner.core.model.hf_overrides import apply_hf_overrides
 from poolrunner.core.plugin_api.options import RequestOptions
 from poolrunner.core.selection import required_plugin, resolve_task, select_pooler, served_tasks
@@ -48,8 +47,7 @@ class LoadedModel:
     """Everything a runtime serves with.
 
     :ivar config: The settings it was loaded with.
-    :ivar plugin_manager: The frozen plugin manager.
-    :ivar hooks: Typed calls into it.
+    :ivar hooks: The frozen plugin manager (``hooks.manager``) and typed calls into it.
     :ivar model_config: What poolrunner knows of the model.
     :ivar task: The default task (the one named at load, else the model's default).
     :ivar tasks: Every task served: the named one alone, else each task the model's head and the
@@ -64,7 +62,6 @@ class LoadedModel:
     """
 
     config: RuntimeConfig
-    plugin_manager: PoolrunnerPluginManager
     hooks: Hooks
     model_config: ModelConfig
     task: PoolingTask
@@ -87,19 +84,19 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
     :raises PluginLoadError: if a plugin fails to import or names an unknown hook.
     :raises PluginConflictError: if two plugins declare one request option.
     """
-    manager, hooks = _plugins(config, plugins)
+    hooks = _plugins(config, plugins)
     path = metadata.resolve_model_path(config.model, config.revision)
-    hf_config, tokenizer, model_config = read_model(path, hooks, manager, config.overrides, config.hf_overrides)
-    task = resolve_task(hooks, manager, model_config, config.task)
+    hf_config, tokenizer, model_config = read_model(path, hooks, config.overrides, config.hf_overrides)
+    task = resolve_task(hooks, model_config, config.task)
     template = score_template.for_runtime(config.score_template, model_config, task, _special_tokens(tokenizer))
-    wanted = [task] if config.task else [task, *sorted(served_tasks(hooks, manager, model_config) - {task})]
+    wanted = [task] if config.task else [task, *sorted(served_tasks(hooks, model_config) - {task})]
     chunking.check_config(config.max_embed_len, model_config, wanted)
     options = hooks.request_options(model_config=model_config)
     device = loader.resolve_device(config.device)
     max_input_chars = config.max_input_chars or default_max_input_chars(config.max_embed_len
                                                                         or model_config.max_model_len)
     inputs = InputProcessor(tokenizer, model_config, max_input_chars=max_input_chars)
-    build = functools.partial(_build_engine, config, path, hf_config, hooks, manager, model_config, wanted, device)
+    build = functools.partial(_build_engine, config, path, hf_config, hooks, model_config, wanted, device)
     fast_path = config.compile == "auto" and onednn.supported(device, torch.float32)
     mixed_path = fast_path and onednn.supported(device, torch.bfloat16)  # bf16 products, as bf16-mixed's
     if config.dtype == "auto" and precision.native_bf16(device):
@@ -116,7 +113,7 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
     tasks = frozenset(engine.runner.poolers)
     logger.info("loaded %s (%s) for tasks %s (default %r) on %s as %s", path, model_config.architecture,
                 sorted(tasks), task, device, chosen.name)
-    return LoadedModel(config=config, plugin_manager=manager, hooks=hooks, model_config=model_config, task=task,
+    return LoadedModel(config=config, hooks=hooks, model_config=model_config, task=task,
                        tasks=tasks, device=device, precision=chosen, inputs=inputs, options=options, engine=engine,
                        score_template=template)
 
@@ -163,25 +160,22 @@ def declared_options(config: RuntimeConfig, plugins: Sequence[object] = ()) -> R
 
     :raises ModelLoadError: if the folder cannot be read or describes something poolrunner refuses.
     """
-    manager, hooks = _plugins(config, plugins)
+    hooks = _plugins(config, plugins)
     path = metadata.resolve_model_path(config.model, config.revision)
-    _, _, model_config = read_model(path, hooks, manager, config.overrides, config.hf_overrides)
+    _, _, model_config = read_model(path, hooks, config.overrides, config.hf_overrides)
     return hooks.request_options(model_config=model_config)
 
 
-def _plugins(config: RuntimeConfig, plugins: Sequence[object]) -> tuple[PoolrunnerPluginManager, Hooks]:
-    manager = build_plugin_manager(plugins=plugins, load_entrypoints=config.load_entrypoints,
-                                   disable=config.disable_plugins)
-    manager.freeze()
-    return manager, Hooks(manager)
+def _plugins(config: RuntimeConfig, plugins: Sequence[object]) -> Hooks:
+    return Hooks.build(plugins=plugins, load_entrypoints=config.load_entrypoints, disable=config.disable_plugins)
 
 
 def read_model(
-    path: Path, hooks: Hooks, manager: PoolrunnerPluginManager, overrides: ModelOverrides,
+    path: Path, hooks: Hooks, overrides: ModelOverrides,
     hf_overrides: Mapping[str, Any] | None = None,
 ) -> tuple[PretrainedConfig, PreTrainedTokenizerBase, ModelConfig]:
     """A local folder's config (``hf_overrides`` applied), tokenizer and :class:`ModelConfig`, with
-    the plugin its format needs as ``manager``'s plugins judge it (``claim_model_folder``) and the
+    the plugin its format needs as ``hooks``' plugins judge it (``claim_model_folder``) and the
     token-logit classifier the overrides ask for; no weights are loaded.
 
     :raises ModelLoadError: if the folder cannot be read or describes something poolrunner refuses.
@@ -193,7 +187,7 @@ def read_model(
     architecture = families.architecture_name(hf_config)
     tokenizer = loader.load_tokenizer(path)
     logits = token_logits.read_token_logits(hf_config, tokenizer, folder_architecture, path)
-    required = required_plugin(hooks, manager, path, architecture)
+    required = required_plugin(hooks, path, architecture)
     families.architecture_class(architecture, hf_config.model_type, path, claimed=required is not None)
     model_config = metadata.load_model_config(path, hf_config, tokenizer.model_max_length, overrides, required)
     if logits is not None:
@@ -207,7 +201,7 @@ def _special_tokens(tokenizer: PreTrainedTokenizerBase) -> dict[str, str]:
 
 
 def _build_engine(
-    config: RuntimeConfig, path: Path, hf_config: PretrainedConfig, hooks: Hooks, manager: PoolrunnerPluginManager,
+    config: RuntimeConfig, path: Path, hf_config: PretrainedConfig, hooks: Hooks,
     model_config: ModelConfig, tasks: list[PoolingTask], device: torch.device, chosen: precision.Precision,
 ) -> Engine:
     """Load the weights in ``chosen``'s dtype, prepack them for oneDNN where the fast path runs,
@@ -229,7 +223,7 @@ def _build_engine(
     poolers = {}
     for task in tasks:
         try:
-            poolers[task] = select_pooler(hooks, manager, model_config, task, model, config.pooler_plugin).to(device)
+            poolers[task] = select_pooler(hooks, model_config, task, model, config.pooler_plugin).to(device)
         except (UnsupportedTaskError, PluginConflictError, ModelLoadError) as exc:
             if task == tasks[0]:
                 raise
@@ -246,7 +240,7 @@ def _build_engine(
 
 def _probe_requests(inputs: InputProcessor, tasks: Sequence[PoolingTask],
                     options: RequestOptions, words_from: int = 0) -> list[PoolingRequest]:
-    """:func:`~poolrunner.core.engine.precision.probe_texts` as requests of each of ``tasks``
+    """:func:`~poolrunner.core.precision.probe_texts` as requests of each of ``tasks``
     (with their options' defaults), each at most ``LONG_PROBE_TOKENS`` long: every task the
     runtime serves is held to the bar, not only its default one."""
     texts = precision.probe_texts(inputs.tokenizer, inputs.model_config.max_model_len, words_from)

@@ -86,7 +86,7 @@ class Runtime:
 
     def _serve(self, loaded: LoadedModel) -> None:
         self.config: RuntimeConfig = loaded.config
-        self.plugin_manager: PoolrunnerPluginManager = loaded.plugin_manager
+        self.plugin_manager: PoolrunnerPluginManager = loaded.hooks.manager
         self.model_config: ModelConfig = loaded.model_config
         self.task: PoolingTask = loaded.task
         self.supported_tasks: frozenset[PoolingTask] = loaded.tasks

@@ -9,7 +9,6 @@ from torch import nn
 
 from poolrunner.core.errors import ModelLoadError, PluginConflictError, UnsupportedTaskError
 from poolrunner.core.hooks import Hooks
-from poolrunner.core.manager import PoolrunnerPluginManager
 from poolrunner.core.model.plugin_requirements import unclaimed_format
 from poolrunner.core.model.tasks import default_task
 from poolrunner.core.plugin_api.pooler import Pooler
@@ -18,9 +17,7 @@ from poolrunner.core.types import POOLING_TASKS, ModelConfig, PoolingTask, Requi
 _REMEDY = "Pick a supported task, or install a plugin that serves it (see `poolrunner plugins --all`)."
 
 
-def resolve_task(
-    hooks: Hooks, pm: PoolrunnerPluginManager, model_config: ModelConfig, requested: PoolingTask | None
-) -> PoolingTask:
+def resolve_task(hooks: Hooks, model_config: ModelConfig, requested: PoolingTask | None) -> PoolingTask:
     """The requested task, or the model's default, checked against what is served.
 
     See :func:`served_tasks` for what is served.
@@ -28,14 +25,14 @@ def resolve_task(
     :raises UnsupportedTaskError: naming the task, the supported tasks, the plugins and the remedy.
     :raises ModelLoadError: if the folder declares a plugin that is not registered.
     """
-    supported = served_tasks(hooks, pm, model_config)
+    supported = served_tasks(hooks, model_config)
     task = requested or default_task(model_config.architecture, supported)
     if task is not None and task in supported:
         return task
     served = hooks.tasks_by_plugin(model_config=model_config)
     plugins = ", ".join(
         f"{info.describe()} serves {sorted(served.get(info.name, ()))}"
-        for info in pm.plugin_infos() if {"supported_tasks", "get_pooler"} & set(info.hooks)
+        for info in hooks.plugin_infos() if {"supported_tasks", "get_pooler"} & set(info.hooks)
     )
     asked = f"task {requested!r}" if requested else "any task"
     raise UnsupportedTaskError(
@@ -45,9 +42,7 @@ def resolve_task(
     )
 
 
-def required_plugin(
-    hooks: Hooks, pm: PoolrunnerPluginManager, folder: Path, architecture: str,
-) -> RequiredPlugin | None:
+def required_plugin(hooks: Hooks, folder: Path, architecture: str) -> RequiredPlugin | None:
     """The plugin ``folder`` must be served by: the one plugin that claims it
     (``claim_model_folder``), else, for a known format no installed plugin claimed, the plugin
     :data:`~poolrunner.core.model.plugin_requirements.FOLDER_FORMATS` names (its absence then
@@ -64,11 +59,11 @@ def required_plugin(
     if not claims:
         return unclaimed_format(folder, architecture)
     (name, reason), = claims.items()
-    dist = next((info.dist for info in pm.plugin_infos() if info.name == name and info.dist), name)
+    dist = next((info.dist for info in hooks.plugin_infos() if info.name == name and info.dist), name)
     return RequiredPlugin(name=name, dist=dist, reason=reason)
 
 
-def served_tasks(hooks: Hooks, pm: PoolrunnerPluginManager, model_config: ModelConfig) -> frozenset[PoolingTask]:
+def served_tasks(hooks: Hooks, model_config: ModelConfig) -> frozenset[PoolingTask]:
     """The tasks a runtime can serve for ``model_config``.
 
     A built-in task is served when the model can do it (``model_config.model_tasks``) and a
@@ -80,7 +75,7 @@ def served_tasks(hooks: Hooks, pm: PoolrunnerPluginManager, model_config: ModelC
     """
     required = model_config.required_plugin
     if required is not None:
-        if not pm.has_plugin(required.name):
+        if not hooks.has_plugin(required.name):
             raise ModelLoadError(
                 f"model {model_config.name!r} needs the {required.name!r} plugin ({required.reason}), "
                 f"which is not installed or is disabled: pip install {required.dist}"
@@ -91,8 +86,7 @@ def served_tasks(hooks: Hooks, pm: PoolrunnerPluginManager, model_config: ModelC
 
 
 def select_pooler(
-    hooks: Hooks, pm: PoolrunnerPluginManager, model_config: ModelConfig, task: PoolingTask,
-    model: nn.Module, pooler_plugin: str | None,
+    hooks: Hooks, model_config: ModelConfig, task: PoolingTask, model: nn.Module, pooler_plugin: str | None,
 ) -> Pooler:
     """The pooler for ``task``: from ``pooler_plugin`` when named (by default the plugin the
     model folder requires), else from the single non-built-in plugin that answers, else from
@@ -105,13 +99,13 @@ def select_pooler(
     if pooler_plugin is None and model_config.required_plugin is not None:
         pooler_plugin = model_config.required_plugin.name
     if pooler_plugin is not None:
-        if not pm.has_plugin(pooler_plugin):
+        if not hooks.has_plugin(pooler_plugin):
             raise UnsupportedTaskError(f"pooler_plugin {pooler_plugin!r} is not a registered plugin")
         pooler = hooks.get_pooler_from({pooler_plugin}, **args)
         if pooler is None:
             raise UnsupportedTaskError(f"plugin {pooler_plugin!r} returned no pooler for task {task!r}")
         return pooler
-    builtin = {info.name for info in pm.plugin_infos() if info.source == "builtin"}
+    builtin = {info.name for info in hooks.plugin_infos() if info.source == "builtin"}
     answers = {}
     for name in hooks.implementers("get_pooler"):
         if name not in builtin and (offered := hooks.get_pooler_from({name}, **args)) is not None:

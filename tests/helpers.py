@@ -16,7 +16,7 @@ def bf16_products() -> bool:
     an AVX2-only CPU, where ``bf16-mixed`` is refused at load and bfloat16 layers are not packed."""
     import torch
 
-    from poolrunner.core.model import onednn
+    from poolrunner.core.kernels import onednn
 
     return onednn.supported(torch.device("cpu"), torch.bfloat16)
 

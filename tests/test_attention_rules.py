@@ -15,7 +15,7 @@ from transformers.models.llama import modeling_llama
 
 from poolrunner import Runtime
 from poolrunner.core.errors import ModelLoadError, UnsupportedAttentionError
-from poolrunner.core.model.attention import LAYOUT_KWARG, MaskRule, PackedLayout, packed_attention
+from poolrunner.core.kernels.attention import LAYOUT_KWARG, MaskRule, PackedLayout, packed_attention
 from tests.models.architectures import make_tokenizer
 
 _DECODER = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

@@ -1,6 +1,6 @@
 """poolrunner's CPU kernels against torch and transformers: packed attention in float64, RMSNorm.
 
-The kernel (``core/model/packed_attention.cpp``) attends every request of a packed step in one
+The kernel (``core/kernels/packed_attention.cpp``) attends every request of a packed step in one
 call. Each request must get what torch's scaled_dot_product_attention gives it alone, no further
 from the float64 truth than torch's own SDPA in the same dtype: both compute in float32 and
 round the output once.
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from poolrunner import Runtime
-from poolrunner.core.model import cpu_kernels
-from poolrunner.core.model.attention import LAYOUT_KWARG, MaskRule, PackedLayout, packed_attention
+from poolrunner.core.kernels import cpu_kernels
+from poolrunner.core.kernels.attention import LAYOUT_KWARG, MaskRule, PackedLayout, packed_attention
 
 SUPPORTED = cpu_kernels.supported_dtypes()
 pytestmark = pytest.mark.skipif(not SUPPORTED, reason="the kernel needs an x86 CPU with AVX-512 and a C++ compiler")
@@ -169,7 +169,7 @@ def test_a_machine_that_cannot_build_it_attends_on_sdpa_and_says_why(monkeypatch
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     cpu_kernels._load.cache_clear()
     try:
-        with caplog.at_level("WARNING", logger="poolrunner.core.model.cpu_kernels"):
+        with caplog.at_level("WARNING", logger="poolrunner.core.kernels.cpu_kernels"):
             runtime = Runtime(model_path, dtype="float32", load_entrypoints=False)
         assert not runtime.engine.runner.native_attention
         assert ("poolrunner's CPU kernels could not be built, attention and RMSNorm run on torch: "
@@ -187,7 +187,7 @@ def test_rms_norm_computes_what_llama_rms_norm_computes(hidden):
     """The same roundings as the module; only the order of the sum of squares differs."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from poolrunner.core.model.fused_norms import FusedRMSNorm
+    from poolrunner.core.kernels.fused_norms import FusedRMSNorm
 
     torch.manual_seed(0)
     norm = LlamaRMSNorm(hidden, eps=1e-5)
@@ -208,7 +208,7 @@ def test_only_llama_rms_norm_code_in_bfloat16_is_replaced():
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from poolrunner.core.model.fused_norms import FusedRMSNorm, fuse_rms_norms
+    from poolrunner.core.kernels.fused_norms import FusedRMSNorm, fuse_rms_norms
 
     model = torch.nn.ModuleDict({
         "llama": LlamaRMSNorm(16).bfloat16(), "gemma": GemmaRMSNorm(16).bfloat16(), "fp32": LlamaRMSNorm(16),
@@ -221,7 +221,7 @@ def test_only_llama_rms_norm_code_in_bfloat16_is_replaced():
 def test_a_bfloat16_decoder_on_the_fast_path_runs_its_norms_in_the_kernel(tmp_path):
     import transformers
 
-    from poolrunner.core.model.fused_norms import FusedRMSNorm
+    from poolrunner.core.kernels.fused_norms import FusedRMSNorm
     from tests.test_attention_rules import _DECODER, _folder
 
     folder = _folder(transformers.LlamaConfig(**_DECODER, architectures=["LlamaModel"]), tmp_path)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import poolrunner
-from poolrunner.core.engine import precision
+from poolrunner.core import precision
 from poolrunner.core.engine.buckets import bucket_num_tokens
 from tests.helpers import MIN_COSINE, cosine_rows
 

@@ -1,7 +1,7 @@
 """``dtype="int8"``: the quantization kernels against torch, int8 linear layers against float
 arithmetic, and the load-time bar against transformers and sentence-transformers.
 
-The kernels (``core/model/int8_linear.cpp``) must compute the formulas their header states: the
+The kernels (``core/kernels/int8_linear.cpp``) must compute the formulas their header states: the
 quantization bit for bit as torch computes them, the conversion back as float64 does, to float32
 rounding. The bar must refuse a model whose int8 outputs leave cosine 0.999 of float32 (all of
 the real models here) and keep one that stays within it, whose outputs then stay within it on
@@ -19,7 +19,7 @@ from torch import nn
 
 import poolrunner
 from poolrunner.core.errors import ModelLoadError
-from poolrunner.core.model import cpu_kernels, int8, onednn
+from poolrunner.core.kernels import cpu_kernels, int8, onednn
 from tests.helpers import cosine_rows
 from tests.models import architectures
 

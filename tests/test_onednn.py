@@ -15,9 +15,9 @@ from transformers import BertConfig, BertModel, LlamaConfig, LlamaModel, activat
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 import poolrunner
-from poolrunner.core.engine import precision
+from poolrunner.core import precision
 from poolrunner.core.errors import ModelLoadError
-from poolrunner.core.model import onednn
+from poolrunner.core.kernels import onednn
 from tests.helpers import MIN_COSINE, bf16_products, cosine_rows
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")

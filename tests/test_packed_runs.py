@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from poolrunner.core.model import attention
-from poolrunner.core.model.attention import LAYOUT_KWARG, KVCache, MaskRule, PackedLayout, packed_attention
+from poolrunner.core.kernels import attention
+from poolrunner.core.kernels.attention import LAYOUT_KWARG, KVCache, MaskRule, PackedLayout, packed_attention
 
 HEADS, DIM = 3, 8
 LENGTHS = [4, 7, 7, 2, 7, 4, 4]  # unsorted, with equal lengths adjacent and apart

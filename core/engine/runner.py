@@ -19,7 +19,7 @@ from torch import nn
 
 from poolrunner.core.engine.buckets import bucket_num_tokens
 from poolrunner.core.hooks import Hooks
-from poolrunner.core.model.attention import ATTENTION_NAME, LAYOUT_KWARG, KVCache, PackedLayout, probe_attention
+from poolrunner.core.kernels.attention import ATTENTION_NAME, LAYOUT_KWARG, KVCache, PackedLayout, probe_attention
 from poolrunner.core.model.metadata import position_offset
 from poolrunner.core.plugin_api.batch import InputBatch, PoolingMetadata
 from poolrunner.core.plugin_api.output import OutputHandle
@@ -48,7 +48,7 @@ class ModelRunner:
         :param bucket_tokens: Round each step's token count up to a bucket
             (:func:`~poolrunner.core.engine.buckets.bucket_num_tokens`) so kernels are reused: on the CPU.
         :param native_attention: Attend in poolrunner's CPU kernel
-            (:mod:`~poolrunner.core.model.cpu_kernels`, already built) where a layer's mask allows."""
+            (:mod:`~poolrunner.core.kernels.cpu_kernels`, already built) where a layer's mask allows."""
         self.backbone = model.base_model  # hidden states; heads belong to poolers
         self.poolers = dict(poolers)
         self.pooler = self.poolers[default_task]

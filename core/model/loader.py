@@ -12,9 +12,9 @@ from torch import nn
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from poolrunner.core.errors import ModelLoadError
+from poolrunner.core.kernels.attention import ATTENTION_NAME
 from poolrunner.core.model import checkpoint, families
 from poolrunner.core.model import token_logits as token_logits_rules
-from poolrunner.core.model.attention import ATTENTION_NAME
 from poolrunner.core.model.families import one_line
 from poolrunner.core.types import TokenLogits
 
@@ -31,7 +31,7 @@ def resolve_device(device: str) -> torch.device:
 def auto_dtype(hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
     """``dtype="auto"`` without a measurement: the config's half dtype (else bfloat16) on CUDA,
     float32 elsewhere. On a CPU with native bf16 the runtime measures instead
-    (:mod:`poolrunner.core.engine.precision`)."""
+    (:mod:`poolrunner.core.precision`)."""
     if device.type != "cuda":
         return torch.float32
     declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", "")

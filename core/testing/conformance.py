@@ -116,21 +116,19 @@ class PoolingPluginConformance:
 
     @pytest.fixture
     def plugin_hooks(self, plugin: object) -> Callable[[], Any]:
-        """``make() -> (Hooks, manager)`` with core's defaults and ``plugin`` alone."""
+        """``make() -> Hooks`` with core's defaults and ``plugin`` alone."""
 
         def make() -> Any:
             from poolrunner.core.hooks import Hooks
-            from poolrunner.core.manager import build_plugin_manager
 
-            pm = build_plugin_manager(**manager_options([plugin]))
-            return Hooks(pm), pm
+            return Hooks.build(**manager_options([plugin]))
 
         return make
 
     # ---- checks ----
 
     def test_registers_and_passes_hook_validation(self, plugin: object, plugin_name: str, plugin_hooks) -> None:
-        _, pm = plugin_hooks()  # pluggy validated every hookimpl signature and check_pending passed
+        pm = plugin_hooks().manager  # pluggy validated every hookimpl signature and check_pending passed
         assert pm.get_plugin(plugin_name) is plugin
         declared = {name for name in dir(plugin) if hasattr(getattr(plugin, name), "poolrunner_impl")}
         implemented = {caller.name for caller in pm.get_hookcallers(plugin) or ()}
@@ -158,13 +156,13 @@ class PoolingPluginConformance:
         """An empty ``claimed_tasks`` is right for a plugin that pools nothing (model state,
         output copies): it must then answer no task for any model."""
         assert set(task_models) == set(claimed_tasks)
-        hooks, pm = plugin_hooks()
+        hooks = plugin_hooks()
         answered: set[str] = set()
         for path in {*task_models.values(), poolrunner_tiny_model()}:
-            model_config, _ = _load(path, hooks, pm)
+            model_config, _ = _load(path, hooks)
             answered |= hooks.tasks_by_plugin(model_config=model_config).get(plugin_name, frozenset())
         for task, path in task_models.items():
-            model_config, _ = _load(path, hooks, pm)
+            model_config, _ = _load(path, hooks)
             tasks = hooks.tasks_by_plugin(model_config=model_config).get(plugin_name, frozenset())
             assert task in tasks, f"{plugin_name} does not claim {task!r} for {path}"
         assert answered == set(claimed_tasks)
@@ -176,9 +174,9 @@ class PoolingPluginConformance:
         plain tiny BertModel included), so built-ins keep serving models that are not yours."""
         from poolrunner.core.types import POOLING_TASKS
 
-        hooks, pm = plugin_hooks()
+        hooks = plugin_hooks()
         for path in {*task_models.values(), poolrunner_tiny_model()}:
-            model_config, model = _load(path, hooks, pm)
+            model_config, model = _load(path, hooks)
             answered = hooks.tasks_by_plugin(model_config=model_config).get(plugin_name, frozenset())
             assert answered <= set(claimed_tasks)
             for task in sorted({*POOLING_TASKS, *claimed_tasks} - answered):
@@ -213,9 +211,9 @@ class PoolingPluginConformance:
         value (well-formed output), and a value of the wrong type is refused naming your plugin."""
         from poolrunner.core import InvalidRequestError
 
-        hooks, pm = plugin_hooks()
+        hooks = plugin_hooks()
         for task, path in sorted(task_models.items()):
-            model_config, _ = _load(path, hooks, pm)
+            model_config, _ = _load(path, hooks)
             declared = [e.option for e in hooks.request_options(model_config=model_config) if e.plugin == plugin_name]
             for option in declared:
                 assert option.tasks <= set(claimed_tasks), f"option {option.name!r} is for unclaimed tasks"
@@ -241,10 +239,11 @@ class PoolingPluginConformance:
 
         from poolrunner.core import InputBatch, PoolingParams, PoolingRequest, RequestState
 
-        hooks, pm = plugin_hooks()
+        hooks = plugin_hooks()
+        pm = hooks.manager
         implemented = {caller.name for caller in pm.get_hookcallers(pm.get_plugin(plugin_name)) or ()}
         for task in sorted(claimed_tasks) or ["embed"]:
-            model_config, _ = _load(task_models.get(task) or poolrunner_tiny_model(), hooks, pm)
+            model_config, _ = _load(task_models.get(task) or poolrunner_tiny_model(), hooks)
             types = (0, 0, 1, 1) if model_config.type_vocab_size >= 2 else None
             states = [
                 RequestState(request=PoolingRequest(request_id=f"conformance-{i}", prompt_token_ids=ids,
@@ -306,8 +305,8 @@ def _others(pm: Any, keep: list[str]) -> list[object]:
 _LOADED: dict[tuple[Path, tuple[str, ...]], Any] = {}
 
 
-def _load(path: Path, hooks: Any, pm: Any) -> tuple[ModelConfig, Any]:
-    """``(ModelConfig, model)`` of a folder, as a runtime with ``pm``'s plugins builds them on
+def _load(path: Path, hooks: Any) -> tuple[ModelConfig, Any]:
+    """``(ModelConfig, model)`` of a folder, as a runtime with ``hooks``' plugins builds them on
     the CPU (cached per folder and plugin set)."""
     import torch
 
@@ -316,9 +315,9 @@ def _load(path: Path, hooks: Any, pm: Any) -> tuple[ModelConfig, Any]:
     from poolrunner.core.model import loader
 
     path = Path(path)
-    key = (path, tuple(sorted(name for name, _ in pm.list_name_plugin())))
+    key = (path, tuple(sorted(name for name, _ in hooks.manager.list_name_plugin())))
     if key not in _LOADED:
-        hf_config, _, model_config = read_model(path, hooks, pm, ModelOverrides())
+        hf_config, _, model_config = read_model(path, hooks, ModelOverrides())
         _LOADED[key] = model_config, loader.load_model(path, hf_config, torch.float32, torch.device("cpu"))
     return _LOADED[key]
 

@@ -21,8 +21,7 @@ from splade_folders import splade_tiny_folder
 from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
 
 import poolrunner
-from poolrunner.core import InvalidRequestError, ModelLoadError
-from poolrunner.core.engine import precision
+from poolrunner.core import InvalidRequestError, ModelLoadError, precision
 
 TEXTS = [
     "what is the capital of france",

@@ -1,5 +1,5 @@
 """RMSNorm in one pass: transformers' ``LlamaRMSNorm`` and its copies in a bfloat16 model on the
-CPU run in poolrunner's kernel (:func:`~poolrunner.core.model.cpu_kernels.rms_norm`).
+CPU run in poolrunner's kernel (:func:`~poolrunner.core.kernels.cpu_kernels.rms_norm`).
 
 Only modules whose forward is ``LlamaRMSNorm.forward`` or a bytecode-identical copy (Qwen2,
 Qwen3, Mistral, SmolLM2, ...) are replaced; Gemma's ``(1 + weight)`` norm and every other code
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from poolrunner.core.model import cpu_kernels
-from poolrunner.core.model.onednn import code_key, replace_modules
+from poolrunner.core.kernels import cpu_kernels
+from poolrunner.core.kernels.onednn import code_key, replace_modules
 
 _RMS_NORM = code_key(LlamaRMSNorm.forward)
 

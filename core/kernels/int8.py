@@ -9,7 +9,7 @@ Xiao et al. 2023, ``alpha`` 0.5): ``x @ W.T == (x / s) @ (W * s).T``, with
 ``s = max|x|**0.5 / max|W|**0.5`` per channel, measured on calibration texts at load.
 
 What it costs in accuracy is a property of the model, so it is measured at load
-(:func:`poolrunner.core.engine.precision.quantize_checked`) and the model refused if it misses
+(:func:`poolrunner.core.precision.quantize_checked`) and the model refused if it misses
 the bar. all-MiniLM-L6-v2 against float32 sentence-transformers: min cosine 0.9976 on single
 words and 0.9990 on paragraphs; without smoothing 0.9951 / 0.9978, with a symmetric input
 quantization 0.9858 / 0.9924.
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from poolrunner.core.model import cpu_kernels
+from poolrunner.core.kernels import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ _TORCH_ACTIVATIONS = {
     ("relu", ""): F.relu,
     ("swish", ""): F.silu,
 }
-"""oneDNN post-op names (:func:`poolrunner.core.model.onednn._post_op`) -> torch's function."""
+"""oneDNN post-op names (:func:`poolrunner.core.kernels.onednn._post_op`) -> torch's function."""
 
 
 class Int8Linear(nn.Module):
@@ -85,7 +85,7 @@ class Int8Linear(nn.Module):
         return self._function(F.linear(x, self.weight, self.bias))
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        """``(x @ weight.T + bias) * other`` (:class:`~poolrunner.core.model.onednn.GatedMLP`'s call)."""
+        """``(x @ weight.T + bias) * other`` (:class:`~poolrunner.core.kernels.onednn.GatedMLP`'s call)."""
         return self(x) * other
 
     def calibrate(self, alpha: float = SMOOTHING_ALPHA) -> bool:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import activations
 
-from poolrunner.core.model.int8 import Int8Linear
+from poolrunner.core.kernels.int8 import Int8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class GatedMLP(nn.Module):
 def packed_linear(
     linear: nn.Linear, activation: tuple[str, str] = NO_ACTIVATION, matmul_dtype: torch.dtype | None = None,
 ) -> PackedLinear | Int8Linear:
-    """:class:`PackedLinear`, or :class:`~poolrunner.core.model.int8.Int8Linear` for an int8 ``matmul_dtype``."""
+    """:class:`PackedLinear`, or :class:`~poolrunner.core.kernels.int8.Int8Linear` for an int8 ``matmul_dtype``."""
     if matmul_dtype == torch.int8:
         return Int8Linear(linear, activation)
     return PackedLinear(linear, activation, matmul_dtype)
@@ -133,7 +133,7 @@ def prepack(module: nn.Module, matmul_dtype: torch.dtype | None = None) -> int:
     and replacing SiLU-gated MLPs by :class:`GatedMLP`.
 
     :param matmul_dtype: See :class:`PackedLinear`; ``None``: each weight's own dtype;
-        ``torch.int8``: :class:`~poolrunner.core.model.int8.Int8Linear` layers, to be calibrated.
+        ``torch.int8``: :class:`~poolrunner.core.kernels.int8.Int8Linear` layers, to be calibrated.
     :returns: The number of linear layers replaced.
     """
     gated = replace_modules(module, lambda child: GatedMLP(child, matmul_dtype) if _is_silu_gated_mlp(child) else None)

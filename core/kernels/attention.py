@@ -31,7 +31,7 @@ queries cost more than the extra kernel calls. The layout is built once per step
 every layer.
 
 On an x86 CPU with AVX-512 (``compile="auto"``), the runs whose mask is full or causal attend in
-poolrunner's own kernel instead (:mod:`~poolrunner.core.model.cpu_kernels`), all of them in one
+poolrunner's own kernel instead (:mod:`~poolrunner.core.kernels.cpu_kernels`), all of them in one
 call per layer; other masks, soft-capping and sinks stay on the path above.
 
 Chunked prefill (models that never attend to later tokens, see :func:`probe_attention`): a
@@ -53,7 +53,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from poolrunner.core.errors import UnsupportedAttentionError
-from poolrunner.core.model import cpu_kernels
+from poolrunner.core.kernels import cpu_kernels
 
 ATTENTION_NAME = "poolrunner_packed"
 LAYOUT_KWARG = "poolrunner_layout"
@@ -173,7 +173,7 @@ class PackedLayout:
         Adjacent requests of equal length form one run. A request with an entry
         ``(cache, store)`` in ``caches`` is a prefill chunk and attends on its own. ``native``:
         runs with a full or causal mask attend in poolrunner's CPU kernel
-        (:mod:`~poolrunner.core.model.cpu_kernels`), which the caller has built.
+        (:mod:`~poolrunner.core.kernels.cpu_kernels`), which the caller has built.
         """
         starts = [0]
         for length in lengths:

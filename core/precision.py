@@ -37,7 +37,7 @@ from transformers import PreTrainedTokenizerBase
 
 from poolrunner.core.engine.engine import Engine
 from poolrunner.core.errors import ModelLoadError
-from poolrunner.core.model import int8
+from poolrunner.core.kernels import int8
 from poolrunner.core.plugin_api.output import RequestOutput
 from poolrunner.core.types import PoolingRequest
 
@@ -60,7 +60,7 @@ BFLOAT16 = Precision("bfloat16", torch.bfloat16, torch.bfloat16)
 FLOAT16 = Precision("float16", torch.float16, torch.float16)
 BF16_MIXED = Precision("bf16-mixed", torch.float32, torch.bfloat16)
 INT8 = Precision("int8", torch.bfloat16, torch.int8)
-"""bfloat16 model, linear layers as dynamic int8 products (:mod:`poolrunner.core.model.int8`)."""
+"""bfloat16 model, linear layers as dynamic int8 products (:mod:`poolrunner.core.kernels.int8`)."""
 PRECISIONS = {p.name: p for p in (FLOAT32, BFLOAT16, FLOAT16, BF16_MIXED, INT8)}
 AUTO_CANDIDATES = (BFLOAT16, BF16_MIXED)
 """What ``auto`` tries on a CPU with native bf16, fastest first."""
