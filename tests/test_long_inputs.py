@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from poolrunner import Runtime
-from poolrunner.core.frontend.chunking import WindowedRequest
 from poolrunner.core.config import SPEED_ONLY, RuntimeConfig
 from poolrunner.core.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
+from poolrunner.core.frontend.chunking import WindowedRequest
 from tests.helpers import MIN_COSINE, cosine_rows, normalized
 
 MAX_MODEL_LEN = 256  # all-MiniLM-L6-v2
