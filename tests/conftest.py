@@ -22,7 +22,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.helpers import cosine_rows, qwen2_style_bpe, widen_weights
+from poolrunner.core.testing import tiny_models
+from tests.helpers import cosine_rows, widen_weights
 
 # A fixed sentence every "the runtime still serves" check embeds after an error.
 SANITY_TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
@@ -301,177 +302,17 @@ def llama_reference(llama_folder) -> Callable[[Sequence[Sequence[int]]], np.ndar
 
 # --------------------------------------------------------------------------- tiny classifiers
 
-CLASSIFIER_FAMILIES = ("bert", "roberta", "xlm-roberta", "llama", "qwen2", "qwen3")
-ENCODER_FAMILIES = ("bert", "roberta", "xlm-roberta")
-CLASSIFIER_VOCAB_SIZE = 1000
-# Head variants: HF problem types and the activation each implies (see REFERENCE.md).
-CLASSIFIER_VARIANTS: dict[str, dict[str, Any]] = {
-    "single": {"num_labels": 1},  # sigmoid
-    "multiclass": {"id2label": {0: "negative", 1: "neutral", 2: "positive"}},  # softmax
-    "multilabel": {"id2label": {0: "sports", 1: "politics", 2: "tech"},
-                   "problem_type": "multi_label_classification"},  # independent sigmoids
-    "regression": {"num_labels": 1, "problem_type": "regression"},  # identity
-}
-
-
-def _tiny_tokenizer(family: str, *, append_eos: bool = False) -> Any:
-    """A WordLevel tokenizer over ``w0 w1 ...`` words with the family's special tokens and pair
-    template: BERT ``[CLS] A [SEP] B [SEP]`` with types 0/1; RoBERTa ``<s> A </s> </s> B </s>``
-    without types; decoders ``<s> A`` (no EOS, so the last real token is never the pad id), or
-    with ``append_eos`` ``<s> A </s>`` (a post-processor template; the last token is then the
-    EOS == pad id). qwen2 gets a byte-level BPE (see :func:`_qwen2_style_bpe`), without EOS."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    if family == "bert":
-        specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    elif family in ENCODER_FAMILIES:
-        specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
-    else:
-        specials = ["<unk>", "<s>", "</s>"]
-    vocab = {token: i for i, token in enumerate(specials)}
-    vocab.update({f"w{i}": i + len(specials) for i in range(CLASSIFIER_VOCAB_SIZE - len(specials))})
-    unk = "[UNK]" if family == "bert" else "<unk>"
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unk))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    if family == "bert":
-        backend.post_processor = processors.TemplateProcessing(
-            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-            special_tokens=[("[CLS]", 2), ("[SEP]", 3)],
-        )
-        return PreTrainedTokenizerFast(
-            tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-            sep_token="[SEP]", mask_token="[MASK]",
-            model_input_names=["input_ids", "token_type_ids", "attention_mask"],
-        )
-    if family in ENCODER_FAMILIES:
-        backend.post_processor = processors.TemplateProcessing(
-            single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)],
-        )
-        return PreTrainedTokenizerFast(
-            tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
-            cls_token="<s>", sep_token="</s>", mask_token="<mask>", model_input_names=["input_ids", "attention_mask"],
-        )
-    if family == "qwen2":
-        assert not append_eos, "the qwen2 tokenizer is rebuilt by transformers: no EOS template"
-        backend = _qwen2_style_bpe(specials)
-    elif append_eos:
-        backend.post_processor = processors.TemplateProcessing(
-            single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)]
-        )
-    else:
-        backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>",
-        model_input_names=["input_ids", "attention_mask"],
-    )
-
-
-def _qwen2_style_bpe(specials: list[str]) -> Any:
-    """A byte-level BPE trained on the tiny vocabulary with Qwen2's pre-tokenization
-    (:func:`tests.helpers.qwen2_style_bpe`), which the qwen2 folder's tokenizer reproduces."""
-    words = [f"w{i}" for i in range(CLASSIFIER_VOCAB_SIZE)]
-    backend = qwen2_style_bpe([" ".join(words[i : i + 10]) for i in range(0, len(words), 10)] * 3,
-                              CLASSIFIER_VOCAB_SIZE, specials)
-    assert backend.get_vocab_size() <= CLASSIFIER_VOCAB_SIZE
-    return backend
-
-
-def _tiny_classifier_config(family: str, head: dict[str, Any]) -> Any:
-    import transformers
-
-    common = {"vocab_size": CLASSIFIER_VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 128,
-              "num_hidden_layers": 2, "num_attention_heads": 4, **head}
-    if family == "bert":
-        return transformers.BertConfig(
-            type_vocab_size=2, pad_token_id=0, max_position_embeddings=256,
-            architectures=["BertForSequenceClassification"], **common,
-        )
-    if family in ("roberta", "xlm-roberta"):
-        config_class, arch = {
-            "roberta": (transformers.RobertaConfig, "RobertaForSequenceClassification"),
-            "xlm-roberta": (transformers.XLMRobertaConfig, "XLMRobertaForSequenceClassification"),
-        }[family]
-        # 258 positions hold 256 tokens: positions start after the padding index (1).
-        return config_class(
-            type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2, max_position_embeddings=258,
-            architectures=[arch], **common,
-        )
-    return _tiny_decoder_config(family, decoder_architecture(family, "sequence"), head)
-
-
-DECODER_FAMILIES = ("llama", "qwen2", "qwen3", "gpt2")
-# The transformers class of each decoder family and head.
-_DECODER_CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "gpt2": "GPT2"}
-_DECODER_HEAD_SUFFIX = {"model": "Model", "causal_lm": "ForCausalLM", "sequence": "ForSequenceClassification",
-                        "token": "ForTokenClassification"}
-# Labels of the tiny token classifiers (five, so a wrong column or a softmax over the wrong
-# columns is visible).
-TOKEN_LABELS = {0: "O", 1: "B-PER", 2: "I-PER", 3: "B-LOC", 4: "I-LOC"}
-
-
-def decoder_architecture(family: str, head: str) -> str:
-    """``decoder_architecture("llama", "token") == "LlamaForTokenClassification"``; GPT-2's
-    causal LM is ``GPT2LMHeadModel``."""
-    if family == "gpt2" and head == "causal_lm":
-        return "GPT2LMHeadModel"
-    return _DECODER_CLASS_PREFIX[family] + _DECODER_HEAD_SUFFIX[head]
-
-
-def _tiny_decoder_config(family: str, architecture: str, head: dict[str, Any]) -> Any:
-    """Hidden 64, 2 layers, 4 heads (2 KV heads where the family has GQA), vocab 1000, 512
-    positions; bos 1, eos 2, pad 2 (pad == eos as in most decoders; pad_token_id also lets
-    transformers' ``*ForSequenceClassification`` find the last real token of a right-padded
-    row). All special ids lie inside the vocabulary."""
-    import transformers
-
-    if family == "gpt2":
-        return transformers.GPT2Config(
-            vocab_size=CLASSIFIER_VOCAB_SIZE, n_embd=64, n_inner=128, n_layer=2, n_head=4, n_positions=512,
-            bos_token_id=1, eos_token_id=2, pad_token_id=2, architectures=[architecture], **head,
-        )
-    config_class = {
-        "llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
-    }[family]
-    extra = {"head_dim": 16} if family == "qwen3" else {}
-    return config_class(
-        vocab_size=CLASSIFIER_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-        max_position_embeddings=512, tie_word_embeddings=False, architectures=[architecture], **extra, **head,
-    )
-
-
-def _tiny_model(config: Any, seed: int) -> Any:
-    """A seeded random model of ``config.architectures[0]``, in eval mode.
-
-    The default init (std 0.02) makes every input score alike and leaves hidden states nearly
-    input-independent; matrices are widened to std 0.2 so that a wrong token, position, type
-    or pooled row visibly changes the result.
-    """
-    import transformers
-
-    torch.manual_seed(seed)
-    model = getattr(transformers, config.architectures[0])(config).eval()
-    return widen_weights(model)
-
-
-def _check_saved_tokenizer(folder: Path, family: str, *, append_eos: bool = False) -> None:
-    """The tokenizer transformers loads from the folder must tokenize as built (see qwen2)."""
-    import transformers
-
-    loaded = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    ids = loaded("w1 w22 w333 w44")["input_ids"]
-    assert len(set(ids)) >= 4, (family, type(loaded))
-    if append_eos:
-        assert ids[-1] == loaded.eos_token_id == loaded.pad_token_id, (family, ids)
+# The family folders come from the test kit (poolrunner.core.testing.tiny_models); test_input_cutting
+# imports the qwen2 BPE under this name.
+_qwen2_style_bpe = tiny_models.tiny_qwen2_bpe
 
 
 @pytest.fixture(scope="session")
 def make_classifier_folder(tmp_path_factory) -> Callable[..., Path]:
     """``make(family, variant="multiclass", *, seed=0, head_bias=None, head_scale=None,
-    st_config=None)``: a seeded random ``*ForSequenceClassification`` folder (hidden 64,
-    2 layers, vocab 1000) with its tokenizer; one folder per distinct argument set. Families:
-    :data:`CLASSIFIER_FAMILIES` and ``gpt2``.
+    st_config=None)``: :func:`~poolrunner.core.testing.tiny_models.tiny_model_folder` with a
+    ``sequence`` head of ``variant`` (hidden 64, 2 layers, vocab 1000); one folder per distinct
+    argument set. Families: the kit's encoder families and ``llama``, ``qwen2``, ``qwen3``, ``gpt2``.
 
     ``head_bias``/``head_scale`` (BERT only) set the classifier's bias and scale its weights,
     to reach extreme logits; ``st_config`` is written into ``config.json`` as
@@ -486,16 +327,13 @@ def make_classifier_folder(tmp_path_factory) -> Callable[..., Path]:
         key = repr((family, variant, seed, head_bias, head_scale, st_config))
         if key in cache:
             return cache[key]
-        folder = tmp_path_factory.mktemp(f"cls_{family}_{variant}")
-        _tiny_tokenizer(family).save_pretrained(folder)
-        model = _tiny_model(_tiny_classifier_config(family, CLASSIFIER_VARIANTS[variant]), seed)
+        model = tiny_models.tiny_model(family, "sequence", variant=variant, seed=seed)
         with torch.no_grad():
             if head_scale is not None:
                 model.classifier.weight.mul_(head_scale)
             if head_bias is not None:
                 model.classifier.bias.copy_(torch.tensor(head_bias))
-        model.save_pretrained(folder)
-        _check_saved_tokenizer(folder, family)
+        folder = tiny_models.save_tiny_folder(tmp_path_factory.mktemp(f"cls_{family}_{variant}"), family, model)
         if st_config is not None:
             data = json.loads((folder / "config.json").read_text(encoding="utf-8"))
             data["sentence_transformers"] = st_config
@@ -722,27 +560,22 @@ def lee_cross_encoder(tmp_path_factory, model_path, lee_docs, lee_similarities) 
 
 @pytest.fixture(scope="session")
 def make_decoder_folder(tmp_path_factory) -> Callable[..., Path]:
-    """``make(family, head="model", *, append_eos=False, seed=0)``: a seeded random decoder folder
-    (:data:`DECODER_FAMILIES`; same sizes and tokenizers as :func:`make_classifier_folder`) with
-    ``architectures`` set to the head's class: ``model`` (``LlamaModel``...), ``causal_lm``
-    (``LlamaForCausalLM``..., ``GPT2LMHeadModel``), ``token`` (``*ForTokenClassification`` with
-    :data:`TOKEN_LABELS`). ``append_eos``: the tokenizer ends every text with ``</s>`` (== pad).
-    For ``*ForSequenceClassification`` use :func:`make_classifier_folder`. Cached per arguments.
+    """``make(family, head="model", *, append_eos=False, seed=0)``: the kit's
+    :func:`~poolrunner.core.testing.tiny_models.tiny_model_folder` of a decoder family (``llama``,
+    ``qwen2``, ``qwen3``, ``gpt2``) with ``head`` ``model`` (``LlamaModel``...), ``causal_lm``
+    (``LlamaForCausalLM``..., ``GPT2LMHeadModel``) or ``token`` (``*ForTokenClassification``
+    with the kit's ``TOKEN_LABELS``). ``append_eos``: the tokenizer ends every text with ``</s>``
+    (== pad). For ``*ForSequenceClassification`` use :func:`make_classifier_folder`. Cached per
+    arguments.
     """
     cache: dict[tuple[Any, ...], Path] = {}
 
     def make(family: str, head: str = "model", *, append_eos: bool = False, seed: int = 0) -> Path:
         key = (family, head, append_eos, seed)
-        if key in cache:
-            return cache[key]
-        folder = tmp_path_factory.mktemp(f"dec_{family}_{head}{'_eos' if append_eos else ''}")
-        _tiny_tokenizer(family, append_eos=append_eos).save_pretrained(folder)
-        labels = {"id2label": TOKEN_LABELS} if head == "token" else {}
-        model = _tiny_model(_tiny_decoder_config(family, decoder_architecture(family, head), labels), seed)
-        model.save_pretrained(folder)
-        _check_saved_tokenizer(folder, family, append_eos=append_eos)
-        cache[key] = folder
-        return folder
+        if key not in cache:
+            folder = tmp_path_factory.mktemp(f"dec_{family}_{head}{'_eos' if append_eos else ''}")
+            cache[key] = tiny_models.tiny_model_folder(folder, family, head, seed=seed, append_eos=append_eos)
+        return cache[key]
 
     return make
 

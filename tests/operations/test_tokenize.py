@@ -1,0 +1,78 @@
+"""``tokenize`` (and its inverse) on every surface that has it, same texts, same token ids:
+vLLM's ``/tokenize`` and ``/detokenize``, TEI's ``/tokenize`` and ``/decode``, and the Python API,
+which embeds the ids ``/tokenize`` answers exactly as it embeds the text. There is no
+``Runtime.tokenize`` and no ``poolrunner tokenize`` command (yet): the ids are checked against
+transformers' own tokenizer of the folder instead.
+
+The model is the kit's tiny BERT with all-MiniLM-L6-v2's WordPiece tokenizer, so words split
+into pieces, text is lowercased and accents stripped, and spans still point into the raw text.
+"""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from poolrunner.core.testing.server import ServerThread
+from tests.operations.surfaces import assert_close, post
+
+TEXTS = ["A cat sat on the mat.", "Unbelievably, naïve café-goers tokenize ☕ too!"]
+
+
+@pytest.fixture(scope="module")
+def folder(poolrunner_tiny_model):
+    return poolrunner_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def runtime(task_runtime, folder):
+    return task_runtime(folder)
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def server(runtime):
+    with ServerThread(runtime) as running:
+        yield running
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_vllm_tokenize_answers_the_reference_ids(server, runtime, reference, text):
+    ids = reference(text)["input_ids"]
+    answer = post(server.url, "/tokenize", {"prompt": text})
+    assert answer == {"count": len(ids), "max_model_len": runtime.model_config.max_model_len, "tokens": ids}
+    plain = post(server.url, "/tokenize", {"prompt": text, "add_special_tokens": False, "return_token_strs": True})
+    plain_ids = reference(text, add_special_tokens=False)["input_ids"]
+    assert (plain["tokens"], plain["token_strs"]) == (plain_ids, reference.convert_ids_to_tokens(plain_ids))
+
+
+def test_tei_tokenize_answers_the_same_ids_with_their_spans(server, reference):
+    answer = post(server.url, "/tokenize", {"inputs": TEXTS})
+    for text, tokens in zip(TEXTS, answer, strict=True):
+        encoded = reference(text, return_offsets_mapping=True, return_special_tokens_mask=True)
+        assert [token["id"] for token in tokens] == encoded["input_ids"]
+        assert [token["special"] for token in tokens] == [bool(s) for s in encoded["special_tokens_mask"]]
+        raw = text.encode()
+        for token, (start, stop) in zip(tokens, encoded["offset_mapping"], strict=True):
+            if token["special"]:
+                assert (token["start"], token["stop"]) == (None, None)
+            else:  # UTF-8 byte offsets into the raw text, and that text
+                assert raw[token["start"] : token["stop"]].decode() == token["text"] == text[start:stop]
+
+
+def test_detokenize_and_decode_invert_tokenize(server, reference):
+    for text in TEXTS:
+        ids = post(server.url, "/tokenize", {"prompt": text})["tokens"]
+        assert post(server.url, "/detokenize", {"tokens": ids}) == {"prompt": reference.decode(ids)}
+        assert post(server.url, "/decode", {"ids": ids}) == [reference.decode(ids, skip_special_tokens=True)]
+
+
+def test_the_api_embeds_tokenized_ids_as_it_embeds_the_text(server, runtime):
+    ids = [post(server.url, "/tokenize", {"prompt": text})["tokens"] for text in TEXTS]
+    assert_close(runtime.embed(ids), runtime.embed(TEXTS))
+    vectors = post(server.url, "/v1/embeddings", {"input": ids})["data"]
+    assert_close([item["embedding"] for item in vectors], runtime.embed(TEXTS))
