@@ -23,7 +23,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from poolrunner.core.testing import tiny_models
-from tests.helpers import cosine_rows, widen_weights
+from poolrunner.core.testing.tiny_models import widen_weights
+from tests.helpers import cosine_rows
 
 # A fixed sentence every "the runtime still serves" check embeds after an error.
 SANITY_TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
@@ -304,7 +305,6 @@ def llama_reference(llama_folder) -> Callable[[Sequence[Sequence[int]]], np.ndar
 
 # The family folders come from the test kit (poolrunner.core.testing.tiny_models); test_input_cutting
 # imports the qwen2 BPE under this name.
-_qwen2_style_bpe = tiny_models.tiny_qwen2_bpe
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ from typing import Any
 import numpy as np
 
 # The tiny models' weight init and tokenizer, from the test kit (test modules import them from here).
-from poolrunner.core.testing.tiny_models import qwen2_style_bpe, widen_weights  # noqa: F401
 
 MIN_COSINE = 0.9999
 """The fp32 parity bar against an independent reference (vLLM's strict bar)."""

@@ -137,9 +137,9 @@ def test_smollm2_byte_level_bpe_windows_equal_whole_text_truncation(runtime, smo
 def _qwen2_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
-    from tests.conftest import _qwen2_style_bpe
+    from poolrunner.core.testing.tiny_models import tiny_qwen2_bpe
 
-    return PreTrainedTokenizerFast(tokenizer_object=_qwen2_style_bpe(["<unk>", "<s>", "</s>"]), bos_token="<s>",
+    return PreTrainedTokenizerFast(tokenizer_object=tiny_qwen2_bpe(["<unk>", "<s>", "</s>"]), bos_token="<s>",
                                    eos_token="</s>", unk_token="<unk>")
 
 

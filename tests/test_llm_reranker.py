@@ -23,7 +23,7 @@ import torch
 from poolrunner.core import InvalidRequestError, ModelLoadError, Runtime
 from poolrunner.core.cli.main import main
 from poolrunner.core.testing.server import ServerThread
-from tests.helpers import qwen2_style_bpe, widen_weights
+from poolrunner.core.testing.tiny_models import qwen2_style_bpe, widen_weights
 
 VOCAB_SIZE = 1200
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -33,7 +33,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import widen_weights
+from poolrunner.core.testing.tiny_models import widen_weights
 
 EXACT = "exact"
 REFUSED = "refused"

@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
-from poolrunner.core.cli.main import build_parser, main
+from poolrunner.core.cli.main import main
 
 RTOL, ATOL = 1e-5, 1e-6
 """float32 tolerance between surfaces: each may batch the inputs its own way."""
@@ -41,12 +41,6 @@ def cli(argv: Sequence[str], output: Path) -> Path:
 def cli_records(argv: Sequence[str], output: Path) -> list[dict[str, Any]]:
     """:func:`cli` writing JSON Lines (``output`` must end in ``.jsonl``): one dict per record."""
     return [json.loads(line) for line in cli(argv, output).read_text(encoding="utf-8").splitlines()]
-
-
-def takes_option(command: str) -> bool:
-    """Whether ``poolrunner COMMAND`` has ``--option NAME=VALUE`` (plugin request options)."""
-    subparsers = next(action for action in build_parser()._actions if action.dest == "command")
-    return any("--option" in action.option_strings for action in subparsers.choices[command]._actions)
 
 
 def post(url: str, path: str, body: dict[str, Any]) -> Any:

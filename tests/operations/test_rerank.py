@@ -10,7 +10,7 @@ import pytest
 
 from poolrunner.core.server import ServedModel
 from poolrunner.core.testing.server import ServerThread
-from tests.operations.surfaces import SPLADE, assert_close, cli_records, needs_splade, post, takes_option
+from tests.operations.surfaces import SPLADE, assert_close, cli_records, needs_splade, post
 
 QUERY = "w1 w2 w3"
 DOCUMENTS = ["w1 w2 w9", "w400 w500 w600 w700", "w3", "w2 w1 w3 w8 w8 w8", "w42 w43"]
@@ -95,7 +95,6 @@ def test_a_plugin_option_ranks_alike_on_the_api_and_http(task_runtime, splade_fo
 # this test fails at argument parsing ("unrecognized arguments: --option"), and only there. Once
 # the flag exists the marker no longer applies and the test must pass.
 @needs_splade
-@pytest.mark.xfail(not takes_option("rerank"), strict=True, reason="poolrunner rerank has no --option yet")
 def test_the_command_line_takes_the_plugin_option_too(task_runtime, splade_folder, tmp_path):
     expected = task_runtime(splade_folder).rerank(QUERY, DOCUMENTS, top_n=3, top_k=2)
     records = _records(splade_folder, ["--top-n", "3", "--option", "top_k=2"], tmp_path)

@@ -1,8 +1,7 @@
-"""``tokenize`` (and its inverse) on every surface that has it, same texts, same token ids:
-vLLM's ``/tokenize`` and ``/detokenize``, TEI's ``/tokenize`` and ``/decode``, and the Python API,
-which embeds the ids ``/tokenize`` answers exactly as it embeds the text. There is no
-``Runtime.tokenize`` and no ``poolrunner tokenize`` command (yet): the ids are checked against
-transformers' own tokenizer of the folder instead.
+"""``tokenize`` (and its inverse) on every surface, same texts, same token ids, each equal to
+transformers' own tokenizer of the folder: ``Runtime.tokenize``, ``poolrunner tokenize``, vLLM's
+``/tokenize`` and ``/detokenize``, TEI's ``/tokenize`` and ``/decode``; and the Python API embeds
+the ids ``/tokenize`` answers exactly as it embeds the text.
 
 The model is the kit's tiny BERT with all-MiniLM-L6-v2's WordPiece tokenizer, so words split
 into pieces, text is lowercased and accents stripped, and spans still point into the raw text.
@@ -14,7 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from poolrunner.core.testing.server import ServerThread
-from tests.operations.surfaces import assert_close, post
+from tests.operations.surfaces import assert_close, cli_records, post
 
 TEXTS = ["A cat sat on the mat.", "Unbelievably, naïve café-goers tokenize ☕ too!"]
 
@@ -38,6 +37,18 @@ def reference(folder):
 def server(runtime):
     with ServerThread(runtime) as running:
         yield running
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_the_api_the_cli_and_http_answer_the_reference_ids(server, runtime, folder, reference, tmp_path, special):
+    want = [reference(text, add_special_tokens=special)["input_ids"] for text in TEXTS]
+    assert runtime.tokenize(TEXTS, add_special_tokens=special) == want
+    assert runtime.tokenize(TEXTS[0], add_special_tokens=special) == want[:1]
+    flags = [] if special else ["--no-special-tokens"]
+    records = cli_records(["tokenize", "--model", str(folder), *flags, *TEXTS], tmp_path / "ids.jsonl")
+    assert records == [{"index": i, "token_ids": ids} for i, ids in enumerate(want)]
+    http = [post(server.url, "/tokenize", {"prompt": text, "add_special_tokens": special})["tokens"] for text in TEXTS]
+    assert http == want
 
 
 @pytest.mark.parametrize("text", TEXTS)
