@@ -159,7 +159,7 @@ def test_bad_option_value_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -
     (["serve", "--port", "x"], "poolrunner serve", "argument --port: invalid int value: 'x'"),
     (["embed", "--no-such-flag", "x"], "poolrunner", "unrecognized arguments: --no-such-flag"),
     (["nope"], "poolrunner", "argument COMMAND: invalid choice: 'nope' (choose from 'embed', 'classify', 'score', "
-                             "'rerank', 'encode', 'serve', 'plugins')"),
+                             "'rerank', 'encode', 'tokenize', 'serve', 'plugins')"),
 ])
 def test_usage_errors_are_one_line_and_a_hint(capsys: pytest.CaptureFixture[str], argv: list[str], prog: str,
                                               message: str) -> None:

@@ -411,8 +411,8 @@ PEAK_RSS = textwrap.dedent("""
     from poolrunner.core.cli.main import main
 
     class StandIn:
-        def embed(self, texts, **options):
-            return np.repeat(np.array([len(text) for text in texts], np.float32)[:, None], 32, axis=1)
+        def execute(self, request):
+            return [np.full(32, len(text), np.float32) for text in request.inputs]
 
     embed.load_model = lambda args, **options: StandIn()
     code = main(["embed", "--input", sys.argv[1], "--output", sys.argv[2]])
