@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import poolrunner
-from poolrunner.core.engine import precision
-from poolrunner.core.engine.buckets import bucket_num_tokens
+from poolrunner.core._engine import precision
+from poolrunner.core._engine.buckets import bucket_num_tokens
 from tests.helpers import MIN_COSINE, cosine_rows
 
 
@@ -33,7 +33,7 @@ def test_steps_near_the_cpu_budget_share_a_few_shapes():
 
 def _recorded_shapes(runtime) -> list[int]:
     shapes: list[int] = []
-    embeddings = runtime.engine.runner.backbone.embeddings
+    embeddings = runtime._engine.runner.backbone.embeddings
     embeddings.register_forward_pre_hook(lambda _module, args, kwargs: shapes.append(kwargs["input_ids"].shape[1]),
                                          with_kwargs=True)
     return shapes
