@@ -156,7 +156,7 @@ def _request_like(key: Any) -> bool:
 def _plain_poolrunner_object(value: Any) -> bool:
     """An engine or attention helper object (a cache holder, say): not a module, tensor or hooks."""
     return (hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, torch.Tensor, type))
-            and type(value).__module__.startswith(("poolrunner.core._engine", "poolrunner.core.model")))
+            and type(value).__module__.startswith(("poolrunner.core.engine", "poolrunner.core.model")))
 
 
 def leftover_request_state(rt: Any) -> list[str]:

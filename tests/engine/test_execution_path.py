@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import poolrunner
-from poolrunner.core._engine import precision
-from poolrunner.core._engine.buckets import bucket_num_tokens
+from poolrunner.core.engine import precision
+from poolrunner.core.engine.buckets import bucket_num_tokens
 from tests.helpers import MIN_COSINE, cosine_rows
 
 

@@ -20,7 +20,7 @@ import pytest
 
 import poolrunner
 from poolrunner.core import PoolingParams, PoolingRequest, RequestState
-from poolrunner.core._engine.scheduler import Scheduler
+from poolrunner.core.engine.scheduler import Scheduler
 from poolrunner.core.plugin_api.request import advance
 
 ATOL = 1e-6  # float32: batch composition moves a vector by rounding only
