@@ -96,7 +96,7 @@ class Runtime:
         self.frontend = Frontend(loaded.model_config, loaded.inputs, loaded.hooks, loaded.tasks, loaded.task,
                                  loaded.options, max_embed_len=loaded.config.max_embed_len,
                                  score_template=loaded.score_template)
-        self.engine = loaded.engine  # internal: driven by this runtime alone (or its serving loop)
+        self._engine = loaded.engine  # private: driven by this runtime alone (or its serving loop)
         self._engine_lock = threading.Lock()
         self._loop: EngineLoop | None = None
 
@@ -355,7 +355,7 @@ class Runtime:
             :class:`~poolrunner.core.errors.QueueFullError`. ``None``: no limit.
         :param observer: Receives per-step and per-request measurements (the server's metrics).
         """
-        loop = EngineLoop(self.engine, max_pending=max_pending, observer=observer).start()
+        loop = EngineLoop(self._engine, max_pending=max_pending, observer=observer).start()
         with self._engine_lock:  # waits for a call driving the engine directly to finish
             self._loop = loop
         try:
@@ -376,7 +376,7 @@ class Runtime:
             with self._engine_lock:
                 loop = self._loop
                 if loop is None:  # one caller drives the engine at a time: a step hands its results to whoever runs it
-                    for request_id, output in self.engine.run(requests):
+                    for request_id, output in self._engine.run(requests):
                         results[position[request_id]] = output
                         bar.update()
                     return combine(results)

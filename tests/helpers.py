@@ -22,6 +22,18 @@ def bf16_products() -> bool:
     return onednn.supported(torch.device("cpu"), torch.bfloat16)
 
 
+def run_requests(runtime: Any, requests: Sequence[Any]) -> dict[str, Any]:
+    """Run ``PoolingRequest``s as given through ``runtime``'s public serving loop
+    (:meth:`poolrunner.Runtime.serving`): ``{request_id: output}``. They are admitted together, so
+    they share steps as the budget allows; raises what ``Serving.run`` raises
+    (``InvalidRequestError`` at admission, and then none of them ran)."""
+    import asyncio
+
+    with runtime.serving() as serving:
+        outputs = asyncio.run(serving.run(list(requests)))
+    return {request.request_id: output for request, output in zip(requests, outputs, strict=True)}
+
+
 def cosine_rows(a: Any, b: Any) -> np.ndarray:
     """Row-wise cosine similarity of two ``[n, d]`` (or ``[d]``) arrays, in float64."""
     a = np.atleast_2d(np.asarray(a, dtype=np.float64))

@@ -91,11 +91,12 @@ def test_shuffled_order_gives_the_same_vectors(runtime, st_model, lee_docs, targ
     assert cosine_rows(targets, np.stack([alone, alone])).min() >= MIN_COSINE
 
 
-def test_calls_from_several_threads_each_get_their_own_vectors(st_model, lee_docs):
+def test_calls_from_several_threads_each_get_their_own_vectors(st_model, lee_docs, poolrunner_step_recorder):
     """Threads share one engine; a step must never hand one caller's results to another."""
     import threading
 
     shared = poolrunner.Runtime(load_entrypoints=False, max_num_seqs=3, dtype="float32")
+    log = poolrunner_step_recorder(shared)
     texts = [doc.strip() for doc in lee_docs[:24]]
     reference = st_model.encode(texts, convert_to_numpy=True)
     results: dict[int, np.ndarray] = {}
@@ -111,7 +112,7 @@ def test_calls_from_several_threads_each_get_their_own_vectors(st_model, lee_doc
     assert not any(thread.is_alive() for thread in threads), "a caller never got its results"
     for k in range(4):
         assert cosine_rows(results[k], reference[k::4]).min() >= MIN_COSINE
-    assert not shared.engine.requests
+    assert not log.in_flight
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", pytest.param("bf16-mixed", marks=pytest.mark.skipif(

@@ -18,6 +18,8 @@ import pytest
 
 import poolrunner
 from poolrunner import InvalidRequestError, ModelLoadError, UnsupportedTaskError
+from poolrunner.core.testing.steps import record_steps
+from tests.helpers import run_requests
 
 RTOL = 1e-4  # measured about 2e-6 on these tiny fp32 models; REFERENCE asks for 2e-3
 ATOL = 1e-6
@@ -35,30 +37,11 @@ def request(ids, *, types=None, **params):
     )
 
 
-def assert_clean_and_serving(runtime, reference, texts):
-    """After a rejected request: nothing left in the engine, and the next request is right."""
-    assert not runtime.engine.requests
-    assert not runtime.engine.scheduler.has_unfinished()
+def assert_clean_and_serving(runtime, log, reference, texts):
+    """After a rejected request: nothing left in the engine (``log``: the runtime's step recorder,
+    started before the request), and the next request is right."""
+    assert not log.in_flight
     np.testing.assert_allclose(scores_of(runtime.classify(texts)), reference.mixed_scores(texts), rtol=RTOL, atol=ATOL)
-
-
-@pytest.fixture
-def count_steps(monkeypatch):
-    """``steps = count_steps(runtime)``: a list that records the requests of every engine step."""
-
-    def install(runtime):
-        steps = []
-        original = runtime.engine.step
-
-        def step():
-            finished = original()
-            steps.append(len(finished))
-            return finished
-
-        monkeypatch.setattr(runtime.engine, "step", step)
-        return steps
-
-    return install
 
 
 # --------------------------------------------------------------------------- activations
@@ -91,19 +74,19 @@ def test_one_batch_mixes_use_activation(variant, make_classifier_folder, classif
     flags = [True, False, None, False, True, None]
     requests = [request(ids, use_activation=flag)
                 for ids, flag in zip(runtime.inputs.encode(texts), flags, strict=True)]
-    for item in requests:
-        runtime.engine.add_request(item)
-    finished = dict(runtime.engine.step())  # one step: a single mixed batch
+    with record_steps(runtime) as log:
+        finished = run_requests(runtime, requests)
+    assert [set(step.request_ids) for step in log.steps] == [set(finished)]  # one step: a single mixed batch
     assert set(finished) == {item.request_id for item in requests}
-    assert not runtime.engine.requests
+    assert not log.in_flight
     logits, probs = reference.logits(texts), reference.scores(texts)
     for i, (item, flag) in enumerate(zip(requests, flags, strict=True)):
         expected = logits[i] if flag is False else probs[i]
         np.testing.assert_allclose(finished[item.request_id].numpy(), expected, rtol=RTOL, atol=ATOL)
-    # And through the engine's public loop, in a different order.
+    # And again, in a different order.
     reversed_requests = [request(ids, use_activation=flag)
                          for ids, flag in zip(runtime.inputs.encode(texts[::-1]), flags, strict=True)]
-    again = dict(runtime.engine.run(reversed_requests))
+    again = run_requests(runtime, reversed_requests)
     for item, i, flag in zip(reversed_requests, range(5, -1, -1), flags, strict=True):
         expected = logits[i] if flag is False else probs[i]
         np.testing.assert_allclose(again[item.request_id].numpy(), expected, rtol=RTOL, atol=ATOL)
@@ -189,9 +172,10 @@ def test_unusable_torch_nn_activation_is_a_load_error(activation, message, make_
 
 
 @pytest.mark.parametrize("family", ["bert", "llama"])
-def test_task_selection(family, make_classifier_folder, classifier_runtime):
+def test_task_selection(family, make_classifier_folder, classifier_runtime, poolrunner_step_recorder):
     folder = make_classifier_folder(family, "multiclass")
     runtime = classifier_runtime(folder)
+    log = poolrunner_step_recorder(runtime)
     assert runtime.task == "classify"
     assert runtime.model_config.model_tasks == frozenset({"classify"})
     assert runtime.model_config.labels == ("negative", "neutral", "positive")
@@ -203,11 +187,11 @@ def test_task_selection(family, make_classifier_folder, classifier_runtime):
     assert runtime.model_config.architecture in message
     with pytest.raises(InvalidRequestError, match=re.escape("asks for task 'embed', but this runtime serves "
                                                             "['classify']")):
-        list(runtime.engine.run([poolrunner.PoolingRequest(
+        run_requests(runtime, [poolrunner.PoolingRequest(
             request_id="embed-on-classify", prompt_token_ids=(1, 5, 6),
             params=poolrunner.PoolingParams(task="embed"),
-        )]))
-    assert not runtime.engine.requests
+        )])
+    assert not log.in_flight
 
 
 @pytest.mark.parametrize("params, message", [
@@ -216,14 +200,15 @@ def test_task_selection(family, make_classifier_folder, classifier_runtime):
     ({"normalize": False}, "normalize does not apply to task 'classify' (got False)"),
 ])
 def test_embedding_params_are_rejected(params, message, make_classifier_folder, classifier_runtime,
-                                       classifier_reference, word_texts):
+                                       classifier_reference, word_texts, poolrunner_step_recorder):
     folder = make_classifier_folder("bert", "multiclass")
     runtime, reference = classifier_runtime(folder), classifier_reference(folder)
+    log = poolrunner_step_recorder(runtime)
     good = request(runtime.inputs.encode(["w1 w2 w3"])[0])
     bad = request(runtime.inputs.encode(["w4 w5"])[0], **params)
     with pytest.raises(InvalidRequestError, match=f"^{re.escape(message)}$"):
-        list(runtime.engine.run([good, bad]))  # validated before anything runs
-    assert_clean_and_serving(runtime, reference, word_texts(3, seed=16, hi=10))
+        run_requests(runtime, [good, bad])  # validated before anything runs
+    assert_clean_and_serving(runtime, log, reference, word_texts(3, seed=16, hi=10))
 
 
 # --------------------------------------------------------------------------- token types
@@ -236,9 +221,10 @@ def test_embedding_params_are_rejected(params, message, make_classifier_folder, 
     lambda n: [1] * (n // 2) + [0] * (n - n // 2),  # ones first
 ])
 def test_token_types_must_be_zeros_then_ones(bad_types, make_classifier_folder, classifier_runtime,
-                                             classifier_reference, word_texts):
+                                             classifier_reference, word_texts, poolrunner_step_recorder):
     folder = make_classifier_folder("bert", "single")
     runtime, reference = classifier_runtime(folder), classifier_reference(folder)
+    log = poolrunner_step_recorder(runtime)
     (ids, good_types), = runtime.inputs.encode_pairs([("w1 w2 w3", "w4 w5 w6 w7")])
     types = bad_types(len(ids))
     bad = poolrunner.PoolingRequest(request_id="bad-types", prompt_token_ids=ids, token_type_ids=types,
@@ -246,10 +232,10 @@ def test_token_types_must_be_zeros_then_ones(bad_types, make_classifier_folder, 
     message = (f"request 'bad-types': token_type_ids must be zeros followed by ones (query, then "
                f"document), got {types!r:.120}")
     with pytest.raises(InvalidRequestError, match=f"^{re.escape(message)}$"):
-        list(runtime.engine.run([request(ids, types=good_types), bad]))
-    assert_clean_and_serving(runtime, reference, [("w1 w2 w3", "w4 w5 w6 w7"), "w8 w9"])
+        run_requests(runtime, [request(ids, types=good_types), bad])
+    assert_clean_and_serving(runtime, log, reference, [("w1 w2 w3", "w4 w5 w6 w7"), "w8 w9"])
     # A well-formed request through the same API gets the pair's reference score.
-    (_, output), = runtime.engine.run([request(ids, types=good_types)])
+    (output,) = run_requests(runtime, [request(ids, types=good_types)]).values()
     np.testing.assert_allclose(output.numpy(), reference.scores([("w1 w2 w3", "w4 w5 w6 w7")])[0], rtol=RTOL)
 
 
@@ -269,13 +255,15 @@ def test_roberta_pairs_get_no_token_types(family, make_classifier_folder, classi
     np.testing.assert_allclose(scores_of(runtime.classify(pairs)), reference.scores(pairs), rtol=RTOL, atol=ATOL)
     # All-zero types are accepted (they say nothing) and change nothing.
     (ids, _), = encoded[:1]
-    (_, output), = runtime.engine.run([request(ids, types=[0] * len(ids))])
+    (output,) = run_requests(runtime, [request(ids, types=[0] * len(ids))]).values()
     np.testing.assert_allclose(output.numpy(), reference.scores(pairs[:1])[0], rtol=RTOL, atol=ATOL)
 
 
-def test_roberta_rejects_token_type_one(make_classifier_folder, classifier_runtime, classifier_reference):
+def test_roberta_rejects_token_type_one(make_classifier_folder, classifier_runtime, classifier_reference,
+                                        poolrunner_step_recorder):
     folder = make_classifier_folder("roberta", "single")
     runtime, reference = classifier_runtime(folder), classifier_reference(folder)
+    log = poolrunner_step_recorder(runtime)
     ids = reference.tokenizer("w1 w2", "w3 w4 w5")["input_ids"]
     types = [0] * 4 + [1] * (len(ids) - 4)
     bad = poolrunner.PoolingRequest(request_id="typed-roberta", prompt_token_ids=ids, token_type_ids=types,
@@ -283,20 +271,20 @@ def test_roberta_rejects_token_type_one(make_classifier_folder, classifier_runti
     message = (f"request 'typed-roberta' has token type 1, but model {folder} "
                "(RobertaForSequenceClassification) embeds no token types (type_vocab_size 1)")
     with pytest.raises(InvalidRequestError, match=f"^{re.escape(message)}$"):
-        list(runtime.engine.run([bad]))
-    assert_clean_and_serving(runtime, reference, [("w1 w2", "w3 w4 w5"), "w6"])
+        run_requests(runtime, [bad])
+    assert_clean_and_serving(runtime, log, reference, [("w1 w2", "w3 w4 w5"), "w6"])
 
 
 @pytest.mark.parametrize("family", ["bert", "roberta"])
 def test_one_batch_mixes_pairs_and_single_texts(family, make_classifier_folder, classifier_runtime,
-                                                classifier_reference, word_texts, count_steps):
+                                                classifier_reference, word_texts):
     folder = make_classifier_folder(family, "multiclass")
     runtime, reference = classifier_runtime(folder), classifier_reference(folder)
     queries, documents, singles = word_texts(4, 19, hi=10), word_texts(4, 20, hi=35), word_texts(4, 21, hi=45)
     items = [item for trio in zip(zip(queries, documents, strict=True), singles, strict=True) for item in trio]
-    steps = count_steps(runtime)
-    got = scores_of(runtime.classify(items))
-    assert steps == [len(items)], "expected one mixed batch"
+    with record_steps(runtime) as log:
+        got = scores_of(runtime.classify(items))
+    assert [len(step.request_ids) for step in log.steps] == [len(items)], "expected one mixed batch"
     np.testing.assert_allclose(got, reference.mixed_scores(items), rtol=RTOL, atol=ATOL)
     if family == "bert":  # types must have reached the pairs and only the pairs
         encoded = runtime.frontend._tokenize(items, None, "right")

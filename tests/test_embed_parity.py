@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import poolrunner
+from poolrunner.core.testing.steps import record_steps
 from tests.helpers import MIN_COSINE, cosine_rows
 
 
@@ -47,16 +48,9 @@ def test_lee_parity_with_sentence_transformers(runtime, corpus, st_reference):
 
 def test_lee_parity_in_many_small_steps(corpus, st_reference):
     small = poolrunner.Runtime(max_num_batched_tokens=512, max_num_seqs=3, dtype="float32")
-    steps: list[tuple[int, ...]] = []
-    schedule = small.engine.scheduler.schedule
-
-    def recording_schedule():
-        out = schedule()
-        steps.append(out.num_scheduled_tokens)
-        return out
-
-    small.engine.scheduler.schedule = recording_schedule
-    vectors = small.embed(corpus, truncate_prompt_tokens=-1)
+    with record_steps(small) as log:
+        vectors = small.embed(corpus, truncate_prompt_tokens=-1)
+    steps = [step.num_scheduled_tokens for step in log.steps]
     cosines = cosine_rows(vectors, st_reference)
     assert cosines.min() >= MIN_COSINE, (cosines.argmin(), cosines.min())
     ran = [s for s in steps if s]

@@ -257,7 +257,8 @@ def test_max_embed_len_is_recorded_as_a_results_setting():
 # --------------------------------------------------------------------------- other surfaces
 
 
-def test_http_usage_counts_every_window_token(long_runtime, reference, text_with_tokens):
+def test_http_usage_counts_every_window_token(long_runtime, reference, text_with_tokens, poolrunner_step_recorder):
+    log = poolrunner_step_recorder(long_runtime)
     from poolrunner.core.testing.server import ServerThread
 
     texts = [text_with_tokens(600, seed=9), "A cat sat on the mat."]
@@ -281,7 +282,7 @@ def test_http_usage_counts_every_window_token(long_runtime, reference, text_with
             "input 0 has 1001 tokens, more than max_embed_len=1000 (inputs over max_model_len=256")
         again = httpx.post(f"{server.url}/v1/embeddings", json={"input": texts[1]}, timeout=60)
         assert again.status_code == 200
-    assert not long_runtime.engine.requests
+    assert not log.in_flight
 
 
 def test_cli_max_embed_len(capsys, long_runtime, text_with_tokens):

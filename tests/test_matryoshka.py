@@ -11,7 +11,8 @@ import pytest
 
 import poolrunner
 from poolrunner import InvalidRequestError, PoolingParams, PoolingRequest
-from tests.helpers import MIN_COSINE, cosine_rows, normalized
+from poolrunner.core.testing.steps import record_steps
+from tests.helpers import MIN_COSINE, cosine_rows, normalized, run_requests
 
 
 @pytest.fixture(scope="module")
@@ -74,17 +75,7 @@ def test_listed_dimensions_normalized(listed_runtime, texts, full):
         np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
 
 
-def test_one_step_mixes_dimensions_and_normalize(matryoshka_runtime, token_ids, full, monkeypatch):
-    engine = matryoshka_runtime.engine
-    steps = []
-    original_step = engine.step
-
-    def counting_step():
-        result = original_step()
-        steps.append([request_id for request_id, _ in result])
-        return result
-
-    monkeypatch.setattr(engine, "step", counting_step)
+def test_one_step_mixes_dimensions_and_normalize(matryoshka_runtime, token_ids, full):
     settings = [(64, None), (None, None), (128, False), (64, True), (None, False), (384, None)]
     ids = [token_ids[i % len(token_ids)] for i in range(len(settings))]
     requests = [
@@ -94,7 +85,9 @@ def test_one_step_mixes_dimensions_and_normalize(matryoshka_runtime, token_ids, 
         )
         for i, (d, norm) in enumerate(settings)
     ]
-    results = dict(engine.run(requests))
+    with record_steps(matryoshka_runtime) as log:
+        results = run_requests(matryoshka_runtime, requests)
+    steps = [step.request_ids for step in log.steps]
     assert len(steps) == 1 and sorted(steps[0]) == sorted(results)  # all in one step
     for i, (d, norm) in enumerate(settings):
         vector = results[f"mix-{i}"].numpy()
@@ -104,7 +97,7 @@ def test_one_step_mixes_dimensions_and_normalize(matryoshka_runtime, token_ids, 
             np.testing.assert_allclose(vector, reference, rtol=1e-4, atol=1e-5)
         else:
             np.testing.assert_allclose(vector, normalized(reference), atol=1e-4)
-    assert not engine.requests
+    assert not log.in_flight
 
 
 def test_dimensions_on_a_non_matryoshka_model(runtime, assert_serves):
@@ -142,8 +135,8 @@ def test_bad_dimensions_in_a_batch_rejects_the_batch_and_keeps_serving(matryoshk
     bad = PoolingRequest(request_id="bad-1", prompt_token_ids=token_ids[1],
                          params=PoolingParams(task="embed", dimensions=999))
     with pytest.raises(InvalidRequestError, match="dimensions=999 is out of range"):
-        list(matryoshka_runtime.engine.run([good, bad]))
+        run_requests(matryoshka_runtime, [good, bad])
     assert_serves(matryoshka_runtime)
     # The same id is free again and computes correctly.
-    results = dict(matryoshka_runtime.engine.run([good]))
+    results = run_requests(matryoshka_runtime, [good])
     np.testing.assert_allclose(results["ok-0"].numpy(), normalized(full[0, :64]), atol=1e-4)

@@ -13,6 +13,8 @@ import pytest
 
 from poolrunner import InvalidRequestError, Runtime
 from poolrunner.core.testing.server import ServerThread
+from poolrunner.core.testing.steps import record_steps
+from tests.helpers import run_requests
 
 TEXTS = ["A cat sat on the mat.", "Pooling models return vectors.", "Short", "Dogs bark at night in the park."]
 
@@ -33,21 +35,15 @@ def test_the_default_model_serves_embed_and_token_embed(multi, alone):
         "embed": {"embed"}, "token_embed": {"token_embed"}}
 
 
-def test_tasks_share_a_step_and_equal_single_task_runtimes(multi, alone, monkeypatch):
-    steps: list[list[str]] = []
-    execute = multi.engine.runner.execute
-
-    def spy(batch):
-        steps.append([state.request.params.task for state in batch.requests])
-        return execute(batch)
-
-    monkeypatch.setattr(multi.engine.runner, "execute", spy)
+def test_tasks_share_a_step_and_equal_single_task_runtimes(multi, alone):
     requests = [
         request
         for i, text in enumerate(TEXTS)
         for request in multi.frontend.prepare([text], multi.frontend.params("embed" if i % 2 else "token_embed"))
     ]
-    outputs = dict(multi.engine.run(requests))
+    with record_steps(multi) as log:
+        outputs = run_requests(multi, requests)
+    steps = [[chunk.task for chunk in step.chunks] for step in log.steps]
     assert steps == [["token_embed", "embed", "token_embed", "embed"]]  # one step, both tasks
     for i, (text, request) in enumerate(zip(TEXTS, requests, strict=True)):
         task = request.params.task

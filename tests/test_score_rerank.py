@@ -116,13 +116,14 @@ def test_bi_encoder_rejects_bad_requests(case, runtime, assert_serves):
 
 
 @pytest.mark.parametrize("case", list(ERRORS))
-def test_cross_encoder_rejects_bad_requests(case, ce_runtime):
+def test_cross_encoder_rejects_bad_requests(case, ce_runtime, poolrunner_step_recorder):
     before = ce_runtime.score(*PAIRS[0])
+    log = poolrunner_step_recorder(ce_runtime)
     method, args, kwargs, message = ERRORS[case]
     with pytest.raises(InvalidRequestError) as caught:
         getattr(ce_runtime, method)(*args, **kwargs)
     assert str(caught.value) == message
-    assert not ce_runtime.engine.requests and not ce_runtime.engine.scheduler.has_unfinished()
+    assert not log.in_flight
     np.testing.assert_allclose(ce_runtime.score(*PAIRS[0]), before, rtol=1e-6)
 
 

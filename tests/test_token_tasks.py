@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from poolrunner.core import InvalidRequestError, PoolingParams, PoolingRequest
-from tests.helpers import cosine_rows
+from poolrunner.core.testing.steps import record_steps
+from tests.helpers import cosine_rows, run_requests
 
 ATOL = 1e-5
 MINILM_TEXTS = [
@@ -47,9 +48,10 @@ def max_dev(got, expected) -> float:
     return float(np.abs(got - expected).max()) if got.size else 0.0
 
 
-def assert_still_serves(rt, inputs, expected, **options) -> None:
-    """After a rejected request: nothing is left in the engine and the next request is right."""
-    assert not rt.engine.requests and not rt.engine.scheduler.has_unfinished()
+def assert_still_serves(rt, log, inputs, expected, **options) -> None:
+    """After a rejected request: nothing is left in the engine (``log``: ``rt``'s step recorder,
+    started before the request) and the next request is right."""
+    assert not log.in_flight
     for got, want in zip(rt.encode(inputs, **options), expected, strict=True):
         assert max_dev(got, want) <= ATOL
 
@@ -159,9 +161,10 @@ def test_token_embed_matryoshka_dimensions(d, make_decoder_folder, task_runtime,
             assert max_dev(got, want) <= 1e-6
 
 
-def test_token_embed_dimension_errors(make_decoder_folder, task_runtime):
+def test_token_embed_dimension_errors(make_decoder_folder, task_runtime, poolrunner_step_recorder):
     folder = make_decoder_folder("llama", "model")
     plain = task_runtime(folder, "token_embed")
+    plain_log = poolrunner_step_recorder(plain)
     prompt = [[1, 5, 6, 7]]
     expected = plain.encode(prompt)
     message = (f"model {folder} does not support Matryoshka dimensions (got dimensions=8): its config declares "
@@ -169,18 +172,19 @@ def test_token_embed_dimension_errors(make_decoder_folder, task_runtime):
                "(--is-matryoshka on the command line and the server) to allow it")
     with pytest.raises(InvalidRequestError, match=f"^{re.escape(message)}$"):
         plain.encode(prompt, dimensions=8)
-    assert_still_serves(plain, prompt, expected)
+    assert_still_serves(plain, plain_log, prompt, expected)
 
     matryoshka = task_runtime(folder, "token_embed", is_matryoshka=True)
+    matryoshka_log = poolrunner_step_recorder(matryoshka)
     message = f"dimensions=65 is out of range for model {folder}: 1..64"
     with pytest.raises(InvalidRequestError, match=f"^{re.escape(message)}$"):
         matryoshka.encode(prompt, dimensions=65)
-    assert_still_serves(matryoshka, prompt, expected)
+    assert_still_serves(matryoshka, matryoshka_log, prompt, expected)
     for option, value in (("step_tag_id", 10), ("use_activation", True)):
         with pytest.raises(InvalidRequestError,
                            match=f"^{option} does not apply to task 'token_embed' \\(got {value}\\)$"):
             plain.encode(prompt, **{option: value})
-        assert_still_serves(plain, prompt, expected)
+        assert_still_serves(plain, plain_log, prompt, expected)
 
 
 # --------------------------------------------------------------------------- STEP pooling
@@ -241,56 +245,50 @@ def test_step_without_a_tag_is_empty(token_classifier, task_runtime, token_refer
     assert empty.shape == (0, 2)
 
 
-def test_step_option_errors_keep_serving(token_classifier, make_decoder_folder, task_runtime, step_logits):
+def test_step_option_errors_keep_serving(token_classifier, make_decoder_folder, task_runtime, step_logits,
+                                        poolrunner_step_recorder):
     rt = task_runtime(token_classifier)
+    log = poolrunner_step_recorder(rt)
     expected = [softmax(step_logits[[1, 3]])]
     message = f"returned_token_ids [5, 7] are out of range for model {token_classifier}: it has 5 labels (0..4)"
     with pytest.raises(InvalidRequestError, match=f"^{re.escape(message)}$"):
         rt.encode([STEP_PROMPT], step_tag_id=STEP_TAG, returned_token_ids=[1, 5, 7])
-    assert_still_serves(rt, [STEP_PROMPT], expected, step_tag_id=STEP_TAG)
+    assert_still_serves(rt, log, [STEP_PROMPT], expected, step_tag_id=STEP_TAG)
     with pytest.raises(InvalidRequestError, match=r"^step_tag_id must be a non-negative integer, got -1$"):
         rt.encode([STEP_PROMPT], step_tag_id=-1)
-    assert_still_serves(rt, [STEP_PROMPT], expected, step_tag_id=STEP_TAG)
+    assert_still_serves(rt, log, [STEP_PROMPT], expected, step_tag_id=STEP_TAG)
     for option in ("normalize", "dimensions"):
         with pytest.raises(InvalidRequestError, match=f"^{option} does not apply to task 'token_classify'"):
             rt.encode([STEP_PROMPT], **{option: True if option == "normalize" else 2})
-        assert_still_serves(rt, [STEP_PROMPT], expected, step_tag_id=STEP_TAG)
+        assert_still_serves(rt, log, [STEP_PROMPT], expected, step_tag_id=STEP_TAG)
 
     # STEP options on an embed runtime.
     embed_rt = task_runtime(make_decoder_folder("llama", "model"))
+    embed_log = poolrunner_step_recorder(embed_rt)
     assert embed_rt.task == "embed"
     embed_expected = embed_rt.embed([STEP_PROMPT])
     with pytest.raises(InvalidRequestError, match=r"^step_tag_id does not apply to task 'embed' \(got 10\)$"):
         embed_rt.encode([STEP_PROMPT], step_tag_id=STEP_TAG)
-    assert_still_serves(embed_rt, [STEP_PROMPT], embed_expected)
+    assert_still_serves(embed_rt, embed_log, [STEP_PROMPT], embed_expected)
     with pytest.raises(InvalidRequestError, match=r"^returned_token_ids does not apply to task 'embed'"):
         embed_rt.encode([STEP_PROMPT], returned_token_ids=[0])
-    assert_still_serves(embed_rt, [STEP_PROMPT], embed_expected)
+    assert_still_serves(embed_rt, embed_log, [STEP_PROMPT], embed_expected)
 
 
-def test_one_step_mixes_step_and_all_requests(make_decoder_folder, task_runtime, token_reference, monkeypatch):
+def test_one_step_mixes_step_and_all_requests(make_decoder_folder, task_runtime, token_reference):
     """Per-request options inside one forward pass: STEP, column selection, raw logits and plain ALL."""
     folder = make_decoder_folder("llama", "token")
     rt = task_runtime(folder)
     ref = token_reference(folder, "AutoModelForTokenClassification")
-    engine = rt.engine
-    steps = []
-    original_step = engine.step
-
-    def counting_step():
-        result = original_step()
-        steps.append(len(result))
-        return result
-
-    monkeypatch.setattr(engine, "step", counting_step)
     prompts = [STEP_PROMPT, [1, 10, 20, 30, 10], [1, 40, 50], STEP_PROMPT, [10, 10]]
     options = [{"step_tag_id": 10}, {"step_tag_id": 10, "returned_token_ids": [1, 2]}, {},
                {"use_activation": False}, {"step_tag_id": 10, "use_activation": False, "returned_token_ids": [4]}]
     requests = [PoolingRequest(request_id=f"mix-{i}", prompt_token_ids=p,
                                params=PoolingParams(task="token_classify", **o))
                 for i, (p, o) in enumerate(zip(prompts, options, strict=True))]
-    results = dict(engine.run(requests))
-    assert steps == [len(prompts)]  # all in one step
+    with record_steps(rt) as log:
+        results = run_requests(rt, requests)
+    assert [step.request_ids for step in log.steps] == [tuple(r.request_id for r in requests)]  # all in one step
     for i, (prompt, option) in enumerate(zip(prompts, options, strict=True)):
         logits = ref.alone(prompt)
         if "step_tag_id" in option:
@@ -299,14 +297,16 @@ def test_one_step_mixes_step_and_all_requests(make_decoder_folder, task_runtime,
             logits = logits[:, option["returned_token_ids"]]
         want = logits if option.get("use_activation") is False else softmax(logits)
         assert max_dev(results[f"mix-{i}"].numpy(), want) <= 1e-4
-    assert not engine.requests
+    assert not log.in_flight
 
 
 # --------------------------------------------------------------------------- embed&token_classify
 
 
-def test_bge_m3_style_embedding_and_token_weights(bge_m3_folder, task_runtime, token_reference):
+def test_bge_m3_style_embedding_and_token_weights(bge_m3_folder, task_runtime, token_reference,
+                                                 poolrunner_step_recorder):
     rt = task_runtime(bge_m3_folder)
+    log = poolrunner_step_recorder(rt)
     assert rt.task == "embed&token_classify"  # the first choice when the folder has the head
     assert rt.model_config.model_tasks == {"embed", "token_embed", "embed&token_classify"}
     ref = token_reference(bge_m3_folder)
@@ -331,7 +331,7 @@ def test_bge_m3_style_embedding_and_token_weights(bge_m3_folder, task_runtime, t
     assert (all_weights == 0).any() and (all_weights > 0.05).any(), "relu must both clip and pass"
     with pytest.raises(InvalidRequestError, match=r"^use_activation does not apply to task 'embed&token_classify'"):
         rt.encode(MINILM_TEXTS[:1], use_activation=False)
-    assert not rt.engine.requests
+    assert not log.in_flight
 
 
 # --------------------------------------------------------------------------- ragged, batch-independent

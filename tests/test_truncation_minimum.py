@@ -177,10 +177,11 @@ def _error(answer: httpx.Response) -> str:
     return error["message"]
 
 
-def test_http_one_token_is_a_400_then_the_server_serves(server, runtime):
+def test_http_one_token_is_a_400_then_the_server_serves(server, runtime, poolrunner_step_recorder):
+    steps = poolrunner_step_recorder(runtime)
     message = _error(httpx.post(f"{server.url}/v1/embeddings", json={"input": [LONG], "truncate_prompt_tokens": 1}))
     assert message == _below(1, 2, "all-MiniLM-L6-v2")  # over HTTP the served name, never the folder's path
-    assert server.serving.pending == 0 and not runtime.engine.requests
+    assert server.serving.pending == 0 and not steps.in_flight
     for path, payload in (("/pooling", {"input": LONG, "truncate_prompt_tokens": 1}),
                           ("/score", {"text_1": "q", "text_2": [LONG], "truncate_prompt_tokens": 1})):
         assert _error(httpx.post(f"{server.url}{path}", json=payload)) == _below(1, 2, "all-MiniLM-L6-v2")

@@ -17,7 +17,8 @@ import torch
 
 import poolrunner
 from poolrunner import InvalidRequestError, ModelLoadError, PoolingParams, PoolingRequest, UnsupportedTaskError
-from tests.helpers import MIN_COSINE, cosine_rows
+from poolrunner.core.testing.steps import StepLog
+from tests.helpers import MIN_COSINE, cosine_rows, run_requests
 
 HANG_TIMEOUT_S = 60
 
@@ -143,25 +144,14 @@ def budget_runtime():
 
 
 @pytest.fixture
-def recorded_steps(budget_runtime, monkeypatch) -> list[tuple[int, ...]]:
-    steps: list[tuple[int, ...]] = []
-    scheduler = budget_runtime.engine.scheduler
-    schedule = scheduler.schedule
-
-    def recording():
-        out = schedule()
-        if out.requests:
-            steps.append(out.num_scheduled_tokens)
-        return out
-
-    monkeypatch.setattr(scheduler, "schedule", recording)
-    return steps
+def recorded_steps(budget_runtime, poolrunner_step_recorder) -> StepLog:
+    return poolrunner_step_recorder(budget_runtime)
 
 
 def test_input_exactly_at_the_token_budget(budget_runtime, st_model, text_with_tokens, recorded_steps):
     text = text_with_tokens(64, seed=3)
     vector = call_with_timeout(lambda: budget_runtime.embed([text]))
-    assert recorded_steps == [(64,)]
+    assert [step.num_scheduled_tokens for step in recorded_steps.steps] == [(64,)]
     assert cosine_rows(vector, st_model.encode([text]))[0] >= MIN_COSINE
 
 
@@ -170,7 +160,7 @@ def test_input_over_the_budget_runs_alone(budget_runtime, st_model, text_with_to
     texts = [text_with_tokens(10, seed=4), text_with_tokens(200, seed=5), text_with_tokens(64, seed=6),
              text_with_tokens(20, seed=7), text_with_tokens(30, seed=8)]
     vectors = call_with_timeout(lambda: budget_runtime.embed(texts))
-    assert recorded_steps == [(10,), (200,), (64,), (20, 30)]
+    assert [step.num_scheduled_tokens for step in recorded_steps.steps] == [(10,), (200,), (64,), (20, 30)]
     assert cosine_rows(vectors, st_model.encode(texts)).min() >= MIN_COSINE
     assert_serves(budget_runtime)
 
@@ -178,7 +168,7 @@ def test_input_over_the_budget_runs_alone(budget_runtime, st_model, text_with_to
 def test_many_over_budget_inputs_never_hang(budget_runtime, st_model, text_with_tokens, recorded_steps):
     texts = [text_with_tokens(n, seed=n) for n in (256, 65, 130, 256)]
     vectors = call_with_timeout(lambda: budget_runtime.embed(texts))
-    assert recorded_steps == [(256,), (65,), (130,), (256,)]
+    assert [step.num_scheduled_tokens for step in recorded_steps.steps] == [(256,), (65,), (130,), (256,)]
     assert cosine_rows(vectors, st_model.encode(texts)).min() >= MIN_COSINE
 
 
@@ -284,10 +274,10 @@ def test_engine_rejects_too_long_and_duplicate_requests(runtime, assert_serves):
     long = PoolingRequest(request_id="r-long", prompt_token_ids=[1000] * 257, params=params)
     with pytest.raises(InvalidRequestError,
                        match=r"^request 'r-long' has 257 tokens, more than the maximum of 256 \(max_model_len of"):
-        list(runtime.engine.run([ok, long]))
+        run_requests(runtime, [ok, long])
     assert_serves(runtime)
     with pytest.raises(InvalidRequestError, match=r"^request id 'r-ok' is already in flight$"):
-        list(runtime.engine.run([ok, ok]))
+        run_requests(runtime, [ok, ok])
     assert_serves(runtime)
 
 
@@ -295,7 +285,7 @@ def test_engine_rejects_another_task(runtime, assert_serves):
     request = PoolingRequest(request_id="r-cls", prompt_token_ids=[101, 102], params=PoolingParams(task="classify"))
     with pytest.raises(InvalidRequestError,
                        match=r"asks for task 'classify', but this runtime serves \['embed', 'token_embed'\]"):
-        list(runtime.engine.run([request]))
+        run_requests(runtime, [request])
     assert_serves(runtime)
 
 

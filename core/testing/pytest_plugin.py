@@ -13,10 +13,13 @@ Fixtures:
 - ``poolrunner_runtime_factory``: ``make(plugins, *, model=None, builtins=False, **kwargs) ->
   Runtime``, a CPU runtime with only the given plugins (entry points are not loaded).
 - ``poolrunner_hook_recorder``: ``record(runtime) -> HookRecorder``; ``.getcalls("pool")``.
+- ``poolrunner_step_recorder``: ``record(runtime) -> StepLog``: which requests ran in which engine
+  step, how many tokens of each, which chunk (:mod:`poolrunner.core.testing.steps`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -27,6 +30,7 @@ from attrs import define, field
 
 if TYPE_CHECKING:
     from poolrunner.core.runtime import Runtime
+    from poolrunner.core.testing.steps import StepLog
 
 
 @define(frozen=True)
@@ -192,3 +196,13 @@ def poolrunner_hook_recorder() -> Iterator[Callable[[Runtime], HookRecorder]]:
     yield record
     for step in reversed(undo):
         step()
+
+
+@pytest.fixture
+def poolrunner_step_recorder() -> Iterator[Callable[[Runtime], StepLog]]:
+    """``record(runtime) -> StepLog``: records that runtime's engine steps until the test ends
+    (:func:`poolrunner.core.testing.steps.record_steps`)."""
+    from poolrunner.core.testing.steps import record_steps
+
+    with contextlib.ExitStack() as stack:
+        yield lambda runtime: stack.enter_context(record_steps(runtime))

@@ -181,12 +181,14 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize(("path", "payload", "message"), [case[1:] for case in BAD_REQUESTS],
                          ids=[case[0] for case in BAD_REQUESTS])
-def test_bad_requests_are_400_and_the_server_still_serves(server, runtime, sanity_reference, path, payload, message):
+def test_bad_requests_are_400_and_the_server_still_serves(server, runtime, sanity_reference, path, payload, message,
+                                                         poolrunner_step_recorder):
+    steps = poolrunner_step_recorder(runtime)
     content = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
     answer = httpx.post(f"{server.url}{path}", content=content, headers={"content-type": "application/json"})
     assert message in _error(answer, 400)
     assert answer.json()["error"]["type"] == "invalid_request_error"
-    assert server.serving.pending == 0 and not runtime.engine.requests
+    assert server.serving.pending == 0 and not steps.in_flight
     vector = httpx.post(f"{server.url}/v1/embeddings", json={"input": SANITY_TEXT}).json()["data"][0]["embedding"]
     assert cosine_rows(vector, sanity_reference)[0] >= MIN_COSINE
 
@@ -208,7 +210,8 @@ def test_truncation_keeps_the_model_maximum(server, runtime, lee_long_docs):
                                runtime.embed(lee_long_docs[:2], truncate_prompt_tokens=-1), atol=2e-6)
 
 
-def test_limits_name_the_limit(runtime):
+def test_limits_name_the_limit(runtime, poolrunner_step_recorder):
+    steps = poolrunner_step_recorder(runtime)
     settings = ServerSettings(max_inputs_per_request=4, max_request_bytes=2000, max_waiting_requests=64)
     with ServerThread(runtime, settings) as running, httpx.Client(base_url=running.url) as client:
         message = _error(client.post("/v1/embeddings", json={"input": ["a"] * 5}), 400)
@@ -227,7 +230,7 @@ def test_limits_name_the_limit(runtime):
         chunked = client.post("/v1/embeddings", content=chunks(), headers={"content-type": "application/json"})
         assert "larger than the limit of 2000 bytes" in _error(chunked, 413)
         assert client.post("/v1/embeddings", json={"input": ["a"] * 4}).status_code == 200
-        assert not runtime.engine.requests
+        assert not steps.in_flight
 
 
 def test_kept_alive_connections_answer_without_delay(server):

@@ -107,7 +107,8 @@ def _metric(text: str, name: str) -> float:
     return float(match.group(1))
 
 
-def test_64_clients_get_every_answer_once_and_share_steps(runtime, sentences, capsys):
+def test_64_clients_get_every_answer_once_and_share_steps(runtime, sentences, capsys, poolrunner_step_recorder):
+    log = poolrunner_step_recorder(runtime)
     specs = _specs(sentences, CLIENTS * REQUESTS_PER_CLIENT, seed=1)
     expected = _offline(runtime, specs)
     answers: list[list[Any]] = [[] for _ in specs]
@@ -131,7 +132,7 @@ def test_64_clients_get_every_answer_once_and_share_steps(runtime, sentences, ca
     with ServerThread(runtime) as running:
         wall = asyncio.run(main(running.url))
         metrics = httpx.get(f"{running.url}/metrics").text
-        assert running.serving.pending == 0 and not runtime.engine.requests
+        assert running.serving.pending == 0 and not log.in_flight
     errors = [(number, r.status_code) for number, got in enumerate(answers) for r in got if r.status_code != 200]
     assert not errors
     assert all(len(got) == 1 for got in answers)  # exactly one answer per request
@@ -150,7 +151,8 @@ def test_64_clients_get_every_answer_once_and_share_steps(runtime, sentences, ca
               "with more than 4 inputs")
 
 
-def test_a_full_queue_answers_429_at_once_and_loses_nothing(runtime, sentences):
+def test_a_full_queue_answers_429_at_once_and_loses_nothing(runtime, sentences, poolrunner_step_recorder):
+    log = poolrunner_step_recorder(runtime)
     specs = [{"kind": "embed_float", "texts": sentences[i : i + 4], "query": ""} for i in range(0, 96, 2)]
     expected = _offline(runtime, specs)
     settings = ServerSettings(max_waiting_requests=8, max_inputs_per_request=4)
@@ -171,7 +173,7 @@ def test_a_full_queue_answers_429_at_once_and_loses_nothing(runtime, sentences):
                 assert re.fullmatch(r"the request queue is full: \d+ requests are waiting or running and 4 more "
                                     r"would pass the limit of 8 \(max_waiting_requests\); retry later",
                                     response.json()["error"]["message"])
-        assert running.serving.pending == 0 and not runtime.engine.requests
+        assert running.serving.pending == 0 and not log.in_flight
         metrics = httpx.get(f"{running.url}/metrics").text
         rejected = statuses.count(429)
         assert f'poolrunner_requests_total{{endpoint="/v1/embeddings",status="429"}} {rejected}.0' in metrics
@@ -183,7 +185,9 @@ def test_a_full_queue_answers_429_at_once_and_loses_nothing(runtime, sentences):
             _check(specs[number], response.json(), expected[number])
 
 
-def test_a_client_that_disconnects_leaves_no_state(runtime, lee_long_docs, sanity_reference):
+def test_a_client_that_disconnects_leaves_no_state(runtime, lee_long_docs, sanity_reference,
+                                                    poolrunner_step_recorder):
+    log = poolrunner_step_recorder(runtime)
     texts = lee_long_docs * 40  # 400 inputs of 256 tokens: seconds of work on a CPU
     body = json.dumps({"input": texts, "truncate_prompt_tokens": -1}).encode()
     with ServerThread(runtime) as running:
@@ -196,13 +200,13 @@ def test_a_client_that_disconnects_leaves_no_state(runtime, lee_long_docs, sanit
                 assert time.monotonic() < deadline
                 time.sleep(0.005)
         deadline = time.monotonic() + 10
-        while running.serving.pending or runtime.engine.requests:
+        while running.serving.pending or log.in_flight:
             assert time.monotonic() < deadline, "the disconnected client's requests were not aborted"
             time.sleep(0.01)
         metrics = httpx.get(f"{running.url}/metrics").text
         assert 'poolrunner_requests_total{endpoint="/v1/embeddings",status="499"} 1.0' in metrics
         assert _metric(metrics, "poolrunner_inference_time_seconds_count") < len(texts)  # aborted, not finished
-        assert not runtime.engine.scheduler.has_unfinished()
+        assert log.admitted and not log.in_flight  # every request it sent entered the engine and left it
         vector = httpx.post(f"{running.url}/v1/embeddings", json={"input": "The quick brown fox jumps over the "
                             "lazy dog near the river bank."}).json()["data"][0]["embedding"]
         np.testing.assert_allclose(vector, sanity_reference, atol=1e-5)

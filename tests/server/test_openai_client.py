@@ -78,13 +78,15 @@ def test_dimensions_on_a_matryoshka_runtime(st_model):
         assert len(client.embeddings.create(model=MODEL, input="still serving").data) == 1
 
 
-def test_dimensions_on_a_plain_model_is_a_bad_request(client, keyed_server, runtime, assert_serves):
+def test_dimensions_on_a_plain_model_is_a_bad_request(client, keyed_server, runtime, assert_serves,
+                                                      poolrunner_step_recorder):
+    steps = poolrunner_step_recorder(runtime)
     with pytest.raises(openai.BadRequestError, match="does not support Matryoshka dimensions") as caught:
         client.embeddings.create(model=MODEL, input=TEXTS, dimensions=64)
     assert caught.value.status_code == 400
     error = caught.value.body
     assert error["type"] == "invalid_request_error" and error["code"] == 400
-    assert keyed_server.serving.pending == 0 and not runtime.engine.requests
+    assert keyed_server.serving.pending == 0 and not steps.in_flight
     assert len(client.embeddings.create(model=MODEL, input=SANITY_TEXT).data) == 1
 
 

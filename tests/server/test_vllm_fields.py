@@ -300,11 +300,13 @@ BAD_FIELDS = [
 
 @pytest.mark.parametrize("path", ["/v1/embeddings", "/pooling"])
 @pytest.mark.parametrize(("fields", "message"), [case[1:] for case in BAD_FIELDS], ids=[c[0] for c in BAD_FIELDS])
-def test_bad_fields_are_400_and_the_server_still_serves(server, runtime, path, fields, message):
+def test_bad_fields_are_400_and_the_server_still_serves(server, runtime, path, fields, message,
+                                                       poolrunner_step_recorder):
+    steps = poolrunner_step_recorder(runtime)
     body = {"input": TEXTS, **fields}
     answer = httpx.post(f"{server.url}{path}", json={name: value for name, value in body.items() if value is not None})
     assert _error(answer) == message.format(name="all-MiniLM-L6-v2")  # the served name, never a path
-    assert server.serving.pending == 0 and not runtime.engine.requests
+    assert server.serving.pending == 0 and not steps.in_flight
     _still_serves(server.url, runtime)
 
 

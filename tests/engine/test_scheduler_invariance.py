@@ -52,7 +52,7 @@ def test_budget_order_duplicates_and_async_never_change_a_result(llama, referenc
         for order in (batch, rng.sample(batch, len(batch))):
             for prompt, rows in zip(order, runtime.encode(list(map(list, order))), strict=True):
                 worst = max(worst, float(np.abs(rows - expected[prompt]).max()))
-        assert not runtime.engine.requests and not runtime.engine.runner.kv_caches
+        assert not runtime._engine.requests and not runtime._engine.runner.kv_caches
     assert worst < 1e-5, worst
 
 
@@ -80,7 +80,7 @@ def test_a_thousand_requests_with_random_aborts_all_end_exactly_once(llama, refe
     ledger = Ledger()
     runtime = poolrunner.Runtime(llama, task="token_embed", dtype="float32", load_entrypoints=False,
                                  plugins=[ledger], max_num_batched_tokens=64, max_num_seqs=16)
-    engine, limit = runtime.engine, runtime.model_config.max_model_len
+    engine, limit = runtime._engine, runtime.model_config.max_model_len
     lengths = [rng.randrange(1, 40) for _ in range(850)] + [rng.randrange(65, limit) for _ in range(130)]
     lengths += [limit] * 20  # exactly at the model maximum, far over the step budget
     rng.shuffle(lengths)

@@ -33,7 +33,7 @@ def test_steps_near_the_cpu_budget_share_a_few_shapes():
 
 def _recorded_shapes(runtime) -> list[int]:
     shapes: list[int] = []
-    embeddings = runtime.engine.runner.backbone.embeddings
+    embeddings = runtime._engine.runner.backbone.embeddings
     embeddings.register_forward_pre_hook(lambda _module, args, kwargs: shapes.append(kwargs["input_ids"].shape[1]),
                                          with_kwargs=True)
     return shapes

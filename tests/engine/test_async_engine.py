@@ -91,8 +91,8 @@ def test_default_model_matches_sentence_transformers_in_both_modes(
     async_mode, task_runtime, st_model, lee_docs, monkeypatch
 ):
     rt = task_runtime(None, async_scheduling=async_mode, max_num_seqs=4)
-    assert rt.engine.async_scheduling is async_mode
-    events = record_pipeline(monkeypatch, rt.engine)
+    assert rt._engine.async_scheduling is async_mode
+    events = record_pipeline(monkeypatch, rt._engine)
     got = rt.embed(lee_docs)
     expected = st_model.encode(lee_docs, convert_to_numpy=True)
     assert got.shape == expected.shape == (50, 384)
@@ -103,7 +103,7 @@ def test_default_model_matches_sentence_transformers_in_both_modes(
         assert overlapped(events), events
     else:
         assert events == [(kind, k) for k in range(13) for kind in ("launch", "collect")]
-    assert not rt.engine.requests and not rt.engine.scheduler.has_unfinished()
+    assert not rt._engine.requests and not rt._engine.scheduler.has_unfinished()
 
 
 @pytest.mark.parametrize("async_mode", [True, False], ids=["async", "sync"])
@@ -113,7 +113,7 @@ def test_the_serving_loop_launches_ahead_when_async_scheduling_is_on(
     """The server's path (Runtime.serving): with async scheduling each step is launched before the
     last one is collected, as in the offline API, and the answers stay sentence-transformers'."""
     rt = task_runtime(None, async_scheduling=async_mode, max_num_seqs=4)
-    events = record_pipeline(monkeypatch, rt.engine)
+    events = record_pipeline(monkeypatch, rt._engine)
     requests = rt.frontend.prepare(lee_docs[:20], rt.frontend.params("embed"))
     with rt.serving() as serving:
         outputs = asyncio.run(serving.run(requests))
@@ -121,7 +121,7 @@ def test_the_serving_loop_launches_ahead_when_async_scheduling_is_on(
     assert cosine_rows(np.stack([output.numpy() for output in outputs]), expected).min() >= MIN_COSINE
     assert_every_step_collected_once_in_order(events)
     assert overlapped(events) is async_mode, events
-    assert not rt.engine.requests and not rt.engine.scheduler.has_unfinished()
+    assert not rt._engine.requests and not rt._engine.scheduler.has_unfinished()
 
 
 def test_chunked_decoder_async_matches_transformers_per_token(
@@ -130,7 +130,7 @@ def test_chunked_decoder_async_matches_transformers_per_token(
     folder = make_decoder_folder("llama", "model")
     ref = token_reference(folder)
     rt = task_runtime(folder, "token_embed", async_scheduling=True, max_num_batched_tokens=BUDGET)
-    events = record_pipeline(monkeypatch, rt.engine)
+    events = record_pipeline(monkeypatch, rt._engine)
     prompts = [prompt(55, 1), prompt(56, 2), prompt(57, 3)]
     out = rt.encode(prompts)
     for i, (ids, got) in enumerate(zip(prompts, out, strict=True)):
@@ -138,7 +138,7 @@ def test_chunked_decoder_async_matches_transformers_per_token(
     assert_every_step_collected_once_in_order(events)
     assert len([e for e in events if e[0] == "launch"]) == 17  # ceil(168 / 10)
     assert overlapped(events), events
-    assert not rt.engine.runner.kv_caches and not rt.engine.runner.partial_hidden
+    assert not rt._engine.runner.kv_caches and not rt._engine.runner.partial_hidden
 
 
 # --------------------------------------------------------------------------- 2. AsyncOutputHandle
@@ -219,7 +219,7 @@ class Recorder:
 
 
 def assert_clean(rt: Any) -> None:
-    engine = rt.engine
+    engine = rt._engine
     assert not engine.requests
     assert not engine.runner.kv_caches
     assert not engine.runner.partial_hidden
@@ -243,7 +243,7 @@ def decoder_runtimes(make_decoder_folder) -> dict[bool, tuple[Any, Recorder]]:
 @pytest.mark.parametrize("where", ["waiting", "mid_prefill", "finished_uncollected"])
 def test_abort_leaves_nothing_behind(async_mode, where, decoder_runtimes, make_decoder_folder, token_reference):
     rt, recorder = decoder_runtimes[async_mode]
-    engine = rt.engine
+    engine = rt._engine
     ref = token_reference(make_decoder_folder("llama", "model"))
     rid = f"abort-{where}"
     recorder.removed.clear()
@@ -296,7 +296,7 @@ def test_abort_while_async_run_is_pipelined(decoder_runtimes, make_decoder_folde
     """Aborting a request from inside the ``run`` loop (between yields) drops it cleanly while
     the other requests of the call still finish correctly."""
     rt, recorder = decoder_runtimes[True]
-    engine = rt.engine
+    engine = rt._engine
     ref = token_reference(make_decoder_folder("llama", "model"))
     recorder.removed.clear()
     prompts = {"short": prompt(4, 31), "long": prompt(45, 32), "tail": prompt(9, 33)}
@@ -320,7 +320,7 @@ def test_abort_while_async_run_is_pipelined(decoder_runtimes, make_decoder_folde
 def test_finishing_is_decided_from_lengths(async_mode, decoder_runtimes, make_decoder_folder, token_reference,
                                            monkeypatch):
     rt, _ = decoder_runtimes[async_mode]
-    runner = rt.engine.runner
+    runner = rt._engine.runner
     ref = token_reference(make_decoder_folder("llama", "model"))
     steps: list[tuple[list[int], list[str], bool]] = []
     execute = runner.execute
@@ -333,7 +333,7 @@ def test_finishing_is_decided_from_lengths(async_mode, decoder_runtimes, make_de
 
     monkeypatch.setattr(runner, "execute", recording)
     ids = prompt(25, 41)
-    (result,) = list(rt.engine.run([token_request("mask", ids)]))
+    (result,) = list(rt._engine.run([token_request("mask", ids)]))
     assert steps == [([0], [], False), ([10], [], False), ([20], ["mask"], True)]
     assert result[0] == "mask"
     assert_rows_close(result[1], ref.alone(ids), "mask")

@@ -15,7 +15,7 @@ from tests.helpers import MIN_COSINE, cosine_rows
 
 
 def test_a_failing_step_fails_only_its_requests_and_the_loop_keeps_serving(runtime, monkeypatch, sanity_reference):
-    real = runtime.engine.runner.execute
+    real = runtime._engine.runner.execute
     calls = []
 
     def fails_once(batch):
@@ -24,13 +24,13 @@ def test_a_failing_step_fails_only_its_requests_and_the_loop_keeps_serving(runti
             raise RuntimeError("simulated device failure")
         return real(batch)
 
-    monkeypatch.setattr(runtime.engine.runner, "execute", fails_once)
+    monkeypatch.setattr(runtime._engine.runner, "execute", fails_once)
     with ServerThread(runtime) as running, httpx.Client(base_url=running.url) as client:
         failed = client.post("/v1/embeddings", json={"input": ["first"]})
         assert failed.status_code == 500
         assert failed.json()["error"]["message"] == (
             "the engine step running this request failed: RuntimeError('simulated device failure')")
-        assert running.serving.alive and running.serving.pending == 0 and not runtime.engine.requests
+        assert running.serving.alive and running.serving.pending == 0 and not runtime._engine.requests
         vector = client.post("/v1/embeddings", json={"input": SANITY_TEXT}).json()["data"][0]["embedding"]
         assert cosine_rows(vector, sanity_reference)[0] >= MIN_COSINE
 
@@ -47,7 +47,7 @@ def test_the_python_api_goes_through_the_loop_while_serving(runtime, sanity_refe
 def test_a_lower_priority_in_the_body_runs_first(runtime, monkeypatch):
     """vLLM's ``priority``: of two queued calls the lower value runs first, whatever their arrival."""
     first, gate = threading.Event(), threading.Event()
-    execute = runtime.engine.runner.execute
+    execute = runtime._engine.runner.execute
 
     def held(batch):
         if not first.is_set():  # the first step holds the loop until both calls are queued
@@ -56,15 +56,15 @@ def test_a_lower_priority_in_the_body_runs_first(runtime, monkeypatch):
         return execute(batch)
 
     order: list[int] = []
-    schedule = runtime.engine.scheduler.schedule
+    schedule = runtime._engine.scheduler.schedule
 
     def recording():
         out = schedule()
         order.extend(state.request.prompt_token_ids[1] for state in out.requests)
         return out
 
-    monkeypatch.setattr(runtime.engine.runner, "execute", held)
-    monkeypatch.setattr(runtime.engine.scheduler, "schedule", recording)
+    monkeypatch.setattr(runtime._engine.runner, "execute", held)
+    monkeypatch.setattr(runtime._engine.scheduler, "schedule", recording)
     with ServerThread(runtime) as running, ThreadPoolExecutor(3) as pool:
         def post(marker: int, priority: int | None = None) -> httpx.Response:
             inputs = [[101, marker + i, 102] for i in range(3)]

@@ -24,7 +24,7 @@ def poisoned(monkeypatch):
     """A float32 runtime whose forward raises on any batch holding the token of "poison"."""
     runtime = poolrunner.Runtime(dtype="float32", load_entrypoints=False)
     token = runtime.inputs.tokenizer.convert_tokens_to_ids("poison")
-    execute, batches = runtime.engine.runner.execute, []
+    execute, batches = runtime._engine.runner.execute, []
 
     def guarded(batch):
         batches.append(batch.num_reqs)
@@ -32,7 +32,7 @@ def poisoned(monkeypatch):
             raise RuntimeError("poisoned batch")
         return execute(batch)
 
-    monkeypatch.setattr(runtime.engine.runner, "execute", guarded)
+    monkeypatch.setattr(runtime._engine.runner, "execute", guarded)
     return runtime, batches
 
 
@@ -40,28 +40,28 @@ def test_the_innocent_in_a_failing_step_finish(poisoned, st_model):
     runtime, batches = poisoned
     requests = runtime.frontend.prepare([*GOOD[:2], POISON, *GOOD[2:]], runtime.frontend.params("embed"))
     for request in requests:
-        runtime.engine.add_request(request)
-    finished = dict(runtime.engine.step())
+        runtime._engine.add_request(request)
+    finished = dict(runtime._engine.step())
     assert batches[0] == 5 and len(batches) > 1  # one shared step, then smaller ones
     assert set(finished) == {r.request_id for r in requests} - {requests[2].request_id}
-    [(failed_id, error)] = runtime.engine.take_failures()
+    [(failed_id, error)] = runtime._engine.take_failures()
     assert failed_id == requests[2].request_id and str(error) == "poisoned batch"
     vectors = np.stack([finished[r.request_id].numpy() for r in requests if r.request_id in finished])
     assert cosine_rows(vectors, st_model.encode(GOOD)).min() >= MIN_COSINE
-    assert not runtime.engine.requests and not runtime.engine.take_failures()
+    assert not runtime._engine.requests and not runtime._engine.take_failures()
 
 
 def test_the_python_api_raises_the_guilty_error_and_still_serves(poisoned, st_model):
     runtime, _ = poisoned
     with pytest.raises(RuntimeError, match="^poisoned batch$"):
         runtime.embed([*GOOD, POISON])
-    assert not runtime.engine.requests
+    assert not runtime._engine.requests
     assert cosine_rows(runtime.embed(GOOD), st_model.encode(GOOD)).min() >= MIN_COSINE
 
 
 def test_the_serving_loop_fails_only_the_guilty_submission(poisoned, st_model, monkeypatch):
     runtime, batches = poisoned
-    execute = runtime.engine.runner.execute
+    execute = runtime._engine.runner.execute
     gate, first = threading.Event(), threading.Event()
 
     def held(batch):  # the first step waits, so that the callers below all join the next one
@@ -70,7 +70,7 @@ def test_the_serving_loop_fails_only_the_guilty_submission(poisoned, st_model, m
             assert gate.wait(30)
         return execute(batch)
 
-    monkeypatch.setattr(runtime.engine.runner, "execute", held)
+    monkeypatch.setattr(runtime._engine.runner, "execute", held)
 
     async def main(serving):
         blocker = asyncio.ensure_future(serving.run(runtime.frontend.prepare(["blocker"],
@@ -92,4 +92,4 @@ def test_the_serving_loop_fails_only_the_guilty_submission(poisoned, st_model, m
     assert str(answers[-1]) == "the engine step running this request failed: RuntimeError('poisoned batch')"
     vectors = np.stack([outputs[0].numpy() for outputs in answers[:-1]])
     assert cosine_rows(vectors, st_model.encode(GOOD)).min() >= MIN_COSINE
-    assert not runtime.engine.requests
+    assert not runtime._engine.requests

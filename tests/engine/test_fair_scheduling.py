@@ -144,7 +144,7 @@ class StepLog:
 
     def __init__(self, runtime: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         self.steps: list[list[str]] = []
-        schedule = runtime.engine.scheduler.schedule
+        schedule = runtime._engine.scheduler.schedule
 
         def recording() -> Any:
             out = schedule()
@@ -152,7 +152,7 @@ class StepLog:
                 self.steps.append([s.request_id for s in out.requests])
             return out
 
-        monkeypatch.setattr(runtime.engine.scheduler, "schedule", recording)
+        monkeypatch.setattr(runtime._engine.scheduler, "schedule", recording)
 
     def first(self, request_id: str) -> int:
         return next(i for i, ids in enumerate(self.steps) if request_id in ids)
@@ -233,7 +233,7 @@ def test_a_lower_priority_value_runs_first(fair_runtime, monkeypatch):
     runtime = fair_runtime
     params = runtime.frontend.params("embed")
     first, gate = threading.Event(), threading.Event()
-    execute = runtime.engine.runner.execute
+    execute = runtime._engine.runner.execute
 
     def held(batch: Any) -> Any:
         if not first.is_set():  # the first step holds the loop until both calls are queued
@@ -241,7 +241,7 @@ def test_a_lower_priority_value_runs_first(fair_runtime, monkeypatch):
             assert gate.wait(30)
         return execute(batch)
 
-    monkeypatch.setattr(runtime.engine.runner, "execute", held)
+    monkeypatch.setattr(runtime._engine.runner, "execute", held)
     later, sooner = (runtime.frontend.prepare(token_lists(20, 64, seed=s), params) for s in (5, 6))
     log = StepLog(runtime, monkeypatch)
 

@@ -115,7 +115,7 @@ class StepLog:
     def __init__(self, rt: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         self.finished: list[list[str]] = []
         self.scheduled: list[list[tuple[str, int]]] = []
-        engine = rt.engine
+        engine = rt._engine
         step, schedule = engine.step, engine.scheduler.schedule
 
         def counting_step() -> Any:
@@ -165,7 +165,7 @@ def leftover_request_state(rt: Any) -> list[str]:
     requests of the scheduler, and -- whatever the runner names its KV cache -- entries keyed by
     a request (id or state) in any dict attribute of the runner, or of plain poolrunner objects
     the runner holds (one level down)."""
-    engine = rt.engine
+    engine = rt._engine
     found = [f"engine.requests[{request_id!r}]" for request_id in engine.requests]
     for name, value in vars(engine.scheduler).items():
         if isinstance(value, (list, tuple, deque, set, dict)) and value:
@@ -288,7 +288,7 @@ def test_long_prompt_among_short_ones(family, make_decoder_folder, task_runtime,
     ids = [request.request_id for request in requests]
 
     log = StepLog(chunked, monkeypatch)
-    got = dict(chunked.engine.run(requests))
+    got = dict(chunked._engine.run(requests))
     assert sorted(got) == sorted(ids)
     # FCFS with no starvation: the tokens are scheduled in arrival order, every step full.
     assert log.by_index(ids) == expected_schedule(MIXED_LENGTHS, MIXED_BUDGET)
@@ -297,7 +297,7 @@ def test_long_prompt_among_short_ones(family, make_decoder_folder, task_runtime,
     assert_clean(chunked)
 
     whole_log = StepLog(whole, monkeypatch)
-    unchunked = dict(whole.engine.run(requests))
+    unchunked = dict(whole._engine.run(requests))
     assert whole_log.steps == 1 < log.steps
     for i, (request_id, prompt) in enumerate(zip(ids, prompts, strict=True)):
         rows = got[request_id].numpy()
@@ -322,7 +322,7 @@ def test_requests_join_and_leave_between_steps(make_decoder_folder, task_runtime
     folder = make_decoder_folder("llama", "model")
     rt = task_runtime(folder, "token_embed", max_num_batched_tokens=16)
     ref = token_reference(folder)
-    engine = rt.engine
+    engine = rt._engine
     log = StepLog(rt, monkeypatch)
     prompts = {"cp-a": make_prompt(57, 201), "cp-b": make_prompt(5, 202), "cp-c": make_prompt(20, 203),
                "cp-d": make_prompt(3, 204)}
@@ -518,7 +518,7 @@ def test_failures_and_cancellation_leave_nothing_behind(make_decoder_folder, tok
     plugin = FailingPlugin()
     rt = poolrunner.Runtime(folder, task="token_embed", dtype="float32", max_num_batched_tokens=10,
                             plugins=[plugin])
-    engine = rt.engine
+    engine = rt._engine
     prompts = [make_prompt(5, 501), make_prompt(57, 502), make_prompt(55, 503)]
     fresh = [make_prompt(57, 504), make_prompt(6, 505), make_prompt(23, 506)]  # reused ids, new prompts
 
