@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-
-# The tiny models' weight init and tokenizer, from the test kit (test modules import them from here).
 
 MIN_COSINE = 0.9999
 """The fp32 parity bar against an independent reference (vLLM's strict bar)."""
