@@ -270,6 +270,7 @@ class Runtime:
         truncate_prompt_tokens: int | None = None,
         truncation_side: TruncationSide = "right",
         use_activation: bool | None = None,
+        max_tokens_per_doc: int | None = None,
         **options: Any,
     ) -> np.ndarray:
         """Relevance of each (query, document) pair: 1:1, 1:N or N:N.
@@ -280,6 +281,8 @@ class Runtime:
         text is pooled once and a plugin's ``score_outputs`` hook scores the pairs (SPLADE's
         sparse dot product, ColBERT's MaxSim).
 
+        :param max_tokens_per_doc: Cut each document to its first this many tokens (special
+            tokens not counted) before scoring, as Cohere's and vLLM's field; queries stay whole.
         :param options: Request options the plugins declare for the runtime's task, as for
             :meth:`encode`; they reach its pooler and the ``score_outputs`` hook (BGE-M3's mode
             weights, say).
@@ -293,7 +296,7 @@ class Runtime:
         if _empty(queries) and _empty(documents):
             return np.zeros(0, dtype=np.float32)
         scores = self.execute(ScoreRequest.of(
-            queries=queries, documents=documents, use_activation=use_activation,
+            queries=queries, documents=documents, use_activation=use_activation, max_tokens_per_doc=max_tokens_per_doc,
             truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side, **options))
         return scores[0] if isinstance(queries, str) and isinstance(documents, str) else scores
 
@@ -306,11 +309,13 @@ class Runtime:
         return_documents: bool = False,
         truncate_prompt_tokens: int | None = None,
         truncation_side: TruncationSide = "right",
+        max_tokens_per_doc: int | None = None,
         **options: Any,
     ) -> list[RerankResult]:
         """Rank ``documents`` by relevance to ``query``, best first.
 
         :param top_n: Keep the best ``top_n`` (all when ``None`` or larger than the list).
+        :param max_tokens_per_doc: As for :meth:`score`; results carry the whole documents.
         :param options: Request options of the runtime's task, as for :meth:`score`.
         :param return_documents: Include each document's text in its result.
         :returns: :class:`RerankResult` objects sorted by descending score (ties keep input order).
@@ -319,7 +324,8 @@ class Runtime:
         """
         return self.execute(RerankRequest.of(
             query=query, documents=documents, top_n=top_n, return_documents=return_documents,
-            truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side, **options))
+            max_tokens_per_doc=max_tokens_per_doc, truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side, **options))
 
     def tokenize(self, texts: str | Sequence[str], *, add_special_tokens: bool = True) -> list[list[int]]:
         """Each text's ``prompt_token_ids``, as the model's requests see them (vLLM's ``/tokenize``).
