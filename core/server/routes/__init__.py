@@ -2,9 +2,9 @@
 module's ``APIRouter``: :mod:`.embeddings` (OpenAI's and vLLM's embeddings, ``/pooling``,
 ``/classify``), :mod:`.scoring` (score and rerank: vLLM, Jina, Cohere), :mod:`.tei` (Text
 Embeddings Inference's), :mod:`.admin` (health, metrics, models, tokenize) and
-:mod:`.invocations` (SageMaker). What a route needs of its app comes from ``app.state`` through
-the dependencies of :mod:`.dependencies`; the routes whose bodies carry plugin request options are
-added per app (see there).
+:mod:`.invocations` (SageMaker). What a route needs of its app comes from ``app.state``
+through FastAPI dependencies (:mod:`.dependencies`, which also says why the routes whose bodies
+carry plugin request options are added per app).
 """
 
 from __future__ import annotations
