@@ -1,15 +1,11 @@
-"""Text Embeddings Inference's API on the same server: TEI's routes, bodies, status codes and
-error shape, computed by the runtime's front end like every other route.
+"""Text Embeddings Inference's API on the same server: the steps and shapes behind TEI's routes
+(:mod:`poolrunner.core.server.routes.tei`), computed by the runtime's front end like every other
+route, and TEI's bodies on the routes it shares with vLLM (``/rerank``, ``/tokenize``).
 
-Routes (TEI's ``router/src/http/server.rs``): ``POST /embed``, ``/embed_all``, ``/embed_sparse``,
-``/predict``, ``/similarity``, ``/decode``, ``GET /info``, and ``POST /`` (also SageMaker's
-``/invocations`` for a TEI body, see :mod:`.app`), which answers as the served model's own route,
-as TEI's does (``huggingface_hub``'s ``InferenceClient(base_url=...)`` posts there).
-``/rerank`` and ``/tokenize`` are the vLLM routes, which take TEI's bodies too. Errors are TEI's
-``{"error", "error_type"}`` (see :mod:`poolrunner.core.server.errors`): 400 Empty, 422 Validation
-/ Tokenizer, 424 Backend (the model does not serve the route's task), 429 Overloaded, 413 for a
-chunked body over the size limit (a Content-Length over it is refused by the middleware first,
-in OpenAI's shape).
+Errors are TEI's ``{"error", "error_type"}`` (see :mod:`poolrunner.core.server.errors`): 400 Empty,
+422 Validation / Tokenizer, 424 Backend (the model does not serve the route's task), 429
+Overloaded, 413 for a chunked body over the size limit (a Content-Length over it is refused by the
+middleware first, in OpenAI's shape).
 
 Where poolrunner's rules are stricter than TEI's they stay: ``dimensions`` only for Matryoshka
 models, an over-long input is an error unless ``truncate`` (or ``--auto-truncate``) asks to keep
@@ -19,10 +15,10 @@ the model maximum, token ids outside the vocabulary are refused.
 from __future__ import annotations
 
 import importlib.metadata
-from typing import Annotated, Any
+from typing import Any
 
 import numpy as np
-from fastapi import Body, FastAPI, Request
+from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from poolrunner.core import frontend
@@ -33,7 +29,7 @@ from poolrunner.core.frontend.scoring import cosine
 from poolrunner.core.plugin_api.output import RequestOutput
 from poolrunner.core.server import protocol as p
 from poolrunner.core.server import tei_protocol as t
-from poolrunner.core.server.errors import TeiError, TeiRoute
+from poolrunner.core.server.errors import TeiError
 from poolrunner.core.server.models import ModelRouter
 from poolrunner.core.server.service import PoolingService
 from poolrunner.core.server.settings import ServerSettings
@@ -51,159 +47,45 @@ TEI_POOLING = {"CLS": "cls", "MEAN": "mean", "LAST": "last_token"}
 """TEI's names of the pooling types it shares with poolrunner (``/info``); others are lowercased."""
 
 
-def add_tei_routes(app: FastAPI, router: ModelRouter) -> None:
-    """TEI's routes (``/embed``, ``/embed_all``, ...) over the served models; every error in TEI's
-    shape (``/invocations`` forwards a TEI body to ``POST /``)."""
-    api = TeiApi(router)
-    routes: list[tuple[str, str, Any, Any]] = [
-        ("POST", "/embed", api.embed, list[list[float]]),
-        ("POST", "/embed_all", api.embed_all, list[list[list[float]]]),
-        ("POST", "/embed_sparse", api.embed_sparse, list[list[t.SparseValue]]),
-        ("POST", "/predict", api.predict, list[t.Prediction] | list[list[t.Prediction]]),
-        ("POST", "/similarity", api.similarity, list[float]),
-        ("POST", "/decode", api.decode, list[str]),
-        ("GET", "/info", api.info, t.Info),
-        ("POST", "/", api.default_route, None),
-    ]
-    for method, path, endpoint, response_model in routes:
-        # On the app's router itself: create_app reads every route's path (include_router would add one
-        # entry without a path), and TeiRoute answers the route's errors in TEI's shape.
-        app.router.add_api_route(path, endpoint, methods=[method], response_model=response_model,
-                                 route_class_override=TeiRoute, tags=["Text Embeddings Inference"])
+def answering(served: ModelRouter, task: str, route: str) -> PoolingService:
+    """The model answering TEI's ``route``, which needs ``task``.
+
+    :raises TeiError: 424 Backend, as TEI answers a route the model type cannot serve.
+    """
+    service = served.pick(None, task)
+    if task not in service.frontend.tasks:
+        raise TeiError("Backend", f"{route} needs a model that serves the task {task!r} ({TASK_USES[task]}); "
+                                  f"this one serves {sorted(service.frontend.tasks)}")
+    return service
 
 
-class TeiApi:
-    """TEI's route handlers; answers in TEI's shapes. TEI's bodies name no model, so each route
-    is answered by the served model that fits its task (:meth:`ModelRouter.pick`)."""
-
-    def __init__(self, router: ModelRouter) -> None:
-        self.router = router
-
-    # ---- routes ----
-
-    async def embed(self, body: t.EmbedRequest, request: Request) -> list[list[float]]:
-        """One pooled ``[d]`` vector per input, ``[[...]]`` for a single input too (TEI's
-        ``EmbedResponse``); ``normalize`` defaults to true, ``dimensions`` slices first."""
-        items = _batch(self.router.settings, body.inputs)
-        service = self._service("embed", "/embed")
-        params = service.frontend.params("embed", dimensions=body.dimensions, normalize=body.normalize)
-        outputs = await _outputs(service, request, items, params, body, body.prompt_name)
-        return [vector.tolist() for vector in frontend.embeddings(outputs)]
-
-    async def embed_all(self, body: t.TokenRequest, request: Request) -> list[list[list[float]]]:
-        """Every token's hidden state, unpooled and unnormalized: ``[num_tokens, hidden]`` per
-        input (task ``token_embed``), special tokens included, as TEI's ``/embed_all``."""
-        items = _batch(self.router.settings, body.inputs)
-        service = self._service("token_embed", "/embed_all")
-        params = service.frontend.params("token_embed")
-        outputs = await _outputs(service, request, items, params, body, body.prompt_name)
-        return [frontend.to_array(output).tolist() for output in outputs]  # type: ignore[union-attr]
-
-    async def embed_sparse(self, body: t.TokenRequest, request: Request) -> list[list[t.SparseValue]]:
-        """The non-zero entries of each input's vocabulary-sized SPLADE vector (task
-        ``sparse_embed``), by ascending token id as TEI lists them: ``[{"index", "value"}, ...]``."""
-        items = _batch(self.router.settings, body.inputs)
-        service = self._service("sparse_embed", "/embed_sparse")
-        params = service.frontend.params("sparse_embed")
-        outputs = await _outputs(service, request, items, params, body, body.prompt_name)
-        return [_sparse(frontend.to_array(output)) for output in outputs]  # type: ignore[arg-type]
-
-    async def predict(self, body: t.PredictRequest, request: Request) -> list[t.Prediction] | list[list[t.Prediction]]:
-        """Every label's score, best first, per input; a flat list for a single input (a text,
-        ``[text]`` or ``[text, text_pair]``), a list of them for a batch, as TEI's
-        ``PredictResponse``. ``raw_scores`` returns the logits instead of probabilities."""
-        items, single = _predict_items(body.inputs)
-        _check_items(self.router.settings, items)
-        service = self._service("classify", "/predict")
-        params = service.frontend.params("classify", use_activation=False if body.raw_scores else None)
-        outputs = await _outputs(service, request, items, params, body)
-        ranked = [_ranked(result.probs, result.labels) for result in service.frontend.classifications(outputs)]
-        return ranked[0] if single else ranked
-
-    async def similarity(self, body: t.SimilarityRequest, request: Request) -> list[float]:
-        """Cosine of ``source_sentence``'s embedding with each of ``sentences``' (TEI's
-        ``/similarity``, the ``sentence-similarity`` task): ``[len(sentences)]`` floats."""
-        if not body.inputs.sentences:
-            raise TeiError("Empty", "inputs.sentences is empty: send at least one sentence")
-        items: list[ClassifyInput] = [body.inputs.source_sentence, *body.inputs.sentences]
-        _check_items(self.router.settings, items)
-        service = self._service("embed", "/similarity")
-        options = body.parameters or t.SimilarityParameters()
-        outputs = await _outputs(service, request, items, service.frontend.params("embed"), options,
-                                 options.prompt_name)
-        vectors = np.stack(frontend.embeddings(outputs))
-        return cosine(np.repeat(vectors[:1], len(vectors) - 1, axis=0), vectors[1:]).tolist()
-
-    async def decode(self, body: t.DecodeRequest) -> list[str]:
-        """Each token-id list back to text with the model's tokenizer, one string per list
-        (``[ids]`` for one list too), special tokens skipped unless ``skip_special_tokens`` is false."""
-        batch = body.ids if body.ids and isinstance(body.ids[0], list) else [body.ids]
-        _check_items(self.router.settings, batch, "ids")  # type: ignore[arg-type]
-        service = self.router.default
-        tokenizer = service.frontend.inputs.tokenizer
-        for index, ids in enumerate(batch):
-            bad = [token for token in ids if not 0 <= token < len(tokenizer)]  # type: ignore[union-attr]
-            if bad:
-                raise TeiError("Tokenizer", f"ids[{index}]: token id {bad[0]} is outside the vocabulary "
-                                            f"[0, {len(tokenizer)})")
-        return await run_in_threadpool(tokenizer.batch_decode, batch, skip_special_tokens=body.skip_special_tokens)
-
-    async def info(self) -> t.Info:
-        """TEI's ``Info`` of the default (first) model: the model, its type (embedding pooling, or
-        a classifier's labels) and the limits."""
-        service = self.router.default
-        runtime, settings = service.runtime, service.settings
-        return t.Info(
-            model_id=service.public_text(str(runtime.config.model or service.model_name)),  # never a local path
-            model_sha=runtime.config.revision,
-            model_dtype=runtime.precision, served_model_name=service.model_name,
-            model_type=_model_type(service), max_concurrent_requests=settings.max_waiting_requests,
-            max_input_length=runtime.model_config.max_model_len,
-            max_batch_tokens=runtime.config.max_num_batched_tokens or default_token_budget(runtime.device.type),
-            max_batch_requests=runtime.config.max_num_seqs, max_client_batch_size=settings.max_inputs_per_request,
-            auto_truncate=settings.auto_truncate, version=_version(),
-        )
-
-    async def default_route(self, request: Request, body: Annotated[dict[str, Any], Body()]) -> Any:
-        """``POST /`` (and SageMaker's ``/invocations`` for a TEI body): the default model's own
-        route, as TEI picks it: ``/predict`` for a classifier, ``/embed_sparse`` for SPLADE, else
-        ``/embed``; a ``sentence-similarity`` body (``inputs`` an object) goes to ``/similarity``,
-        where TEI needs its ``TASK`` variable set to say so."""
-        if isinstance(body.get("inputs"), dict):
-            return await self.similarity(t.SimilarityRequest.model_validate(body), request)
-        task = self.router.default.frontend.default_task
-        if task == "classify":
-            if "query" in body:  # TEI's root is /rerank for a one-label model; here /rerank is its own route
-                raise TeiError("Validation", "POST / answers as /predict for this model; send {query, texts} "
-                                             "to /rerank")
-            return await self.predict(t.PredictRequest.model_validate(body), request)
-        if task == "sparse_embed":
-            return await self.embed_sparse(t.TokenRequest.model_validate(body), request)
-        return await self.embed(t.EmbedRequest.model_validate(body), request)
-
-    def _service(self, task: str, route: str) -> PoolingService:
-        """The model answering ``route``.
-
-        :raises TeiError: 424 Backend, as TEI answers a route the model type cannot serve.
-        """
-        service = self.router.pick(None, task)
-        if task not in service.frontend.tasks:
-            raise TeiError("Backend", f"{route} needs a model that serves the task {task!r} ({TASK_USES[task]}); "
-                                      f"this one serves {sorted(service.frontend.tasks)}")
-        return service
+def info(service: PoolingService) -> t.Info:
+    """TEI's ``Info`` of ``service``'s model: the model, its type (embedding pooling, or a
+    classifier's labels) and the limits."""
+    runtime, settings = service.runtime, service.settings
+    return t.Info(
+        model_id=service.public_text(str(runtime.config.model or service.model_name)),  # never a local path
+        model_sha=runtime.config.revision,
+        model_dtype=runtime.precision, served_model_name=service.model_name,
+        model_type=_model_type(service), max_concurrent_requests=settings.max_waiting_requests,
+        max_input_length=runtime.model_config.max_model_len,
+        max_batch_tokens=runtime.config.max_num_batched_tokens or default_token_budget(runtime.device.type),
+        max_batch_requests=runtime.config.max_num_seqs, max_client_batch_size=settings.max_inputs_per_request,
+        auto_truncate=settings.auto_truncate, version=_version(),
+    )
 
 
 # ---- shared steps ----
 
 
-def _batch(settings: ServerSettings, inputs: t.EmbedInputs) -> list[ClassifyInput]:
+def batch(settings: ServerSettings, inputs: t.EmbedInputs) -> list[ClassifyInput]:
     """TEI's ``Input`` as a list: a text or one token-id list is one input."""
     items = frontend.as_items(inputs)  # type: ignore[arg-type]
-    _check_items(settings, items)
+    check_items(settings, items)
     return items
 
 
-def _check_items(settings: ServerSettings, items: list[Any], what: str = "inputs") -> None:
+def check_items(settings: ServerSettings, items: list[Any], what: str = "inputs") -> None:
     """TEI's checks before tokenizing: not empty (400 Empty), within the client batch size (422).
 
     :raises TeiError: naming the empty item, or the count and the limit.
@@ -219,9 +101,9 @@ def _check_items(settings: ServerSettings, items: list[Any], what: str = "inputs
             raise TeiError("Empty", f"{what}[{index}] is empty" if len(items) > 1 else f"{what} is empty")
 
 
-async def _outputs(service: PoolingService, request: Request, items: list[ClassifyInput], params: PoolingParams,
-                   truncation: t.SimilarityParameters | t.PredictRequest | t.EmbedRequest | t.TokenRequest,
-                   prompt_name: str | None = None) -> list[RequestOutput]:
+async def outputs(service: PoolingService, request: Request, items: list[ClassifyInput], params: PoolingParams,
+                  truncation: t.SimilarityParameters | t.PredictRequest | t.EmbedRequest | t.TokenRequest,
+                  prompt_name: str | None = None) -> list[RequestOutput]:
     """Tokenize (in a worker thread) with TEI's truncation, run through the serving loop
     batched with every other client's requests; one output per item, in order."""
     truncate = truncation.truncate if truncation.truncate is not None else service.settings.auto_truncate
@@ -233,8 +115,8 @@ async def _outputs(service: PoolingService, request: Request, items: list[Classi
     except PromptTooLongError as exc:  # the core message names truncate_prompt_tokens, not TEI's field
         reason = str(exc).partition(";")[0]
         raise TeiError("Validation", f'{reason}; shorten it or send "truncate": true') from exc
-    outputs, _ = await service.run_requests(request, requests)
-    return outputs
+    results, _ = await service.run_requests(request, requests)
+    return results
 
 
 def _model_type(service: PoolingService) -> dict[str, t.EmbeddingModel | t.ClassifierModel]:
@@ -249,7 +131,7 @@ def _model_type(service: PoolingService) -> dict[str, t.EmbeddingModel | t.Class
     return {"embedding": t.EmbeddingModel(pooling=TEI_POOLING.get(config.pooling_type, config.pooling_type.lower()))}
 
 
-# ---- TEI's bodies on the routes it shares with vLLM (/rerank, /tokenize; see :mod:`.app`) ----
+# ---- TEI's bodies on the routes it shares with vLLM (/rerank, /tokenize; see :mod:`.routes`) ----
 
 
 async def tei_rerank(service: PoolingService, body: p.RerankRequest, request: Request) -> list[p.TeiRank]:
@@ -287,7 +169,7 @@ async def tei_tokens(service: PoolingService, inputs: str | list[str], add_speci
     return answer
 
 
-def _predict_items(inputs: t.PredictInputs) -> tuple[list[ClassifyInput], bool]:
+def predict_items(inputs: t.PredictInputs) -> tuple[list[ClassifyInput], bool]:
     """TEI's ``PredictInput`` as ``(items, single)``: a text or a flat ``[text]`` /
     ``[text, text_pair]`` is one input; a list of those lists is a batch (``[]``: an empty one).
 
@@ -307,7 +189,7 @@ def _sequence(parts: list[str], where: str) -> ClassifyInput:
     return parts[0] if len(parts) == 1 else (parts[0], parts[1])
 
 
-def _ranked(scores: np.ndarray, labels: tuple[str, ...]) -> list[t.Prediction]:
+def ranked(scores: np.ndarray, labels: tuple[str, ...]) -> list[t.Prediction]:
     """Every label with its score, highest first (ties keep label order), as TEI sorts them.
 
     :raises TeiError: 424 Backend for a NaN score, which has no rank (TEI's check too).
@@ -318,7 +200,7 @@ def _ranked(scores: np.ndarray, labels: tuple[str, ...]) -> list[t.Prediction]:
     return [t.Prediction(score=float(scores[i]), label=labels[i]) for i in order]
 
 
-def _sparse(output: dict[str, np.ndarray]) -> list[t.SparseValue]:
+def sparse(output: dict[str, np.ndarray]) -> list[t.SparseValue]:
     """SPLADE's ``{"token_ids", "weights"}`` (by weight) as TEI's ``[{"index", "value"}]`` by token id."""
     order = np.argsort(output["token_ids"], kind="stable")
     return [t.SparseValue(index=int(output["token_ids"][i]), value=float(output["weights"][i])) for i in order]

@@ -24,6 +24,7 @@ from poolrunner.core import (
     RequestOption,
     hookimpl,
 )
+from poolrunner.core.server import create_app
 from poolrunner.core.testing.server import ServerThread
 
 TASK = "head_mean"
@@ -161,6 +162,22 @@ def test_pooling_takes_options_as_body_fields_equal_to_the_api(head_mean):
             "Multiply the mean by this factor. Plugin 'HeadMean'; tasks ['head_mean']; default 1.0.")
         again = httpx.post(f"{server.url}/pooling", json={"input": TEXTS, "task": TASK, "first": 4, "scale": 3.0})
         np.testing.assert_array_equal(np.array(again.json()["data"][0]["data"], dtype=np.float32), expected[0])
+
+
+def test_every_option_body_shows_the_options_in_its_app_only(head_mean, runtime):
+    """/pooling's, /score's and the rerank routes' bodies have a field per option of the app's models;
+    another app of the same process, whose model declares none, shows none."""
+    def body_schemas(app) -> dict[str, dict]:
+        spec = app.openapi()
+        refs = {path: spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+                for path in ("/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")}
+        return {path: spec["components"]["schemas"][ref.rsplit("/", 1)[1]] for path, ref in refs.items()}
+
+    for path, schema in body_schemas(create_app(head_mean[1])).items():
+        assert {"first", "scale"} <= schema["properties"].keys(), path
+        assert schema["properties"]["first"]["type"] == "integer"
+    for path, schema in body_schemas(create_app(runtime)).items():
+        assert not {"first", "scale"} & schema["properties"].keys(), path
 
 
 def test_two_plugins_declaring_one_name_fail_the_load():

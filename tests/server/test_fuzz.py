@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from poolrunner.core.server.errors import ERROR_TYPES, TEI_STATUS, TeiRoute
 from poolrunner.core.server.models import DEFAULT_MODEL_NAME
+from poolrunner.core.server.routes import every_route
 from tests.helpers import MIN_COSINE, cosine_rows
 
 STRUCTURED_EXAMPLES = 130
@@ -273,7 +274,7 @@ def routes(server, client) -> list[dict[str, Any]]:
     OpenAPI schema) and ``keys`` (its body's top-level fields; empty for a free-form object)."""
     spec = client.get("/openapi.json").json()
     found = []
-    for route in server.app.routes:
+    for route in every_route(server.app.routes):
         if isinstance(route, APIRoute) and "POST" in route.methods:
             schema = spec["paths"][route.path]["post"]["requestBody"]["content"]["application/json"]["schema"]
             resolved = spec["components"]["schemas"][schema["$ref"].rsplit("/", 1)[1]] if "$ref" in schema else schema

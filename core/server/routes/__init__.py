@@ -1,0 +1,42 @@
+"""The server's routes, one module per API family, each route a module-level function on its
+module's ``APIRouter``: :mod:`.embeddings` (OpenAI's and vLLM's embeddings, ``/pooling``,
+``/classify``), :mod:`.scoring` (score and rerank: vLLM, Jina, Cohere), :mod:`.tei` (Text
+Embeddings Inference's), :mod:`.admin` (health, metrics, models, tokenize) and
+:mod:`.invocations` (SageMaker). What a route needs of its app comes from ``app.state``
+through FastAPI dependencies (:mod:`.dependencies`, which also says why the routes whose bodies
+carry plugin request options are added per app).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
+
+from poolrunner.core.server.models import ModelRouter
+from poolrunner.core.server.routes import admin, embeddings, invocations, scoring, tei
+from poolrunner.core.server.routes.dependencies import OptionBodies
+
+
+def include_routes(app: FastAPI, served: ModelRouter) -> None:
+    """Every route on ``app``, for the ``served`` models; sets ``app.state.bodies`` (the
+    :class:`OptionBodies`) and ``app.state.invocations`` (``/invocations``' table)."""
+    bodies = OptionBodies.of(served)
+    for router in (embeddings.router, embeddings.option_routes(bodies), scoring.option_routes(bodies),
+                   admin.router, tei.router, invocations.router):
+        app.include_router(router)
+    app.state.bodies = bodies
+    app.state.invocations = invocations.Dispatch.build(
+        served, bodies, (route for route in every_route(app.routes) if isinstance(route, APIRoute)))
+
+
+def every_route(routes: Iterable[Any]) -> Iterator[Any]:
+    """Each route of ``routes``, those of included routers too (FastAPI keeps an included
+    router as one entry, which has no path of its own)."""
+    for route in routes:
+        if hasattr(route, "original_router"):
+            yield from every_route(route.original_router.routes)
+        else:
+            yield route

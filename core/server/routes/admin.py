@@ -1,0 +1,80 @@
+"""The server's own routes: ``GET /health``, ``GET /metrics`` (Prometheus), OpenAI's
+``GET /v1/models`` and ``/v1/models/{id}``, ``POST /tokenize`` (vLLM's or TEI's body) and vLLM's
+``/detokenize``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from poolrunner.core.server import protocol as p
+from poolrunner.core.server.errors import in_tei_shape
+from poolrunner.core.server.routes.dependencies import Created, Metrics, Served
+from poolrunner.core.server.service import PoolingService
+from poolrunner.core.server.tei import tei_tokens
+
+router = APIRouter()
+
+
+@router.get("/v1/models", response_model=p.ModelList)
+async def models(served: Served, created: Created) -> p.ModelList:
+    """Every served name of every model (vLLM lists each alias), each model's reported one first."""
+    return p.ModelList(data=[_card(service, name, created) for service in served.services
+                             for name in service.model_names])
+
+
+@router.get("/v1/models/{model_id:path}", response_model=p.ModelCard)
+async def model(model_id: str, served: Served, created: Created) -> p.ModelCard:
+    """OpenAI's retrieve: the card of a served name; 404 for any other id."""
+    return _card(served.pick(model_id), model_id, created)
+
+
+@router.post("/tokenize", response_model=p.TokenizeResponse | list[list[p.TeiToken]])
+async def tokenize(body: p.TokenizeRequest, request: Request, served: Served) -> JSONResponse | list[list[p.TeiToken]]:
+    """vLLM's tokenize (``prompt``: the ``prompt_token_ids``, special tokens included unless
+    ``add_special_tokens`` is false), or TEI's (``inputs``: each text's tokens with their spans)."""
+    service = served.pick(body.model)
+    if body.api() == "tei":
+        # once the body is TEI's, errors are TEI's too
+        return await in_tei_shape(request, tei_tokens(service, body.inputs,  # type: ignore[arg-type]
+                                                      body.add_special_tokens))
+    # TEI's null spans stay; vLLM's answer has token_strs only when asked
+    return JSONResponse((await _vllm_tokens(service, body)).model_dump(exclude_none=True))
+
+
+@router.post("/detokenize", response_model=p.DetokenizeResponse)
+async def detokenize(body: p.DetokenizeRequest, served: Served) -> p.DetokenizeResponse:
+    """vLLM's detokenize: ``tokens`` decoded as the tokenizer decodes them (special tokens kept)."""
+    service = served.pick(body.model)
+    return p.DetokenizeResponse(prompt=await service.detokenize(body.tokens))
+
+
+@router.head("/health", include_in_schema=False)  # load balancers probe with either method
+@router.get("/health")
+async def health(served: Served) -> JSONResponse:
+    """200 while serving; 503 once the engine loop stopped (and, from the middleware, while draining)."""
+    if not served.alive:
+        return JSONResponse({"status": "engine loop stopped"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/metrics")
+async def prometheus(metrics: Metrics) -> Response:
+    return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _card(service: PoolingService, name: str, created: int) -> p.ModelCard:
+    runtime = service.runtime
+    return p.ModelCard(id=name, created=created, task=runtime.task, max_model_len=runtime.model_config.max_model_len)
+
+
+async def _vllm_tokens(service: PoolingService, body: p.TokenizeRequest) -> p.TokenizeResponse:
+    """vLLM's tokenize answer for ``body.prompt``."""
+    max_model_len = service.runtime.model_config.max_model_len
+    if body.add_special_tokens and not body.return_token_strs:  # the front end's own path, length-checked
+        ids = await service.tokenize(body.prompt)  # type: ignore[arg-type]
+        return p.TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids)
+    tokens = (await service.tokens([body.prompt], body.add_special_tokens))[0]  # type: ignore[list-item]
+    return p.TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=[t.id for t in tokens],
+                              token_strs=[t.token for t in tokens] if body.return_token_strs else None)

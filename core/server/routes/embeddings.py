@@ -1,0 +1,114 @@
+"""OpenAI's and vLLM's embedding routes: ``POST /v1/embeddings`` and ``/embeddings`` (OpenAI's
+body with vLLM's fields), vLLM's ``/pooling`` (any served task, plugin request options as body
+fields; added per app, see :mod:`.dependencies`) and ``/classify``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from poolrunner.core.server import protocol as p
+from poolrunner.core.server.errors import ApiError
+from poolrunner.core.server.payload import bytes_response, encode_array
+from poolrunner.core.server.routes.answers import answer_id, usage
+from poolrunner.core.server.routes.dependencies import Bodies, OptionBodies, Served, with_body
+from poolrunner.core.server.service import PoolingService
+
+router = APIRouter()
+
+
+@router.post("/embeddings", response_model=p.EmbeddingResponse)  # vLLM serves both
+@router.post("/v1/embeddings", response_model=p.EmbeddingResponse)
+async def embeddings(body: p.EmbeddingRequest, request: Request, served: Served) -> p.EmbeddingResponse | Response:
+    """OpenAI's embeddings with vLLM's fields: one vector per input (or one for ``messages``),
+    in input order; ``bytes`` answers vLLM's octet-stream body with its ``metadata`` header."""
+    service = served.pick(body.model, "embed")
+    _check_encoding(body)
+    items, add_special_tokens = await service.prompts(body)
+    vectors, num_tokens = await service.embed(
+        request, items, body.dimensions, body.truncate_prompt_tokens, normalize=body.normalize,
+        use_activation=body.use_activation, add_special_tokens=add_special_tokens, precision=body.precision,
+        ranges=body.ranges, priority=body.priority)
+    if body.encoding_format in ("bytes", "bytes_only"):
+        return _bytes(body, service, vectors, "embd", num_tokens)
+    data = [p.EmbeddingData(index=i, embedding=e) for i, e in enumerate(_encoded(body, vectors))]
+    return p.EmbeddingResponse(id=answer_id("embd", body.request_id), created=int(time.time()), data=data,
+                               model=service.model_name, usage=usage(num_tokens))
+
+
+@router.post("/classify", response_model=p.ClassificationResponse)
+async def classify(body: p.ClassificationRequest, request: Request, served: Served) -> p.ClassificationResponse:
+    """vLLM's classify: texts, token ids, ``[text, text_pair]`` pairs or a chat (``messages``)."""
+    service = served.pick(body.model, "classify")
+    items, add_special_tokens = await service.prompts(body)
+    results, num_tokens = await service.classify(request, items, body.use_activation,
+                                                 body.truncate_prompt_tokens, add_special_tokens=add_special_tokens,
+                                                 priority=body.priority)
+    data = [p.ClassificationData(index=i, label=r.label, probs=r.probs.tolist(), num_classes=len(r.probs))
+            for i, r in enumerate(results)]
+    return p.ClassificationResponse(id=answer_id("classify", body.request_id), created=int(time.time()),
+                                    model=service.model_name, data=data, usage=usage(num_tokens))
+
+
+async def pooling(body: p.PoolingHttpRequest, request: Request, served: Served,
+                  bodies: Bodies) -> p.PoolingResponse | Response:
+    """Any task the model serves; per-token tasks answer one ``[num_tokens, d]`` list each.
+    Each output keeps its dtype: integer outputs (SPLADE's ``token_ids``) are ints, or int64 in base64.
+    The plugins' request options are body fields of their own."""
+    service = served.pick(body.model, body.task)
+    _check_encoding(body)
+    items, add_special_tokens = await service.prompts(body)
+    core = {"dimensions": body.dimensions, "normalize": body.normalize, "use_activation": body.use_activation}
+    outputs, num_tokens = await service.encode(request, items, body.task, core, bodies.options(body),
+                                               body.truncate_prompt_tokens, add_special_tokens=add_special_tokens,
+                                               precision=body.precision, ranges=body.ranges, priority=body.priority)
+    if body.encoding_format in ("bytes", "bytes_only"):
+        return _bytes(body, service, outputs, "pool", num_tokens)
+    data = [p.PoolingData(index=i, data=d) for i, d in enumerate(_encoded(body, outputs))]
+    return p.PoolingResponse(id=answer_id("pool", body.request_id), created=int(time.time()),
+                             model=service.model_name, data=data, usage=usage(num_tokens))
+
+
+def option_routes(bodies: OptionBodies) -> APIRouter:
+    """``/pooling``, its body the app's (a field per plugin request option)."""
+    router = APIRouter()
+    router.add_api_route("/pooling", with_body(pooling, bodies.pooling), methods=["POST"],
+                         response_model=p.PoolingResponse)
+    return router
+
+
+def _encoded(body: Any, arrays: list[np.ndarray] | list[Any]) -> list[Any]:
+    """Each array as ``body.encoding_format`` asks (float or base64; ``embed_dtype``, ``endianness``)."""
+    def encode(output: np.ndarray | dict[str, np.ndarray]) -> object:
+        if isinstance(output, dict):
+            return {name: encode_array(array, body.encoding_format, body.embed_dtype, body.endianness)
+                    for name, array in output.items()}
+        return encode_array(output, body.encoding_format, body.embed_dtype, body.endianness)
+
+    return [encode(array) for array in arrays]
+
+
+def _check_encoding(body: Any) -> None:
+    """:raises ApiError: 400 for ``embed_dtype`` with a quantized ``precision`` (its payload is
+    the integer codes)."""
+    if body.precision != "float32" and "embed_dtype" in body.model_fields_set and body.embed_dtype != "float32":
+        raise ApiError(400, f"embed_dtype={body.embed_dtype} applies to float embeddings; precision="
+                            f"{body.precision} sends its {body.precision} codes", param="embed_dtype")
+
+
+def _bytes(body: Any, service: PoolingService, arrays: list[Any], prefix: str, num_tokens: int) -> Response:
+    """vLLM's ``bytes`` / ``bytes_only`` answer (:func:`bytes_response`) for ``arrays``.
+
+    :raises ApiError: 400 for named outputs (one array per input is needed).
+    """
+    if any(isinstance(array, dict) for array in arrays):
+        raise ApiError(400, f"encoding_format={body.encoding_format} needs one array per input; this task "
+                            "answers named outputs: use float or base64", param="encoding_format")
+    return bytes_response(arrays, embed_dtype=body.embed_dtype, endianness=body.endianness,
+                          metadata=body.encoding_format == "bytes", response_id=answer_id(prefix, body.request_id),
+                          created=int(time.time()), model=service.model_name, num_tokens=num_tokens,
+                          precision=body.precision)
