@@ -143,10 +143,10 @@ class Frontend:
 
     @plan.register
     def _(self, request: RerankRequest) -> Plan[list[Any]]:
+        name = request.sides[1]
         for index, document in enumerate(request.documents):  # named as the caller sent them
             if not isinstance(document, str):
-                raise InvalidRequestError(f"documents[{index}] must be a string, got {document!r:.80}",
-                                          param="documents")
+                raise InvalidRequestError(f"{name}[{index}] must be a string, got {document!r:.80}", param=name)
         scoring = self._plan_score(request.score_request())
         documents = list(request.documents)
         return Plan(scoring.requests, lambda done: outputs.rank(

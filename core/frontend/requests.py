@@ -258,6 +258,8 @@ class ScoreRequest(_Request):
 class RerankRequest(_Request):
     """``documents`` ranked by relevance to ``query``, best first (``Runtime.rerank``).
 
+    :ivar sides: As :attr:`ScoreRequest.sides` (TEI's body calls the documents ``texts``).
+    :ivar use_activation: As :attr:`ScoreRequest.use_activation`.
     :ivar top_n: Keep the best ``top_n``; ``None``: all.
     :ivar return_documents: Include each document's text in its result.
     :ivar max_tokens_per_doc: As :attr:`ScoreRequest.max_tokens_per_doc`.
@@ -271,6 +273,8 @@ class RerankRequest(_Request):
 
     query: str = field()
     documents: Sequence[str] = field()
+    sides: tuple[str, str] = ("query", "documents")
+    use_activation: bool | None = None
     top_n: int | None = field(default=None, validator=_optional_positive)
     return_documents: bool = field(default=False, validator=_flag)
     max_tokens_per_doc: int | None = field(default=None, validator=_optional_positive)
@@ -289,9 +293,9 @@ class RerankRequest(_Request):
 
     def score_request(self) -> ScoreRequest:
         """The scoring this ranking orders: the query against each document."""
-        return ScoreRequest(queries=self.query, documents=list(self.documents), sides=("query", "documents"),
-                            max_tokens_per_doc=self.max_tokens_per_doc, options=self.options,
-                            tokenization=self.tokenization)
+        return ScoreRequest(queries=self.query, documents=list(self.documents), sides=self.sides,
+                            use_activation=self.use_activation, max_tokens_per_doc=self.max_tokens_per_doc,
+                            options=self.options, tokenization=self.tokenization)
 
 
 @frozen(kw_only=True)

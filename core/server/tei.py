@@ -19,21 +19,16 @@ from typing import Any
 
 import numpy as np
 from fastapi import Request
-from starlette.concurrency import run_in_threadpool
 
-from poolrunner.core import frontend
 from poolrunner.core.config import default_token_budget
 from poolrunner.core.errors import PromptTooLongError
-from poolrunner.core.frontend import ClassifyInput
-from poolrunner.core.frontend.scoring import cosine
-from poolrunner.core.plugin_api.output import RequestOutput
+from poolrunner.core.frontend import requests as fr
 from poolrunner.core.server import protocol as p
 from poolrunner.core.server import tei_protocol as t
 from poolrunner.core.server.errors import TeiError
 from poolrunner.core.server.models import ModelRouter
 from poolrunner.core.server.service import PoolingService
 from poolrunner.core.server.settings import ServerSettings
-from poolrunner.core.types import PoolingParams
 
 TASK_USES = {
     "embed": "embeddings",
@@ -78,9 +73,9 @@ def info(service: PoolingService) -> t.Info:
 # ---- shared steps ----
 
 
-def batch(settings: ServerSettings, inputs: t.EmbedInputs) -> list[ClassifyInput]:
+def batch(settings: ServerSettings, inputs: t.EmbedInputs) -> list[fr.Input]:
     """TEI's ``Input`` as a list: a text or one token-id list is one input."""
-    items = frontend.as_items(inputs)  # type: ignore[arg-type]
+    items = list(fr.as_items(inputs))  # type: ignore[arg-type]
     check_items(settings, items)
     return items
 
@@ -101,22 +96,18 @@ def check_items(settings: ServerSettings, items: list[Any], what: str = "inputs"
             raise TeiError("Empty", f"{what}[{index}] is empty" if len(items) > 1 else f"{what} is empty")
 
 
-async def outputs(service: PoolingService, request: Request, items: list[ClassifyInput], params: PoolingParams,
-                  truncation: t.SimilarityParameters | t.PredictRequest | t.EmbedRequest | t.TokenRequest,
-                  prompt_name: str | None = None) -> list[RequestOutput]:
-    """Tokenize (in a worker thread) with TEI's truncation, run through the serving loop
-    batched with every other client's requests; one output per item, in order."""
-    truncate = truncation.truncate if truncation.truncate is not None else service.settings.auto_truncate
+async def answer(service: PoolingService, request: Request, frontend_request: fr.Request) -> Any:
+    """``frontend_request``'s answer from the serving loop, batched with every other client's
+    requests; an over-long input's error names TEI's ``truncate`` field.
+
+    :raises TeiError: 422 Validation for an input over the model maximum.
+    """
     try:
-        requests = await run_in_threadpool(
-            service.frontend.prepare, items, params, truncate_prompt_tokens=-1 if truncate else None,
-            truncation_side=truncation.truncation_direction.lower(), prompt_name=prompt_name,
-        )
+        result, _ = await service.answer(request, frontend_request)
     except PromptTooLongError as exc:  # the core message names truncate_prompt_tokens, not TEI's field
         reason = str(exc).partition(";")[0]
         raise TeiError("Validation", f'{reason}; shorten it or send "truncate": true') from exc
-    results, _ = await service.run_requests(request, requests)
-    return results
+    return result
 
 
 def _model_type(service: PoolingService) -> dict[str, t.EmbeddingModel | t.ClassifierModel]:
@@ -141,22 +132,25 @@ async def tei_rerank(service: PoolingService, body: p.RerankRequest, request: Re
     service.check_count(len(texts), "texts")
     truncate = body.truncate if body.truncate is not None else service.settings.auto_truncate
     side = "left" if (body.truncation_direction or "right").lower() == "left" else "right"
-    scores, _ = await service.score(request, body.query, texts, False if body.raw_scores else None,
-                                    -1 if truncate else None, side, names=("query", "texts"))
-    ranked = frontend.rank(scores, texts, return_documents=bool(body.return_text))
+    ranking = fr.RerankRequest(query=body.query, documents=texts, sides=("query", "texts"),
+                               use_activation=False if body.raw_scores else None,
+                               return_documents=bool(body.return_text),
+                               tokenization=fr.Tokenization(truncate_prompt_tokens=-1 if truncate else None,
+                                                            truncation_side=side))
+    ranked, _ = await service.answer(request, ranking)
     return [p.TeiRank(index=r.index, score=r.score, text=r.document) for r in ranked]
 
 
-async def tei_tokens(service: PoolingService, inputs: str | list[str], add_special_tokens: bool
-                      ) -> list[list[p.TeiToken]]:
+async def tei_tokens(service: PoolingService, body: p.TokenizeRequest, request: Request) -> list[list[p.TeiToken]]:
     """TEI's tokenize: a list of tokens per input (one list for one text), spans in UTF-8 bytes
     and the input's own text for each token; a special token's text is the token itself."""
-    texts = [inputs] if isinstance(inputs, str) else inputs
-    if not texts:
+    tokenize = body.to_request()
+    if not tokenize.texts:
         raise TeiError("Empty", "inputs is empty: send at least one text")
-    service.check_count(len(texts), "inputs")
+    service.check_count(len(tokenize.texts), "inputs")
     answer = []
-    for text, tokens in zip(texts, await service.tokens(texts, add_special_tokens), strict=True):
+    tokens_of_texts, _ = await service.answer(request, tokenize)
+    for text, tokens in zip(tokenize.texts, tokens_of_texts, strict=True):
         row = []
         for token in tokens:
             if token.span is None:
@@ -169,7 +163,7 @@ async def tei_tokens(service: PoolingService, inputs: str | list[str], add_speci
     return answer
 
 
-def predict_items(inputs: t.PredictInputs) -> tuple[list[ClassifyInput], bool]:
+def predict_items(inputs: t.PredictInputs) -> tuple[list[fr.Input], bool]:
     """TEI's ``PredictInput`` as ``(items, single)``: a text or a flat ``[text]`` /
     ``[text, text_pair]`` is one input; a list of those lists is a batch (``[]``: an empty one).
 
@@ -182,7 +176,7 @@ def predict_items(inputs: t.PredictInputs) -> tuple[list[ClassifyInput], bool]:
     return [_sequence(sequence, f"inputs[{i}]") for i, sequence in enumerate(inputs)], False  # type: ignore[arg-type]
 
 
-def _sequence(parts: list[str], where: str) -> ClassifyInput:
+def _sequence(parts: list[str], where: str) -> fr.Input:
     """``[text]`` -> ``text``; ``[text, text_pair]`` -> a pair."""
     if not 1 <= len(parts) <= 2:
         raise TeiError("Validation", f"{where} has {len(parts)} texts: send a text, [text] or [text, text_pair]")

@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from poolrunner.core.frontend import requests as fr
+
 TokenIds = list[StrictInt]
 EmbedInputs = StrictStr | TokenIds | list[StrictStr | TokenIds]
 """TEI's ``Input``: a text or token ids (one input), or a list mixing both (a batch)."""
@@ -36,6 +38,13 @@ class _Truncation(_TeiRequest):
     truncate: StrictBool | None = _TRUNCATE
     truncation_direction: TruncationDirection = _DIRECTION
 
+    def tokenization(self, auto_truncate: bool, prompt_name: str | None = None) -> fr.Tokenization:
+        """TEI's truncation as poolrunner's: ``truncate`` (else the server's ``auto_truncate``)
+        keeps the model maximum, from the ``truncation_direction`` end."""
+        truncate = self.truncate if self.truncate is not None else auto_truncate
+        return fr.Tokenization(truncate_prompt_tokens=-1 if truncate else None,
+                               truncation_side=self.truncation_direction.lower(), prompt_name=prompt_name)
+
 
 class EmbedRequest(_Truncation):
     """``/embed``: one pooled vector per input."""
@@ -45,6 +54,11 @@ class EmbedRequest(_Truncation):
     prompt_name: StrictStr | None = _PROMPT_NAME
     dimensions: StrictInt | None = Field(default=None, description="Matryoshka size (Matryoshka models only).")
 
+    def to_request(self, inputs: list[fr.Input], auto_truncate: bool) -> fr.EncodeRequest:
+        """``/embed``'s request of ``inputs`` (the body's, checked by the route)."""
+        return fr.EncodeRequest(inputs=inputs, task="embed", dimensions=self.dimensions, normalize=self.normalize,
+                                tokenization=self.tokenization(auto_truncate, self.prompt_name))
+
 
 class TokenRequest(_Truncation):
     """``/embed_all`` and ``/embed_sparse``: per-token vectors, or a sparse vector, per input."""
@@ -52,12 +66,22 @@ class TokenRequest(_Truncation):
     inputs: EmbedInputs
     prompt_name: StrictStr | None = _PROMPT_NAME
 
+    def to_request(self, inputs: list[fr.Input], auto_truncate: bool, task: str) -> fr.EncodeRequest:
+        """The request of ``inputs`` for ``task`` (``/embed_all``: token_embed, ``/embed_sparse``: sparse_embed)."""
+        return fr.EncodeRequest(inputs=inputs, task=task, tokenization=self.tokenization(auto_truncate,
+                                                                                          self.prompt_name))
+
 
 class PredictRequest(_Truncation):
     """``/predict``: every label's score per input, best first."""
 
     inputs: PredictInputs
     raw_scores: StrictBool = False
+
+    def to_request(self, inputs: list[fr.Input], auto_truncate: bool) -> fr.ClassifyRequest:
+        """``/predict``'s request of ``inputs``; ``raw_scores`` skips the activation."""
+        return fr.ClassifyRequest(inputs=inputs, use_activation=False if self.raw_scores else None,
+                                  tokenization=self.tokenization(auto_truncate))
 
 
 class SimilarityInput(_TeiRequest):
@@ -74,6 +98,12 @@ class SimilarityRequest(_TeiRequest):
 
     inputs: SimilarityInput
     parameters: SimilarityParameters | None = None
+
+    def to_request(self, auto_truncate: bool) -> fr.EncodeRequest:
+        """The embeddings ``/similarity`` compares: the source sentence, then each sentence."""
+        options = self.parameters or SimilarityParameters()
+        return fr.EncodeRequest(inputs=[self.inputs.source_sentence, *self.inputs.sentences], task="embed",
+                                tokenization=options.tokenization(auto_truncate, options.prompt_name))
 
 
 class DecodeRequest(_TeiRequest):

@@ -21,13 +21,12 @@ from poolrunner.core.server.routes.dependencies import OptionBodies
 
 
 def include_routes(app: FastAPI, served: ModelRouter) -> None:
-    """Every route on ``app``, for the ``served`` models; sets ``app.state.bodies`` (the
-    :class:`OptionBodies`) and ``app.state.invocations`` (``/invocations``' table)."""
+    """Every route on ``app``, for the ``served`` models (the bodies of :class:`OptionBodies`);
+    sets ``app.state.invocations`` (``/invocations``' table)."""
     bodies = OptionBodies.of(served)
     for router in (embeddings.router, embeddings.option_routes(bodies), scoring.option_routes(bodies),
                    admin.router, tei.router, invocations.router):
         app.include_router(router)
-    app.state.bodies = bodies
     app.state.invocations = invocations.Dispatch.build(
         served, bodies, (route for route in every_route(app.routes) if isinstance(route, APIRoute)))
 

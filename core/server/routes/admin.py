@@ -7,6 +7,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
 
 from poolrunner.core.server import protocol as p
 from poolrunner.core.server.errors import in_tei_shape
@@ -37,17 +38,16 @@ async def tokenize(body: p.TokenizeRequest, request: Request, served: Served) ->
     service = served.pick(body.model)
     if body.api() == "tei":
         # once the body is TEI's, errors are TEI's too
-        return await in_tei_shape(request, tei_tokens(service, body.inputs,  # type: ignore[arg-type]
-                                                      body.add_special_tokens))
+        return await in_tei_shape(request, tei_tokens(service, body, request))
     # TEI's null spans stay; vLLM's answer has token_strs only when asked
-    return JSONResponse((await _vllm_tokens(service, body)).model_dump(exclude_none=True))
+    return JSONResponse((await _vllm_tokens(service, body, request)).model_dump(exclude_none=True))
 
 
 @router.post("/detokenize", response_model=p.DetokenizeResponse)
 async def detokenize(body: p.DetokenizeRequest, served: Served) -> p.DetokenizeResponse:
     """vLLM's detokenize: ``tokens`` decoded as the tokenizer decodes them (special tokens kept)."""
     service = served.pick(body.model)
-    return p.DetokenizeResponse(prompt=await service.detokenize(body.tokens))
+    return p.DetokenizeResponse(prompt=await run_in_threadpool(service.frontend.detokenize, body.tokens))
 
 
 @router.head("/health", include_in_schema=False)  # load balancers probe with either method
@@ -69,12 +69,10 @@ def _card(service: PoolingService, name: str, created: int) -> p.ModelCard:
     return p.ModelCard(id=name, created=created, task=runtime.task, max_model_len=runtime.model_config.max_model_len)
 
 
-async def _vllm_tokens(service: PoolingService, body: p.TokenizeRequest) -> p.TokenizeResponse:
-    """vLLM's tokenize answer for ``body.prompt``."""
-    max_model_len = service.runtime.model_config.max_model_len
-    if body.add_special_tokens and not body.return_token_strs:  # the front end's own path, length-checked
-        ids = await service.tokenize(body.prompt)  # type: ignore[arg-type]
-        return p.TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids)
-    tokens = (await service.tokens([body.prompt], body.add_special_tokens))[0]  # type: ignore[list-item]
-    return p.TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=[t.id for t in tokens],
-                              token_strs=[t.token for t in tokens] if body.return_token_strs else None)
+async def _vllm_tokens(service: PoolingService, body: p.TokenizeRequest, request: Request) -> p.TokenizeResponse:
+    """vLLM's tokenize answer for ``body.prompt``: ids, and each token's string when asked."""
+    tokenize = body.to_request()
+    [tokens], _ = await service.answer(request, tokenize)
+    ids = [token.id for token in tokens] if tokenize.with_tokens else tokens
+    return p.TokenizeResponse(count=len(ids), max_model_len=service.runtime.model_config.max_model_len, tokens=ids,
+                              token_strs=[token.token for token in tokens] if tokenize.with_tokens else None)

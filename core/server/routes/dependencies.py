@@ -31,7 +31,6 @@ class OptionBodies:
     """An app's ``/pooling``, ``/score`` and rerank bodies: the protocol's classes with one field
     per plugin request option of the served models (the classes themselves when none declares one)."""
 
-    option_names: tuple[str, ...]
     pooling: type[p.PoolingHttpRequest]
     score: type[p.ScoreRequest]
     rerank: type[p.RerankRequest]
@@ -42,12 +41,8 @@ class OptionBodies:
         to checks the options it is given)."""
         by_name = {entry.option.name: entry for service in served.services for entry in service.frontend.options}
         options = list(by_name.values())
-        return cls(tuple(by_name), p.with_plugin_options(p.PoolingHttpRequest, options),
+        return cls(p.with_plugin_options(p.PoolingHttpRequest, options),
                    p.with_plugin_options(p.ScoreRequest, options), p.with_plugin_options(p.RerankRequest, options))
-
-    def options(self, body: BaseModel) -> dict[str, Any]:
-        """The plugin request options ``body`` sets, by name."""
-        return p.plugin_options(body, self.option_names)
 
 
 def with_body(endpoint: Callable[..., Awaitable[Any]], body: type[BaseModel], **bound: Any
@@ -76,13 +71,8 @@ async def _created(request: Request) -> int:
     return request.app.state.created
 
 
-async def _bodies(request: Request) -> OptionBodies:
-    return request.app.state.bodies
-
-
 Served = Annotated[ModelRouter, Depends(_served)]
 """The app's served models; ``served.pick(model, task)`` is the service answering a request."""
 Metrics = Annotated[ServerMetrics, Depends(_metrics)]
 Created = Annotated[int, Depends(_created)]
 """When the app was created (Unix seconds): the models' ``created``."""
-Bodies = Annotated[OptionBodies, Depends(_bodies)]

@@ -15,7 +15,7 @@ from poolrunner.core.server import protocol as p
 from poolrunner.core.server.errors import ApiError
 from poolrunner.core.server.payload import bytes_response, encode_array
 from poolrunner.core.server.routes.answers import answer_id, usage
-from poolrunner.core.server.routes.dependencies import Bodies, OptionBodies, Served, with_body
+from poolrunner.core.server.routes.dependencies import OptionBodies, Served, with_body
 from poolrunner.core.server.service import PoolingService
 
 router = APIRouter()
@@ -29,10 +29,8 @@ async def embeddings(body: p.EmbeddingRequest, request: Request, served: Served)
     service = served.pick(body.model, "embed")
     _check_encoding(body)
     items, add_special_tokens = await service.prompts(body)
-    vectors, num_tokens = await service.embed(
-        request, items, body.dimensions, body.truncate_prompt_tokens, normalize=body.normalize,
-        use_activation=body.use_activation, add_special_tokens=add_special_tokens, precision=body.precision,
-        ranges=body.ranges, priority=body.priority)
+    vectors, num_tokens = await service.answer(request, body.to_request(items, add_special_tokens),
+                                               priority=body.priority)
     if body.encoding_format in ("bytes", "bytes_only"):
         return _bytes(body, service, vectors, "embd", num_tokens)
     data = [p.EmbeddingData(index=i, embedding=e) for i, e in enumerate(_encoded(body, vectors))]
@@ -45,27 +43,23 @@ async def classify(body: p.ClassificationRequest, request: Request, served: Serv
     """vLLM's classify: texts, token ids, ``[text, text_pair]`` pairs or a chat (``messages``)."""
     service = served.pick(body.model, "classify")
     items, add_special_tokens = await service.prompts(body)
-    results, num_tokens = await service.classify(request, items, body.use_activation,
-                                                 body.truncate_prompt_tokens, add_special_tokens=add_special_tokens,
-                                                 priority=body.priority)
+    results, num_tokens = await service.answer(request, body.to_request(items, add_special_tokens),
+                                               priority=body.priority)
     data = [p.ClassificationData(index=i, label=r.label, probs=r.probs.tolist(), num_classes=len(r.probs))
             for i, r in enumerate(results)]
     return p.ClassificationResponse(id=answer_id("classify", body.request_id), created=int(time.time()),
                                     model=service.model_name, data=data, usage=usage(num_tokens))
 
 
-async def pooling(body: p.PoolingHttpRequest, request: Request, served: Served,
-                  bodies: Bodies) -> p.PoolingResponse | Response:
+async def pooling(body: p.PoolingHttpRequest, request: Request, served: Served) -> p.PoolingResponse | Response:
     """Any task the model serves; per-token tasks answer one ``[num_tokens, d]`` list each.
     Each output keeps its dtype: integer outputs (SPLADE's ``token_ids``) are ints, or int64 in base64.
     The plugins' request options are body fields of their own."""
     service = served.pick(body.model, body.task)
     _check_encoding(body)
     items, add_special_tokens = await service.prompts(body)
-    core = {"dimensions": body.dimensions, "normalize": body.normalize, "use_activation": body.use_activation}
-    outputs, num_tokens = await service.encode(request, items, body.task, core, bodies.options(body),
-                                               body.truncate_prompt_tokens, add_special_tokens=add_special_tokens,
-                                               precision=body.precision, ranges=body.ranges, priority=body.priority)
+    outputs, num_tokens = await service.answer(request, body.to_request(items, add_special_tokens),
+                                               priority=body.priority)
     if body.encoding_format in ("bytes", "bytes_only"):
         return _bytes(body, service, outputs, "pool", num_tokens)
     data = [p.PoolingData(index=i, data=d) for i, d in enumerate(_encoded(body, outputs))]

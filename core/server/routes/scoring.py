@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -15,7 +14,7 @@ from fastapi.responses import Response
 from poolrunner.core.server import protocol as p
 from poolrunner.core.server.errors import in_tei_shape
 from poolrunner.core.server.routes.answers import answer_id, usage
-from poolrunner.core.server.routes.dependencies import Bodies, OptionBodies, Served, with_body
+from poolrunner.core.server.routes.dependencies import OptionBodies, Served, with_body
 from poolrunner.core.server.service import PoolingService
 from poolrunner.core.server.tei import tei_rerank
 
@@ -23,21 +22,18 @@ RERANK_PATHS = (("/rerank", None), ("/v1/rerank", "1"), ("/v2/rerank", "2"))
 """Each rerank path and the Cohere API version its answers' ``meta`` names (none: vLLM's, no ``meta``)."""
 
 
-async def score(body: p.ScoreRequest, request: Request, served: Served, bodies: Bodies) -> p.ScoreResponse:
+async def score(body: p.ScoreRequest, request: Request, served: Served) -> p.ScoreResponse:
     """vLLM's score: the first side against the second (1:1, 1:N or N:N), one score per pair in
     pair order; the body is ``queries``/``documents``, ``queries``/``items``, ``data_1``/``data_2``
     or ``text_1``/``text_2``. The plugins' request options (BGE-M3's weights) are body fields."""
     service = served.pick(body.model, "score")
-    form, first, second = body.sides()
-    scores, num_tokens = await service.score(request, first, second, body.use_activation,
-                                             body.truncate_prompt_tokens, priority=body.priority, names=form,
-                                             options=bodies.options(body))
+    scores, num_tokens = await service.answer(request, body.to_request(), priority=body.priority)
     data = [p.ScoreData(index=i, score=float(s)) for i, s in enumerate(scores)]
     return p.ScoreResponse(id=answer_id("score", body.request_id), created=int(time.time()),
                            model=service.model_name, data=data, usage=usage(num_tokens))
 
 
-async def rerank(body: p.RerankRequest, request: Request, served: Served, bodies: Bodies,
+async def rerank(body: p.RerankRequest, request: Request, served: Served,
                  version: str | None) -> p.RerankResponse | list[p.TeiRank] | Response:
     """Documents best first by relevance to ``query`` (ties keep input order), as vLLM, Jina
     and Cohere answer; TEI's body (``query``, ``texts``) gets TEI's list of ``{index, score, text?}``.
@@ -45,7 +41,7 @@ async def rerank(body: p.RerankRequest, request: Request, served: Served, bodies
     service = served.pick(body.model, "score")
     if body.api() == "tei":
         return await in_tei_shape(request, tei_rerank(service, body, request))  # TEI's errors too
-    return await _rerank(service, body, request, version, bodies.options(body))
+    return await _rerank(service, body, request, version)
 
 
 def option_routes(bodies: OptionBodies) -> APIRouter:
@@ -60,13 +56,10 @@ def option_routes(bodies: OptionBodies) -> APIRouter:
 
 
 async def _rerank(service: PoolingService, body: p.RerankRequest, request: Request,
-                  version: str | None, options: dict[str, Any]) -> p.RerankResponse:
+                  version: str | None) -> p.RerankResponse:
     """vLLM's, Jina's and Cohere's rerank; ``meta`` only for a Cohere ``version``."""
     documents = body.document_list()
-    texts = [d if isinstance(d, str) else d.text for d in documents]
-    ranked, num_tokens = await service.rerank(request, body.query, texts, body.top_n, bool(body.return_documents),
-                                              body.truncate_prompt_tokens, body.max_tokens_per_doc,
-                                              priority=body.priority, options=options)
+    ranked, num_tokens = await service.answer(request, body.to_request(documents), priority=body.priority)
     results = [p.RerankData(index=r.index, relevance_score=r.score,
                             document=_document(documents[r.index]) if r.document is not None else None)
                for r in ranked]

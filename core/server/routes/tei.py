@@ -14,9 +14,7 @@ import numpy as np
 from fastapi import APIRouter, Body, Request
 from starlette.concurrency import run_in_threadpool
 
-from poolrunner.core import frontend
-from poolrunner.core.frontend import ClassifyInput
-from poolrunner.core.scoring import cosine
+from poolrunner.core.frontend.scoring import cosine
 from poolrunner.core.server import tei
 from poolrunner.core.server import tei_protocol as t
 from poolrunner.core.server.errors import TeiError, TeiRoute
@@ -31,9 +29,8 @@ async def embed(body: t.EmbedRequest, request: Request, served: Served) -> list[
     ``EmbedResponse``); ``normalize`` defaults to true, ``dimensions`` slices first."""
     items = tei.batch(served.settings, body.inputs)
     service = tei.answering(served, "embed", "/embed")
-    params = service.frontend.params("embed", dimensions=body.dimensions, normalize=body.normalize)
-    outputs = await tei.outputs(service, request, items, params, body, body.prompt_name)
-    return [vector.tolist() for vector in frontend.embeddings(outputs)]
+    vectors = await tei.answer(service, request, body.to_request(items, served.settings.auto_truncate))
+    return [vector.tolist() for vector in vectors]
 
 
 @router.post("/embed_all", response_model=list[list[list[float]]])
@@ -42,9 +39,8 @@ async def embed_all(body: t.TokenRequest, request: Request, served: Served) -> l
     input (task ``token_embed``), special tokens included, as TEI's ``/embed_all``."""
     items = tei.batch(served.settings, body.inputs)
     service = tei.answering(served, "token_embed", "/embed_all")
-    params = service.frontend.params("token_embed")
-    outputs = await tei.outputs(service, request, items, params, body, body.prompt_name)
-    return [frontend.to_array(output).tolist() for output in outputs]  # type: ignore[union-attr]
+    results = await tei.answer(service, request, body.to_request(items, served.settings.auto_truncate, "token_embed"))
+    return [result.tolist() for result in results]
 
 
 @router.post("/embed_sparse", response_model=list[list[t.SparseValue]])
@@ -53,9 +49,9 @@ async def embed_sparse(body: t.TokenRequest, request: Request, served: Served) -
     ``sparse_embed``), by ascending token id as TEI lists them: ``[{"index", "value"}, ...]``."""
     items = tei.batch(served.settings, body.inputs)
     service = tei.answering(served, "sparse_embed", "/embed_sparse")
-    params = service.frontend.params("sparse_embed")
-    outputs = await tei.outputs(service, request, items, params, body, body.prompt_name)
-    return [tei.sparse(frontend.to_array(output)) for output in outputs]  # type: ignore[arg-type]
+    results = await tei.answer(service, request,
+                               body.to_request(items, served.settings.auto_truncate, "sparse_embed"))
+    return [tei.sparse(result) for result in results]
 
 
 @router.post("/predict", response_model=list[t.Prediction] | list[list[t.Prediction]])
@@ -67,9 +63,8 @@ async def predict(body: t.PredictRequest, request: Request,
     items, single = tei.predict_items(body.inputs)
     tei.check_items(served.settings, items)
     service = tei.answering(served, "classify", "/predict")
-    params = service.frontend.params("classify", use_activation=False if body.raw_scores else None)
-    outputs = await tei.outputs(service, request, items, params, body)
-    ranked = [tei.ranked(result.probs, result.labels) for result in service.frontend.classifications(outputs)]
+    results = await tei.answer(service, request, body.to_request(items, served.settings.auto_truncate))
+    ranked = [tei.ranked(result.probs, result.labels) for result in results]
     return ranked[0] if single else ranked
 
 
@@ -79,13 +74,10 @@ async def similarity(body: t.SimilarityRequest, request: Request, served: Served
     ``/similarity``, the ``sentence-similarity`` task): ``[len(sentences)]`` floats."""
     if not body.inputs.sentences:
         raise TeiError("Empty", "inputs.sentences is empty: send at least one sentence")
-    items: list[ClassifyInput] = [body.inputs.source_sentence, *body.inputs.sentences]
-    tei.check_items(served.settings, items)
+    embeddings = body.to_request(served.settings.auto_truncate)
+    tei.check_items(served.settings, list(embeddings.inputs))
     service = tei.answering(served, "embed", "/similarity")
-    options = body.parameters or t.SimilarityParameters()
-    outputs = await tei.outputs(service, request, items, service.frontend.params("embed"), options,
-                                options.prompt_name)
-    vectors = np.stack(frontend.embeddings(outputs))
+    vectors = np.stack(await tei.answer(service, request, embeddings))
     return cosine(np.repeat(vectors[:1], len(vectors) - 1, axis=0), vectors[1:]).tolist()
 
 
