@@ -33,8 +33,6 @@ from poolrunner.core.plugin_api.options import RequestOption
      "max_tokens_per_doc must be a positive integer, got 0"),
     (lambda: EncodeRequest(inputs=["a"], precision="int4"), "precision must be one of "),
     (lambda: EncodeRequest(inputs=["a"], ranges=[[0.0], [1.0]]), "ranges applies to precision int8 or uint8"),
-    (lambda: EncodeRequest(inputs=["a"], task="classify", precision="binary"),
-     "precision=binary applies to task 'embed', not 'classify'"),
     (lambda: ClassifyRequest.of(inputs=["a"], top_k=3), "unknown request field 'top_k'"),
 ])
 def test_a_field_is_checked_where_it_is_defined(make, message):
@@ -69,6 +67,8 @@ def test_the_runtime_answers_a_request_object_as_the_method_that_builds_it(runti
     assert runtime.execute(TokenizeRequest(texts=texts)) == runtime.tokenize(texts)
     with pytest.raises(InvalidRequestError, match="^unknown option 'top_k' for task 'embed'"):
         runtime.execute(EncodeRequest.of(inputs=texts, top_k=3))
+    with pytest.raises(InvalidRequestError, match="^precision=binary applies to task 'embed', not 'token_embed'$"):
+        runtime.execute(EncodeRequest(inputs=texts, task="token_embed", precision="binary"))
     assert_serves(runtime)
 
 

@@ -173,8 +173,8 @@ class EncodeRequest(_Request):
         (:mod:`poolrunner.core.frontend.quantize`), applied after ``dimensions`` and normalization.
     :ivar ranges: ``[2, d]`` minima and maxima for ``int8`` / ``uint8``; ``None``: calibrated on
         this request's embeddings.
-    :raises InvalidRequestError: for an unknown precision, ``ranges`` with another precision, or
-        a quantized precision for a task other than ``embed``.
+    :raises InvalidRequestError: for an unknown precision, or ``ranges`` with another precision
+        (a quantized precision for a task other than ``embed`` is the plan's error).
     """
 
     takes_plugin_options: ClassVar[bool] = True
@@ -192,10 +192,7 @@ class EncodeRequest(_Request):
     tokenization: Tokenization = field(factory=Tokenization)
 
     def __attrs_post_init__(self) -> None:
-        check_ranges(self.precision, self.ranges)
-        if self.precision != "float32" and self.task not in (None, "embed"):
-            raise InvalidRequestError(f"precision={self.precision} applies to task 'embed', not {self.task!r}",
-                                      param="precision")
+        check_ranges(self.precision, self.ranges)  # the task's own check waits for the plan, which knows it
 
     def pooling(self) -> dict[str, Any]:
         """The :class:`~poolrunner.core.types.PoolingParams` fields this request sets."""
