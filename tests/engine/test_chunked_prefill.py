@@ -13,7 +13,8 @@ per-request cache, and a later request under the same id sees no stale keys and 
 
 Models: the tiny seeded Llama, Qwen3 and GPT-2 folders of ``make_decoder_folder`` /
 ``make_classifier_folder`` (hidden 64, 2 layers, vocab 1000, pad == eos == 2), the real
-SmolLM2-135M-Instruct (one ~200-token Lee text) and the default all-MiniLM-L6-v2.
+SmolLM2-135M-Instruct (one ~200-token Lee text; Lee sentences cut to 55, 56 and 57 tokens) and the
+default all-MiniLM-L6-v2.
 Prompts of the tiny models are token ids in ``3..999`` (no pad/eos/bos id).
 """
 
