@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from poolrunner.core.testing import tiny_models
 from poolrunner.core.testing.tiny_models import widen_weights
-from tests.helpers import cosine_rows
+from tests.helpers import assert_engine_empty, cosine_rows
 
 # A fixed sentence every "the runtime still serves" check embeds after an error.
 SANITY_TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
@@ -121,8 +121,7 @@ def assert_serves(sanity_reference) -> Callable[[Any], None]:
         vector = rt.embed(SANITY_TEXT)
         assert vector.shape == sanity_reference.shape
         assert cosine_rows(vector, sanity_reference)[0] >= 0.9999
-        engine = rt._engine  # the one check that reads the private engine: after any rejection, held or queued
-        assert not engine.requests and not engine.scheduler.has_unfinished(), "a rejected request left state behind"
+        assert_engine_empty(rt)
 
     return check
 
@@ -144,6 +143,26 @@ def lee_docs(lee_path) -> list[str]:
         docs = [line.strip() for line in handle.read().splitlines() if line.strip()]
     assert len(docs) == 50
     return docs
+
+
+@pytest.fixture(scope="session")
+def lee_sentences(lee_docs) -> list[str]:
+    """The first sentence of each of the 50 Lee news documents."""
+    return [doc.split(". ")[0].rstrip(".") + "." for doc in lee_docs]
+
+
+@pytest.fixture(scope="session")
+def smollm2_chunk_prompts(lee_sentences) -> list[list[int]]:
+    """Real text cut to exactly 55, 56 and 57 SmolLM2 tokens (chunked prefill's reference case,
+    with a 10-token budget)."""
+    from transformers import AutoTokenizer
+
+    from tests.models.smollm2 import smollm2_folder
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_folder(), local_files_only=True)
+    ids = tokenizer(" ".join(lee_sentences), add_special_tokens=True)["input_ids"]
+    assert len(ids) >= 57 + 2 * 57
+    return [ids[i * 57 : i * 57 + n] for i, n in enumerate((55, 56, 57))]
 
 
 @pytest.fixture(scope="session")

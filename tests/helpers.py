@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from poolrunner.core import hookimpl
+
 MIN_COSINE = 0.9999
 """The fp32 parity bar against an independent reference (vLLM's strict bar)."""
 
@@ -31,6 +33,37 @@ def run_requests(runtime: Any, requests: Sequence[Any]) -> dict[str, Any]:
     with runtime.serving() as serving:
         outputs = asyncio.run(serving.run(list(requests)))
     return {request.request_id: output for request, output in zip(requests, outputs, strict=True)}
+
+
+def assert_engine_empty(runtime: Any) -> None:
+    """No request is held or queued in ``runtime``'s engine: what every finished, refused, aborted
+    or failed request must leave behind. The one helper outside ``tests/engine/`` that reads the
+    private engine: no hook sees a request the engine forgot to release."""
+    engine = runtime._engine
+    assert not engine.requests and not engine.scheduler.has_unfinished(), "a request left state behind"
+
+
+class ModelSpy:
+    """A test plugin that keeps what its runtime loaded, as the ``get_pooler`` hook sees it (a
+    wrapper: it answers nothing itself). Register it with ``Runtime(..., plugins=[spy])``.
+
+    :ivar model: The loaded model, head included, after oneDNN prepacking and RMSNorm fusing; its
+        ``base_model`` is the backbone every step runs. A load that probes dtypes builds and
+        drops other models first: the one served is built last.
+    :ivar poolers: The pooler chosen for each task, by whichever plugin offered it.
+    """
+
+    def __init__(self) -> None:
+        self.model: Any = None
+        self.poolers: dict[str, Any] = {}
+
+    @hookimpl(wrapper=True)
+    def get_pooler(self, task: str, model: Any) -> Any:
+        pooler = yield
+        self.model = model
+        if pooler is not None:
+            self.poolers[task] = pooler
+        return pooler
 
 
 def cosine_rows(a: Any, b: Any) -> np.ndarray:

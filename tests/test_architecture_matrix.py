@@ -199,6 +199,7 @@ def test_readme_support_table_matches_the_matrix():
 def test_load(row, matrix):
     """``exact`` rows load as their own class; ``refused`` rows fail at load naming it."""
     from poolrunner import ModelLoadError, Runtime
+    from poolrunner.core.testing.steps import record_steps
 
     if row.status == REFUSED:
         with pytest.raises(ModelLoadError) as info:
@@ -208,8 +209,14 @@ def test_load(row, matrix):
     rt = matrix.runtime(row)
     assert rt.model_config.architecture == row.architecture
     assert rt.task == row.task
-    # Prompts run in chunks exactly where every layer is causal (the load probe's verdict).
-    assert rt.engine.scheduler.chunked_prefill is row.family.causal
+    # Prompts run in chunks exactly where every layer is causal (the load probe's verdict): a
+    # prompt over the token budget runs in pieces, or else whole in a step of its own.
+    budgeted = matrix.runtime(row, budget=BUDGET)
+    prompt = max(matrix.inputs(row).all, key=len)
+    assert len(prompt) > BUDGET
+    with record_steps(budgeted) as log:
+        _encode(budgeted, row, [prompt])
+    assert (len(log.chunks(log.admitted[0])) > 1) is row.family.causal
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=[variant.id for variant in VARIANTS])

@@ -16,6 +16,7 @@ from transformers.models.llama import modeling_llama
 from poolrunner import Runtime
 from poolrunner.core.errors import ModelLoadError, UnsupportedAttentionError
 from poolrunner.core.kernels.attention import LAYOUT_KWARG, MaskRule, PackedLayout, packed_attention
+from poolrunner.core.testing.steps import record_steps
 from tests.models.architectures import make_tokenizer
 
 _DECODER = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -105,6 +106,9 @@ def tiny_llama_folder(tmp_path_factory):
 def test_the_load_probe_allows_chunks_only_where_every_layer_is_causal(tmp_path, overrides, causal):
     config = transformers.Qwen2Config(**_DECODER, architectures=["Qwen2Model"], **overrides)
     runtime = Runtime(_folder(config, tmp_path), dtype="float32", load_entrypoints=False, max_num_batched_tokens=4)
-    assert (runtime.engine.runner.causal, runtime.engine.scheduler.chunked_prefill) == (causal, causal)
+    with record_steps(runtime) as log:
+        runtime.embed([list(range(5, 15))])  # 10 tokens over a 4-token budget
+    spans = [chunk.span for chunk in log.chunks(log.admitted[0])]
+    assert spans == ([(0, 4), (4, 8), (8, 10)] if causal else [(0, 10)])  # else whole, in a step of its own
     assert runtime.model_config.is_causal is causal
     assert runtime.model_config.pooling_type == "LAST"  # a decoder either way

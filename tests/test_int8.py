@@ -20,7 +20,7 @@ from torch import nn
 import poolrunner
 from poolrunner.core.errors import ModelLoadError
 from poolrunner.core.kernels import cpu_kernels, int8, onednn
-from tests.helpers import cosine_rows
+from tests.helpers import ModelSpy, cosine_rows
 from tests.models import architectures
 
 pytestmark = pytest.mark.skipif(
@@ -184,9 +184,10 @@ def tiny_bert(tmp_path_factory):
 
 def test_a_model_within_the_bar_is_served_in_int8_within_it_on_inputs_the_probe_never_saw(tiny_bert):
     folder, reference = tiny_bert
-    runtime = poolrunner.Runtime(str(folder), dtype="int8", pooling_type="MEAN", load_entrypoints=False)
+    spy = ModelSpy()  # the model served, as loaded
+    runtime = poolrunner.Runtime(str(folder), dtype="int8", pooling_type="MEAN", load_entrypoints=False, plugins=[spy])
     assert (runtime.precision, runtime.dtype) == ("int8", torch.bfloat16)
-    assert sum(isinstance(m, int8.Int8Linear) for m in runtime.engine.runner.backbone.modules()) == 13
+    assert sum(isinstance(m, int8.Int8Linear) for m in spy.model.base_model.modules()) == 13
     torch.manual_seed(7)
     inputs = [torch.randint(5, architectures.VOCAB_SIZE, (n,)).tolist() for n in (3, 9, 40, 100)]
     got = runtime.embed(inputs, normalize=False)

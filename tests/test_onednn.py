@@ -18,7 +18,7 @@ import poolrunner
 from poolrunner.core import precision
 from poolrunner.core.errors import ModelLoadError
 from poolrunner.core.kernels import onednn
-from tests.helpers import MIN_COSINE, bf16_products, cosine_rows
+from tests.helpers import MIN_COSINE, ModelSpy, bf16_products, cosine_rows
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
 BF16_PRODUCTS = bf16_products()
@@ -215,16 +215,13 @@ def test_an_mlp_with_other_code_is_not_fused():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
-def _packed_layers(runtime) -> int:
-    return sum(isinstance(m, onednn.PackedLinear) for m in runtime.engine.runner.backbone.modules())
-
-
 def test_compile_auto_prepacks_the_backbone_and_off_leaves_it(model_path, st_model):
     texts = ["A packed weight changes nothing.", "Bias and GELU run inside the matmul."]
     expected = st_model.encode(texts, convert_to_numpy=True)
     for mode, packed in (("auto", 37), ("off", 0)):  # 6 layers x 6 linear layers, and BERT's pooler
-        runtime = poolrunner.Runtime(model_path, dtype="float32", compile=mode, load_entrypoints=False)
-        assert _packed_layers(runtime) == packed
+        spy = ModelSpy()  # the model served, as loaded
+        runtime = poolrunner.Runtime(model_path, dtype="float32", compile=mode, load_entrypoints=False, plugins=[spy])
+        assert sum(isinstance(m, onednn.PackedLinear) for m in spy.model.base_model.modules()) == packed
         torch.testing.assert_close(torch.from_numpy(runtime.embed(texts)), torch.from_numpy(expected),
                                    rtol=0, atol=2e-6)
 

@@ -75,15 +75,6 @@ def _test_data(name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def lee_sentences() -> list[str]:
-    """The first sentence of each of the 50 Lee news documents."""
-    with open(_test_data("lee.cor"), encoding="cp1252") as handle:
-        docs = [line.strip() for line in handle.read().splitlines() if line.strip()]
-    assert len(docs) == 50
-    return [doc.split(". ")[0].rstrip(".") + "." for doc in docs]
-
-
-@pytest.fixture(scope="module")
 def polarity() -> tuple[list[str], np.ndarray]:
     """``pang_lee_polarity.cor``: 200 lines ``__label__neg|pos <sentence>``, 100 of each, in
     label blocks. Returns the sentences and labels (1 = pos)."""
@@ -531,36 +522,12 @@ def test_prm_returned_token_ids(prm_runtime, prm_reference, prm_texts, step_tag)
 
 
 # ---- Chunked prefill on the real model (issue: 55, 56 and 57 tokens with a 10-token budget) ----
+# token_embed and embed: tests/engine/test_chunked_prefill.py (they read the runner's caches).
 
 
-@pytest.fixture(scope="module")
-def chunk_prompts(tokenizer, lee_sentences) -> list[list[int]]:
-    """Real text cut to exactly 55, 56 and 57 tokens."""
-    ids = tokenizer(" ".join(lee_sentences), add_special_tokens=True)["input_ids"]
-    assert len(ids) >= 57 + 2 * 57
-    return [ids[i * 57 : i * 57 + n] for i, n in enumerate((55, 56, 57))]
-
-
-@pytest.mark.parametrize("task", ["token_embed", "embed"])
-def test_chunked_prefill_equals_one_pass(folder, chunk_prompts, task):
-    whole = poolrunner.Runtime(folder, task=task, dtype="float32", load_entrypoints=False)
-    chunked = poolrunner.Runtime(folder, task=task, dtype="float32", load_entrypoints=False,
-                                 max_num_batched_tokens=10)
-    steps = []
-    original = chunked.engine.step
-    chunked.engine.step = lambda: steps.append(1) or original()
-    worst = 1.0
-    for one, many in zip(whole.encode(chunk_prompts), chunked.encode(chunk_prompts), strict=True):
-        worst = min(worst, float(cosine_rows(one, many).min()))
-    assert worst >= MIN_COSINE
-    assert len(steps) == -(-(55 + 56 + 57) // 10)  # every step runs a full 10-token budget
-    assert not chunked.engine.runner.kv_caches and not chunked.engine.runner.partial_hidden
-    _report(f"chunked {task}", min_cosine=worst, steps=len(steps))
-
-
-def test_chunked_prefill_token_classify_equals_one_pass(prm_folder, chunk_prompts):
+def test_chunked_prefill_token_classify_equals_one_pass(prm_folder, smollm2_chunk_prompts):
     whole = poolrunner.Runtime(prm_folder, dtype="float32", load_entrypoints=False)
     chunked = poolrunner.Runtime(prm_folder, dtype="float32", load_entrypoints=False, max_num_batched_tokens=10)
     assert whole.task == chunked.task == "token_classify"
-    for one, many in zip(whole.encode(chunk_prompts), chunked.encode(chunk_prompts), strict=True):
+    for one, many in zip(whole.encode(smollm2_chunk_prompts), chunked.encode(smollm2_chunk_prompts), strict=True):
         np.testing.assert_allclose(many, one, atol=1e-5)

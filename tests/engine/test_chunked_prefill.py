@@ -13,7 +13,8 @@ per-request cache, and a later request under the same id sees no stale keys and 
 
 Models: the tiny seeded Llama, Qwen3 and GPT-2 folders of ``make_decoder_folder`` /
 ``make_classifier_folder`` (hidden 64, 2 layers, vocab 1000, pad == eos == 2), the real
-SmolLM2-135M-Instruct (one ~200-token Lee text) and the default all-MiniLM-L6-v2.
+SmolLM2-135M-Instruct (one ~200-token Lee text; Lee sentences cut to 55, 56 and 57 tokens) and the
+default all-MiniLM-L6-v2.
 Prompts of the tiny models are token ids in ``3..999`` (no pad/eos/bos id).
 """
 
@@ -32,6 +33,7 @@ import torch
 
 import poolrunner
 from poolrunner.core import InvalidRequestError, PoolingParams, PoolingRequest, RequestState, hookimpl
+from poolrunner.core.testing.steps import record_steps
 from tests.helpers import MIN_COSINE, cosine_rows
 from tests.models.smollm2 import SMOLLM2_HIDDEN_SIZE, SMOLLM2_PAD_ID, smollm2_folder
 
@@ -458,6 +460,24 @@ def test_smollm2_lee_text_chunked(lee_docs, monkeypatch):
     print(f"[smollm2 chunked] embed (LAST) cosine {cos:.8f}")
     assert cos >= MIN_COSINE
     assert_clean(embed_rt)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["token_embed", "embed"])
+def test_smollm2_55_56_57_tokens_with_budget_10_equal_one_pass_and_free_their_caches(smollm2_chunk_prompts, task):
+    folder = smollm2_folder()
+    whole = poolrunner.Runtime(folder, task=task, dtype="float32", load_entrypoints=False)
+    chunked = poolrunner.Runtime(folder, task=task, dtype="float32", load_entrypoints=False,
+                                 max_num_batched_tokens=REFERENCE_BUDGET)
+    expected = whole.encode(smollm2_chunk_prompts)
+    with record_steps(chunked) as log:
+        got = chunked.encode(smollm2_chunk_prompts)
+    worst = min(float(cosine_rows(one, many).min()) for one, many in zip(expected, got, strict=True))
+    assert worst >= MIN_COSINE
+    # every step runs a full 10-token budget
+    assert len(log.steps) == -(-sum(REFERENCE_LENGTHS) // REFERENCE_BUDGET)
+    assert not chunked._engine.runner.kv_caches and not chunked._engine.runner.partial_hidden
+    print(f"\n[smollm2] chunked {task}: min_cosine={worst:.10f} (1-cos {1 - worst:.1e}), steps={len(log.steps)}")
 
 
 # --------------------------------------------------------------------------- 6. encoders are never chunked

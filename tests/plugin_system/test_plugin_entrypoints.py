@@ -76,13 +76,14 @@ def reference_cls(default_model_path) -> np.ndarray:
 
 
 def test_entrypoint_pooler_wins_over_the_builtin(testplugin_dist, installed_entry_points, reference_cls,
-                                                 default_runtime):
+                                                 default_runtime, poolrunner_hook_recorder):
     runtime = poolrunner.Runtime(disable_plugins=installed_entry_points, dtype="float32")
-    pooler = runtime.engine.runner.pooler
+    calls = poolrunner_hook_recorder(runtime)
+    vectors = runtime.embed(TEXTS)
+    (pooler,) = {call.kwargs["pooler"] for call in calls.getcalls("pool")}  # the one that ran
     assert type(pooler).__module__ == "poolrunner_testplugin" and type(pooler).__name__ == "ClsPooler"
     assert isinstance(pooler, Pooler)
 
-    vectors = runtime.embed(TEXTS)
     assert vectors.shape == (3, 384) and vectors.dtype == np.float32
     np.testing.assert_allclose(vectors, reference_cls, rtol=1e-5, atol=1e-5)
     norms = np.linalg.norm(vectors, axis=1)

@@ -1,7 +1,9 @@
 """The request and step hooks on a real runtime (default model): calls, order, state, conflicts.
 
 One runtime serves the module. Its plugins are switched on and off through attributes, and the
-``calls`` fixture records every hook call through ``pm.add_hookcall_monitoring``.
+``calls`` fixture records every hook call through ``pm.add_hookcall_monitoring``; a ``ModelSpy``
+hands over the pooler and the backbone the runtime loaded. Raw requests run through its serving
+loop (``tests.helpers.run_requests``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from poolrunner.core import (
 )
 from poolrunner.core.hooks import RUNNER_INPUT_KEYS
 from poolrunner.core.plugin_api.output import SyncOutputHandle
+from tests.helpers import ModelSpy, assert_engine_empty, run_requests
 from tests.plugin_system.builtin_plugins import builtins_implementing
 
 TEXTS = ["first request", "the second one is a little longer", "third", "fourth request here", "fifth"]
@@ -129,9 +132,14 @@ def plugins() -> tuple[Recorder, Conflicter, Scaler]:
 
 
 @pytest.fixture(scope="module")
-def runtime(plugins) -> poolrunner.Runtime:
+def spy() -> ModelSpy:
+    return ModelSpy()
+
+
+@pytest.fixture(scope="module")
+def runtime(plugins, spy) -> poolrunner.Runtime:
     # max_num_seqs=2: five requests take three steps.
-    return poolrunner.Runtime(plugins=list(plugins), load_entrypoints=False, max_num_seqs=2, dtype="float32")
+    return poolrunner.Runtime(plugins=[*plugins, spy], load_entrypoints=False, max_num_seqs=2, dtype="float32")
 
 
 @pytest.fixture
@@ -170,11 +178,6 @@ def kwargs_of(calls, hook: str) -> list[dict[str, Any]]:
 def request(request_id: str, num_tokens: int = 5) -> PoolingRequest:
     return PoolingRequest(request_id=request_id, prompt_token_ids=[101, *range(2000, 2000 + num_tokens - 2), 102],
                           params=PoolingParams(task="embed"))
-
-
-def assert_engine_empty(runtime: poolrunner.Runtime) -> None:
-    assert runtime.engine.requests == {}
-    assert not runtime.engine.scheduler.has_unfinished()
 
 
 def test_runtime_with_idle_plugins_matches_the_default(runtime, recorder, baseline):
@@ -217,7 +220,7 @@ def test_prepare_inputs_results_reach_the_model(runtime, recorder, baseline):
     np.testing.assert_allclose(np.linalg.norm(changed, axis=1), 1.0, atol=1e-5)
 
 
-def test_hook_pool(runtime, recorder, calls, plugins, baseline):
+def test_hook_pool(runtime, recorder, calls, plugins, spy, baseline):
     _, _, scaler = plugins
     scaler.factor = 2.0
     vectors = runtime.embed(TEXTS)
@@ -225,7 +228,7 @@ def test_hook_pool(runtime, recorder, calls, plugins, baseline):
     assert len(pools) == 3 and scaler.wrapped == 3  # once per step, wrapper included
     steps = [[s.request_id for s in kwargs["batch"].requests] for kwargs in kwargs_of(calls, "prepare_inputs")]
     assert [list(kwargs["metadata"].request_ids) for kwargs in pools] == steps
-    assert all(kwargs["pooler"] is runtime.engine.runner.pooler for kwargs in pools)
+    assert all(kwargs["pooler"] is spy.poolers[runtime.task] for kwargs in pools)  # the one loaded
     assert all(kwargs["hidden_states"].shape[1] == 384 for kwargs in pools)
     np.testing.assert_allclose(vectors, 2.0 * baseline, atol=1e-5)  # the wrapper changed the result
 
@@ -275,28 +278,18 @@ def test_load_time_hooks_are_not_called_per_request(runtime, recorder, calls):
 def test_request_rejected_by_a_plugin_is_removed(runtime, recorder, calls):
     recorder.reject = {"r1"}
     with pytest.raises(RejectedByPlugin, match="Recorder rejects r1"):
-        list(runtime.engine.run([request("r0"), request("r1"), request("r2")]))
+        run_requests(runtime, [request("r0"), request("r1"), request("r2")])
     assert [kw["state"].request_id for kw in kwargs_of(calls, "add_request")] == ["r0", "r1"]
-    # r1 is released when its add_request fails, r0 when run() aborts what it admitted.
+    # r1 is released when its add_request fails, r0 when the loop aborts what it admitted of the call.
     assert recorder.removed == ["r1", "r0"]
     assert kwargs_of(calls, "prepare_inputs") == [] and kwargs_of(calls, "pool") == []
-    assert_engine_empty(runtime)
-
-
-def test_aborted_request_is_removed_once(runtime, recorder, calls):
-    runtime.engine.add_request(request("gone"))
-    assert list(runtime.engine.requests) == ["gone"]
-    runtime.engine.abort_request("gone")
-    runtime.engine.abort_request("gone")  # unknown by now: ignored
-    assert recorder.removed == ["gone"]
-    assert [name for name, _ in calls] == ["add_request", "remove_request"]
     assert_engine_empty(runtime)
 
 
 def test_request_refused_before_admission_never_reaches_plugins(runtime, recorder, calls):
     too_long = request("long", num_tokens=runtime.model_config.max_model_len + 1)
     with pytest.raises(InvalidRequestError, match=r"^request 'long' has 257 tokens, more than the maximum of 256"):
-        runtime.engine.add_request(too_long)
+        run_requests(runtime, [too_long])
     assert calls == [] and recorder.removed == []
     assert_engine_empty(runtime)
 
@@ -340,17 +333,18 @@ def test_two_plugins_returning_one_key_conflict_at_the_first_step(runtime, recor
     np.testing.assert_allclose(runtime.embed(TEXTS), baseline, atol=1e-5)
 
 
-def test_every_forward_input_the_runner_sets_is_reserved(runtime, recorder, plugins, monkeypatch):
+def test_every_forward_input_the_runner_sets_is_reserved(runtime, recorder, plugins, spy, monkeypatch):
     """Spy on the backbone: whatever the runner passes itself, a plugin may not return."""
     _, conflicter, _ = plugins
-    backbone = runtime.engine.runner.backbone
+    backbone = spy.model.base_model
+    forward = backbone.forward
     passed: set[str] = set()
 
-    def spy(**kwargs):
+    def recording(**kwargs):
         passed.update(kwargs)
-        return backbone(**kwargs)
+        return forward(**kwargs)
 
-    monkeypatch.setattr(runtime.engine.runner, "backbone", spy)
+    monkeypatch.setattr(backbone, "forward", recording)
     runtime.embed("x")
     assert passed == RUNNER_INPUT_KEYS
     for key in sorted(passed):

@@ -25,6 +25,7 @@ from poolrunner.core import (
 )
 from poolrunner.core.hooks import Hooks
 from poolrunner.core.types import RequiredPlugin
+from tests.helpers import assert_engine_empty, run_requests
 from tests.plugin_system.builtin_plugins import (
     builtins_implementing,
     describe_pooling_builtins,
@@ -175,13 +176,14 @@ def test_hook_supported_tasks(default_runtime):
     assert default_runtime.task == "embed"  # of those, the bare BertModel gets embed by default
 
 
-def test_hook_get_pooler(default_runtime):
+def test_hook_get_pooler(default_runtime, poolrunner_hook_recorder):
     """A third-party get_pooler is asked first; returning None hands over to the built-in."""
     none = AlwaysNone()
     runtime = poolrunner.Runtime(plugins=[none], load_entrypoints=False, dtype="float32")
     assert none.asked == ["embed", "token_embed"]  # once per served task, the default first
-    assert type(runtime.engine.runner.pooler).__name__ == "EmbeddingPooler"
+    calls = poolrunner_hook_recorder(runtime)
     np.testing.assert_allclose(runtime.embed("text"), default_runtime.embed("text"), atol=1e-6)
+    assert [type(call.kwargs["pooler"]).__name__ for call in calls.getcalls("pool")] == ["EmbeddingPooler"]
 
     # Built-in poolers are trylast defaults: AlwaysNone (called first) comes after them all.
     impls = runtime.plugin_manager.hook.get_pooler.get_hookimpls()
@@ -211,7 +213,7 @@ class ClaimsMarkedFolders:
         return TokenPooler() if mine and task == "token_embed" else None
 
 
-def test_hook_claim_model_folder(default_model_path, tmp_path):
+def test_hook_claim_model_folder(default_model_path, tmp_path, poolrunner_hook_recorder):
     """A claimed folder is served by its plugin alone; an unmarked folder is left to the built-ins;
     two claims are a conflict naming both plugins and their reasons."""
     marked = tmp_path / "marked"
@@ -223,7 +225,10 @@ def test_hook_claim_model_folder(default_model_path, tmp_path):
     runtime = poolrunner.Runtime(marked, plugins=[ClaimsMarkedFolders()], load_entrypoints=False, dtype="float32")
     assert runtime.model_config.required_plugin == RequiredPlugin(
         name="ClaimsMarkedFolders", dist="ClaimsMarkedFolders", reason="marked holds my_format.json (BertModel)")
-    assert runtime.task == "token_embed" and isinstance(runtime.engine.runner.pooler, TokenPooler)
+    assert runtime.task == "token_embed"
+    calls = poolrunner_hook_recorder(runtime)
+    runtime.encode("text")
+    assert [type(call.kwargs["pooler"]) for call in calls.getcalls("pool")] == [TokenPooler]
     assert runtime.model_config.pooling_type == "CLS"  # the folder's ST pipeline is the plugin's to read
 
     plain = poolrunner.Runtime(default_model_path, plugins=[ClaimsMarkedFolders()], load_entrypoints=False,
@@ -243,17 +248,18 @@ def _named(plugin: object, name: str) -> object:
     return plugin
 
 
-def test_third_party_task_and_pooler_serve_requests(default_model_path):
+def test_third_party_task_and_pooler_serve_requests(default_model_path, poolrunner_hook_recorder):
     plugin = TokenEmbedPlugin()
     runtime = poolrunner.Runtime(task="token_embed", plugins=[plugin], load_entrypoints=False, dtype="float32")
     assert runtime.task == "token_embed" and plugin.asked == ["token_embed"]
-    assert isinstance(runtime.engine.runner.pooler, TokenPooler)
+    calls = poolrunner_hook_recorder(runtime)
 
     texts = ["Per-token vectors from a plugin.", "Short"]
     ids = runtime.inputs.encode(texts)
     requests = [PoolingRequest(request_id=f"t{i}", prompt_token_ids=tokens, params=PoolingParams(task="token_embed"))
                 for i, tokens in enumerate(ids)]
-    outputs = dict(runtime.engine.run(requests))
+    outputs = run_requests(runtime, requests)
+    assert [type(call.kwargs["pooler"]) for call in calls.getcalls("pool")] == [TokenPooler]  # one step
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path)
     model = AutoModel.from_pretrained(default_model_path).eval()
@@ -267,9 +273,9 @@ def test_third_party_task_and_pooler_serve_requests(default_model_path):
     # The runtime serves only its task: an embed request is refused before admission.
     refused = r"^request 'e' asks for task 'embed', but this runtime serves \['token_embed'\]$"
     with pytest.raises(poolrunner.InvalidRequestError, match=refused):
-        runtime.engine.add_request(PoolingRequest(request_id="e", prompt_token_ids=ids[0],
-                                                  params=PoolingParams(task="embed")))
-    assert runtime.engine.requests == {}
+        run_requests(runtime, [PoolingRequest(request_id="e", prompt_token_ids=ids[0],
+                                              params=PoolingParams(task="embed"))])
+    assert_engine_empty(runtime)
 
 
 # ---- Ambiguity: two third-party poolers for one task ----
@@ -279,7 +285,7 @@ class NamedTokenEmbed(TokenEmbedPlugin):
     """A second, distinctly named plugin offering the same task."""
 
 
-def test_two_third_party_poolers_conflict_unless_one_is_named():
+def test_two_third_party_poolers_conflict_unless_one_is_named(poolrunner_hook_recorder):
     with pytest.raises(poolrunner.PluginConflictError) as excinfo:
         poolrunner.Runtime(task="token_embed", load_entrypoints=False,
                            plugins=[TokenEmbedPlugin(), NamedTokenEmbed()], dtype="float32")
@@ -291,7 +297,9 @@ def test_two_third_party_poolers_conflict_unless_one_is_named():
     runtime = poolrunner.Runtime(task="token_embed", load_entrypoints=False, plugins=[other, chosen],
                                  pooler_plugin="NamedTokenEmbed", dtype="float32")
     assert chosen.asked == ["token_embed"] and other.asked == []
-    assert isinstance(runtime.engine.runner.pooler, TokenPooler)
+    calls = poolrunner_hook_recorder(runtime)
+    runtime.encode("text")
+    assert [type(call.kwargs["pooler"]) for call in calls.getcalls("pool")] == [TokenPooler]
 
 
 def test_a_named_pooler_plugin_must_exist_and_answer():

@@ -1,8 +1,9 @@
 """The built-in ``token_type_ids`` plugin, hook by hook, on the default model (BERT, type_vocab_size 2).
 
-Requests go through the lower-level API (``runtime.engine.run``) of the shared built-ins-only
-runtime. The ``log`` fixture watches its hook calls through ``pm.add_hookcall_monitoring``; the
-``forwarded`` fixture records the keyword arguments that reach the backbone's ``forward``.
+Raw requests run through the serving loop (``tests.helpers.run_requests``) of a built-ins-only
+runtime, plus a ``ModelSpy`` that hands over the loaded model. The ``log`` fixture watches its
+hook calls through ``pm.add_hookcall_monitoring``; the ``forwarded`` fixture records the keyword
+arguments that reach the backbone's ``forward``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from poolrunner.core import InputBatch, InvalidRequestError, PoolingParams, Pool
 from poolrunner.core.engine.buckets import bucket_num_tokens
 from poolrunner.plugins import token_type_ids as plugin
 from poolrunner.plugins.token_type_ids import NAME, compress
+from tests.helpers import ModelSpy, assert_engine_empty, run_requests
 
 EMBED = PoolingParams(task="embed")
 
@@ -46,11 +48,19 @@ class HookLog:
     prepared: list[list[Any]] = field(default_factory=list)  # the collected results of each prepare_inputs
 
 
-@pytest.fixture
-def runtime(default_runtime) -> poolrunner.Runtime:
-    assert default_runtime.model_config.type_vocab_size == 2
-    assert default_runtime.engine.hooks.implementers("prepare_inputs") == [NAME]  # the only one
-    return default_runtime
+@pytest.fixture(scope="module")
+def spy() -> ModelSpy:
+    return ModelSpy()
+
+
+@pytest.fixture(scope="module")
+def runtime(spy) -> poolrunner.Runtime:
+    """The default model with the built-in plugins and the spy (which implements get_pooler alone)."""
+    runtime = poolrunner.Runtime(plugins=[spy], load_entrypoints=False, dtype="float32")
+    assert runtime.model_config.type_vocab_size == 2
+    impls = runtime.plugin_manager.hook.prepare_inputs.get_hookimpls()
+    assert [impl.plugin_name for impl in impls] == [NAME]  # the only one
+    return runtime
 
 
 @pytest.fixture
@@ -75,9 +85,9 @@ def log(runtime) -> Iterator[HookLog]:
 
 
 @pytest.fixture
-def forwarded(runtime, monkeypatch) -> list[dict[str, Any]]:
+def forwarded(runtime, spy, monkeypatch) -> list[dict[str, Any]]:
     """The keyword arguments of every backbone forward during the test."""
-    backbone = runtime.engine.runner.backbone
+    backbone = spy.model.base_model
     original = backbone.forward
     seen: list[dict[str, Any]] = []
 
@@ -87,11 +97,6 @@ def forwarded(runtime, monkeypatch) -> list[dict[str, Any]]:
 
     monkeypatch.setattr(backbone, "forward", spy)
     return seen
-
-
-def assert_engine_empty(runtime: poolrunner.Runtime) -> None:
-    assert runtime.engine.requests == {}
-    assert not runtime.engine.scheduler.has_unfinished()
 
 
 # ---- compression: one integer per request ----
@@ -133,7 +138,7 @@ def test_compress_message_shows_at_most_120_characters_of_the_types():
 def test_add_request_stores_the_start_and_remove_request_clears_it(runtime, log):
     requests = [request("pair", 6, (0, 0, 0, 1, 1, 1)), request("zeros", 4, (0,) * 4),
                 request("ones", 5, (1,) * 5), request("plain", 3)]
-    outputs = dict(runtime.engine.run(requests))
+    outputs = run_requests(runtime, requests)
 
     assert sorted(outputs) == ["ones", "pair", "plain", "zeros"]
     assert all(output.shape == (384,) for output in outputs.values())
@@ -145,21 +150,21 @@ def test_add_request_stores_the_start_and_remove_request_clears_it(runtime, log)
 
 def test_an_invalid_pattern_is_rejected_and_the_runtime_serves_on(runtime, log):
     good = request("good", 5, (0, 0, 1, 1, 1))
-    before = dict(runtime.engine.run([good]))["good"]
+    before = run_requests(runtime, [good])["good"]
 
     with pytest.raises(InvalidRequestError) as excinfo:
-        list(runtime.engine.run([request("first", 4, (0, 0, 1, 1)), request("bad", 3, (0, 1, 0))]))
+        run_requests(runtime, [request("first", 4, (0, 0, 1, 1)), request("bad", 3, (0, 1, 0))])
     assert str(excinfo.value) == message("bad", [0, 1, 0])
     assert list(log.added) == ["good", "first", "bad"]
     assert "bad" not in log.stored and log.stored["first"] == {NAME: 2}
-    # bad leaves when its add_request fails, first when run() aborts what it admitted.
+    # bad leaves when its add_request fails, first when the loop aborts what it admitted of the call.
     assert log.removed == ["good", "bad", "first"]
     assert len(log.prepared) == 1  # the first run's only step; the failed run never ran one
     assert all(NAME not in state.plugin_data for state in log.added.values())
     assert_engine_empty(runtime)
 
     # The same runtime serves the next request, and the same id gets the same result.
-    after = dict(runtime.engine.run([good]))["good"]
+    after = run_requests(runtime, [good])["good"]
     assert log.stored["good"] == {NAME: 2}
     torch.testing.assert_close(after, before, rtol=0, atol=0)
     assert_engine_empty(runtime)
@@ -171,7 +176,7 @@ def test_an_invalid_pattern_is_rejected_and_the_runtime_serves_on(runtime, log):
 def test_prepare_inputs_gives_every_token_its_type_in_a_mixed_batch(runtime, log, forwarded):
     requests = [request("pair", 6, (0, 0, 0, 1, 1, 1)), request("plain", 5), request("ones", 4, (1,) * 4),
                 request("zeros", 3, (0,) * 3), request("late", 4, (0, 1, 1, 1))]
-    outputs = dict(runtime.engine.run(requests))
+    outputs = run_requests(runtime, requests)
     assert sorted(outputs) == ["late", "ones", "pair", "plain", "zeros"]
 
     types = [[0, 0, 0, 1, 1, 1], [0] * 5, [1] * 4, [0] * 3, [0, 1, 1, 1]]  # packing order
@@ -192,7 +197,7 @@ def test_prepare_inputs_gives_every_token_its_type_in_a_mixed_batch(runtime, log
 
 
 def test_prepare_inputs_returns_nothing_when_no_request_has_types(runtime, log, forwarded):
-    outputs = dict(runtime.engine.run([request("a", 5), request("b", 7)]))
+    outputs = run_requests(runtime, [request("a", 5), request("b", 7)])
     assert sorted(outputs) == ["a", "b"]
     assert log.prepared == [[]]  # no plugin returned anything
     assert len(forwarded) == 1 and "token_type_ids" not in forwarded[0]  # the model's default (zeros)
@@ -229,10 +234,10 @@ def test_given_types_reach_the_model(runtime, pair, reference_embeddings):
     assert (runtime.model_config.pooling_type, runtime.model_config.normalize) == ("MEAN", True)
     ids, types = pair
     typed_reference, zeros_reference = reference_embeddings
-    outputs = dict(runtime.engine.run([
+    outputs = run_requests(runtime, [
         PoolingRequest(request_id="typed", prompt_token_ids=ids, token_type_ids=types, params=EMBED),
         PoolingRequest(request_id="untyped", prompt_token_ids=ids, params=EMBED),
-    ]))
+    ])
     typed, untyped = outputs["typed"].cpu(), outputs["untyped"].cpu()
     tolerance = 1e-5 if runtime.dtype == torch.float32 else 2e-2  # half precision on CUDA
     torch.testing.assert_close(typed, typed_reference, rtol=tolerance, atol=tolerance)

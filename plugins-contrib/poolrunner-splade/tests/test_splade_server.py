@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import json
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import pytest
 from splade_folders import sparse_encoder_folder, splade_tiny_folder
 
 import poolrunner
+from poolrunner.core import hookimpl
 from poolrunner.core.cli.main import main
 from poolrunner.core.testing.server import ServerThread
 
@@ -33,12 +35,30 @@ def splade_tiny() -> Path:
     return splade_tiny_folder()
 
 
+class StepGate:
+    """A test plugin that runs ``hold()`` (when set) as each step prepares its inputs, so a test
+    can keep the engine loop busy with one step."""
+
+    def __init__(self) -> None:
+        self.hold: Callable[[], None] | None = None
+
+    @hookimpl
+    def prepare_inputs(self) -> None:
+        if self.hold is not None:
+            self.hold()
+
+
 @pytest.fixture(scope="module")
-def sparse_encoder(tmp_path_factory) -> poolrunner.Runtime:
+def gate() -> StepGate:
+    return StepGate()
+
+
+@pytest.fixture(scope="module")
+def sparse_encoder(tmp_path_factory, gate) -> poolrunner.Runtime:
     """splade-tiny as a sentence-transformers SparseEncoder folder: the installed plugin serves it,
-    with sparse_embed as its default task."""
+    with sparse_embed as its default task; the gate holds steps when a test asks."""
     folder = sparse_encoder_folder(tmp_path_factory.mktemp("st") / "splade-tiny-st", "max")
-    runtime = poolrunner.Runtime(folder, device="cpu", dtype="float32")
+    runtime = poolrunner.Runtime(folder, plugins=[gate], device="cpu", dtype="float32")
     assert runtime.task == "sparse_embed"
     return runtime
 
@@ -104,21 +124,19 @@ def test_score_and_rerank_equal_the_offline_score_the_sparse_dot_product(server,
                                rtol=1e-6)
 
 
-def test_score_requests_share_engine_steps_with_other_clients(server, sparse_encoder, offline, monkeypatch):
+def test_score_requests_share_engine_steps_with_other_clients(server, gate, offline, monkeypatch):
     """/score's requests go through the server's engine loop, batched with a concurrent /pooling."""
     release, first_step = threading.Event(), threading.Event()
-    execute = sparse_encoder.engine.runner.execute
 
-    def held(batch):
+    def held():
         first_step.set()
         assert release.wait(30)
-        return execute(batch)
 
     steps: list[int] = []
     on_step = server.app.state.metrics.on_step
     monkeypatch.setattr(server.app.state.metrics, "on_step", lambda num_reqs, num_tokens: (
         steps.append(num_reqs), on_step(num_reqs, num_tokens)))
-    monkeypatch.setattr(sparse_encoder.engine.runner, "execute", held)
+    monkeypatch.setattr(gate, "hold", held)
     with ThreadPoolExecutor(3) as pool:
         blocker = pool.submit(httpx.post, f"{server.url}/pooling", json={"input": "ok"}, timeout=60)
         assert first_step.wait(30)  # the loop is busy with the blocker's step

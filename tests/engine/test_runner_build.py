@@ -1,0 +1,40 @@
+"""What the runner is built with at load: poolrunner's CPU attention kernel where it was built
+(compile="auto" on a CPU that runs it), torch's SDPA elsewhere."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from poolrunner import Runtime
+from poolrunner.core.kernels import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.supported_dtypes(),
+                                reason="the kernel needs an x86 CPU with AVX-512 and a C++ compiler")
+
+
+def test_a_runtime_on_the_cpu_fast_path_attends_in_it(model_path):
+    assert Runtime(model_path, dtype="float32", load_entrypoints=False)._engine.runner.native_attention
+    eager = Runtime(model_path, dtype="float32", compile="off", load_entrypoints=False)
+    assert not eager._engine.runner.native_attention
+
+
+def test_a_machine_that_cannot_build_it_attends_on_sdpa_and_says_why(monkeypatch, caplog, model_path, st_model):
+    from torch.utils import cpp_extension
+
+    def no_compiler(*_args, **_kwargs):
+        raise RuntimeError("Error building extension 'poolrunner_packed_attention': g++: command not found")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    cpu_kernels._load.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="poolrunner.core.kernels.cpu_kernels"):
+            runtime = Runtime(model_path, dtype="float32", load_entrypoints=False)
+        assert not runtime._engine.runner.native_attention
+        assert ("poolrunner's CPU kernels could not be built, attention and RMSNorm run on torch: "
+                "Error building extension 'poolrunner_packed_attention': g++: command not found") in caplog.messages
+        texts = ["a kernel that did not build", "still answers"]
+        expected = st_model.encode(texts, normalize_embeddings=True)
+        np.testing.assert_allclose(runtime.embed(texts), expected, atol=1e-5)
+    finally:
+        cpu_kernels._load.cache_clear()  # the next caller loads the real build again
