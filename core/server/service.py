@@ -115,6 +115,12 @@ class PoolingService:
             raise ApiError(400, f"{what} has {count} items, more than the limit of {limit} per request "
                                 "(max_inputs_per_request)", param=what)
 
+    async def answer_prompts(self, request: Request, body: Any) -> tuple[Any, int]:
+        r"""The answer to a body of prompts (``input`` or ``messages``: embeddings, classify,
+        pooling): :meth:`prompts`, then the body's ``to_request`` of them, :meth:`answer`\ ed."""
+        items, add_special_tokens = await self.prompts(body)
+        return await self.answer(request, body.to_request(items, add_special_tokens), priority=body.priority)
+
     async def answer(self, request: Request, frontend_request: FrontendRequest, *, priority: int | None = None,
                      ) -> tuple[Any, int]:
         """Check ``frontend_request`` against the request limits, plan it (in a worker thread: it

@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from poolrunner.core.server import ServedModel
+from poolrunner.core.testing.server import ServerThread
+from tests.operations.surfaces import SPLADE
+
 
 @pytest.fixture(scope="session")
 def embed_folder(poolrunner_tiny_folder) -> Path:
@@ -52,3 +56,23 @@ def splade_folder(poolrunner_tiny_folder, tmp_path_factory) -> Path:
     (folder / "1_SpladePooling" / "config.json").write_text(
         json.dumps({"pooling_strategy": "max", "activation_function": "relu"}))
     return folder
+
+
+@pytest.fixture(scope="module")
+def cross(task_runtime, cross_encoder_folder):
+    return task_runtime(cross_encoder_folder)
+
+
+@pytest.fixture(scope="module")
+def bi(task_runtime, embed_folder):
+    return task_runtime(embed_folder)
+
+
+@pytest.fixture(scope="module")
+def scorers(request, task_runtime, cross, bi):
+    """A cross-encoder (``cross``), a bi-encoder (``bi``) and, installed, SPLADE (``splade``) in one server."""
+    models = [ServedModel(cross, ("cross",)), ServedModel(bi, ("bi",))]
+    if SPLADE:
+        models.append(ServedModel(task_runtime(request.getfixturevalue("splade_folder")), ("splade",)))
+    with ServerThread(models) as running:
+        yield running

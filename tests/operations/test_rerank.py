@@ -8,31 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from poolrunner.core.server import ServedModel
-from poolrunner.core.testing.server import ServerThread
-from tests.operations.surfaces import SPLADE, assert_close, cli_records, needs_splade, post
+from tests.operations.surfaces import assert_close, cli_records, needs_splade, post
 
 QUERY = "w1 w2 w3"
 DOCUMENTS = ["w1 w2 w9", "w400 w500 w600 w700", "w3", "w2 w1 w3 w8 w8 w8", "w42 w43"]
 
 
-@pytest.fixture(scope="module")
-def cross(task_runtime, cross_encoder_folder):
-    return task_runtime(cross_encoder_folder)
-
-
-@pytest.fixture(scope="module")
-def bi(task_runtime, embed_folder):
-    return task_runtime(embed_folder)
-
-
-@pytest.fixture(scope="module")
-def server(request, task_runtime, cross, bi):
-    models = [ServedModel(cross, ("cross",)), ServedModel(bi, ("bi",))]
-    if SPLADE:
-        models.append(ServedModel(task_runtime(request.getfixturevalue("splade_folder")), ("splade",)))
-    with ServerThread(models) as running:
-        yield running
 
 
 def _check(expected, indices, scores, documents=None):
@@ -49,7 +30,7 @@ def _records(folder, argv, tmp_path):
 
 @pytest.mark.parametrize(("top_n", "return_documents"), [(None, False), (2, True)], ids=["all", "top2-documents"])
 @pytest.mark.parametrize("model", ["cross", "bi"])
-def test_every_surface_ranks_as_the_api(request, server, tmp_path, model, top_n, return_documents):
+def test_every_surface_ranks_as_the_api(request, scorers, tmp_path, model, top_n, return_documents):
     runtime = request.getfixturevalue(model)
     expected = runtime.rerank(QUERY, DOCUMENTS, top_n=top_n, return_documents=return_documents)
     assert len(expected) == (top_n or len(DOCUMENTS))
@@ -63,13 +44,14 @@ def test_every_surface_ranks_as_the_api(request, server, tmp_path, model, top_n,
     body = {"model": model, "query": QUERY, "documents": DOCUMENTS, "return_documents": return_documents,
             **({"top_n": top_n} if top_n else {})}
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
-        results = post(server.url, path, body)["results"]
+        results = post(scorers.url, path, body)["results"]
         _check(expected, [r["index"] for r in results], [r["relevance_score"] for r in results],
                [r["document"]["text"] for r in results] if return_documents else None)
         assert all("document" not in r for r in results) or return_documents
 
     # TEI's body: every text ranked, no top_n
-    ranked = post(server.url, "/rerank", {"model": model, "query": QUERY, "texts": DOCUMENTS, "return_text": True})
+    ranked = post(scorers.url, "/rerank",
+                  {"model": model, "query": QUERY, "texts": DOCUMENTS, "return_text": True})
     every = runtime.rerank(QUERY, DOCUMENTS, return_documents=True)
     _check(every, [r["index"] for r in ranked], [r["score"] for r in ranked], [r["text"] for r in ranked])
     assert every[: len(expected)] == runtime.rerank(QUERY, DOCUMENTS, top_n=top_n, return_documents=True)
@@ -82,11 +64,11 @@ def test_the_cross_encoder_order_is_transformers(cross, classifier_reference, cr
 
 
 @needs_splade
-def test_a_plugin_option_ranks_alike_on_the_api_and_http(task_runtime, splade_folder, server):
+def test_a_plugin_option_ranks_alike_on_the_api_and_http(task_runtime, splade_folder, scorers):
     splade = task_runtime(splade_folder)
     expected = splade.rerank(QUERY, DOCUMENTS, top_n=3, top_k=2)
     assert [r.score for r in expected] != [r.score for r in splade.rerank(QUERY, DOCUMENTS, top_n=3)]
-    results = post(server.url, "/rerank", {"model": "splade", "query": QUERY, "documents": DOCUMENTS, "top_n": 3,
+    results = post(scorers.url, "/rerank", {"model": "splade", "query": QUERY, "documents": DOCUMENTS, "top_n": 3,
                                            "top_k": 2})["results"]
     _check(expected, [r["index"] for r in results], [r["relevance_score"] for r in results])
 

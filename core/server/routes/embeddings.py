@@ -28,9 +28,7 @@ async def embeddings(body: p.EmbeddingRequest, request: Request, served: Served)
     in input order; ``bytes`` answers vLLM's octet-stream body with its ``metadata`` header."""
     service = served.pick(body.model, "embed")
     _check_encoding(body)
-    items, add_special_tokens = await service.prompts(body)
-    vectors, num_tokens = await service.answer(request, body.to_request(items, add_special_tokens),
-                                               priority=body.priority)
+    vectors, num_tokens = await service.answer_prompts(request, body)
     if body.encoding_format in ("bytes", "bytes_only"):
         return _bytes(body, service, vectors, "embd", num_tokens)
     data = [p.EmbeddingData(index=i, embedding=e) for i, e in enumerate(_encoded(body, vectors))]
@@ -42,9 +40,7 @@ async def embeddings(body: p.EmbeddingRequest, request: Request, served: Served)
 async def classify(body: p.ClassificationRequest, request: Request, served: Served) -> p.ClassificationResponse:
     """vLLM's classify: texts, token ids, ``[text, text_pair]`` pairs or a chat (``messages``)."""
     service = served.pick(body.model, "classify")
-    items, add_special_tokens = await service.prompts(body)
-    results, num_tokens = await service.answer(request, body.to_request(items, add_special_tokens),
-                                               priority=body.priority)
+    results, num_tokens = await service.answer_prompts(request, body)
     data = [p.ClassificationData(index=i, label=r.label, probs=r.probs.tolist(), num_classes=len(r.probs))
             for i, r in enumerate(results)]
     return p.ClassificationResponse(id=answer_id("classify", body.request_id), created=int(time.time()),
@@ -57,9 +53,7 @@ async def pooling(body: p.PoolingHttpRequest, request: Request, served: Served) 
     The plugins' request options are body fields of their own."""
     service = served.pick(body.model, body.task)
     _check_encoding(body)
-    items, add_special_tokens = await service.prompts(body)
-    outputs, num_tokens = await service.answer(request, body.to_request(items, add_special_tokens),
-                                               priority=body.priority)
+    outputs, num_tokens = await service.answer_prompts(request, body)
     if body.encoding_format in ("bytes", "bytes_only"):
         return _bytes(body, service, outputs, "pool", num_tokens)
     data = [p.PoolingData(index=i, data=d) for i, d in enumerate(_encoded(body, outputs))]
