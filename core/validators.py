@@ -22,7 +22,8 @@ def one_of(choices: Collection[Any], *, optional: bool = False):
         if value is None and optional:
             return
         if value not in choices:
-            raise InvalidRequestError(f"{attribute.name} must be one of {list(choices)}, got {value!r}")
+            raise InvalidRequestError(f"{attribute.name} must be one of {list(choices)}, got {value!r}",
+                                      param=attribute.name)
 
     return check
 
@@ -47,18 +48,21 @@ def task_name(builtin: Collection[str], plugin_pattern: re.Pattern[str], *, opti
 def positive_int(_instance: object, attribute: Attribute, value: Any) -> None:
     """``None`` or an integer >= 1 (booleans are not integers here)."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise InvalidRequestError(f"{attribute.name} must be a positive integer, got {value!r}")
+        raise InvalidRequestError(f"{attribute.name} must be a positive integer, got {value!r}",
+                                  param=attribute.name)
 
 
 def optional_bool(_instance: object, attribute: Attribute, value: Any) -> None:
     if value is not None and not isinstance(value, bool):
-        raise InvalidRequestError(f"{attribute.name} must be true, false or None, got {value!r}")
+        raise InvalidRequestError(f"{attribute.name} must be true, false or None, got {value!r}",
+                                  param=attribute.name)
 
 
 def non_negative_int(_instance: object, attribute: Attribute, value: Any) -> None:
     """``None`` or an integer >= 0, such as a token id."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise InvalidRequestError(f"{attribute.name} must be a non-negative integer, got {value!r}")
+        raise InvalidRequestError(f"{attribute.name} must be a non-negative integer, got {value!r}",
+                                  param=attribute.name)
 
 
 def non_negative_ints(_instance: object, attribute: Attribute, value: Any) -> None:
@@ -66,7 +70,8 @@ def non_negative_ints(_instance: object, attribute: Attribute, value: Any) -> No
     if value is None:
         return
     if not value or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value):
-        raise InvalidRequestError(f"{attribute.name} must be a non-empty list of non-negative integers, got {value!r}")
+        raise InvalidRequestError(f"{attribute.name} must be a non-empty list of non-negative integers, got {value!r}",
+                                  param=attribute.name)
 
 
 def json_object(_instance: object, attribute: Attribute, value: Any) -> None:

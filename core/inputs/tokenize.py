@@ -120,7 +120,8 @@ class InputProcessor:
         if not 1 <= keep <= limit:
             raise InvalidRequestError(
                 f"truncate_prompt_tokens={truncate_prompt_tokens} is out of range: use -1 (the model "
-                f"maximum) or {max(minimum, 1)}..{limit} (max_model_len of {self.model_config.name})"
+                f"maximum) or {max(minimum, 1)}..{limit} (max_model_len of {self.model_config.name})",
+                param="truncate_prompt_tokens",
             )
         if keep < minimum:
             every = "(text, text_pair) pair" if pair else "input"
@@ -128,12 +129,12 @@ class InputProcessor:
                 raise InvalidRequestError(
                     f"truncate_prompt_tokens=-1 keeps max_model_len={limit} tokens, below the {minimum} special "
                     f"tokens model {self.model_config.name} adds to every {every}; load it with max_model_len "
-                    f"of at least {minimum}"
+                    f"of at least {minimum}", param="truncate_prompt_tokens",
                 )
             raise InvalidRequestError(
                 f"truncate_prompt_tokens={truncate_prompt_tokens} is below the {minimum} special tokens model "
                 f"{self.model_config.name} adds to every {every}; use at least {minimum} (or -1 for the model "
-                "maximum)"
+                "maximum)", param="truncate_prompt_tokens",
             )
         return keep
 

@@ -203,6 +203,9 @@ def test_bad_requests_are_400_and_the_server_still_serves(server, runtime, sanit
 
 @pytest.mark.parametrize(("payload", "param"), [
     ({"input": "a", "dimensions": 8}, "dimensions"),
+    ({"input": "a", "dimensions": 0}, "dimensions"),
+    ({"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"input": "a", "truncate_prompt_tokens": 1000}, "truncate_prompt_tokens"),
     ({"input": ""}, "input"),
     ({"input": ["a", ""]}, "input"),
 ])
