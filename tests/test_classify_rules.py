@@ -287,8 +287,8 @@ def test_one_batch_mixes_pairs_and_single_texts(family, make_classifier_folder, 
     assert [len(step.request_ids) for step in log.steps] == [len(items)], "expected one mixed batch"
     np.testing.assert_allclose(got, reference.mixed_scores(items), rtol=RTOL, atol=ATOL)
     if family == "bert":  # types must have reached the pairs and only the pairs
-        encoded = runtime.frontend._tokenize(items, None, "right")
-        assert [types is not None for _, types in encoded] == [isinstance(item, tuple) for item in items]
+        requests = runtime.frontend.prepare(items, runtime.frontend.params("classify"))
+        assert [r.token_type_ids is not None for r in requests] == [isinstance(item, tuple) for item in items]
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
