@@ -261,3 +261,18 @@ def test_text_models_refuse_images(photos):
         runtime.embed(["a cat", photos[0]])
     assert str(info.value) == "input 1 is an image, but BertModel has no vision tower (images are served for CLIPModel)"
     assert runtime.embed("data:image/png;base64,AAAA").shape == (384,)
+
+
+def test_other_composite_configs_are_refused_naming_what_is_served(tmp_path):
+    import transformers
+
+    from poolrunner import ModelLoadError, Runtime
+
+    config = transformers.SiglipConfig(architectures=["SiglipModel"])
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError) as info:
+        Runtime(str(tmp_path), load_entrypoints=False)
+    assert str(info.value) == (
+        f"{tmp_path}: SiglipModel (model_type 'siglip') is a composite model whose config holds text_config, "
+        "vision_config; of the composite families poolrunner serves only CLIPModel ('clip'); other text-image "
+        "families (SigLIP, ...) and other multimodal models are refused until it implements them")
