@@ -39,6 +39,7 @@ from poolrunner.core.hooks import Hooks
 from poolrunner.core.inputs.images import ImageInputs, is_image
 from poolrunner.core.inputs.score_template import ScoreTemplate
 from poolrunner.core.inputs.tokenize import InputProcessor
+from poolrunner.core.model.families import TEXT_IMAGE_FAMILIES
 from poolrunner.core.plugin_api.options import RequestOptions
 from poolrunner.core.plugin_api.output import RequestOutput
 from poolrunner.core.types import ModelConfig, PoolingParams, PoolingRequest, PoolingTask
@@ -218,10 +219,13 @@ class Frontend:
     def _prepare_images(self, inputs: Sequence[Input], image_at: list[int], params: PoolingParams,
                         tokenization: Tokenization) -> list[PoolingRequest]:
         """:meth:`prepare` for ``inputs`` with images at ``image_at``; texts as usual."""
-        if self.images is None or params.task != "embed":
-            what = (f"{self.model_config.architecture} has no vision tower (images are served for "
-                    "CLIPModel)" if self.images is None else f"images are embedded (task 'embed'), not {params.task!r}")
-            raise InvalidRequestError(f"input {image_at[0]} is an image, but {what}")
+        if self.images is None:
+            served = ", ".join(TEXT_IMAGE_FAMILIES.values())
+            raise InvalidRequestError(f"input {image_at[0]} is an image, but {self.model_config.architecture} has no "
+                                      f"vision tower (images are served for {served})")
+        if params.task != "embed":
+            raise InvalidRequestError(f"input {image_at[0]} is an image: images are embedded (task 'embed'), "
+                                      f"not {params.task!r}", param="task")
         text_at = [i for i in range(len(inputs)) if i not in set(image_at)]
         try:
             encoded = dict(zip(text_at, self._tokenize([inputs[i] for i in text_at], tokenization), strict=True))
