@@ -276,3 +276,21 @@ def test_other_composite_configs_are_refused_naming_what_is_served(tmp_path):
         f"{tmp_path}: SiglipModel (model_type 'siglip') is a composite model whose config holds text_config, "
         "vision_config; of the composite families poolrunner serves only CLIPModel ('clip'); other text-image "
         "families (SigLIP, ...) and other multimodal models are refused until it implements them")
+
+
+def test_data_urls_over_http_equal_the_python_api(runtime, photos):
+    """``/v1/embeddings`` ``input`` strings that are data URLs are images for a CLIP server (the
+    existing body -> request path); a hostile one is a 400 naming it, and the next is answered."""
+    import httpx
+
+    from poolrunner.core.testing.server import ServerThread
+
+    url = "data:image/png;base64," + base64.b64encode(png(photos[0])).decode()
+    with ServerThread(runtime) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        answer = client.post("/v1/embeddings", json={"input": [TEXTS[0], url]})
+        assert answer.status_code == 200, answer.text
+        got = np.array([item["embedding"] for item in answer.json()["data"]], dtype=np.float32)
+        assert_close(got, runtime.embed([TEXTS[0], photos[0]]), "clip/http")
+        refused = client.post("/v1/embeddings", json={"input": ["w1", "data:image/png;base64,iVBORw0KGgo="]})
+        assert refused.status_code == 400 and "input 1" in refused.json()["error"]["message"], refused.text
+        assert client.post("/v1/embeddings", json={"input": url}).status_code == 200
