@@ -38,6 +38,7 @@ from poolrunner.core.types import (
 
 _LAZY = {
     "check_dimensions": "poolrunner.core.matryoshka",
+    "ImageURL": "poolrunner.core.inputs.images",
     "classifier_activation": "poolrunner.core.activation",
     "InputBatch": "poolrunner.core.plugin_api.batch",
     "PoolingMetadata": "poolrunner.core.plugin_api.batch",
@@ -58,6 +59,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from poolrunner.core.activation import classifier_activation
     from poolrunner.core.frontend.results import ClassificationResult, RerankResult
+    from poolrunner.core.inputs.images import ImageURL
     from poolrunner.core.matryoshka import check_dimensions
     from poolrunner.core.model.heads import SequenceHead, sequence_classifier_head, token_classifier_head
     from poolrunner.core.model.st_metadata import StModule, read_modules
@@ -79,6 +81,7 @@ __all__ = [
     "ClassificationResult",
     "DenseLayerSpec",
     "DimensionsNotSupportedError",
+    "ImageURL",
     "InputBatch",
     "InvalidRequestError",
     "ModelConfig",

@@ -26,6 +26,7 @@ ENTRY_POINT_GROUP = "poolrunner.plugins"
 # load_entrypoints=False. Core never imports them directly (an import-linter contract).
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "poolrunner.plugins.token_type_ids",
+    "poolrunner.plugins.pixel_values",
     "poolrunner.plugins.sequence_pooling",
     "poolrunner.plugins.token_pooling",
     "poolrunner.plugins.async_output",

@@ -27,6 +27,7 @@ from poolrunner.core.frontend.requests import (
     RerankRequest,
     ScoreRequest,
     TokenizeRequest,
+    is_image,
     is_token_ids,
 )
 from poolrunner.core.frontend.results import ClassificationResult, RerankResult
@@ -95,7 +96,7 @@ class Runtime:
         self.inputs = loaded.inputs
         self.frontend = Frontend(loaded.model_config, loaded.inputs, loaded.hooks, loaded.tasks, loaded.task,
                                  loaded.options, max_embed_len=loaded.config.max_embed_len,
-                                 score_template=loaded.score_template)
+                                 score_template=loaded.score_template, images=loaded.images)
         self._engine = loaded.engine  # private: driven by this runtime alone (or its serving loop)
         self._engine_lock = threading.Lock()
         self._loop: EngineLoop | None = None
@@ -118,7 +119,9 @@ class Runtime:
 
         :param texts: One input or a sequence of them; a text is tokenized with the model's
             tokenizer (special tokens added), a list of ints is one input's ``prompt_token_ids``
-            (used as given).
+            (used as given). A text-image model (CLIP) also embeds images, mixed with texts in
+            any order: a ``PIL.Image.Image``, bytes, a ``pathlib.Path``, an ``ImageURL`` or a
+            ``data:image/...;base64,`` string (:mod:`poolrunner.core.inputs.images`).
         :param dimensions: Matryoshka size ``d``: keep ``[:d]``, then normalize. Only for
             Matryoshka models; ``1 <= d <= embedding_size``.
         :param normalize: L2-normalize; ``None`` keeps the model's default.
@@ -148,7 +151,7 @@ class Runtime:
         if not request.inputs:
             return quantize(np.zeros((0, dimensions or self.model_config.embedding_size), np.float32), precision)
         vectors = np.stack(plan.finish(self._run(plan.requests, show_progress_bar)))
-        return vectors[0] if isinstance(texts, str) or is_token_ids(texts) else vectors
+        return vectors[0] if isinstance(texts, str) or is_token_ids(texts) or is_image(texts) else vectors
 
     def encode_query(self, texts: PromptInput | Sequence[PromptInput], **options: Any) -> np.ndarray:
         """:meth:`embed` for search queries, as sentence-transformers' ``encode_query``: with the
@@ -396,7 +399,7 @@ class Runtime:
 
 
 def _empty(side: str | Sequence[str]) -> bool:
-    return not isinstance(side, str) and len(side) == 0
+    return not isinstance(side, str) and not is_image(side) and len(side) == 0
 
 
 class Serving:

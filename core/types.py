@@ -147,6 +147,9 @@ class PoolingRequest:
     :ivar prompt_token_ids: Token ids, ``[num_tokens]``, special tokens included; at least one.
     :ivar token_type_ids: Optional segment ids of the same length (paired inputs of encoders).
     :ivar params: The pooling options.
+    :ivar pixel_values: An image input: ``[3, height, width]`` float32 from the model's image
+        processor; ``prompt_token_ids`` are then placeholders, one per position the image takes
+        (:attr:`ModelConfig.image_positions`). ``None`` for text.
     :raises ValueError: On an empty prompt or mismatched ``token_type_ids`` length.
     """
 
@@ -156,6 +159,7 @@ class PoolingRequest:
         default=None, converter=converters.optional(_token_ids)
     )
     params: PoolingParams = field(validator=validators.instance_of(PoolingParams))
+    pixel_values: Any = field(default=None, eq=False, repr=False)
 
     @token_type_ids.validator
     def _same_length(self, _attribute: Any, value: tuple[int, ...] | None) -> None:
@@ -268,6 +272,9 @@ class ModelConfig:
     :ivar token_logits: A causal LM classifying from the logits of a few vocabulary tokens
         (:class:`TokenLogits`, from ``hf_overrides``); its ``classify`` head is those rows of the
         LM head, read at the last token. ``None`` for every other model.
+    :ivar image_positions: A text-image model (CLIP): the positions one image takes in a step,
+        its vision tower's sequence length (patches, plus CLS), which the scheduler counts
+        against ``max_num_batched_tokens``; ``None`` for a model without a vision tower.
     :ivar hf_config: The raw ``config.json`` contents (``hf_overrides`` applied), read-only, for
         plugins that need more.
     """
@@ -301,6 +308,7 @@ class ModelConfig:
     token_weight_head: str | None = None
     required_plugin: RequiredPlugin | None = None
     token_logits: TokenLogits | None = None
+    image_positions: int | None = None
     hf_config: Mapping[str, Any] = field(
         factory=dict, converter=_frozen_mapping, eq=False, hash=False, repr=False
     )

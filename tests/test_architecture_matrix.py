@@ -21,6 +21,8 @@ one, no padding). ``exact`` rows must give it in every mode:
 Outputs: ``*Model`` -> ``token_embed`` rows ``[T, hidden]`` (per-token cosine >= 0.9999 and max
 abs <= 1e-4); ``*ForSequenceClassification`` -> ``classify`` raw logits ``[num_labels]`` and
 ``*ForTokenClassification`` -> ``token_classify`` raw logits ``[T, num_labels]`` (max abs <= 1e-4).
+``exact (text, image)`` rows (CLIP) load with both towers: one text and one image embed as
+``get_text_features`` / ``get_image_features`` do (``tests/test_clip.py`` holds the rest).
 ``refused`` rows must raise :class:`poolrunner.ModelLoadError` naming the architecture, and so
 must the folders of :data:`~tests.models.architectures.VARIANTS` (a row's folder edited into a
 layout poolrunner refuses: remote code, weights the class would drop or leave random, malformed
@@ -44,6 +46,7 @@ from tests.models.architectures import (
     HEADS,
     REFUSED,
     REMOTE_CODE_MARKER,
+    TEXT_IMAGE,
     VARIANTS,
     Inputs,
     Row,
@@ -177,7 +180,7 @@ def test_table_lists_every_head_transformers_has():
     for family in FAMILIES:
         present = tuple(h for h in HEADS if hasattr(transformers, family.architecture(h)))
         assert family.heads == present, family.id
-        assert set(family.status.values()) <= {EXACT, REFUSED}, family.id
+        assert set(family.status.values()) <= {EXACT, REFUSED, TEXT_IMAGE}, family.id
 
 
 def test_readme_support_table_matches_the_matrix():
@@ -206,6 +209,9 @@ def test_load(row, matrix):
             Runtime(str(matrix.folder(row)), task=row.task, dtype="float32", load_entrypoints=False)
         assert row.architecture in str(info.value), str(info.value)
         return
+    if row.status == TEXT_IMAGE:
+        _check_text_image(row, matrix.folder(row), matrix.inputs(row).mixed[2])
+        return
     rt = matrix.runtime(row)
     assert rt.model_config.architecture == row.architecture
     assert rt.task == row.task
@@ -217,6 +223,29 @@ def test_load(row, matrix):
     with record_steps(budgeted) as log:
         _encode(budgeted, row, [prompt])
     assert (len(log.chunks(log.admitted[0])) > 1) is row.family.causal
+
+
+def _check_text_image(row: Row, folder: Path, ids: tuple[int, ...]) -> None:
+    """Both towers of a text-image row, against the family's own features (normalized)."""
+    import torch
+    from PIL import Image
+    from transformers import CLIPImageProcessor
+
+    from poolrunner import Runtime
+
+    rt = Runtime(str(folder), dtype="float32", load_entrypoints=False)
+    assert (rt.model_config.architecture, rt.task) == (row.architecture, "embed")
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 40, 3), dtype=np.uint8))
+    model = load_reference(row, folder)
+    pixels = CLIPImageProcessor.from_pretrained(folder)(images=image, return_tensors="pt")["pixel_values"]
+    with torch.inference_mode():
+        text = model.get_text_features(input_ids=torch.tensor([ids])).pooler_output
+        picture = model.get_image_features(pixel_values=pixels).pooler_output
+    want = torch.nn.functional.normalize(torch.cat([text, picture]), dim=-1).double().numpy()
+    deviation = Deviation()
+    deviation.add("a text and an image", rt.embed([list(ids), image]), want)
+    print(f"deviation {row.id}/text-image: {deviation}")
+    assert deviation.min_cosine >= MIN_COSINE and deviation.max_abs <= ATOL, f"{row.architecture}: {deviation}"
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=[variant.id for variant in VARIANTS])

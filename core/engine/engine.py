@@ -68,7 +68,10 @@ class Engine:
         """
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in flight")
-        limit = self.model_config.max_model_len
+        # An image takes its vision tower's positions, whatever the text tower's maximum (a model
+        # without one: the pixel_values plugin refuses the request).
+        images = request.pixel_values is not None and self.model_config.image_positions
+        limit = self.model_config.image_positions if images else self.model_config.max_model_len
         if request.num_tokens > limit:
             raise PromptTooLongError(
                 f"request {request.request_id!r} has {request.num_tokens} tokens, more than the "

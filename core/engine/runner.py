@@ -156,7 +156,7 @@ class ModelRunner:
         """
         hidden = None
         for group in _padded_groups(batch.num_scheduled_tokens, batch.device):
-            inputs = {key: value.index_select(0, group.gather).view(group.count, group.length)
+            inputs = {key: value.index_select(0, group.gather).view(group.count, group.length, *value.shape[1:])
                       for key, value in {"input_ids": batch.input_ids, **extra}.items()}
             states = self.backbone(attention_mask=group.mask, **inputs)[0]
             rows = states.reshape(group.count * group.length, -1).index_select(0, group.valid)

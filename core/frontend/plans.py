@@ -36,8 +36,10 @@ from poolrunner.core.frontend.requests import (
 )
 from poolrunner.core.frontend.scoring import cosine, pair_up, text_labels
 from poolrunner.core.hooks import Hooks
+from poolrunner.core.inputs.images import ImageInputs, is_image
 from poolrunner.core.inputs.score_template import ScoreTemplate
 from poolrunner.core.inputs.tokenize import InputProcessor
+from poolrunner.core.model.families import TEXT_IMAGE_FAMILIES
 from poolrunner.core.plugin_api.options import RequestOptions
 from poolrunner.core.plugin_api.output import RequestOutput
 from poolrunner.core.types import ModelConfig, PoolingParams, PoolingRequest, PoolingTask
@@ -86,11 +88,12 @@ class Frontend:
     :param score_template: Formats each (query, document) pair into the one prompt a
         cross-encoder scores (:mod:`poolrunner.core.inputs.score_template`); ``None``: the pair
         is tokenized as a (text, text_pair).
+    :param images: A text-image model's image inputs; ``None``: images are refused.
     """
 
     def __init__(self, model_config: ModelConfig, inputs: InputProcessor, hooks: Hooks, tasks: frozenset[PoolingTask],
                  default_task: PoolingTask, options: RequestOptions, *, max_embed_len: int | None = None,
-                 score_template: ScoreTemplate | None = None) -> None:
+                 score_template: ScoreTemplate | None = None, images: ImageInputs | None = None) -> None:
         self.model_config = model_config
         self.inputs = inputs
         self.tasks = tasks
@@ -100,6 +103,7 @@ class Frontend:
         self._request_ids = itertools.count()
         self.long_inputs = LongInputs(inputs, max_embed_len) if max_embed_len is not None else None
         self.score_template = score_template
+        self.images = images
 
     @functools.singledispatchmethod
     def plan(self, request: Request) -> Plan[Any]:
@@ -192,8 +196,15 @@ class Frontend:
         ``max_model_len`` becomes one :class:`~poolrunner.core.frontend.chunking.WindowedRequest`,
         which the runtime runs in windows and answers with one combined vector.
 
+        An image input (a text-image model's ``embed``) becomes a request of
+        ``model_config.image_positions`` placeholder tokens carrying its pixel values, decoded
+        and preprocessed here (the server plans in worker threads).
+
         :raises InvalidRequestError: for bad input, naming its index and the limit it breaks.
         """
+        image_at = [i for i, item in enumerate(inputs) if is_image(item, data_urls=self.images is not None)]
+        if image_at:
+            return self._prepare_images(inputs, image_at, params, tokenization)
         if (self.long_inputs is not None and params.task == "embed" and tokenization.truncate_prompt_tokens is None
                 and not any(is_pair(item) for item in inputs)):
             encoded = self.long_inputs.encode(inputs, tokenization)  # type: ignore[arg-type]
@@ -205,6 +216,58 @@ class Frontend:
             for ids, types in self._tokenize(inputs, tokenization)
         ]
 
+    def _prepare_images(self, inputs: Sequence[Input], image_at: list[int], params: PoolingParams,
+                        tokenization: Tokenization) -> list[PoolingRequest]:
+        """:meth:`prepare` for ``inputs`` with images at ``image_at``; texts as usual."""
+        if self.images is None:
+            served = ", ".join(TEXT_IMAGE_FAMILIES.values())
+            raise InvalidRequestError(f"input {image_at[0]} is an image, but {self.model_config.architecture} has no "
+                                      f"vision tower (images are served for {served})")
+        if params.task != "embed":
+            raise InvalidRequestError(f"input {image_at[0]} is an image: images are embedded (task 'embed'), "
+                                      f"not {params.task!r}", param="task")
+        text_at = [i for i in range(len(inputs)) if i not in set(image_at)]
+        try:
+            encoded = dict(zip(text_at, self._tokenize([inputs[i] for i in text_at], tokenization), strict=True))
+        except InvalidRequestError as exc:
+            raise _renumbered(exc, text_at) from None
+        pixels = {i: self.images.pixels(inputs[i], i) for i in image_at}
+        placeholder = (0,) * (self.model_config.image_positions or 0)
+        return [
+            PoolingRequest(request_id=f"{params.task}-{next(self._request_ids)}", params=params, pixel_values=pixels[i],
+                           prompt_token_ids=placeholder) if i in pixels
+            else PoolingRequest(request_id=f"{params.task}-{next(self._request_ids)}", params=params,
+                                prompt_token_ids=encoded[i][0], token_type_ids=encoded[i][1])
+            for i in range(len(inputs))
+        ]
+
+    def _plan_image_score(self, request: ScoreRequest) -> Plan[np.ndarray]:
+        """Scoring with images (a text-image model): each input pooled once, in order, and the
+        cosine of each pair's embeddings (CLIP's ``logits_per_text`` divided by ``logit_scale``,
+        so the order is CLIP's)."""
+        sides = [[side] if isinstance(side, str) or is_image(side, data_urls=True) else list(side)
+                 for side in (request.queries, request.documents)]
+        queries, documents = sides
+        if not queries or not documents:
+            raise InvalidRequestError("scoring needs at least one query and one document")
+        if len(queries) != 1 and len(queries) != len(documents):
+            raise InvalidRequestError(f"cannot score {len(queries)} queries against {len(documents)} documents: "
+                                      "use 1:1, 1:N (one query) or N:N (equal lengths)")
+        params = self.params("embed", request.options)
+        try:
+            requests = self.prepare([*queries, *documents], params, request.tokenization)
+        except InvalidRequestError as exc:
+            names = [f"{request.sides[0]}[{i}]" for i in range(len(queries))]
+            names += [f"{request.sides[1]}[{i}]" for i in range(len(documents))]
+            raise _renamed(exc, names) from None
+        pairs = [(0 if len(queries) == 1 else i, len(queries) + i) for i in range(len(documents))]
+
+        def finish(done: list[RequestOutput]) -> np.ndarray:
+            vectors = [outputs.to_array(output) for output in done]
+            return cosine(np.stack([vectors[q] for q, _ in pairs]), np.stack([vectors[d] for _, d in pairs]))
+
+        return Plan(requests, finish)
+
     def _plan_score(self, request: ScoreRequest) -> Plan[np.ndarray]:
         """A ``classify`` model with one label scores each pair as a cross-encoder (formatted by
         the score template into one prompt when the runtime has one); an ``embed`` model pools
@@ -212,6 +275,10 @@ class Frontend:
         pools each text once and asks the ``score_outputs`` plugins. An input error of a
         bi-encoder, which pools the distinct texts sorted, names the text as the caller sent it
         (``documents[1]``)."""
+        if self.images is not None and self.default_task == "embed" and any(
+                is_image(item, data_urls=True) for side in (request.queries, request.documents)
+                for item in ([side] if isinstance(side, str) or is_image(side) else side)):
+            return self._plan_image_score(request)
         pairs = pair_up(request.queries, request.documents, names=request.sides)
         if request.max_tokens_per_doc is not None:
             pairs = self._cut_documents(pairs, request.max_tokens_per_doc)
@@ -358,6 +425,19 @@ def _strip_special(tokenizer: Any, ids: Sequence[int]) -> list[int]:
 
 
 _INPUT_INDEX = re.compile(r"^input (\d+)\b")
+
+
+def _renumbered(error: InvalidRequestError, indices: Sequence[int]) -> InvalidRequestError:
+    """``error`` about ``input k`` of a subset of the inputs, naming ``input indices[k]``."""
+    return _renamed(error, [f"input {index}" for index in indices])
+
+
+def _renamed(error: InvalidRequestError, names: Sequence[str]) -> InvalidRequestError:
+    """``error`` about ``input k`` naming ``names[k]`` instead; ``error`` when it names no input."""
+    match = _INPUT_INDEX.match(str(error))
+    if match is None or int(match.group(1)) >= len(names):
+        return error
+    return type(error)(names[int(match.group(1))] + str(error)[match.end():], param=error.param)
 
 
 def _relabelled(error: InvalidRequestError, texts: list[str], labels: Mapping[str, tuple[str, str]] | None,

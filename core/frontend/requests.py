@@ -22,10 +22,12 @@ from attrs import field, frozen
 
 from poolrunner.core.errors import InvalidRequestError
 from poolrunner.core.frontend.quantize import Precision, check_precision, check_ranges
+from poolrunner.core.inputs.images import is_image
 from poolrunner.core.types import PoolingTask, PromptInput, TruncationSide
 
-Input = PromptInput | tuple[str, str]
-"""One input: a text, token ids (``prompt_token_ids``), or a ``(text, text_pair)`` pair."""
+Input = PromptInput | tuple[str, str] | Any
+"""One input: a text, token ids (``prompt_token_ids``), a ``(text, text_pair)`` pair, or an image
+(:mod:`poolrunner.core.inputs.images`: a PIL image, bytes, a path, an ``ImageURL``)."""
 
 
 # ---- checks: each raises InvalidRequestError naming the field, the value and what is allowed ----
@@ -149,8 +151,8 @@ def is_token_ids(value: object) -> bool:
 
 def is_single(inputs: object) -> bool:
     """One input rather than a sequence of them: a text, one token-id list (ints, as the HTTP
-    routes read it) or one ``(text, text_pair)`` tuple."""
-    return isinstance(inputs, str) or is_pair(inputs) or is_token_ids(inputs)
+    routes read it), one ``(text, text_pair)`` tuple or one image."""
+    return isinstance(inputs, str) or is_pair(inputs) or is_token_ids(inputs) or is_image(inputs)
 
 
 def as_items(inputs: Input | Sequence[Input]) -> tuple[Input, ...]:
@@ -165,7 +167,8 @@ def as_items(inputs: Input | Sequence[Input]) -> tuple[Input, ...]:
 class EncodeRequest(_Request):
     """Pool each input with ``task`` (``Runtime.encode``; ``embed`` is this with ``task="embed"``).
 
-    :ivar inputs: Texts, token-id lists, or ``(text, text_pair)`` pairs (one of them: one input).
+    :ivar inputs: Texts, token-id lists, ``(text, text_pair)`` pairs, or, for a text-image model
+        and ``embed``, images, mixed in any order (one of them: one input).
     :ivar task: ``None``: the runtime's default task.
     :ivar options: The plugins' request options for ``task`` (SPLADE's ``top_k``...), checked
         against their declarations when the plan is made.
@@ -230,8 +233,8 @@ class ClassifyRequest(_Request):
 class ScoreRequest(_Request):
     """The relevance of each (query, document) pair: 1:1, 1:N or N:N (``Runtime.score``).
 
-    :ivar queries: One text, or a list of them.
-    :ivar documents: One text, or a list of them.
+    :ivar queries: One text, or a list of them (images too, for a text-image model).
+    :ivar documents: One text, or a list of them (images too, for a text-image model).
     :ivar sides: What the caller calls the two sides, for errors (``documents[2]``).
     :ivar use_activation: ``False``: a cross-encoder's raw logit.
     :ivar max_tokens_per_doc: Cut each document to its first this many tokens, special tokens

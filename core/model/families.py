@@ -4,9 +4,9 @@ poolrunner runs transformers' own classes only, never a folder's code: every con
 and model is read with ``trust_remote_code=False`` (so transformers never asks on stdin either).
 A folder is refused at load, with a one-line :class:`ModelLoadError` that says what is supported,
 when its config cannot be read as a transformers config, when it is composite (a text-image or
-other multimodal model: several sub-configs), when it is the text tower of a text-image family
-(whose embedding is the family's own pooled output: CLIP's EOS row and projection), or when
-``architectures`` names no transformers model class.
+other multimodal model: several sub-configs) outside :data:`TEXT_IMAGE_FAMILIES`, when it is the
+text tower of a text-image family (whose embedding is the family's own pooled output: CLIP's EOS
+row and projection), or when ``architectures`` names no transformers model class.
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ _LM_MAPPINGS = (modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, modeling_auto.M
 LM_CLASSES = frozenset(name for mapping in _LM_MAPPINGS for name in mapping.values() if isinstance(name, str))
 # Text towers of text-image (and text-audio) families are named `<family>_text_model`.
 _TEXT_TOWER_SUFFIX = "_text_model"
+# Composite (text-image) families served, model_type -> the one class served: both towers run,
+# each request through the tower its input needs (poolrunner.core.model.towers).
+TEXT_IMAGE_FAMILIES = {"clip": "CLIPModel"}
 NATIVE_FAMILIES = ("NomicBERT 'nomic_bert', GTE 'gte', Jina-v3 'jina_embeddings_v3', ModernBERT 'modernbert', "
                    "EuroBERT 'eurobert'")
 
@@ -76,10 +79,13 @@ def check_config(path: Path, config: PretrainedConfig) -> None:
         raise ModelLoadError(f"{path}/config.json: architectures must be a list of class names, got {architectures!r}")
     name = architecture_name(config)
     if config.sub_configs:
+        if is_text_image(config):
+            return  # its size is the projection's, not a hidden_size
+        served = ", ".join(f"{cls} ({model_type!r})" for model_type, cls in TEXT_IMAGE_FAMILIES.items())
         raise ModelLoadError(
             f"{path}: {name} (model_type {config.model_type!r}) is a composite model whose config holds "
-            f"{', '.join(sorted(config.sub_configs))}; poolrunner serves text models with one config, so text-image "
-            "families (CLIP, SigLIP, ...) and other multimodal models are refused until it implements them"
+            f"{', '.join(sorted(config.sub_configs))}; of the composite families poolrunner serves only {served}; "
+            "other text-image families (SigLIP, ...) and other multimodal models are refused until it implements them"
         )
     if config.model_type.endswith(_TEXT_TOWER_SUFFIX):
         raise ModelLoadError(
@@ -90,6 +96,12 @@ def check_config(path: Path, config: PretrainedConfig) -> None:
     hidden_size = getattr(config, "hidden_size", None)
     if not isinstance(hidden_size, int) or isinstance(hidden_size, bool) or hidden_size < 1:
         raise ModelLoadError(f"{path}/config.json: {name} needs a positive integer hidden_size, got {hidden_size!r}")
+
+
+def is_text_image(config: PretrainedConfig) -> bool:
+    """A served text-image model: its ``model_type`` is in :data:`TEXT_IMAGE_FAMILIES` and its
+    architecture is that family's served class."""
+    return TEXT_IMAGE_FAMILIES.get(config.model_type) == architecture_name(config)
 
 
 def architecture_name(config: PretrainedConfig) -> str:

@@ -16,6 +16,7 @@ from poolrunner.core.kernels.attention import ATTENTION_NAME
 from poolrunner.core.model import checkpoint, families
 from poolrunner.core.model import token_logits as token_logits_rules
 from poolrunner.core.model.families import one_line
+from poolrunner.core.model.towers import TextImageModel
 from poolrunner.core.types import TokenLogits
 
 _HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -69,11 +70,13 @@ def load_model(
                                                     claimed=claimed))
     # Families with attention of their own (DeBERTa-v2, MPNet) cannot take the packed attention;
     # the runner gives them padded batches instead.
-    packed = getattr(model_class, "_supports_attention_backend", True)
+    packed = getattr(model_class, "_supports_attention_backend", True) and not families.is_text_image(hf_config)
+    # Text-image towers run padded with transformers' default attention (their reference's).
+    attention = ATTENTION_NAME if packed else "sdpa" if families.is_text_image(hf_config) else "eager"
     try:
         with _quiet_transformers():
             model, info = model_class.from_pretrained(
-                path, config=hf_config, dtype=dtype, attn_implementation=ATTENTION_NAME if packed else "eager",
+                path, config=hf_config, dtype=dtype, attn_implementation=attention,
                 local_files_only=True, output_loading_info=True, trust_remote_code=False,
                 ignore_mismatched_sizes=True,  # refused by check_loaded, naming the weights
             )
@@ -84,6 +87,8 @@ def load_model(
     checkpoint.check_loaded(path, model, info, claimed=claimed)
     if token_logits is not None:
         token_logits_rules.install_head(model, token_logits)
+    if families.is_text_image(hf_config):
+        model = TextImageModel(model)
     return model.to(device).eval()
 
 

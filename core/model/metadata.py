@@ -15,7 +15,7 @@ from transformers.models.auto.modeling_auto import (
 
 from poolrunner.core.config import ModelOverrides
 from poolrunner.core.errors import ModelLoadError
-from poolrunner.core.model.families import architecture_name
+from poolrunner.core.model.families import architecture_name, is_text_image
 from poolrunner.core.model.st_metadata import read_st_metadata
 from poolrunner.core.model.tasks import model_tasks, token_weight_head
 from poolrunner.core.types import ModelConfig, RequiredPlugin
@@ -170,7 +170,9 @@ def load_model_config(
     # A plugin's pipeline (SPLADE, ColBERT) is that plugin's to read, not core's.
     st = None if required else read_st_metadata(path)
     is_causal = _is_causal(hf_config)
-    hidden_size = int(hf_config.hidden_size)
+    text_image = is_text_image(hf_config)
+    # A text-image model's output is its projection: both towers map into projection_dim.
+    hidden_size = int(hf_config.projection_dim if text_image else hf_config.hidden_size)
     dense = st.dense_layers if st else ()
     pooling_type = overrides.pooling_type or (st.pooling_type if st else None)
     normalize = overrides.normalize if overrides.normalize is not None else (st.normalize if st else True)
@@ -180,7 +182,7 @@ def load_model_config(
         if overrides.is_matryoshka is not None
         else matryoshka_dims or getattr(hf_config, "is_matryoshka", False)
     )
-    tasks = model_tasks(architecture, path)
+    tasks = frozenset({"embed"}) if text_image else model_tasks(architecture, path)
     return ModelConfig(
         name=str(path),
         path=str(path),
@@ -189,7 +191,8 @@ def load_model_config(
         hidden_size=hidden_size,
         embedding_size=dense[-1].out_features if dense else ModelConfig.pooled_size(hidden_size, pooling_type),
         # sentence-transformers' max_seq_length replaces the tokenizer's model_max_length.
-        max_model_len=_max_model_len(path, hf_config, None if st and st.max_seq_length else tokenizer_max_length,
+        max_model_len=_max_model_len(path, hf_config.get_text_config() if text_image else hf_config,
+                                     None if st and st.max_seq_length else tokenizer_max_length,
                                      st and st.max_seq_length, overrides),
         is_causal=is_causal,
         model_tasks=tasks,
@@ -208,8 +211,15 @@ def load_model_config(
         type_vocab_size=int(getattr(hf_config, "type_vocab_size", 0) or 0),
         token_weight_head=str(head) if (head := token_weight_head(path)) else None,
         required_plugin=required,
+        image_positions=_image_positions(hf_config) if text_image else None,
         hf_config=hf_config.to_dict(),
     )
+
+
+def _image_positions(hf_config: PretrainedConfig) -> int:
+    """The vision tower's sequence length: one position per patch, plus CLIP's class embedding."""
+    vision = hf_config.vision_config
+    return (vision.image_size // vision.patch_size) ** 2 + 1
 
 
 def _is_decoder(hf_config: PretrainedConfig) -> bool:

@@ -310,3 +310,52 @@ def _check_saved_tokenizer(folder: Path, family: str, *, append_eos: bool = Fals
     assert len(set(ids)) >= 4, (family, type(loaded))
     if append_eos:
         assert ids[-1] == loaded.eos_token_id == loaded.pad_token_id, (family, ids)
+
+
+TINY_CLIP_IMAGE_SIZE = 32
+"""Side of a :func:`tiny_clip_folder` model's images, in pixels (patches of 8: 16 patches + CLS)."""
+
+
+def tiny_clip_folder(folder: Path, *, seed: int = 0) -> Path:
+    """Save a seeded tiny ``CLIPModel`` (text and vision towers, projections to 16 dimensions),
+    its ``CLIPImageProcessor`` (resize and centre-crop to :data:`TINY_CLIP_IMAGE_SIZE`, CLIP's
+    mean and std) and a WordLevel tokenizer over ``w0 .. w996`` into ``folder``.
+
+    The tokenizer writes ``<|startoftext|> A <|endoftext|>`` (ids 0 and 1; pad is EOS, as in
+    OpenAI's CLIP), and the text config's ``eos_token_id`` is 1, so the text tower pools the
+    first EOS (transformers' rule for ``eos_token_id != 2``). Weights widened as
+    :func:`widen_weights`; the logit scale stays CLIP's initial value.
+
+    :returns: ``folder``.
+    """
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import CLIPImageProcessor, PreTrainedTokenizerFast
+
+    folder.mkdir(parents=True, exist_ok=True)
+    specials = ["<|startoftext|>", "<|endoftext|>", "<unk>"]
+    vocab = {token: i for i, token in enumerate(specials)}
+    vocab.update({f"w{i}": i + len(specials) for i in range(VOCAB_SIZE - len(specials))})
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(
+        single="<|startoftext|> $A <|endoftext|>", special_tokens=[("<|startoftext|>", 0), ("<|endoftext|>", 1)])
+    PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|startoftext|>", eos_token="<|endoftext|>", unk_token="<unk>",
+        pad_token="<|endoftext|>", model_max_length=77, model_input_names=["input_ids", "attention_mask"],
+    ).save_pretrained(folder)
+    side = TINY_CLIP_IMAGE_SIZE
+    CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side}).save_pretrained(folder)
+    config = transformers.CLIPConfig(
+        text_config={"vocab_size": VOCAB_SIZE, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "max_position_embeddings": 77, "bos_token_id": 0, "eos_token_id": 1,
+                     "pad_token_id": 1},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": side, "patch_size": 8},
+        projection_dim=16, architectures=["CLIPModel"],
+    )
+    torch.manual_seed(seed)
+    model = widen_weights(transformers.CLIPModel(config).eval())
+    model.save_pretrained(folder)
+    return folder

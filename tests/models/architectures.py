@@ -7,7 +7,10 @@ poolrunner must do with such a folder:
 
 * ``exact``: serve it, with transformers' own result (eager attention, fp32, each input run
   alone) in every batching mode (``tests/test_architecture_matrix.py``);
-* ``refused``: refuse it at load with a :class:`poolrunner.ModelLoadError` naming the architecture.
+* ``refused``: refuse it at load with a :class:`poolrunner.ModelLoadError` naming the architecture;
+* ``exact (text, image)``: a text-image model (CLIP) served with both towers: ``embed`` of a text
+  equals ``get_text_features`` and of an image ``get_image_features``, normalized (the matrix
+  checks one of each; ``tests/test_clip.py`` holds the family's full parity and image inputs).
 
 Heads a family does not have in transformers (Gemma3 has no ``*ForTokenClassification``) are
 simply absent from its ``heads``; ``tests/test_architecture_matrix.py`` checks that the table
@@ -37,6 +40,7 @@ from poolrunner.core.testing.tiny_models import widen_weights
 
 EXACT = "exact"
 REFUSED = "refused"
+TEXT_IMAGE = "exact (text, image)"
 
 # Heads, as the suffix of the transformers class (``BertForTokenClassification``).
 HEADS = ("model", "sequence", "token")
@@ -126,7 +130,7 @@ def _exact(*heads: str) -> dict[str, str]:
     return dict.fromkeys(heads, EXACT)
 
 
-# Text towers and composites of text-image families: refused until poolrunner implements their
+# Text towers alone and composites other than CLIPModel: refused until poolrunner implements their
 # pooled outputs (CLIP's EOS row and projection, SigLIP's head); never embedded another way.
 _CLIP_TEXT = {**_ENCODER, "projection_dim": 32}
 _VISION = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -197,7 +201,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("clip-text-projection", "CLIP text tower with projection", "CLIPText", "CLIPTextConfig", _CLIP_TEXT,
            status=_REFUSED_MODEL, classes={"model": "CLIPTextModelWithProjection"}),
     Family("clip", "CLIP (text and image)", "CLIP", "CLIPConfig",
-           {"text_config": _CLIP_TEXT, "vision_config": _VISION, "projection_dim": 32}, status=_REFUSED_MODEL),
+           {"text_config": _CLIP_TEXT, "vision_config": _VISION, "projection_dim": 32}, status={"model": TEXT_IMAGE}),
     Family("siglip-text", "SigLIP text tower", "SiglipText", "SiglipTextConfig", _ENCODER, status=_REFUSED_MODEL),
     Family("siglip", "SigLIP (text and image)", "Siglip", "SiglipConfig",
            {"text_config": _ENCODER, "vision_config": _VISION}, status=_REFUSED_MODEL),
@@ -316,9 +320,16 @@ def make_tokenizer() -> Any:
 
 
 def build_folder(row: Row, folder: Path, seed: int = 0) -> Path:
-    """Save the row's tiny model (:func:`make_model`) and tokenizer into ``folder``."""
+    """Save the row's tiny model (:func:`make_model`) and tokenizer into ``folder``; a
+    ``TEXT_IMAGE`` row also gets a ``CLIPImageProcessor`` for its vision tower's image size."""
     folder.mkdir(parents=True, exist_ok=True)
     make_tokenizer().save_pretrained(folder)
+    if row.status == TEXT_IMAGE:
+        from transformers import CLIPImageProcessor
+
+        side = row.family.config["vision_config"]["image_size"]
+        processor = CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+        processor.save_pretrained(folder)
     make_model(row, seed).save_pretrained(folder)
     saved = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     assert saved["architectures"] == [row.architecture], saved.get("architectures")

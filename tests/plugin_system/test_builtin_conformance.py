@@ -14,7 +14,7 @@ import torch
 
 from poolrunner.core.model.tasks import TOKEN_WEIGHT_HEAD_FILE
 from poolrunner.core.testing.conformance import PoolingPluginConformance
-from poolrunner.plugins import async_output, sequence_pooling, token_pooling, token_type_ids
+from poolrunner.plugins import async_output, pixel_values, sequence_pooling, token_pooling, token_type_ids
 
 
 class BuiltinConformance(PoolingPluginConformance):
@@ -68,6 +68,16 @@ class TestTokenTypeIds(BuiltinConformance):
     @pytest.fixture
     def plugin(self):
         return token_type_ids
+
+    @pytest.fixture
+    def claimed_tasks(self):
+        return set()
+
+
+class TestPixelValues(BuiltinConformance):
+    @pytest.fixture
+    def plugin(self):
+        return pixel_values
 
     @pytest.fixture
     def claimed_tasks(self):

@@ -1,0 +1,190 @@
+"""Image inputs: what counts as one, decoding it within limits, and the model's own preprocessing.
+
+An image input is a ``PIL.Image.Image``, raw bytes (``bytes``, ``bytearray``, ``memoryview``), a
+path (``os.PathLike``: ``pathlib.Path``; a ``str`` is always text), an :class:`ImageURL`, or,
+for a model with a vision tower, a ``str`` that is a ``data:image/...`` URL. Remote URLs are
+refused: nothing is ever downloaded. Encoded images are checked before their pixels are decoded
+(:data:`MAX_IMAGE_BYTES`, and the size the header declares against :data:`MAX_IMAGE_PIXELS`: a
+decompression bomb never decodes); a multi-frame image gives its first frame, and every mode
+(palette, CMYK, 16-bit, alpha) is converted to RGB, as CLIP's processor does. The pixels are the
+folder's own image processor's (``AutoImageProcessor``, never downloaded). Every failure is an
+:class:`InvalidRequestError` naming the input.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from attrs import frozen
+
+from poolrunner.core.errors import InvalidRequestError, ModelLoadError
+
+MAX_IMAGE_BYTES = 32 * 1024 * 1024
+"""The most bytes one encoded image (file, bytes, data URL payload) may have."""
+MAX_IMAGE_PIXELS = 40_000_000
+"""The most pixels (width x height, as the header declares) one image may have."""
+DATA_URL_PREFIX = "data:image/"
+
+
+@frozen
+class ImageURL:
+    """An image given by URL: a ``data:image/<type>;base64,...`` URL is decoded; an ``http(s)``
+    URL is refused (poolrunner downloads nothing)."""
+
+    url: str
+
+
+def is_image(item: object, *, data_urls: bool = False) -> bool:
+    """Whether ``item`` is an image input; ``data_urls``: a ``str`` that starts with
+    ``data:image/`` is one too (for models with a vision tower only, so text stays text)."""
+    if isinstance(item, bytes | bytearray | memoryview | os.PathLike | ImageURL):
+        return True
+    if data_urls and isinstance(item, str) and item.startswith(DATA_URL_PREFIX):
+        return True
+    pil = sys.modules.get("PIL.Image")  # a PIL image exists only once PIL is imported
+    return pil is not None and isinstance(item, pil.Image)
+
+
+class ImageInputs:
+    """Turns one model's image inputs into its pixel values.
+
+    :param processor: The folder's image processor (``AutoImageProcessor``).
+    :param shape: ``(channels, height, width)`` the vision tower takes.
+    :param max_pixels: See :data:`MAX_IMAGE_PIXELS`.
+    :param max_bytes: See :data:`MAX_IMAGE_BYTES`.
+    """
+
+    def __init__(self, processor: Any, shape: tuple[int, int, int], *, max_pixels: int = MAX_IMAGE_PIXELS,
+                 max_bytes: int = MAX_IMAGE_BYTES) -> None:
+        self.processor = processor
+        self.shape = shape
+        self.max_pixels = max_pixels
+        self.max_bytes = max_bytes
+
+    @classmethod
+    def load(cls, path: Path, vision_config: Any) -> ImageInputs:
+        """The folder's image processor, checked to give the vision tower's input shape.
+
+        :raises ModelLoadError: when the folder has no image processor transformers reads, or
+            its output is not ``[num_channels, image_size, image_size]``.
+        """
+        from PIL import Image
+        from transformers import AutoImageProcessor
+
+        try:
+            processor = AutoImageProcessor.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        except Exception as exc:  # OSError, ValueError: no preprocessor_config.json, a class of its own code
+            raise ModelLoadError(f"cannot load the image processor of {path}: {' '.join(str(exc).split())}") from exc
+        shape = (vision_config.num_channels, vision_config.image_size, vision_config.image_size)
+        inputs = cls(processor, shape)
+        got = tuple(inputs.pixels(Image.new("RGB", (7, 5)), 0).shape)
+        if got != shape:
+            raise ModelLoadError(f"{path}: the image processor gives pixel values of shape {list(got)}, but the "
+                                 f"vision tower takes {list(shape)}")
+        return inputs
+
+    def pixels(self, item: Any, index: int) -> Any:
+        """``item``'s pixel values, ``[channels, height, width]`` float32 (a torch tensor).
+
+        :raises InvalidRequestError: naming ``input {index}``: unreadable, truncated, empty or
+            over a limit; a remote URL.
+        """
+        image = self.open(item, index)
+        try:
+            values = self.processor(images=image, return_tensors="pt")["pixel_values"][0]
+        except Exception as exc:  # the processor's own refusals (an image it cannot resize...)
+            raise InvalidRequestError(f"input {index}: the image processor refused the image: {exc}") from None
+        return values.float()
+
+    def open(self, item: Any, index: int) -> Any:
+        """``item`` decoded: an RGB ``PIL.Image.Image``, its pixels loaded.
+
+        :raises InvalidRequestError: as :meth:`pixels`.
+        """
+        from PIL import Image
+
+        if isinstance(item, Image.Image):
+            self._check_size(item, index)
+            return self._rgb(item, index)
+        data = self._encoded(item, index)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            try:
+                image = Image.open(io.BytesIO(data))  # reads the header only
+            except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+                raise InvalidRequestError(f"input {index}: the image declares more than "
+                                          f"{self.max_pixels} pixels (decompression bomb refused)") from None
+            except Exception as exc:  # UnidentifiedImageError, a malformed header
+                raise InvalidRequestError(f"input {index} is not an image PIL can read ({len(data)} bytes: "
+                                          f"{type(exc).__name__})") from None
+        self._check_size(image, index)
+        return self._rgb(image, index)
+
+    def _encoded(self, item: Any, index: int) -> bytes:
+        """The encoded image of bytes, a path or a data URL, within :attr:`max_bytes`."""
+        if isinstance(item, bytes | bytearray | memoryview):
+            data = bytes(item)
+        elif isinstance(item, os.PathLike):
+            path = Path(item)
+            try:
+                size = path.stat().st_size
+                if size > self.max_bytes:
+                    raise InvalidRequestError(f"input {index}: {path} has {size} bytes, more than the "
+                                              f"limit of {self.max_bytes}")
+                data = path.read_bytes()
+            except OSError as exc:
+                raise InvalidRequestError(f"input {index}: cannot read image file {path}: {exc.strerror}") from None
+        else:
+            data = _data_url(item.url if isinstance(item, ImageURL) else item, index)
+        if len(data) > self.max_bytes:
+            raise InvalidRequestError(f"input {index}: the image has {len(data)} bytes, more than the limit of "
+                                      f"{self.max_bytes}")
+        if not data:
+            raise InvalidRequestError(f"input {index}: the image is empty (0 bytes)")
+        return data
+
+    def _check_size(self, image: Any, index: int) -> None:
+        width, height = image.size
+        if width < 1 or height < 1:
+            raise InvalidRequestError(f"input {index}: the image is {width}x{height} pixels; it has no pixels")
+        if width * height > self.max_pixels:
+            raise InvalidRequestError(f"input {index}: the image is {width}x{height} = {width * height} pixels, "
+                                      f"more than the limit of {self.max_pixels} (decompression bomb refused)")
+
+    @staticmethod
+    def _rgb(image: Any, index: int) -> Any:
+        """The first frame, decoded, in RGB.
+
+        :raises InvalidRequestError: for truncated or corrupt pixel data."""
+        try:
+            image.seek(0)
+            image.load()
+            return image if image.mode == "RGB" else image.convert("RGB")
+        except Exception as exc:  # OSError "image file is truncated", a decoder error
+            raise InvalidRequestError(f"input {index}: the image data is truncated or corrupt "
+                                      f"({' '.join(str(exc).split()) or type(exc).__name__})") from None
+
+
+def _data_url(url: str, index: int) -> bytes:
+    """The payload of a ``data:image/...;base64,`` URL.
+
+    :raises InvalidRequestError: for a remote URL (never fetched), another scheme, or bad base64.
+    """
+    if url.startswith(("http://", "https://")):
+        raise InvalidRequestError(f"input {index}: remote image URLs are refused ({url[:60]!r}); poolrunner "
+                                  "downloads nothing: pass the image's bytes or a data: URL")
+    head, comma, payload = url.partition(",")
+    if not head.startswith(DATA_URL_PREFIX) or not head.endswith(";base64") or not comma:
+        raise InvalidRequestError(f"input {index}: an image URL must be data:image/<type>;base64,<data>, "
+                                  f"got {url[:40]!r}")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequestError(f"input {index}: the data URL's payload is not valid base64") from None

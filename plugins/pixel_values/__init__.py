@@ -1,0 +1,69 @@
+"""Built-in model-state plugin: the pixels of image inputs, for text-image models (CLIP).
+
+An image request (``request.pixel_values``, ``[3, height, width]`` from the model's image
+processor) holds one placeholder token per position its vision tower takes
+(``model_config.image_positions``), so the scheduler counts an image like a prompt of that many
+tokens. ``add_request`` keeps its pixels flattened and cut into one row per position (the last
+zero-padded); each step with an image gets them as the model inputs ``pixel_rows``
+(``[num_tokens, width]``: images' rows, zeros for text tokens) and ``image_rows``
+(``[num_tokens]`` bool), which travel with the tokens wherever the runner packs, sorts or pads
+them. Steps of text alone get nothing. Text-only models never see an image request: the front
+end refuses images for them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from poolrunner.core import InvalidRequestError, ModelConfig, RequestState, hookimpl
+
+if TYPE_CHECKING:  # torch loads with a model, not with `poolrunner plugins`
+    import torch
+
+    from poolrunner.core import InputBatch
+
+NAME = "pixel_values"
+
+
+@hookimpl
+def add_request(state: RequestState, model_config: ModelConfig) -> None:
+    pixels = state.request.pixel_values
+    if pixels is None:
+        return
+    positions = state.request.num_tokens
+    if model_config.image_positions is None or positions != model_config.image_positions:
+        raise InvalidRequestError(
+            f"request {state.request_id!r} is an image of {positions} positions, but model {model_config.name} "
+            f"({model_config.architecture}) takes images of {model_config.image_positions} positions"
+        )
+    import torch
+
+    flat = pixels.reshape(-1).float()
+    width = -(-flat.numel() // positions)
+    padded = torch.nn.functional.pad(flat, (0, width * positions - flat.numel()))
+    state.plugin_data[NAME] = padded.view(positions, width)
+
+
+@hookimpl
+def prepare_inputs(batch: InputBatch) -> dict[str, torch.Tensor] | None:
+    rows = [state.plugin_data.get(NAME) for state in batch.requests]
+    if all(row is None for row in rows):
+        return None
+    import torch
+
+    width = next(row for row in rows if row is not None).shape[1]
+    pixel_rows = torch.zeros(batch.num_tokens, width, dtype=torch.float32)
+    image_rows = torch.zeros(batch.num_tokens, dtype=torch.bool)
+    offsets = batch.query_start_loc_cpu.tolist()
+    for i, (state, row) in enumerate(zip(batch.requests, rows, strict=True)):
+        if row is not None:  # the positions scheduled this step
+            start = state.num_computed_tokens
+            pixel_rows[offsets[i]: offsets[i + 1]] = row[start: start + batch.num_scheduled_tokens[i]]
+            image_rows[offsets[i]: offsets[i + 1]] = True
+    return {"pixel_rows": pixel_rows.to(batch.device, non_blocking=True),
+            "image_rows": image_rows.to(batch.device, non_blocking=True)}
+
+
+@hookimpl
+def remove_request(state: RequestState) -> None:
+    state.plugin_data.pop(NAME, None)
