@@ -31,6 +31,7 @@ from poolrunner.core.frontend import requests as fr
 from poolrunner.core.frontend.quantize import Precision
 from poolrunner.core.plugin_api.options import RequestOptions
 from poolrunner.core.server.errors import ApiError
+from poolrunner.core.server.tei_protocol import tei_tokenization
 from poolrunner.core.validators import unencodable_at
 
 logger = logging.getLogger("poolrunner.core.server")
@@ -366,6 +367,14 @@ class RerankRequest(_Request):
                                         "surrogate (half of a UTF-16 pair); send whole characters",
                                    param="documents") from None
         return documents
+
+    def to_tei_request(self, auto_truncate: bool) -> fr.RerankRequest:
+        """TEI's ranking (``texts``): every text; ``raw_scores`` skips the activation, ``truncate``
+        (default: the server's ``auto_truncate``) keeps the model maximum of each pair."""
+        return fr.RerankRequest(query=self.query, documents=self.texts or [], sides=("query", "texts"),
+                                use_activation=False if self.raw_scores else None,
+                                return_documents=bool(self.return_text),
+                                tokenization=tei_tokenization(self.truncate, self.truncation_direction, auto_truncate))
 
     def to_request(self, documents: list[StrictStr | RerankDocumentInput]) -> fr.RerankRequest:
         """The ranking of :meth:`document_list`'s ``documents`` (vLLM's, Jina's, Cohere's body)."""

@@ -128,16 +128,8 @@ def _model_type(service: PoolingService) -> dict[str, t.EmbeddingModel | t.Class
 async def tei_rerank(service: PoolingService, body: p.RerankRequest, request: Request) -> list[p.TeiRank]:
     """TEI's rerank: every text, best first; ``raw_scores`` skips the cross-encoder's activation,
     ``truncate`` (default: the server's ``auto_truncate``) keeps the model maximum of each pair."""
-    texts = body.texts or []
-    service.check_count(len(texts), "texts")
-    truncate = body.truncate if body.truncate is not None else service.settings.auto_truncate
-    side = "left" if (body.truncation_direction or "right").lower() == "left" else "right"
-    ranking = fr.RerankRequest(query=body.query, documents=texts, sides=("query", "texts"),
-                               use_activation=False if body.raw_scores else None,
-                               return_documents=bool(body.return_text),
-                               tokenization=fr.Tokenization(truncate_prompt_tokens=-1 if truncate else None,
-                                                            truncation_side=side))
-    ranked, _ = await service.answer(request, ranking)
+    service.check_count(len(body.texts or []), "texts")
+    ranked, _ = await service.answer(request, body.to_tei_request(service.settings.auto_truncate))
     return [p.TeiRank(index=r.index, score=r.score, text=r.document) for r in ranked]
 
 

@@ -34,16 +34,23 @@ class _TeiRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+def tei_tokenization(truncate: bool | None, direction: str | None, auto_truncate: bool,
+                     prompt_name: str | None = None) -> fr.Tokenization:
+    """TEI's truncation as poolrunner's: ``truncate`` (``None``: the server's ``auto_truncate``)
+    keeps the model maximum, from the ``direction`` end (``None``: the right, TEI's default)."""
+    keep = truncate if truncate is not None else auto_truncate
+    return fr.Tokenization(truncate_prompt_tokens=-1 if keep else None,
+                           truncation_side="left" if (direction or "right").lower() == "left" else "right",
+                           prompt_name=prompt_name)
+
+
 class _Truncation(_TeiRequest):
     truncate: StrictBool | None = _TRUNCATE
     truncation_direction: TruncationDirection = _DIRECTION
 
     def tokenization(self, auto_truncate: bool, prompt_name: str | None = None) -> fr.Tokenization:
-        """TEI's truncation as poolrunner's: ``truncate`` (else the server's ``auto_truncate``)
-        keeps the model maximum, from the ``truncation_direction`` end."""
-        truncate = self.truncate if self.truncate is not None else auto_truncate
-        return fr.Tokenization(truncate_prompt_tokens=-1 if truncate else None,
-                               truncation_side=self.truncation_direction.lower(), prompt_name=prompt_name)
+        """:func:`tei_tokenization` of this body."""
+        return tei_tokenization(self.truncate, self.truncation_direction, auto_truncate, prompt_name)
 
 
 class EmbedRequest(_Truncation):

@@ -45,7 +45,9 @@ def add_request(state: RequestState, model_config: ModelConfig) -> None:
 
 
 @hookimpl
-def prepare_inputs(batch: InputBatch) -> dict[str, torch.Tensor] | None:
+def prepare_inputs(batch: InputBatch, model_config: ModelConfig) -> dict[str, torch.Tensor] | None:
+    if model_config.image_positions is None:  # a text model's steps: nothing to look at
+        return None
     rows = [state.plugin_data.get(NAME) for state in batch.requests]
     if all(row is None for row in rows):
         return None

@@ -54,9 +54,10 @@ def test_prepare_inputs_gives_the_scheduled_rows_of_each_image():
     text = text_state("txt", 2)
     for state in (image, text):
         plugin.add_request(state=state, model_config=CLIP)
-    assert plugin.prepare_inputs(batch=InputBatch.build([text], [2], torch.device("cpu"))) is None
+    assert plugin.prepare_inputs(batch=InputBatch.build([text], [2], torch.device("cpu")), model_config=CLIP) is None
     advance(image, 1)  # a step that starts at the image's second position
-    extra = plugin.prepare_inputs(batch=InputBatch.build([text, image], [2, 3], torch.device("cpu")))
+    extra = plugin.prepare_inputs(batch=InputBatch.build([text, image], [2, 3], torch.device("cpu")),
+                                  model_config=CLIP)
     assert extra["image_rows"].tolist() == [False, False, True, True, True]
     assert extra["pixel_rows"].tolist() == [[0, 0, 0], [0, 0, 0], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
 
