@@ -99,6 +99,7 @@ class GuardMiddleware:
         endpoint = path if path in self.endpoints else "other"
         status: list[int | None] = [None]  # set once the answer starts
         request_id = _request_id(scope)
+        scope.setdefault("state", {})["request_id"] = request_id  # for the error handlers' texts
 
         async def counted_send(message: Message) -> None:
             if message["type"] == "http.response.start":

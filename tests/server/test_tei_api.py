@@ -21,7 +21,7 @@ from huggingface_hub import constants as hub_constants
 
 import poolrunner
 from poolrunner.core.cli.main import build_parser
-from poolrunner.core.errors import LoopClosedError, QueueFullError, StepFailedError
+from poolrunner.core.errors import LoopClosedError, QueueFullError
 from poolrunner.core.server import ServerSettings
 from poolrunner.core.server.errors import as_tei_error
 from poolrunner.core.testing.server import ServerThread
@@ -248,13 +248,12 @@ def test_a_body_that_is_not_utf8_is_a_validation_error(server, still_serves):
 
 @pytest.mark.parametrize(("error", "status", "error_type"), [
     (QueueFullError("the loop holds 8 requests"), 429, "Overloaded"),
-    (StepFailedError("the step failed"), 424, "Backend"),
     (LoopClosedError("the loop stopped"), 503, "Unhealthy"),
 ])
 def test_engine_errors_take_tei_status_codes(error, status, error_type):
-    tei = as_tei_error(error)
+    tei = as_tei_error(error, None)
     assert tei is not None and (tei.status, tei.error_type, str(tei)) == (status, error_type, str(error))
-    assert as_tei_error(RuntimeError("a bug")) is None  # left to the server's 500
+    assert as_tei_error(RuntimeError("a bug"), None) is None  # left to the server's 500
 
 
 # --------------------------------------------------------------------------- limits and --auto-truncate
