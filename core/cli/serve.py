@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
+import math
 import os
 from typing import Any
 
@@ -20,6 +22,7 @@ from poolrunner.core.cli.environment import check_environment, read_environment
 from poolrunner.core.cli.model_specs import KEYS, load_served_models, model_specs
 from poolrunner.core.cli.ray_serve import add_ray_serve_options, ray_serve_requested, run_ray_serve
 from poolrunner.core.server.logs import LOG_FORMATS, LOG_LEVELS
+from poolrunner.core.server.settings import MAX_PRIORITY, SCHEDULING_POLICIES
 
 __all__ = ["API_KEY_ENV", "add_parser", "run"]
 
@@ -94,9 +97,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--max-waiting-requests", metavar="N", type=positive_int, default=8192,
                         help="most inputs queued or running over all clients; a request that would pass "
                              "it is answered 429 at once (413 when it alone needs more than N engine requests)")
-    server.add_argument("--drain-timeout", metavar="SECONDS", type=float, default=30.0,
+    server.add_argument("--drain-timeout", metavar="SECONDS", default=30.0,
+                        type=functools.partial(_seconds, allow_zero=True),
                         help="how long requests in flight may take to finish after SIGTERM; then their "
                              "connections are closed and the process exits")
+    server.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                        help="vLLM's: fcfs refuses a request's 'priority' other than 0 (a 400); priority runs "
+                             f"lower values first, within -{MAX_PRIORITY}..{MAX_PRIORITY}")
     server.add_argument("--max-connections", metavar="N", type=positive_int, default=1024,
                         help="most connections (and requests running) at once; a request past it is answered 503 "
                              "and its connection closed")
@@ -156,6 +163,7 @@ def _serve(args: argparse.Namespace) -> None:
             max_waiting_requests=args.max_waiting_requests, drain_timeout=args.drain_timeout,
             auto_truncate=args.auto_truncate, allow_extra_fields=args.allow_extra_fields,
             allowed_origins=args.allowed_origins, protect_metrics=args.protect_metrics,
+            scheduling_policy=args.scheduling_policy,
         )
     except ValueError as exc:
         hint = "raise --max-waiting-requests or lower --max-inputs-per-request" if "max_inputs" in str(exc) else None
@@ -184,12 +192,13 @@ def _check_installed() -> None:
                        hint="pip install -e '.[serve]' in the poolrunner checkout")
 
 
-def _seconds(value: str) -> float:
-    """argparse ``type`` for a positive number of seconds."""
+def _seconds(value: str, *, allow_zero: bool = False) -> float:
+    """argparse ``type`` for a finite, positive number of seconds (``allow_zero``: or 0)."""
     try:
         seconds = float(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value!r}") from None
-    if not seconds > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value!r}")
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds {'>= 0' if allow_zero else '> 0'}, "
+                                         f"got {value!r}")
     return seconds

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
-from attrs import field, frozen
+from attrs import Attribute, field, frozen
 
-from poolrunner.core.validators import positive_int
+from poolrunner.core.validators import one_of, positive_int
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+"""vLLM's ``--scheduling-policy``: first come first served (a request's ``priority`` must be 0 or
+absent), or ``priority`` (lower runs first, within :data:`MAX_PRIORITY`)."""
+MAX_PRIORITY = 1000
+"""The largest ``|priority|`` a request may ask for under priority scheduling."""
 
 
 def served_names(names: str | Sequence[str] | None) -> tuple[str, ...] | None:
@@ -20,6 +27,12 @@ def served_names(names: str | Sequence[str] | None) -> tuple[str, ...] | None:
     if not names or not all(isinstance(name, str) and name for name in names):
         raise ValueError(f"served_model_name must be one or more non-empty names, got {list(names)!r}")
     return tuple(dict.fromkeys(names))
+
+
+def non_negative_seconds(_instance: object, attribute: Attribute, value: float) -> None:
+    """:raises ValueError: for a negative, infinite or NaN number of seconds."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{attribute.name} must be a finite number of seconds >= 0, got {value!r}")
 
 
 def check_api_key(_instance: object, _attribute: object, key: str | None) -> None:
@@ -59,7 +72,10 @@ class ServerSettings:
         clients; a request that would pass it is answered 429 at once, or 413 when it alone needs
         more engine requests than this (a bi-encoder's score: each distinct text; a long input:
         each window), which no wait would make fit.
-    :ivar drain_timeout: Seconds that requests in flight get to finish after SIGTERM.
+    :ivar drain_timeout: Seconds that requests in flight get to finish after SIGTERM (finite, >= 0).
+    :ivar scheduling_policy: One of :data:`SCHEDULING_POLICIES`, vLLM's ``--scheduling-policy``:
+        under ``fcfs`` (the default) a request asking for a ``priority`` other than 0 is a 400, so
+        no client can push its work ahead of others' unless the operator allows it.
     :ivar auto_truncate: TEI's ``--auto-truncate``: TEI's routes (``/embed``, ``/predict``...) keep
         the model maximum of tokens of an over-long input when the request does not say
         ``truncate``; off, such an input is a 422 unless the request asks for ``truncate: true``.
@@ -76,7 +92,8 @@ class ServerSettings:
     max_inputs_per_request: int = field(default=2048, validator=positive_int)
     max_request_bytes: int = field(default=2_000_000, validator=positive_int)
     max_waiting_requests: int = field(default=8192, validator=positive_int)
-    drain_timeout: float = 30.0
+    drain_timeout: float = field(default=30.0, validator=non_negative_seconds)
+    scheduling_policy: str = field(default="fcfs", validator=one_of(SCHEDULING_POLICIES))
     auto_truncate: bool = False
     allow_extra_fields: bool = False
     allowed_origins: tuple[str, ...] = field(default=(), converter=tuple)

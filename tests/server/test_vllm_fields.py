@@ -156,12 +156,12 @@ def test_base64_payload_has_the_asked_dtype_and_byte_order(server, runtime, embe
 def test_openai_client_passes_vllm_fields_in_extra_body(server, runtime):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     answer = client.embeddings.create(model="all-MiniLM-L6-v2", input=TEXTS, user="someone",  # base64 by default
-                                      extra_body={"normalize": False, "embed_dtype": "float32", "priority": 5,
+                                      extra_body={"normalize": False, "embed_dtype": "float32", "priority": 0,
                                                   "endianness": "little", "request_id": "abc-1"})
     np.testing.assert_allclose([item.embedding for item in answer.data], runtime.embed(TEXTS, normalize=False),
                                atol=2e-6)
     raw = _ok(httpx.post(f"{server.url}/v1/embeddings",
-                         json={"input": TEXTS[0], "request_id": "abc-1", "priority": -3}))
+                         json={"input": TEXTS[0], "request_id": "abc-1", "priority": 0}))
     assert raw["id"] == "embd-abc-1" and isinstance(raw["created"], int) and raw["object"] == "list"
 
 
