@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import ipaddress
 import math
 import os
 from typing import Any
@@ -22,7 +23,7 @@ from poolrunner.core.cli.environment import check_environment, read_environment
 from poolrunner.core.cli.model_specs import KEYS, load_served_models, model_specs
 from poolrunner.core.cli.ray_serve import add_ray_serve_options, ray_serve_requested, run_ray_serve
 from poolrunner.core.server.logs import LOG_FORMATS, LOG_LEVELS
-from poolrunner.core.server.settings import MAX_PRIORITY, SCHEDULING_POLICIES
+from poolrunner.core.server.settings import LOOPBACK_HOSTS, MAX_PRIORITY, SCHEDULING_POLICIES
 
 __all__ = ["API_KEY_ENV", "add_parser", "run"]
 
@@ -119,6 +120,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--allowed-origins", metavar="ORIGIN", nargs="+", default=[],
                         help="origins whose browser pages may call the API (CORS), e.g. https://app.example.com, "
                              "or * for any (default: none, no CORS headers)")
+    server.add_argument("--allowed-hosts", metavar="HOST", nargs="+",
+                        help="Host header values answered (names or addresses, '*.example.com', '*' for any); "
+                             "another is a 400, against DNS rebinding (default: localhost, 127.0.0.1 and ::1 when "
+                             "--host is a loopback address, else any)")
     server.add_argument("--protect-metrics", action="store_true",
                         help="require the API key on /metrics too (default: open, left to the network as TEI "
                              "and vLLM do)")
@@ -163,7 +168,7 @@ def _serve(args: argparse.Namespace) -> None:
             max_waiting_requests=args.max_waiting_requests, drain_timeout=args.drain_timeout,
             auto_truncate=args.auto_truncate, allow_extra_fields=args.allow_extra_fields,
             allowed_origins=args.allowed_origins, protect_metrics=args.protect_metrics,
-            scheduling_policy=args.scheduling_policy,
+            scheduling_policy=args.scheduling_policy, allowed_hosts=_allowed_hosts(args),
         )
     except ValueError as exc:
         hint = "raise --max-waiting-requests or lower --max-inputs-per-request" if "max_inputs" in str(exc) else None
@@ -190,6 +195,17 @@ def _check_installed() -> None:
     if missing:
         raise CliError(f"the server's packages are not installed (missing: {', '.join(missing)})",
                        hint="pip install -e '.[serve]' in the poolrunner checkout")
+
+
+def _allowed_hosts(args: argparse.Namespace) -> list[str] | None:
+    """``--allowed-hosts``, else the loopback names when listening on a loopback address only."""
+    if args.allowed_hosts:
+        return args.allowed_hosts
+    try:
+        loopback = ipaddress.ip_address(args.host).is_loopback
+    except ValueError:  # a name
+        loopback = args.host.lower() == "localhost"
+    return list(LOOPBACK_HOSTS) if loopback else None
 
 
 def _seconds(value: str, *, allow_zero: bool = False) -> float:

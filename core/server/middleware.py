@@ -74,13 +74,14 @@ class ServerState:
 
 
 class GuardMiddleware:
-    """Answers 503 while draining, 401 without the key, 413 for a body over the limit, and
-    counts every answer by endpoint and status. With ``allow_extra_fields`` the request's body
-    models drop (and log) fields they do not know (:data:`~.protocol.ALLOW_EXTRA_FIELDS`)."""
+    """Answers 400 for a ``Host`` not in ``allowed_hosts``, 503 while draining, 401 without the
+    key, 413 for a body over the limit, and counts every answer by endpoint and status. With
+    ``allow_extra_fields`` the request's body models drop (and log) fields they do not know
+    (:data:`~.protocol.ALLOW_EXTRA_FIELDS`)."""
 
     def __init__(self, app: ASGIApp, *, state: ServerState, metrics: ServerMetrics, api_key: str | None,
                  max_request_bytes: int, endpoints: frozenset[str], allow_extra_fields: bool = False,
-                 open_paths: frozenset[str] = OPEN_PATHS) -> None:
+                 open_paths: frozenset[str] = OPEN_PATHS, allowed_hosts: tuple[str, ...] | None = None) -> None:
         self.app = app
         self.state = state
         self.metrics = metrics
@@ -89,6 +90,7 @@ class GuardMiddleware:
         self.max_request_bytes = max_request_bytes
         self.endpoints = endpoints
         self.allow_extra_fields = allow_extra_fields
+        self.allowed_hosts = allowed_hosts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -138,6 +140,10 @@ class GuardMiddleware:
 
     def _refusal(self, scope: Scope, path: str) -> tuple[int, str] | None:
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+        host = _host_name(headers.get("host", ""))
+        if self.allowed_hosts is not None and not _host_allowed(host, self.allowed_hosts):
+            return 400, (f"the Host header {host[:100]!r} is not one this server answers (allowed_hosts, the "
+                         f"--allowed-hosts flag: {', '.join(self.allowed_hosts)})")
         if self.state.draining:
             return 503, "the server is shutting down and takes no new requests"
         if self.api_key is not None and path not in self.open_paths and not path.startswith(OPEN_PREFIX):
@@ -162,6 +168,18 @@ class GuardMiddleware:
             return message
 
         return limited
+
+
+def _host_name(header: str) -> str:
+    """The name or address of a ``Host`` header, lower case, without its port (``[::1]:80`` -> ``::1``)."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:].partition("]")[0]
+    return header.rpartition(":")[0] if header.count(":") == 1 else header
+
+
+def _host_allowed(host: str, allowed: tuple[str, ...]) -> bool:
+    return any(host == name or (name.startswith("*.") and host.endswith(name[1:])) for name in allowed)
 
 
 def _request_id(scope: Scope) -> str:

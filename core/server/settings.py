@@ -29,6 +29,23 @@ def served_names(names: str | Sequence[str] | None) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(names))
 
 
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+"""The names of this machine as a loopback client sends them in ``Host``."""
+
+
+def host_names(names: Sequence[str] | None) -> tuple[str, ...] | None:
+    """``allowed_hosts`` as a tuple of lower-case names; ``None`` or a ``*`` among them: any host.
+
+    :raises ValueError: for an empty list or an empty name.
+    """
+    if names is None:
+        return None
+    names = tuple(name.strip().lower() for name in names)
+    if not names or not all(names):
+        raise ValueError(f"allowed_hosts must be one or more host names, got {list(names)!r}")
+    return None if "*" in names else names
+
+
 def non_negative_seconds(_instance: object, attribute: Attribute, value: float) -> None:
     """:raises ValueError: for a negative, infinite or NaN number of seconds."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
@@ -83,6 +100,11 @@ class ServerSettings:
         log them (vLLM's behaviour) instead of answering a 400 naming the field.
     :ivar allowed_origins: Origins whose browser pages may call the API (CORS; ``*`` for any);
         empty: no CORS headers, as TEI and vLLM by default.
+    :ivar allowed_hosts: The ``Host`` header values (names or addresses, without the port;
+        ``*.example.com`` for its subdomains) a request may carry; another is a 400, which stops a
+        DNS-rebinding page from reaching a key-less local server. ``None`` (the default here) or
+        ``("*",)``: any; ``poolrunner serve`` defaults to :data:`LOOPBACK_HOSTS` when it listens on a
+        loopback address.
     :ivar protect_metrics: ``/metrics`` needs the API key too; by default it is open, as TEI and
         vLLM leave it to the network.
     """
@@ -98,6 +120,7 @@ class ServerSettings:
     allow_extra_fields: bool = False
     allowed_origins: tuple[str, ...] = field(default=(), converter=tuple)
     protect_metrics: bool = False
+    allowed_hosts: tuple[str, ...] | None = field(default=None, converter=host_names)
 
     def __attrs_post_init__(self) -> None:
         if self.max_inputs_per_request > self.max_waiting_requests:

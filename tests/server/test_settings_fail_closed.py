@@ -91,3 +91,29 @@ def test_priority_scheduling_bounds_the_priority(runtime):
                 "input": ["a cat"], "priority": value})) == f"priority {value} is out of range: -1000..1000"
         answer = httpx.post(f"{running.url}/v1/embeddings", json={"input": ["a cat"], "priority": -1000})
         assert answer.status_code == 200
+
+
+def test_a_host_outside_allowed_hosts_is_refused(runtime):
+    """A DNS-rebinding page reaches a loopback server under its own name in ``Host``: refused, on
+    every path; the loopback names, with or without a port, are answered."""
+    settings = ServerSettings(allowed_hosts=["localhost", "127.0.0.1", "::1"])
+    with ServerThread(runtime, settings) as running, httpx.Client(base_url=running.url) as client:
+        for path in ("/health", "/v1/models"):
+            answer = client.get(path, headers={"host": "rebound.attacker.example:8000"})
+            assert answer.status_code == 400, answer.text
+            assert answer.json()["error"]["message"] == (
+                "the Host header 'rebound.attacker.example' is not one this server answers (allowed_hosts, the "
+                "--allowed-hosts flag: localhost, 127.0.0.1, ::1)")
+        for host in ("localhost", "LOCALHOST:8000", "127.0.0.1:1", "[::1]:8000"):
+            assert client.get("/health", headers={"host": host}).status_code == 200, host
+        answer = client.post("/v1/embeddings", json={"input": ["a cat"]})
+        assert answer.json()["data"][0]["embedding"] == pytest.approx(runtime.embed("a cat").tolist(), abs=2e-6)
+
+
+@pytest.mark.parametrize(("names", "allowed"), [
+    (None, None), (["*"], None), (["API.example.com", "*.internal"], ("api.example.com", "*.internal")),
+])
+def test_allowed_hosts_settings(names, allowed):
+    assert ServerSettings(allowed_hosts=names).allowed_hosts == allowed
+    with pytest.raises(ValueError, match=r"^allowed_hosts must be one or more host names, got \[''\]$"):
+        ServerSettings(allowed_hosts=[""])
