@@ -36,6 +36,10 @@ from poolrunner.core.validators import unencodable_at
 
 logger = logging.getLogger("poolrunner.core.server")
 
+LOGGED_NAMES = 10
+"""Unknown field names logged per request; their number is logged beyond it."""
+LOGGED_NAME_CHARS = 64
+"""Characters of an unknown field's name logged."""
 ALLOW_EXTRA_FIELDS: ContextVar[bool] = ContextVar("poolrunner_allow_extra_fields", default=False)
 """True while a request of a server with ``allow_extra_fields`` is read (set by its middleware)."""
 
@@ -92,8 +96,11 @@ class _Body(BaseModel):
         extra = [name for name in data if name not in known]
         if not extra:
             return data
-        logger.warning("ignoring fields the request sent that %s does not know: %s", cls.__name__,
-                       ", ".join(map(str, extra)))
+        # Client text in a log line: quoted (a newline cannot forge a line) and capped.
+        shown = ", ".join(repr(name[:LOGGED_NAME_CHARS]) + ("..." if len(name) > LOGGED_NAME_CHARS else "")
+                          for name in extra[:LOGGED_NAMES])
+        more = f" and {len(extra) - LOGGED_NAMES} more" if len(extra) > LOGGED_NAMES else ""
+        logger.warning("ignoring fields the request sent that %s does not know: %s%s", cls.__name__, shown, more)
         return {name: value for name, value in data.items() if name in known}
 
 

@@ -453,8 +453,16 @@ def test_allow_extra_fields_accepts_and_logs_unknown_fields(runtime, server, cap
         vectors = _vectors(_ok(httpx.post(f"{running.url}/v1/embeddings", json=body)))
         np.testing.assert_allclose(vectors, runtime.embed(TEXTS), atol=2e-6)
         logged = [record.getMessage() for record in caplog.records if record.name == "poolrunner.core.server"]
-        assert logged == ["ignoring fields the request sent that EmbeddingRequest does not know: colour, "
-                          "mm_processor_kwargs"]
+        assert logged == ["ignoring fields the request sent that EmbeddingRequest does not know: 'colour', "
+                          "'mm_processor_kwargs'"]
+        # A client's field names cannot forge a log line or flood the log: quoted, capped, counted.
+        caplog.clear()
+        forged = {"input": TEXTS, "a\nERROR forged line": 1, "x" * 100_000: 2, **{f"f{i}": i for i in range(12)}}
+        np.testing.assert_allclose(_vectors(_ok(httpx.post(f"{running.url}/v1/embeddings", json=forged))),
+                                   runtime.embed(TEXTS), atol=2e-6)
+        [line] = [record.getMessage() for record in caplog.records if record.name == "poolrunner.core.server"]
+        assert line == ("ignoring fields the request sent that EmbeddingRequest does not know: 'a\\nERROR forged "
+                        f"line', '{'x' * 64}'..., 'f0', 'f1', 'f2', 'f3', 'f4', 'f5', 'f6', 'f7' and 4 more")
         scored = _ok(httpx.post(f"{running.url}/score", json={"queries": "a", "documents": ["b"], "extra": 1}))
         assert len(scored["data"]) == 1
         # known fields are still checked
