@@ -343,6 +343,10 @@ class Frontend:
         result = scores.detach().float().cpu().numpy()
         if result.shape != (len(pairs),):
             raise RuntimeError(f"score_outputs returned shape {list(result.shape)} for {len(pairs)} pairs")
+        if not np.isfinite(result).all():  # a plugin option out of range (weights of 1e308) overflows
+            shown = ", ".join(f"{name}={value!r}" for name, value in options.items()) or "none"
+            raise InvalidRequestError(f"the scores of {self.default_task!r} outputs are not finite (inf or nan) "
+                                      f"with the request's options ({shown}): use smaller values")
         return result
 
     def _cannot_score(self) -> UnsupportedTaskError:
