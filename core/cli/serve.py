@@ -120,6 +120,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--allowed-origins", metavar="ORIGIN", nargs="+", default=[],
                         help="origins whose browser pages may call the API (CORS), e.g. https://app.example.com, "
                              "or * for any (default: none, no CORS headers)")
+    server.add_argument("--any-model-name", action="store_true",
+                        help="a single-model server answers any 'model' in a request (TEI's behaviour), so clients' "
+                             "default names reach it; default: an unknown name is a 404 (vLLM's)")
     server.add_argument("--allowed-hosts", metavar="HOST", nargs="+",
                         help="Host header values answered (names or addresses, '*.example.com', '*' for any); "
                              "another is a 400, against DNS rebinding (default: localhost, 127.0.0.1 and ::1 when "
@@ -169,11 +172,15 @@ def _serve(args: argparse.Namespace) -> None:
             auto_truncate=args.auto_truncate, allow_extra_fields=args.allow_extra_fields,
             allowed_origins=args.allowed_origins, protect_metrics=args.protect_metrics,
             scheduling_policy=args.scheduling_policy, allowed_hosts=_allowed_hosts(args),
+            any_model_name=args.any_model_name,
         )
     except ValueError as exc:
         hint = "raise --max-waiting-requests or lower --max-inputs-per-request" if "max_inputs" in str(exc) else None
         raise CliError(str(exc), hint=hint) from exc
     specs = model_specs(args)
+    if args.any_model_name and len(specs) > 1:  # before any model loads
+        raise CliError("--any-model-name needs a single model: with several, a request's model must say which",
+                       hint="serve clients' default names as aliases instead: --model PATH:name=NAME")
     if ray_serve_requested(args):
         if len(specs) > 1:
             raise CliError("--ray-serve deploys one model; give one --model")

@@ -105,6 +105,10 @@ class ServerSettings:
         DNS-rebinding page from reaching a key-less local server. ``None`` (the default here) or
         ``("*",)``: any; ``poolrunner serve`` defaults to :data:`LOOPBACK_HOSTS` when it listens on a
         loopback address.
+    :ivar any_model_name: A single-model server answers a request whatever its ``model`` names
+        (TEI's behaviour), so clients' default names (``text-embedding-3-small``, Cohere's
+        ``rerank-v3.5``, infinity's ``default/not-specified``) reach it; the first unknown name is
+        logged once. Off (vLLM's behaviour), an unknown name is a 404 naming this setting.
     :ivar protect_metrics: ``/metrics`` needs the API key too; by default it is open, as TEI and
         vLLM leave it to the network.
     """
@@ -120,6 +124,7 @@ class ServerSettings:
     allow_extra_fields: bool = False
     allowed_origins: tuple[str, ...] = field(default=(), converter=tuple)
     protect_metrics: bool = False
+    any_model_name: bool = False
     allowed_hosts: tuple[str, ...] | None = field(default=None, converter=host_names)
 
     def __attrs_post_init__(self) -> None:

@@ -122,7 +122,9 @@ def test_an_unknown_model_is_a_404_naming_the_served_ones_and_the_server_still_s
     answer = httpx.post(f"{three.url}/v1/embeddings", json={"input": "x", "model": "nope"})
     assert answer.status_code == 404
     assert answer.json()["error"] == {
-        "message": "the model 'nope' does not exist: this server serves 'embed'; 'rerank'; 'labels' (aliases: 'cls')",
+        "message": "the model 'nope' does not exist: this server serves 'embed'; 'rerank'; 'labels' (aliases: 'cls'); "
+                   "a client's default name is served when the operator lists it in --served-model-name or, for a "
+                   "single model, turns on --any-model-name",
         "type": "not_found_error", "param": "model", "code": 404}
     _check("embed", _embed(three.url, "embed"), references)
 

@@ -427,7 +427,10 @@ def test_served_model_name_aliases(runtime):
         with pytest.raises(openai.NotFoundError) as caught:
             client.embeddings.create(model="all-MiniLM-L6-v2", input="x")
         assert caught.value.body["message"] == ("the model 'all-MiniLM-L6-v2' does not exist: this server serves "
-                                                "'minilm' (aliases: 'sentence-transformers/all-MiniLM-L6-v2')")
+                                                "'minilm' (aliases: 'sentence-transformers/all-MiniLM-L6-v2'); a "
+                                                "client's default name is served when the operator lists it in "
+                                                "--served-model-name or, for a single model, turns on "
+                                                "--any-model-name")
         assert len(client.embeddings.create(model="minilm", input=SANITY_TEXT).data) == 1
         classify = httpx.post(f"{running.url}/pooling", json={"model": "sentence-transformers/all-MiniLM-L6-v2",
                                                               "input": "x"})
