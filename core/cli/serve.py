@@ -113,10 +113,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--read-timeout", metavar="SECONDS", type=_seconds, default=30.0,
                         help="how long a client may take to send a whole request (head and body), from the "
                              "connection's opening or its previous answer; then the connection is closed")
-    server.add_argument("--auto-truncate", metavar="BOOL", nargs="?", type=boolean, const=True, default=False,
+    server.add_argument("--auto-truncate", metavar="BOOL", nargs="?", type=boolean, const=True, default=True,
                         help="TEI's routes (/embed, /predict...) truncate an over-long input to the model maximum "
-                             "when the request does not set truncate (as TEI's --auto-truncate; default: false, "
-                             "such an input is a 422)")
+                             "when the request does not set truncate (TEI's --auto-truncate and its default, true; "
+                             "false: such an input is a 422)")
     server.add_argument("--allowed-origins", metavar="ORIGIN", nargs="+", default=[],
                         help="origins whose browser pages may call the API (CORS), e.g. https://app.example.com, "
                              "or * for any (default: none, no CORS headers)")

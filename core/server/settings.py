@@ -93,9 +93,11 @@ class ServerSettings:
     :ivar scheduling_policy: One of :data:`SCHEDULING_POLICIES`, vLLM's ``--scheduling-policy``:
         under ``fcfs`` (the default) a request asking for a ``priority`` other than 0 is a 400, so
         no client can push its work ahead of others' unless the operator allows it.
-    :ivar auto_truncate: TEI's ``--auto-truncate``: TEI's routes (``/embed``, ``/predict``...) keep
-        the model maximum of tokens of an over-long input when the request does not say
-        ``truncate``; off, such an input is a 422 unless the request asks for ``truncate: true``.
+    :ivar auto_truncate: TEI's ``--auto-truncate``, on by default as in TEI: TEI's routes
+        (``/embed``, ``/predict``...) keep the model maximum of tokens of an over-long input when
+        the request does not say ``truncate`` (TEI clients such as Chroma's send none and cannot
+        recover from the error); off, such an input is a 422 unless the request asks for
+        ``truncate: true``.
     :ivar allow_extra_fields: Accept request bodies with fields the endpoint does not know, and
         log them (vLLM's behaviour) instead of answering a 400 naming the field.
     :ivar allowed_origins: Origins whose browser pages may call the API (CORS; ``*`` for any);
@@ -120,7 +122,7 @@ class ServerSettings:
     max_waiting_requests: int = field(default=8192, validator=positive_int)
     drain_timeout: float = field(default=30.0, validator=non_negative_seconds)
     scheduling_policy: str = field(default="fcfs", validator=one_of(SCHEDULING_POLICIES))
-    auto_truncate: bool = False
+    auto_truncate: bool = True
     allow_extra_fields: bool = False
     allowed_origins: tuple[str, ...] = field(default=(), converter=tuple)
     protect_metrics: bool = False

@@ -329,7 +329,7 @@ def test_tei_rerank_errors_are_tei_shaped(cross_encoder, text_with_tokens):
     long_text = text_with_tokens(600, 3)
     with pytest.raises(poolrunner.InvalidRequestError) as offline:
         runtime.score(QUERY, [long_text])
-    answer = httpx.post(f"{running.url}/rerank", json={"query": QUERY, "texts": [long_text]})
+    answer = httpx.post(f"{running.url}/rerank", json={"query": QUERY, "texts": [long_text], "truncate": False})
     assert answer.status_code == 422, answer.text
     served = str(offline.value).replace(runtime.model_config.name, Path(runtime.model_config.name).name)
     assert answer.json() == {"error": served, "error_type": "Validation"}  # the served name, not the path
