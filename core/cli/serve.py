@@ -120,6 +120,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--allowed-origins", metavar="ORIGIN", nargs="+", default=[],
                         help="origins whose browser pages may call the API (CORS), e.g. https://app.example.com, "
                              "or * for any (default: none, no CORS headers)")
+    server.add_argument("--truncate-prompt-tokens", metavar="N", type=_truncation, default=None,
+                        help="truncate_prompt_tokens of an OpenAI, vLLM, Jina or Cohere request that sets none "
+                             "(-1: the model maximum), for clients that cannot send it; default: an over-long input "
+                             "is a 400 (vLLM's). TEI's routes follow --auto-truncate")
     server.add_argument("--any-model-name", action="store_true",
                         help="a single-model server answers any 'model' in a request (TEI's behaviour), so clients' "
                              "default names reach it; default: an unknown name is a 404 (vLLM's)")
@@ -172,7 +176,7 @@ def _serve(args: argparse.Namespace) -> None:
             auto_truncate=args.auto_truncate, allow_extra_fields=args.allow_extra_fields,
             allowed_origins=args.allowed_origins, protect_metrics=args.protect_metrics,
             scheduling_policy=args.scheduling_policy, allowed_hosts=_allowed_hosts(args),
-            any_model_name=args.any_model_name,
+            any_model_name=args.any_model_name, truncate_prompt_tokens=args.truncate_prompt_tokens,
         )
     except ValueError as exc:
         hint = "raise --max-waiting-requests or lower --max-inputs-per-request" if "max_inputs" in str(exc) else None
@@ -202,6 +206,18 @@ def _check_installed() -> None:
     if missing:
         raise CliError(f"the server's packages are not installed (missing: {', '.join(missing)})",
                        hint="pip install -e '.[serve]' in the poolrunner checkout")
+
+
+def _truncation(value: str) -> int:
+    """argparse ``type`` for ``truncate_prompt_tokens``: -1 or a positive number of tokens."""
+    try:
+        tokens = int(value)
+    except ValueError:
+        tokens = 0
+    if tokens < 1 and tokens != -1:
+        raise argparse.ArgumentTypeError(f"expected -1 (the model maximum) or a positive number of tokens, "
+                                         f"got {value!r}")
+    return tokens
 
 
 def _allowed_hosts(args: argparse.Namespace) -> list[str] | None:

@@ -25,6 +25,7 @@ from starlette.responses import Response
 from poolrunner.core.errors import (
     InvalidRequestError,
     LoopClosedError,
+    PromptTooLongError,
     QueueFullError,
     StepFailedError,
     UnsupportedTaskError,
@@ -90,6 +91,12 @@ def install_handlers(app: FastAPI) -> None:
 
     for bad_input in (InvalidRequestError, UnsupportedTaskError):
         app.add_exception_handler(bad_input, _status_handler(400))
+    @app.exception_handler(PromptTooLongError)
+    async def prompt_too_long(request: Request, exc: PromptTooLongError) -> JSONResponse:
+        return error_response(400, public_text(request, f"{exc}, or ask the operator for --truncate-prompt-tokens "
+                                                        "(the default of clients that cannot send it)"),
+                              "truncate_prompt_tokens")
+
     app.add_exception_handler(QueueFullError, _status_handler(429))
     app.add_exception_handler(LoopClosedError, _status_handler(503))
 

@@ -46,6 +46,13 @@ def host_names(names: Sequence[str] | None) -> tuple[str, ...] | None:
     return None if "*" in names else names
 
 
+def optional_truncation(_instance: object, attribute: Attribute, value: int | None) -> None:
+    """:raises ValueError: unless ``value`` is ``None``, -1 or a positive integer."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1)):
+        raise ValueError(f"{attribute.name} must be -1 (the model maximum) or a positive number of tokens, "
+                         f"got {value!r}")
+
+
 def non_negative_seconds(_instance: object, attribute: Attribute, value: float) -> None:
     """:raises ValueError: for a negative, infinite or NaN number of seconds."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
@@ -111,6 +118,10 @@ class ServerSettings:
         (TEI's behaviour), so clients' default names (``text-embedding-3-small``, Cohere's
         ``rerank-v3.5``, infinity's ``default/not-specified``) reach it; the first unknown name is
         logged once. Off (vLLM's behaviour), an unknown name is a 404 naming this setting.
+    :ivar truncate_prompt_tokens: The ``truncate_prompt_tokens`` of an OpenAI, vLLM, Jina or
+        Cohere body that sets none (-1: the model maximum; ``None``, the default as in vLLM: an
+        over-long input is a 400), for clients that cannot send the field (Chroma's and
+        Haystack's OpenAI embedders). TEI's routes follow ``auto_truncate`` instead.
     :ivar protect_metrics: ``/metrics`` needs the API key too; by default it is open, as TEI and
         vLLM leave it to the network.
     """
@@ -127,6 +138,7 @@ class ServerSettings:
     allowed_origins: tuple[str, ...] = field(default=(), converter=tuple)
     protect_metrics: bool = False
     any_model_name: bool = False
+    truncate_prompt_tokens: int | None = field(default=None, validator=optional_truncation)
     allowed_hosts: tuple[str, ...] | None = field(default=None, converter=host_names)
 
     def __attrs_post_init__(self) -> None:
