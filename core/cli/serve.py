@@ -20,7 +20,7 @@ from poolrunner.core.cli.common import (
     positive_int,
 )
 from poolrunner.core.cli.environment import check_environment, read_environment
-from poolrunner.core.cli.model_specs import KEYS, load_served_models, model_specs
+from poolrunner.core.cli.model_specs import load_served_models, model_keys, model_specs
 from poolrunner.core.cli.ray_serve import add_ray_serve_options, ray_serve_requested, run_ray_serve
 from poolrunner.core.server.logs import LOG_FORMATS, LOG_LEVELS
 from poolrunner.core.server.settings import LOOPBACK_HOSTS, MAX_PRIORITY, SCHEDULING_POLICIES
@@ -70,7 +70,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                          description=DESCRIPTION, epilog=EPILOG)
     model = add_model_options(parser, several="repeat it to serve several models in one process, each with its "
                                                 "own engine, as PATH:name=NAME[:task=TASK:dtype=...] (options: "
-                                                f"{', '.join(KEYS)}); requests choose one by their model field")
+                                                "name and every flag of this group); requests choose one by their "
+                                                "model field")
     add_task_option(model, "serve alone", default="every task the model and the plugins allow, each request "
                                                   "naming its own (/pooling's task)")
     model.add_argument("--is-matryoshka", action="store_true",
@@ -78,6 +79,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     model.add_argument("--max-model-len", metavar="N", type=positive_int,
                        help="most tokens per input (default: the model's maximum); longer inputs are a 400 "
                             "unless the request asks for truncate_prompt_tokens")
+    parser.set_defaults(model_keys=model_keys(model))  # what each --model PATH:KEY=VALUE may set
 
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
