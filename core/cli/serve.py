@@ -100,6 +100,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--max-waiting-requests", metavar="N", type=positive_int, default=8192,
                         help="most inputs queued or running over all clients; a request that would pass "
                              "it is answered 429 at once (413 when it alone needs more than N engine requests)")
+    server.add_argument("--max-output-values", metavar="N", type=positive_int, default=1 << 24,
+                        help="most values (tokens x hidden size) of one request's per-token outputs (token_embed, "
+                             "token_classify); more is a 413")
     server.add_argument("--drain-timeout", metavar="SECONDS", default=30.0,
                         type=functools.partial(_seconds, allow_zero=True),
                         help="how long requests in flight may take to finish after SIGTERM; then their "
@@ -175,6 +178,7 @@ def _serve(args: argparse.Namespace) -> None:
             api_key=args.api_key,
             max_inputs_per_request=args.max_inputs_per_request, max_request_bytes=args.max_request_bytes,
             max_waiting_requests=args.max_waiting_requests, drain_timeout=args.drain_timeout,
+            max_output_values=args.max_output_values,
             auto_truncate=args.auto_truncate, allow_extra_fields=args.allow_extra_fields,
             allowed_origins=args.allowed_origins, protect_metrics=args.protect_metrics,
             scheduling_policy=args.scheduling_policy, allowed_hosts=_allowed_hosts(args),

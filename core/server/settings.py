@@ -96,6 +96,9 @@ class ServerSettings:
         clients; a request that would pass it is answered 429 at once, or 413 when it alone needs
         more engine requests than this (a bi-encoder's score: each distinct text; a long input:
         each window), which no wait would make fit.
+    :ivar max_output_values: Most values (tokens x hidden size) the per-token outputs of one
+        request may hold (``token_embed``, ``token_classify``); more is a 413, before any work: a
+        request of 2,048 long inputs would otherwise make the server build gigabytes of JSON.
     :ivar drain_timeout: Seconds that requests in flight get to finish after SIGTERM (finite, >= 0).
     :ivar scheduling_policy: One of :data:`SCHEDULING_POLICIES`, vLLM's ``--scheduling-policy``:
         under ``fcfs`` (the default) a request asking for a ``priority`` other than 0 is a 400, so
@@ -131,6 +134,7 @@ class ServerSettings:
     max_inputs_per_request: int = field(default=2048, validator=positive_int)
     max_request_bytes: int = field(default=2_000_000, validator=positive_int)
     max_waiting_requests: int = field(default=8192, validator=positive_int)
+    max_output_values: int = field(default=1 << 24, validator=positive_int)
     drain_timeout: float = field(default=30.0, validator=non_negative_seconds)
     scheduling_policy: str = field(default="fcfs", validator=one_of(SCHEDULING_POLICIES))
     auto_truncate: bool = True
