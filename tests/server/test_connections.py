@@ -113,16 +113,18 @@ def test_a_request_body_that_stalls_is_cut_at_the_read_timeout(runtime):
 
 
 def test_connections_past_the_cap_are_refused_with_a_json_503_then_served_again(runtime, caplog):
-    """The cap counts open connections: the 4th of 4 is served, the 5th gets OpenAI's error shape
-    and is closed after the answer (read to EOF, nothing after it), and once connections close
-    requests are served again."""
+    """The cap counts open connections that have sent something (here, half a request head): the
+    4th of 4 is served, the 5th gets OpenAI's error shape and is closed after the answer (read to
+    EOF, nothing after it), ``/health`` is still answered, and once connections close requests
+    are served again."""
     with running(runtime, ConnectionLimits(max_connections=4)) as (_, port, _), captured_logs(caplog):
         url = f"http://127.0.0.1:{port}/v1/embeddings"
-        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        held = [_started(port) for _ in range(3)]
         time.sleep(0.2)
         assert httpx.post(url, json={"input": "x"}).status_code == 200  # the 4th connection
-        held.append(socket.create_connection(("127.0.0.1", port)))
+        held.append(_started(port))
         time.sleep(0.2)
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200  # never refused
         refused = httpx.post(url, json={"input": "x"})
         message = "the server is at its limit of 4 connections (--max-connections); try again later"
         assert (refused.status_code, refused.json()) == (503, {"error": {
@@ -145,6 +147,26 @@ def test_connections_past_the_cap_are_refused_with_a_json_503_then_served_again(
         assert httpx.post(url, json={"input": "x"}).status_code == 200
     refusals = {r.getMessage() for r in caplog.records if r.getMessage().startswith("refused a request")}
     assert refusals == {"refused a request: the server is at its limit of 4 connections (--max-connections)"}
+
+
+def _started(port: int) -> socket.socket:
+    """A connection that sent the start of a request head and then waits."""
+    connection = socket.create_connection(("127.0.0.1", port))
+    connection.sendall(b"POST /v1/embeddings HTTP/1.1\r\n")
+    return connection
+
+
+def test_silent_connections_make_room_for_a_request_past_the_cap(runtime):
+    """Sockets opened and left silent (an attacker's, at no cost) used to hold every request at
+    503 until the read timeout; now a request past the cap closes them and is answered."""
+    with running(runtime, ConnectionLimits(max_connections=4)) as (_, port, _):
+        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(6)]
+        time.sleep(0.2)
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/embeddings", json={"input": [SANITY_TEXT]})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["data"][0]["embedding"] == pytest.approx(runtime.embed(SANITY_TEXT).tolist(), abs=2e-6)
+        for connection in silent:
+            closed_after(connection, 5)
 
 
 def test_drain_with_a_slow_client_ends_within_the_drain_timeout(runtime, caplog):
