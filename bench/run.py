@@ -58,6 +58,7 @@ REFERENCE = {"minilm": ("sentence-transformers", "float32"), "smollm2": ("transf
 # Systems with no image path here: OpenVINO's sentence-transformers backend exports text models,
 # and the padded-transformers baseline is a text loop.
 TEXT_ONLY = ("openvino", "transformers")
+TEXT_PROFILES = tuple(name for name, profile in PROFILES.items() if profile.model != "clip")  # the default
 RESULTS = BENCH / ".results"
 
 
@@ -284,8 +285,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     csv = lambda allowed: lambda text: [x for x in text.split(",") if x in allowed or parser.error(  # noqa: E731
         f"{x!r} is not one of {', '.join(allowed)}")]
-    parser.add_argument("--profiles", type=csv(tuple(PROFILES)), default=list(PROFILES),
-                        help=f"comma-separated, from {', '.join(PROFILES)} (default: all)")
+    parser.add_argument("--profiles", type=csv(tuple(PROFILES)), default=list(TEXT_PROFILES),
+                        help=f"comma-separated, from {', '.join(PROFILES)} (default: {', '.join(TEXT_PROFILES)})")
     parser.add_argument("--systems", type=csv(FAMILIES), default=list(FAMILIES),
                         help=f"comma-separated, from {', '.join(FAMILIES)} (default: all; the reference always runs)")
     parser.add_argument("--dtypes", type=csv(DTYPES), default=list(DTYPES),
