@@ -12,15 +12,18 @@ through three phases of ``--seconds`` each:
 * ``text + images``: the same, while ``--image-clients`` more clients each send ``--batch``
   of scikit-image's photographs (PNG and JPEG files as ``data:`` URLs, decoded and preprocessed
   by the server in ``Frontend.plan``, on a worker thread) per request, in a closed loop too;
+* ``text + preprocessing``: the same image requests, each with one truncated PNG after its
+  images: the server decodes and preprocesses them all, then answers 400 naming the truncated
+  one, so the towers never run: the load of preprocessing alone;
 * ``text alone again``: to see whether the machine changed.
 
 A further client asks ``/health`` every 20 ms throughout: its slowest answer is the longest the
 event loop was blocked. Printed per phase: the text requests' count, median, p99 and maximum,
 the slowest ``/health``, and the images embedded per second; then each p99 against ``text
-alone``. Where a text request waits in a loaded phase, two causes are told apart by the server's
-own figures: a step shared with images (the towers' time, which batching causes by design) and
-the server's decoding and preprocessing, whose share of an image request ``bench/run.py
---profiles images`` reports.
+alone``. ``text + images`` against ``text + preprocessing`` tells the two causes of a text
+request's wait apart: the towers' work on images in the steps it shares or follows (batching
+by design; ``--serve-option=--max-num-batched-tokens=100`` makes image steps of two images), and
+the server's decoding and preprocessing (on worker threads, the GIL mostly released).
 
 The clients run in this process, on the same cores as the server; only ratios within one quiet
 run mean much (``/proc/loadavg`` is printed).
@@ -65,10 +68,21 @@ def data_urls() -> list[str]:
     return urls
 
 
-async def run_phase(name: str, url: str, args: argparse.Namespace, images: list[str], image_clients: int) -> tuple[
-        Phase, int]:
-    """The text clients and the ``/health`` prober (and ``image_clients`` image clients) for
-    ``args.seconds``; the phase and the number of images embedded."""
+def truncated_url() -> str:
+    """The first half of one of the photographs' PNG files: refused ("truncated or corrupt") once
+    decoded, after the images before it in its request are preprocessed."""
+    data = Path(next(path for path in image_files() if path.endswith("chelsea.png"))).read_bytes()
+    return "data:image/png;base64," + base64.b64encode(data[: len(data) // 2]).decode()
+
+
+TRUNCATED = truncated_url()
+
+
+async def run_phase(name: str, url: str, args: argparse.Namespace, images: list[str], image_clients: int, *,
+                    refused: bool = False) -> tuple[Phase, int]:
+    """The text clients and the ``/health`` prober (and ``image_clients`` image clients, whose
+    requests end with a truncated image when ``refused``) for ``args.seconds``; the phase and
+    the number of images embedded (``refused``: preprocessed)."""
     phase = Phase(name)
     words = texts()
     connections = args.clients + image_clients + 1
@@ -92,11 +106,14 @@ async def run_phase(name: str, url: str, args: argparse.Namespace, images: list[
             nonlocal embedded
             sent = number * args.batch
             while not done.is_set():
-                batch = [images[(sent + i) % len(images)] for i in range(args.batch)]
+                batch = [images[(sent + i) % len(images)] for i in range(args.batch)] + [TRUNCATED] * refused
                 sent += args.batch * image_clients
                 began = time.perf_counter()
                 answer = await client.post("/v1/embeddings", json={"input": batch})
-                if answer.status_code != 200:
+                if refused and answer.status_code == 400 and f"input {args.batch}" in answer.text:
+                    phase.big.append((began, time.perf_counter()))
+                    embedded += args.batch
+                elif answer.status_code != 200:
                     phase.failures.append(f"images: {answer.status_code} {answer.text[:200]}")
                 else:
                     phase.big.append((began, time.perf_counter()))
@@ -134,6 +151,7 @@ def report(results: list[tuple[Phase, int]], args: argparse.Namespace, loads: li
           f"data-URL images per request; dtype: {args.dtype or 'the server default'}")
     print(f"{'phase':18} {'seconds':>7} {'text req':>8} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'health max':>10} "
           f"{'images/s':>8} {'image req p50 ms':>16}")
+    print("(images/s in text + preprocessing: images preprocessed, then refused with the truncated one)")
     summary = {}
     for phase, embedded in results:
         measured = latencies(phase)
@@ -162,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=20.0, help="length of each phase")
     parser.add_argument("--dtype", help="the server's --dtype (default: its own, auto)")
     parser.add_argument("--port", type=int, default=8732)
+    parser.add_argument("--serve-option", action="append", default=[], metavar="OPTION",
+                        help="one more option for poolrunner serve (repeat), e.g. --serve-option=--max-num-seqs=8")
     parser.add_argument("--json", metavar="FILE", help="also write every latency to FILE")
     args = parser.parse_args(argv)
 
@@ -169,16 +189,18 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://127.0.0.1:{args.port}"
     loads = [loadavg()]
     options = ["--model", str(clip_folder()), "--log-level", "warning", "--max-request-bytes", str(64 * 2**20)]
-    options += ["--dtype", args.dtype] if args.dtype else []
+    options += (["--dtype", args.dtype] if args.dtype else []) + args.serve_option
     with tempfile.TemporaryDirectory() as folder:
         log = Path(folder) / "server.log"
         server = start_serve(options, args.port, stderr=log.open("wb"))
         try:
             warm = argparse.Namespace(**{**vars(args), "seconds": 3.0})
             asyncio.run(run_phase("warm-up", url, warm, images, 1))
-            results = [asyncio.run(run_phase(name, url, args, images, clients))
-                       for name, clients in (("text alone", 0), ("text + images", args.image_clients),
-                                             ("text alone again", 0))]
+            results = [asyncio.run(run_phase(name, url, args, images, clients, refused=refused))
+                       for name, clients, refused in (("text alone", 0, False),
+                                                      ("text + images", args.image_clients, False),
+                                                      ("text + preprocessing", args.image_clients, True),
+                                                      ("text alone again", 0, False))]
         finally:
             server.terminate()
             server.wait(60)
