@@ -122,3 +122,12 @@ def test_torch_antialiased_bicubic_is_not_pil_bicubic(photos):
         worst = max(worst, int(np.abs(resized[0].permute(1, 2, 0).numpy().astype(int) - pil).max()))
     print(f"torch antialiased bicubic vs PIL bicubic: up to {worst} levels")
     assert worst >= 1
+
+
+def test_a_pickled_copy_starts_its_own_pool(inputs, photos, want):
+    """A runtime shipped to another process (Ray) pickles its image inputs without the pool."""
+    import pickle
+
+    inputs.pixels_of({0: photos[0]})  # the pool exists
+    copy = pickle.loads(pickle.dumps(inputs))
+    np.testing.assert_array_equal(copy.pixels_of({2: photos[2]})[2].numpy(), want[2])
