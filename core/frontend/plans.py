@@ -231,7 +231,7 @@ class Frontend:
             encoded = dict(zip(text_at, self._tokenize([inputs[i] for i in text_at], tokenization), strict=True))
         except InvalidRequestError as exc:
             raise _renumbered(exc, text_at) from None
-        pixels = {i: self.images.pixels(inputs[i], i) for i in image_at}
+        pixels = self.images.pixels_of({i: inputs[i] for i in image_at})
         placeholder = (0,) * (self.model_config.image_positions or 0)
         return [
             PoolingRequest(request_id=f"{params.task}-{next(self._request_ids)}", params=params, pixel_values=pixels[i],
