@@ -69,20 +69,18 @@ class ImageInputs:
         self.max_bytes = max_bytes
 
     @classmethod
-    def load(cls, path: Path, vision_config: Any) -> ImageInputs:
+    def load(cls, path: Path, vision_config: Any, *, shape: tuple[int, ...] | None = None) -> ImageInputs:
         """The folder's image processor, checked to give the vision tower's input shape.
 
+        :param shape: One image's ``pixel_values`` shape, when it is not
+            ``[num_channels, image_size, image_size]`` (SigLIP2: ``[max_num_patches, channels * patch ** 2]``).
         :raises ModelLoadError: when the folder has no image processor transformers reads, or
-            its output is not ``[num_channels, image_size, image_size]``.
+            its output is not ``shape``.
         """
         from PIL import Image
-        from transformers import AutoImageProcessor
 
-        try:
-            processor = AutoImageProcessor.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-        except Exception as exc:  # OSError, ValueError: no preprocessor_config.json, a class of its own code
-            raise ModelLoadError(f"cannot load the image processor of {path}: {' '.join(str(exc).split())}") from exc
-        shape = (vision_config.num_channels, vision_config.image_size, vision_config.image_size)
+        processor = load_image_processor(path)
+        shape = shape or (vision_config.num_channels, vision_config.image_size, vision_config.image_size)
         inputs = cls(processor, shape)
         got = tuple(inputs.pixels(Image.new("RGB", (7, 5)), 0).shape)
         if got != shape:
@@ -91,17 +89,29 @@ class ImageInputs:
         return inputs
 
     def pixels(self, item: Any, index: int) -> Any:
-        """``item``'s pixel values, ``[channels, height, width]`` float32 (a torch tensor).
+        """``item``'s pixel values, ``[channels, height, width]`` float32 (a torch tensor; SigLIP2:
+        ``[max_num_patches, channels * patch ** 2]``).
 
         :raises InvalidRequestError: naming ``input {index}``: unreadable, truncated, empty or
             over a limit; a remote URL.
         """
+        return self.features(item, index)["pixel_values"]
+
+    def features(self, item: Any, index: int) -> dict[str, Any]:
+        """Every output of the image processor for ``item``, one image's (the batch dimension
+        dropped): ``pixel_values`` float32, and whatever else the family's processor gives
+        (SigLIP2: ``pixel_attention_mask`` ``[max_num_patches]``, ``spatial_shapes`` ``[2]``).
+
+        :raises InvalidRequestError: as :meth:`pixels`.
+        """
         image = self.open(item, index)
         try:
-            values = self.processor(images=image, return_tensors="pt")["pixel_values"][0]
+            outputs = self.processor(images=image, return_tensors="pt")
         except Exception as exc:  # the processor's own refusals (an image it cannot resize...)
             raise InvalidRequestError(f"input {index}: the image processor refused the image: {exc}") from None
-        return values.float()
+        features = {name: value[0] for name, value in outputs.items()}
+        features["pixel_values"] = features["pixel_values"].float()
+        return features
 
     def open(self, item: Any, index: int) -> Any:
         """``item`` decoded: an RGB ``PIL.Image.Image``, its pixels loaded.
@@ -170,6 +180,19 @@ class ImageInputs:
         except Exception as exc:  # OSError "image file is truncated", a decoder error
             raise InvalidRequestError(f"input {index}: the image data is truncated or corrupt "
                                       f"({' '.join(str(exc).split()) or type(exc).__name__})") from None
+
+
+def load_image_processor(path: Path) -> Any:
+    """The folder's own image processor (``AutoImageProcessor``, never downloaded, no folder code).
+
+    :raises ModelLoadError: when the folder has none transformers reads.
+    """
+    from transformers import AutoImageProcessor
+
+    try:
+        return AutoImageProcessor.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception as exc:  # OSError, ValueError: no preprocessor_config.json, a class of its own code
+        raise ModelLoadError(f"cannot load the image processor of {path}: {' '.join(str(exc).split())}") from exc
 
 
 def _data_url(url: str, index: int) -> bytes:

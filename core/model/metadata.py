@@ -171,8 +171,9 @@ def load_model_config(
     st = None if required else read_st_metadata(path)
     is_causal = _is_causal(hf_config)
     text_image = is_text_image(hf_config)
-    # A text-image model's output is its projection: both towers map into projection_dim.
-    hidden_size = int(hf_config.projection_dim if text_image else hf_config.hidden_size)
+    # A text-image model's output is its towers' shared embedding size (CLIP: projection_dim).
+    towers = text_image_towers(hf_config.model_type) if text_image else None
+    hidden_size = towers.embedding_size(hf_config) if towers else int(hf_config.hidden_size)
     dense = st.dense_layers if st else ()
     pooling_type = overrides.pooling_type or (st.pooling_type if st else None)
     normalize = overrides.normalize if overrides.normalize is not None else (st.normalize if st else True)
@@ -211,15 +212,16 @@ def load_model_config(
         type_vocab_size=int(getattr(hf_config, "type_vocab_size", 0) or 0),
         token_weight_head=str(head) if (head := token_weight_head(path)) else None,
         required_plugin=required,
-        image_positions=_image_positions(hf_config) if text_image else None,
+        image_positions=towers.image_positions(hf_config, path) if towers else None,
         hf_config=hf_config.to_dict(),
     )
 
 
-def _image_positions(hf_config: PretrainedConfig) -> int:
-    """The vision tower's sequence length: one position per patch, plus CLIP's class embedding."""
-    vision = hf_config.vision_config
-    return (vision.image_size // vision.patch_size) ** 2 + 1
+def text_image_towers(model_type: str) -> Any:
+    """The backbone class of a served text-image ``model_type`` (imported here: torch loads with a model)."""
+    from poolrunner.core.model.siglip import TOWERS
+
+    return TOWERS[model_type]
 
 
 def _is_decoder(hf_config: PretrainedConfig) -> bool:
