@@ -171,6 +171,8 @@ def load_model_config(
     st = None if required else read_st_metadata(path)
     is_causal = _is_causal(hf_config)
     text_image = is_text_image(hf_config)
+    if st is not None:
+        _check_st_text_image(path, hf_config, st.text_image, text_image)
     # A text-image model's output is its towers' shared embedding size (CLIP: projection_dim).
     towers = text_image_towers(hf_config.model_type) if text_image else None
     hidden_size = towers.embedding_size(hf_config) if towers else int(hf_config.hidden_size)
@@ -215,6 +217,25 @@ def load_model_config(
         image_positions=towers.image_positions(hf_config, path) if towers else None,
         hf_config=hf_config.to_dict(),
     )
+
+
+def _check_st_text_image(path: Path, hf_config: PretrainedConfig, st_text_image: bool, text_image: bool) -> None:
+    """A sentence-transformers text-image pipeline (its ``CLIPModel`` module: both towers' features)
+    is served for a ``CLIPModel`` folder only, and a ``CLIPModel`` folder's pipeline must be one.
+
+    :raises ModelLoadError: naming the folder, the module and the architecture.
+    """
+    architecture = architecture_name(hf_config)
+    if st_text_image and hf_config.model_type != "clip":
+        raise ModelLoadError(
+            f"{path}/modules.json: its first module outputs get_text_features / get_image_features, which poolrunner "
+            f"serves for a CLIPModel folder only, not {architecture} (model_type {hf_config.model_type!r}): "
+            "sentence-transformers tokenizes other families' text its own way")
+    if text_image and not st_text_image:
+        raise ModelLoadError(
+            f"{path}/modules.json: a Transformer module that pools the text tower's token embeddings is not "
+            f"supported for {architecture}; poolrunner serves its get_text_features / get_image_features (the "
+            "module sentence-transformers' CLIPModel, or a Transformer whose modality_config names them)")
 
 
 def text_image_towers(model_type: str) -> Any:
