@@ -234,3 +234,38 @@ def test_a_prompt_over_64_tokens_is_refused(runtime, reference):
         runtime.embed(["w1 " * 70])
     assert "64" in str(info.value) and "input 0" in str(info.value), str(info.value)
     assert_close(runtime.embed(TEXTS[2]), text_features(reference, TEXTS[2]), tag(runtime, "after-long"))
+
+
+SERVED = "CLIPModel ('clip'), SiglipModel ('siglip'), Siglip2Model ('siglip2')"
+
+
+@pytest.mark.parametrize(("config_class", "architecture", "message"), [
+    ("ViTConfig", "ViTModel", f"ViTModel (model_type 'vit') is a vision model; poolrunner embeds images only with the "
+                              f"text-image families {SERVED}, each with both towers, and serves no other vision or "
+                              "audio model"),
+    ("SiglipVisionConfig", "SiglipVisionModel",
+     f"SiglipVisionModel (model_type 'siglip_vision_model') is a vision model; poolrunner embeds images only with "
+     f"the text-image families {SERVED}, each with both towers, and serves no other vision or audio model"),
+    ("WhisperConfig", "WhisperModel",
+     f"WhisperModel (model_type 'whisper') is an audio model; poolrunner embeds images only with the text-image "
+     f"families {SERVED}, each with both towers, and serves no other vision or audio model"),
+    ("SiglipConfig", "SiglipForImageClassification",
+     "SiglipForImageClassification (model_type 'siglip') is a composite model whose config holds text_config, "
+     f"vision_config; of the composite families poolrunner serves only {SERVED}; other multimodal models "
+     "(vision-language, audio, other heads of these families) are refused until it implements them"),
+    ("SiglipTextConfig", "SiglipTextModel",
+     "SiglipTextModel (model_type 'siglip_text_model') is the text tower of a text-image family; its embedding is "
+     "the family's own pooled output (CLIP's: the EOS row, then text_projection), which poolrunner serves only "
+     f"from the whole model's folder (text-image families: {SERVED}), so the folder is refused rather than pooled "
+     "another way"),
+])
+def test_other_vision_and_audio_models_are_refused_naming_the_served_families(config_class, architecture, message,
+                                                                                tmp_path):
+    import transformers
+
+    from poolrunner import ModelLoadError, Runtime
+
+    getattr(transformers, config_class)(architectures=[architecture]).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError) as info:
+        Runtime(str(tmp_path), load_entrypoints=False)
+    assert str(info.value) == f"{tmp_path}: {message}"
