@@ -80,7 +80,8 @@ def test_other_modules_after_clip_are_refused(folder, tmp_path):
     modules = json.loads((copy / "modules.json").read_text())
     (copy / "1_Pooling").mkdir(exist_ok=True)
     (copy / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "mean"}))
-    modules.insert(1, {"idx": 1, "name": "pooling", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"})
+    pooling = {"idx": 1, "name": "pooling", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}
+    modules.insert(1, pooling)
     (copy / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ModelLoadError) as info:
         Runtime(str(copy), dtype="float32", load_entrypoints=False)
