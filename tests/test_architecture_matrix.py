@@ -239,7 +239,7 @@ def _check_text_image(row: Row, folder: Path, ids: tuple[int, ...]) -> None:
     assert (rt.model_config.architecture, rt.task) == (row.architecture, "embed")
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 40, 3), dtype=np.uint8))
     model = load_reference(row, folder)
-    pixels = AutoImageProcessor.from_pretrained(folder)(images=image, return_tensors="pt")
+    pixels = AutoImageProcessor.from_pretrained(folder, backend="pil")(images=image, return_tensors="pt")
     text_inputs = {"input_ids": torch.tensor([ids])}
     if row.family.id.startswith("siglip"):  # the pipeline's padding="max_length" to the tower's length
         tokenizer = AutoTokenizer.from_pretrained(folder)

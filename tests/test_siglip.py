@@ -54,7 +54,7 @@ def reference(family, folder):
     model_class = transformers.SiglipModel if family == "siglip" else transformers.Siglip2Model
     model = model_class.from_pretrained(folder).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    processor = transformers.AutoImageProcessor.from_pretrained(folder)
+    processor = transformers.AutoImageProcessor.from_pretrained(folder, backend="pil")  # poolrunner's backend
     return model, tokenizer, processor
 
 
@@ -212,13 +212,13 @@ def test_pairs_of_both_kinds_are_refused(runtime, reference, photos):
                                sigmoid(logits_per_text(reference, [TEXTS[0]], [photos[0]]))[0], atol=ATOL)
 
 
-def test_zero_shot_recipe_equals_the_pipeline(folder, runtime, photos):
+def test_zero_shot_recipe_equals_the_pipeline(folder, runtime, reference, photos):
     """The documented zero-shot recipe, ``score(image, label prompts)``, gives transformers'
     zero-shot-image-classification pipeline's scores for the same folder."""
     import transformers
 
     labels = ["w1 w2", "w7", "w300 w301 w302"]
-    pipe = transformers.pipeline("zero-shot-image-classification", model=str(folder))
+    pipe = transformers.pipeline("zero-shot-image-classification", model=str(folder), image_processor=reference[2])
     for photo in photos[:2]:
         want = {item["label"]: item["score"] for item in pipe(photo, candidate_labels=labels,
                                                               hypothesis_template="w9 {}")}
