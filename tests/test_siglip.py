@@ -269,3 +269,22 @@ def test_other_vision_and_audio_models_are_refused_naming_the_served_families(co
     with pytest.raises(ModelLoadError) as info:
         Runtime(str(tmp_path), load_entrypoints=False)
     assert str(info.value) == f"{tmp_path}: {message}"
+
+
+def test_data_urls_over_http_equal_the_python_api(runtime, photos):
+    """``/v1/embeddings`` ``input`` data URLs are images (SigLIP2's patches, mask and grid included)."""
+    import base64
+    import io
+
+    import httpx
+
+    from poolrunner.core.testing.server import ServerThread
+
+    buffer = io.BytesIO()
+    photos[1].save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    with ServerThread(runtime) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        answer = client.post("/v1/embeddings", json={"input": [TEXTS[0], url]})
+        assert answer.status_code == 200, answer.text
+        got = np.array([item["embedding"] for item in answer.json()["data"]], dtype=np.float32)
+        assert_close(got, runtime.embed([TEXTS[0], photos[1]]), tag(runtime, "http"))
