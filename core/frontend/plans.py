@@ -286,7 +286,7 @@ class Frontend:
         """Whether every pair is (text, image) or (image, text), for a sigmoid-scored family:
         ``False`` when every pair is of one kind (scored by the cosine).
 
-        :raises InvalidRequestError: when the pairs are of both kinds, naming the first of the minority kind.
+        :raises InvalidRequestError: when the pairs are of both kinds, naming the first unlike pair 0.
         """
         crossed = [(requests[q].pixel_values is None) != (requests[d].pixel_values is None) for q, d in pairs]
         if all(crossed) or not any(crossed):
