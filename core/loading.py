@@ -99,7 +99,8 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
     max_input_chars = config.max_input_chars or default_max_input_chars(config.max_embed_len
                                                                         or model_config.max_model_len)
     inputs = InputProcessor(tokenizer, model_config, max_input_chars=max_input_chars)
-    images = ImageInputs.load(path, hf_config.vision_config) if model_config.image_positions else None
+    images = (ImageInputs.load(path, hf_config.vision_config, config.image_limits())
+              if model_config.image_positions else None)
     build = functools.partial(_build_engine, config, path, hf_config, hooks, model_config, wanted, device)
     fast_path = config.compile == "auto" and onednn.supported(device, torch.float32)
     mixed_path = fast_path and onednn.supported(device, torch.bfloat16)  # bf16 products, as bf16-mixed's
