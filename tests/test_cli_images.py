@@ -75,3 +75,26 @@ def test_a_broken_file_is_named_and_may_be_skipped(folder, photo_dir, tmp_path, 
     assert [json.loads(line)["file"] for line in output.read_text().splitlines()] == [str(tmp_path / "a.png")]
     assert embed(folder, tmp_path / "*.jpg", output) != 0
     assert "no files found" in capsys.readouterr().err
+
+
+def test_image_column_of_parquet_bytes_and_jsonl_paths(folder, photo_dir, tmp_path):
+    """``--input FILE --image-field FIELD``: Parquet bytes, JSON Lines paths; chunks larger than
+    ``--max-images-per-request`` run in requests of that many."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    paths = [photo_dir / f"{name}.png" for name in PHOTOS]
+    want = features(folder, paths)
+    pq.write_table(pa.table({"id": [10, 11, 12], "img": [p.read_bytes() for p in paths]}), tmp_path / "in.parquet")
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"img": str(p)}) + "\n" for p in paths))
+    for source in ("in.parquet", "in.jsonl"):
+        output = tmp_path / f"{source}.out.jsonl"
+        assert main(["embed", "--model", str(folder), "--dtype", "float32", "--no-entrypoints", "--input",
+                     str(tmp_path / source), "--image-field", "img", "--max-images-per-request", "2",
+                     "--output", str(output)]) == 0
+        rows = [json.loads(line) for line in output.read_text().splitlines()]
+        got = np.array([row["embedding"] for row in rows], dtype=np.float32)
+        cosine = (got * want).sum(1) / np.linalg.norm(got, axis=1)
+        print(f"cli-image-field {source}: min cosine {cosine.min():.8f}")
+        assert cosine.min() >= 0.9999 and [row["index"] for row in rows] == [0, 1, 2]
+        assert [row.get("id") for row in rows] == ([10, 11, 12] if source == "in.parquet" else [None] * 3)

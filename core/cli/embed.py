@@ -88,6 +88,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                        help="embed image files (a text-image model: CLIP): every file of a folder, or the files a "
                             "glob pattern matches ('photos/*.jpg', quoted), in sorted order; each output record "
                             "names its file (column file)")
+    files.add_argument("--image-field", metavar="FIELD",
+                       help="--input's records hold images in FIELD instead of texts: JSON Lines, CSV or Parquet "
+                            "strings are image file paths (relative to the working directory) or data:image/ "
+                            "URLs, a Parquet binary column holds each image's encoded bytes")
     add_output_option(files, FORMATS, "; .npy: a numpy array [n, d] (float32, or --precision's dtype)")
 
     model = add_model_options(parser)
@@ -133,6 +137,11 @@ def run(args: argparse.Namespace) -> int:
             raise CliError("--images: each record's id is its file (column file); --id-field names no field")
         inputs = image_inputs(args.images, args.max_images_per_request, args.on_error)
         args.id_field = "file"
+    elif args.image_field is not None:
+        if args.input is None or args.texts:
+            raise CliError("--image-field names a field of --input FILE's records: pass --input FILE, no TEXT")
+        fields = attrs.evolve(input_fields(args, (args.image_field, "--image-field")), images=True)
+        inputs = read_inputs(args, fields, [], what="images to embed")
     else:
         inputs = read_inputs(args, input_fields(args), args.texts, what="texts to embed")
     check_output(args.output)
@@ -140,8 +149,12 @@ def run(args: argparse.Namespace) -> int:
     calibrated = args.precision in ("int8", "uint8")  # on the whole run's float32 vectors, after the run
     request = request_of(EncodeRequest, args, task="embed", precision="float32" if calibrated else args.precision)
 
-    def embed(texts: list[str]) -> np.ndarray:
-        return np.stack(runtime.execute(attrs.evolve(request, inputs=texts)))
+    def embed(texts: list[Any]) -> np.ndarray:
+        if args.image_field is None:
+            return np.stack(runtime.execute(attrs.evolve(request, inputs=texts)))
+        items, step = [image_item(item) for item in texts], args.max_images_per_request  # a chunk may hold more
+        return np.concatenate([np.stack(runtime.execute(attrs.evolve(request, inputs=items[start:start + step])))
+                               for start in range(0, len(items), step)])
 
     with progress("embedding", inputs) as bar, open_output(args.output, fmt, column="embedding") as writer:
         chunks = _embedded(inputs, embed, bar.update, args.id_field)
@@ -150,6 +163,12 @@ def run(args: argparse.Namespace) -> int:
         inputs.check("texts to embed")
     inputs.report()
     return 0
+
+
+def image_item(value: str | bytes) -> Any:
+    """One ``--image-field`` value as an image input: bytes as they are, a ``data:image/`` URL as
+    it is, any other string a file path."""
+    return value if isinstance(value, bytes) or value.startswith("data:image/") else Path(value)
 
 
 def image_inputs(pattern: str, per_chunk: int, on_error: str) -> Inputs:
