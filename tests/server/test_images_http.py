@@ -288,9 +288,10 @@ def test_hostile_images_are_400_naming_the_input(client, photos, shape):
         assert after.status_code == 200, (case, after.text)
 
 
-@pytest.mark.parametrize("mode", ["animated-gif", "cmyk-jpeg", "palette-png", "16-bit-png"])
+@pytest.mark.parametrize("mode", ["animated-gif", "cmyk-jpeg", "palette-png", "16-bit-png", "png-named-jpeg"])
 def test_other_image_modes_give_their_rgb_first_frame(client, reference, mode):
-    """A defined result: the first frame in RGB, as CLIP's processor converts it."""
+    """A defined result: the first frame in RGB, as CLIP's processor converts it; a data URL whose
+    image subtype is not its bytes' format is read by its bytes (as PIL and browsers read it)."""
     from PIL import Image
 
     rng = np.random.default_rng(1)
@@ -302,11 +303,14 @@ def test_other_image_modes_give_their_rgb_first_frame(client, reference, mode):
         rgb.convert("CMYK").save(buffer, format="JPEG")
     elif mode == "palette-png":
         rgb.convert("P").save(buffer, format="PNG")
-    else:
+    elif mode == "16-bit-png":
         Image.fromarray(rng.integers(0, 65536, (40, 30), dtype=np.uint16)).save(buffer, format="PNG")
+    else:
+        rgb.save(buffer, format="PNG")
     decoded = Image.open(io.BytesIO(buffer.getvalue()))
     decoded.seek(0)
-    got = vectors(client.post("/v1/embeddings", json={"input": [data_url(buffer.getvalue())]}))
+    mime = "image/jpeg" if mode == "png-named-jpeg" else "image/png"
+    got = vectors(client.post("/v1/embeddings", json={"input": [data_url(buffer.getvalue(), mime)]}))
     assert_close(got, reference(decoded.convert("RGB")), mode)
 
 
