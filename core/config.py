@@ -21,6 +21,9 @@ from poolrunner.core.inputs.images import (
     MAX_IMAGES_PER_REQUEST,
     MEDIA_FETCH_TIMEOUT,
     ImageLimits,
+    check_host_names,
+    host_names,
+    positive_seconds,
 )
 from poolrunner.core.types import PLUGIN_TASK_NAME, POOLING_TASKS, POOLING_TYPES, PoolingTask, PoolingType
 from poolrunner.core.validators import json_object, one_of, optional_bool, positive_int, task_name
@@ -148,19 +151,12 @@ class RuntimeConfig:
     max_image_bytes: int = field(default=MAX_IMAGE_BYTES, validator=positive_int)
     max_image_pixels: int = field(default=MAX_IMAGE_PIXELS, validator=positive_int)
     max_images_per_request: int = field(default=MAX_IMAGES_PER_REQUEST, validator=positive_int)
-    allowed_media_domains: tuple[str, ...] = field(default=(), converter=lambda v: (v,) if isinstance(v, str)
-                                                   else tuple(v or ()))
-    media_fetch_timeout: float = MEDIA_FETCH_TIMEOUT
+    allowed_media_domains: tuple[str, ...] = field(default=(), converter=host_names, validator=check_host_names)
+    media_fetch_timeout: float = field(default=MEDIA_FETCH_TIMEOUT, validator=positive_seconds)
     overrides: ModelOverrides = field(factory=ModelOverrides)
 
-    def __attrs_post_init__(self) -> None:
-        self.image_limits()  # a bad domain or timeout fails here, at construction
-
     def image_limits(self) -> ImageLimits:
-        """The image settings as :class:`~poolrunner.core.inputs.images.ImageLimits`.
-
-        :raises ValueError: for a timeout that is not positive or a domain that is not a host name.
-        """
+        """The image settings as :class:`~poolrunner.core.inputs.images.ImageLimits` (checked here already)."""
         return ImageLimits(max_bytes=self.max_image_bytes, max_pixels=self.max_image_pixels,
                            max_images=self.max_images_per_request, allowed_media_domains=self.allowed_media_domains,
                            fetch_timeout=self.media_fetch_timeout)

@@ -43,19 +43,21 @@ MEDIA_FETCH_TIMEOUT = 5.0
 DATA_URL_PREFIX = "data:image/"
 
 
-def _domains(value: Any) -> tuple[str, ...]:
+def host_names(value: Any) -> tuple[str, ...]:
     """Host names, lower-cased, each once; a single string is one host."""
     names = (value,) if isinstance(value, str) else tuple(value or ())
     return tuple(dict.fromkeys(str(name).strip().lower() for name in names))
 
 
-def _check_domains(_instance: object, _attribute: object, value: tuple[str, ...]) -> None:
+def check_host_names(_instance: object, attribute: Any, value: tuple[str, ...]) -> None:
+    """:raises ValueError: for an entry that is not a bare host name (a URL, a port, a wildcard)."""
     for name in value:
         if not name or "/" in name or ":" in name or "*" in name:
-            raise ValueError(f"allowed_media_domains holds host names (images.example.com), got {name!r}")
+            raise ValueError(f"{attribute.name} holds host names (images.example.com), got {name!r}")
 
 
-def _positive_seconds(_instance: object, attribute: Any, value: Any) -> None:
+def positive_seconds(_instance: object, attribute: Any, value: Any) -> None:
+    """:raises ValueError: unless ``value`` is a number above 0."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise ValueError(f"{attribute.name} must be a positive number of seconds, got {value!r}")
 
@@ -78,8 +80,8 @@ class ImageLimits:
     max_bytes: int = field(default=MAX_IMAGE_BYTES, validator=positive_int)
     max_pixels: int = field(default=MAX_IMAGE_PIXELS, validator=positive_int)
     max_images: int = field(default=MAX_IMAGES_PER_REQUEST, validator=positive_int)
-    allowed_media_domains: tuple[str, ...] = field(default=(), converter=_domains, validator=_check_domains)
-    fetch_timeout: float = field(default=MEDIA_FETCH_TIMEOUT, validator=_positive_seconds)
+    allowed_media_domains: tuple[str, ...] = field(default=(), converter=host_names, validator=check_host_names)
+    fetch_timeout: float = field(default=MEDIA_FETCH_TIMEOUT, validator=positive_seconds)
 
 
 @frozen

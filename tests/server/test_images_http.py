@@ -396,3 +396,20 @@ def test_rerank_orders_by_clips_own_similarity(folder, runtime, photos):
     ranked = runtime.rerank(photos[1], texts, top_n=2)
     want = (out.logits_per_image[1] / scale).numpy()
     assert [r.index for r in ranked] == list(np.argsort(-want, kind="stable"))[:2]
+
+
+def test_image_settings_are_checked_naming_them():
+    from poolrunner.core.config import RuntimeConfig
+
+    cases = {
+        "media_fetch_timeout": (0, "media_fetch_timeout must be a positive number of seconds, got 0"),
+        "allowed_media_domains": (["https://a.example"], "allowed_media_domains holds host names "
+                                                         "(images.example.com), got 'https://a.example'"),
+        "max_images_per_request": (0, "max_images_per_request must be a positive integer, got 0"),
+    }
+    for name, (value, message) in cases.items():
+        with pytest.raises(ValueError) as info:
+            RuntimeConfig(**{name: value})
+        assert str(info.value) == message
+    assert RuntimeConfig(allowed_media_domains="Images.Example.com").image_limits().allowed_media_domains == (
+        "images.example.com",)
