@@ -236,7 +236,7 @@ class Frontend:
             encoded = dict(zip(text_at, self._tokenize([inputs[i] for i in text_at], tokenization), strict=True))
         except InvalidRequestError as exc:
             raise _renumbered(exc, text_at) from None
-        pixels = {i: self.images.pixels(inputs[i], i) for i in image_at}
+        pixels = self.images.pixels_of({i: inputs[i] for i in image_at})
         placeholder = (0,) * (self.model_config.image_positions or 0)
         return [
             PoolingRequest(request_id=f"{params.task}-{next(self._request_ids)}", params=params, pixel_values=pixels[i],
@@ -348,6 +348,10 @@ class Frontend:
         result = scores.detach().float().cpu().numpy()
         if result.shape != (len(pairs),):
             raise RuntimeError(f"score_outputs returned shape {list(result.shape)} for {len(pairs)} pairs")
+        if not np.isfinite(result).all():  # a plugin option out of range (weights of 1e308) overflows
+            shown = ", ".join(f"{name}={value!r}" for name, value in options.items()) or "none"
+            raise InvalidRequestError(f"the scores of {self.default_task!r} outputs are not finite (inf or nan) "
+                                      f"with the request's options ({shown}): use smaller values")
         return result
 
     def _cannot_score(self) -> UnsupportedTaskError:

@@ -11,8 +11,14 @@ the size the header declares against :attr:`ImageLimits.max_pixels`: a decompres
 decodes); the MIME type a data URL names is not trusted, the bytes decide the format (as PIL and
 browsers read them); a multi-frame image gives its first frame, and every mode
 (palette, CMYK, 16-bit, alpha) is converted to RGB, as CLIP's processor does. The pixels are the
-folder's own image processor's (``AutoImageProcessor``, never downloaded). Every failure is an
-:class:`InvalidRequestError` naming the input.
+folder's own image processor's (``AutoImageProcessor``, never downloaded), its PIL backend
+whatever else is installed. Every failure is an :class:`InvalidRequestError` naming the input.
+
+A request's images are decoded and preprocessed on a small thread pool per model
+(:meth:`ImageInputs.pixels_of`): PIL's decoders and resampling and numpy's arithmetic release the
+GIL, so the images of one request use the cores together, and however many requests carry
+images at once, preprocessing never takes more than :data:`PREPROCESS_THREADS` threads from the
+towers and the other requests (the server plans each request on a worker thread of its own).
 """
 
 from __future__ import annotations
@@ -22,7 +28,10 @@ import binascii
 import io
 import os
 import sys
+import threading
 import warnings
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +50,9 @@ MAX_IMAGES_PER_REQUEST = 256
 MEDIA_FETCH_TIMEOUT = 5.0
 """Default of :attr:`ImageLimits.fetch_timeout`, seconds (vLLM's ``VLLM_IMAGE_FETCH_TIMEOUT``)."""
 DATA_URL_PREFIX = "data:image/"
+PREPROCESS_THREADS = min(4, os.cpu_count() or 1)
+"""Threads that decode and preprocess images, per model: the cores, at most 4 (beyond that a
+request's images gain little, and the towers lose cores)."""
 
 
 def host_names(value: Any) -> tuple[str, ...]:
@@ -111,10 +123,20 @@ class ImageInputs:
     :param limits: The runtime's :class:`ImageLimits`.
     """
 
-    def __init__(self, processor: Any, shape: tuple[int, int, int], limits: ImageLimits = ImageLimits()) -> None:  # noqa: B008 (frozen)
+    def __init__(self, processor: Any, shape: tuple[int, int, int], limits: ImageLimits = ImageLimits(),  # noqa: B008 (frozen)
+                 *, threads: int = PREPROCESS_THREADS) -> None:
         self.processor = processor
         self.shape = shape
         self.limits = limits
+        self.threads = threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:  # a pickled copy starts its own pool
+        return {**self.__dict__, "_pool": None, "_pool_lock": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _pool_lock=threading.Lock())
 
     @property
     def max_pixels(self) -> int:
@@ -141,7 +163,12 @@ class ImageInputs:
         from transformers import AutoImageProcessor
 
         try:
-            processor = AutoImageProcessor.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+            # The PIL backend, also where torchvision is installed (transformers then picks the
+            # torchvision one): its resize is torch's antialiased bicubic, up to 2 levels of 255
+            # away from PIL's on scikit-image's photographs, so the pixels would depend on what
+            # else is installed. The slow (PIL) processor is the one every install has.
+            processor = AutoImageProcessor.from_pretrained(path, local_files_only=True, trust_remote_code=False,
+                                                           backend="pil")
         except Exception as exc:  # OSError, ValueError: no preprocessor_config.json, a class of its own code
             raise ModelLoadError(f"cannot load the image processor of {path}: {' '.join(str(exc).split())}") from exc
         shape = (vision_config.num_channels, vision_config.image_size, vision_config.image_size)
@@ -151,6 +178,23 @@ class ImageInputs:
             raise ModelLoadError(f"{path}: the image processor gives pixel values of shape {list(got)}, but the "
                                  f"vision tower takes {list(shape)}")
         return inputs
+
+    def pixels_of(self, items: Mapping[int, Any]) -> dict[int, Any]:
+        """:meth:`pixels` of each ``{index: item}``, on the model's preprocessing threads.
+
+        :raises InvalidRequestError: :meth:`pixels`' error for the lowest failing index (as one
+            image after another would); the images not yet started are not preprocessed.
+        """
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="poolrunner-images")
+        futures: dict[int, Future[Any]] = {index: self._pool.submit(self.pixels, item, index)
+                                           for index, item in items.items()}
+        try:
+            return {index: future.result() for index, future in futures.items()}
+        finally:
+            for future in futures.values():
+                future.cancel()
 
     def pixels(self, item: Any, index: int) -> Any:
         """``item``'s pixel values, ``[channels, height, width]`` float32 (a torch tensor).
