@@ -7,7 +7,8 @@ does not allow ``b.a.example``), as vLLM compares them. The download is bounded:
 connecting and for each read (vLLM's ``VLLM_IMAGE_FETCH_TIMEOUT``, 5 s), the byte limit enforced
 while the body streams in (a lying or missing ``Content-Length`` cannot get more through), and
 redirects followed only to allowed hosts (at most :data:`MAX_REDIRECTS`). It runs where the
-request is planned: a worker thread on the server, never the event loop.
+image is preprocessed (the model's preprocessing threads, ``ImageInputs.pixels_of``), never on
+the server's event loop.
 """
 
 from __future__ import annotations
