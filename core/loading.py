@@ -30,7 +30,7 @@ from poolrunner.core.errors import ModelLoadError, PluginConflictError, Unsuppor
 from poolrunner.core.frontend import chunking
 from poolrunner.core.hooks import Hooks
 from poolrunner.core.inputs import score_template
-from poolrunner.core.inputs.images import ImageInputs
+from poolrunner.core.inputs.images import ImageInputs, ImageLimits
 from poolrunner.core.inputs.score_template import ScoreTemplate
 from poolrunner.core.inputs.tokenize import InputProcessor
 from poolrunner.core.kernels import cpu_kernels, fused_norms, onednn
@@ -103,7 +103,7 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
     max_input_chars = config.max_input_chars or default_max_input_chars(config.max_embed_len
                                                                         or model_config.max_model_len)
     inputs = InputProcessor(tokenizer, model_config, max_input_chars=max_input_chars)
-    images = _image_inputs(path, hf_config, model_config)
+    images = _image_inputs(path, hf_config, model_config, config.image_limits())
     build = functools.partial(_build_engine, config, path, hf_config, hooks, model_config, wanted, device)
     fast_path = config.compile == "auto" and onednn.supported(device, torch.float32)
     mixed_path = fast_path and onednn.supported(device, torch.bfloat16)  # bf16 products, as bf16-mixed's
@@ -132,13 +132,14 @@ def _image_score(engine: Engine) -> tuple[float, float] | None:
     return backbone.pair_score() if isinstance(backbone, TextImageModel) else None
 
 
-def _image_inputs(path: Path, hf_config: PretrainedConfig, model_config: ModelConfig) -> ImageInputs | None:
+def _image_inputs(path: Path, hf_config: PretrainedConfig, model_config: ModelConfig,
+                  limits: ImageLimits) -> ImageInputs | None:
     """A text-image model's image inputs, its processor checked to give the family's pixel shape."""
     if not model_config.image_positions:
         return None
     towers = metadata.text_image_towers(hf_config.model_type)
     shape = towers.pixel_shape(hf_config, model_config.image_positions)
-    return ImageInputs.load(path, hf_config.vision_config, shape=shape)
+    return ImageInputs.load(path, hf_config.vision_config, limits, shape=shape)
 
 
 def _explicit_precision(

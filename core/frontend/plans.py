@@ -152,9 +152,13 @@ class Frontend:
     @plan.register
     def _(self, request: RerankRequest) -> Plan[list[Any]]:
         name = request.sides[1]
+        images = self.images is not None
         for index, document in enumerate(request.documents):  # named as the caller sent them
-            if not isinstance(document, str):
-                raise InvalidRequestError(f"{name}[{index}] must be a string, got {document!r:.80}", param=name)
+            if not isinstance(document, str) and not (images and is_image(document)):
+                kinds = "a string or an image" if images else "a string"
+                raise InvalidRequestError(f"{name}[{index}] must be {kinds}, got {document!r:.80}", param=name)
+        if not isinstance(request.query, str) and not images:
+            raise InvalidRequestError(f"query must be a string, got {request.query!r:.80}", param="query")
         scoring = self._plan_score(request.score_request())
         documents = list(request.documents)
         return Plan(scoring.requests, lambda done: outputs.rank(
@@ -230,6 +234,7 @@ class Frontend:
         if params.task != "embed":
             raise InvalidRequestError(f"input {image_at[0]} is an image: images are embedded (task 'embed'), "
                                       f"not {params.task!r}", param="task")
+        self.images.check_count(len(image_at))
         text_at = [i for i in range(len(inputs)) if i not in set(image_at)]
         try:
             encoded = dict(zip(text_at, self._tokenize([inputs[i] for i in text_at], tokenization), strict=True))

@@ -23,6 +23,7 @@ from poolrunner.core.runtime import Runtime, Serving
 from poolrunner.core.server.errors import ApiError
 from poolrunner.core.server.metrics import ServerMetrics
 from poolrunner.core.server.middleware import REQUEST_STATS
+from poolrunner.core.server.protocol import text_image_prompt
 from poolrunner.core.server.settings import MAX_PRIORITY, ServerSettings
 from poolrunner.core.types import PoolingRequest
 
@@ -68,6 +69,11 @@ class PoolingService:
         """A pooling body's inputs and whether to add special tokens: ``input`` as
         :meth:`inputs` reads it, or vLLM's chat form, ``messages`` rendered with the model's chat
         template into one text (special tokens then not added unless ``add_special_tokens``).
+        For a text-image model (CLIP), or messages holding an image, the messages make one text
+        or one image instead (:func:`~poolrunner.core.server.protocol.text_image_prompt`), and
+        its text gets the tokenizer's special tokens unless ``add_special_tokens`` is false: CLIP
+        pools the end-of-text token, so without them the vector is not CLIP's (vLLM's default
+        for messages leaves them out; poolrunner answers what ``input`` with the same text does).
 
         :raises ApiError: 400 for both or neither of ``input`` and ``messages``, or ``chat_template``.
         :raises InvalidRequestError: when the messages cannot be rendered (no chat template...).
@@ -87,6 +93,8 @@ class PoolingService:
                                 "template", param="chat_template")
         if not body.messages:
             raise ApiError(400, "messages is empty: send at least one message", param="messages")
+        if self.frontend.images is not None or any(message.image_urls() for message in body.messages):
+            return [text_image_prompt(body.messages)], body.add_special_tokens is not False
         text = await run_in_threadpool(
             self.frontend.inputs.render_chat, [message.for_template() for message in body.messages],
             add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
