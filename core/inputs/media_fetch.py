@@ -4,7 +4,7 @@ Off by default: with no ``allowed_media_domains`` every ``http(s)`` URL is refus
 downloaded. vLLM fetches any URL unless ``--allowed-media-domains`` narrows it; poolrunner takes
 the same flag as the explicit list that turns fetching on. A host matches exactly (``a.example``
 does not allow ``b.a.example``), as vLLM compares them. The download is bounded: a timeout for
-connecting and for each read (vLLM's ``VLLM_IMAGE_FETCH_TIMEOUT``, 5 s), the byte limit enforced
+connecting, for each read and for the whole body (vLLM's ``VLLM_IMAGE_FETCH_TIMEOUT``, 5 s), the byte limit enforced
 while the body streams in (a lying or missing ``Content-Length`` cannot get more through), and
 redirects followed only to allowed hosts (at most :data:`MAX_REDIRECTS`). It runs where the
 image is preprocessed (the model's preprocessing threads, ``ImageInputs.pixels_of``), never on
@@ -13,6 +13,7 @@ the server's event loop.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
@@ -44,7 +45,7 @@ def fetch(url: str, limits: Any, name: str) -> bytes:
                         continue
                     if response.status_code != 200:
                         raise InvalidRequestError(f"{name}: fetching {shown!r} answered HTTP {response.status_code}")
-                    return _bounded_body(response, limits.max_bytes, name, shown)
+                    return _bounded_body(response, limits, name, shown, time.monotonic() + limits.fetch_timeout)
             except httpx.TimeoutException:
                 raise InvalidRequestError(f"{name}: fetching {shown!r} took longer than the "
                                           f"{limits.fetch_timeout:g} s timeout") from None
@@ -65,8 +66,10 @@ def _check_host(url: str, allowed: tuple[str, ...], name: str) -> None:
                                   f"({', '.join(allowed)})")
 
 
-def _bounded_body(response: Any, max_bytes: int, name: str, shown: str) -> bytes:
-    """The streamed body, refused as soon as it passes ``max_bytes`` (nothing more is read)."""
+def _bounded_body(response: Any, limits: Any, name: str, shown: str, deadline: float) -> bytes:
+    """The streamed body, refused as soon as it passes ``limits.max_bytes`` (nothing more is
+    read) or the ``deadline`` (a body trickling in never holds a thread longer than the timeout)."""
+    max_bytes = limits.max_bytes
     declared = response.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise InvalidRequestError(f"{name}: {shown!r} has {declared} bytes, more than the limit of {max_bytes}")
@@ -75,4 +78,7 @@ def _bounded_body(response: Any, max_bytes: int, name: str, shown: str) -> bytes
         body += chunk
         if len(body) > max_bytes:
             raise InvalidRequestError(f"{name}: {shown!r} sent more than the limit of {max_bytes} bytes")
+        if time.monotonic() > deadline:
+            raise InvalidRequestError(f"{name}: fetching {shown!r} took longer than the "
+                                      f"{limits.fetch_timeout:g} s timeout")
     return bytes(body)

@@ -65,7 +65,8 @@ def reference(folder):
 
 class _Files(http.server.BaseHTTPRequestHandler):
     """The local image host: ``files`` by path; ``/slow`` stalls; ``/endless`` streams without a
-    length; ``/redirect`` sends the client to another host."""
+    length; ``/trickle`` sends a byte every 0.5 s (each read within the timeout, the whole body
+    not); ``/redirect`` sends the client to another host."""
 
     files: dict[str, bytes] = {}
     requested: list[str] = []
@@ -78,6 +79,14 @@ class _Files(http.server.BaseHTTPRequestHandler):
             self.send_response(302)
             self.send_header("Location", f"http://localhost:{self.server.server_port}/chelsea.png")
             self.end_headers()
+            return
+        if self.path == "/trickle":
+            self.send_response(200)
+            self.end_headers()
+            for _ in range(8):
+                self.wfile.write(b"\0")
+                self.wfile.flush()
+                time.sleep(0.5)
             return
         if self.path == "/endless":
             self.send_response(200)
@@ -334,6 +343,7 @@ def test_allowed_host_is_fetched_others_never(client, reference, photos, image_h
         f"{image_host}/redirect": "the image URL's host 'localhost' is not among the allowed media domains",
         f"{image_host}/missing.png": "answered HTTP 404",
         f"{image_host}/slow": "took longer than the 1 s timeout",
+        f"{image_host}/trickle": "took longer than the 1 s timeout",
         f"{image_host}/big.png": f"has {MAX_BYTES + 14} bytes, more than the limit of {MAX_BYTES}",
         f"{image_host}/endless": f"sent more than the limit of {MAX_BYTES} bytes",
     }
