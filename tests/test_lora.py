@@ -1,0 +1,192 @@
+"""LoRA adapters per request against PEFT, the independent reference: each adapter's outputs equal
+``PeftModel.from_pretrained(base, folder)``'s (float32, 1e-4), mixed in one step with other
+adapters and the base model; bad folders are refused naming the field or tensor, and the
+runtime serves the next request."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from poolrunner import Runtime
+from poolrunner.core import InvalidRequestError, ModelLoadError
+from poolrunner.core.frontend.requests import ClassifyRequest, EncodeRequest
+from poolrunner.core.testing.steps import record_steps
+from poolrunner.core.testing.tiny_models import tiny_model_folder
+
+peft = pytest.importorskip("peft")  # the test extra installs it; a missing reference is not a pass
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer  # noqa: E402
+
+# PEFT 0.21 reads transformers' deprecated is_gradient_checkpointing: the reference's warning, not ours.
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
+TEXTS = ["w1 w2 w3 w4 w5", "w7 w8", "w10 w11 w12 w13 w14 w15 w16 w17"]
+ATOL = 1e-4
+
+
+def make_adapter(base_folder: Path, folder: Path, config: LoraConfig, *, auto=AutoModel, seed: int = 0) -> Path:
+    """A PEFT adapter of ``base_folder`` with every trainable tensor redrawn (PEFT starts B at 0,
+    which would make every adapter the base model)."""
+    model = get_peft_model(auto.from_pretrained(base_folder), config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.requires_grad:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+                assert "lora_" in name or "modules_to_save" in name, name
+    model.save_pretrained(folder)
+    return folder
+
+
+def peft_hidden(base_folder: Path, adapter: Path | None, texts: list[str], auto=AutoModel):
+    """PEFT's (or, with no adapter, transformers') outputs for each text on its own."""
+    model = auto.from_pretrained(base_folder).eval()
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    tokenizer = AutoTokenizer.from_pretrained(base_folder)
+    with torch.inference_mode():
+        return [model(**tokenizer(text, return_tensors="pt")) for text in texts]
+
+
+def planned(task: str, texts: list[str], lora: str | None):
+    """The request a runtime method builds for ``task``, run below as one engine call so that
+    requests of several adapters share its steps."""
+    if task == "classify":
+        return ClassifyRequest.of(inputs=texts, lora=lora)
+    return EncodeRequest.of(inputs=texts, task=task, lora=lora)
+
+
+def normalized(vector: torch.Tensor) -> np.ndarray:
+    return torch.nn.functional.normalize(vector, dim=-1).numpy()
+
+
+ENCODER_ADAPTERS = {
+    "names": LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"]),
+    "regex": LoraConfig(r=8, lora_alpha=16, use_rslora=True, target_modules=r".*\.(key|dense)"),
+    "all": LoraConfig(r=2, lora_alpha=4, lora_dropout=0.1, target_modules=["query", "key", "value", "dense"]),
+}
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-bert")
+    base = tiny_model_folder(root / "base", "bert", "model")
+    adapters = {name: make_adapter(base, root / name, config, seed=i)
+                for i, (name, config) in enumerate(ENCODER_ADAPTERS.items())}
+    runtime = Runtime(base, dtype="float32", lora_modules=adapters, max_loras=4, max_lora_rank=8)
+    return base, adapters, runtime
+
+
+@pytest.mark.parametrize("name", [None, *ENCODER_ADAPTERS])
+def test_encoder_adapter_equals_peft(bert, name):
+    base, adapters, runtime = bert
+    reference = peft_hidden(base, adapters.get(name), TEXTS)
+    embeddings = runtime.embed(TEXTS, lora=name)
+    tokens = runtime.encode(TEXTS, task="token_embed", lora=name)
+    for i, output in enumerate(reference):
+        hidden = output.last_hidden_state[0]
+        np.testing.assert_allclose(embeddings[i], normalized(hidden[0]), atol=ATOL)  # CLS, normalized
+        np.testing.assert_allclose(tokens[i], hidden.numpy(), atol=ATOL)
+    if name is not None:  # the adapter changes the answer: the test can tell them apart
+        assert not np.allclose(embeddings, runtime.embed(TEXTS), atol=1e-3)
+
+
+def test_three_adapters_and_base_in_one_step(bert):
+    base, adapters, runtime = bert
+    names = [None, *ENCODER_ADAPTERS]
+    requests = [request for name in names for request in runtime.frontend.plan(
+        planned("token_embed", TEXTS, name)).requests]
+    with record_steps(runtime) as log:
+        outputs = runtime._run(requests, False)  # one call: the four groups share steps
+    assert [len(step.chunks) for step in log.steps] == [len(requests)]
+    for k, name in enumerate(names):
+        reference = peft_hidden(base, adapters.get(name), TEXTS)
+        for i, output in enumerate(reference):
+            np.testing.assert_allclose(outputs[k * len(TEXTS) + i].numpy(), output.last_hidden_state[0].numpy(),
+                                       atol=ATOL)
+
+
+def test_classify_with_modules_to_save_head(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-classify")
+    base = tiny_model_folder(root / "base", "bert", "sequence")
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value", "dense"], task_type="SEQ_CLS")
+    adapter = make_adapter(base, root / "cls", config, auto=AutoModelForSequenceClassification)
+    assert "base_model.model.classifier.weight" in load_file(adapter / "adapter_model.safetensors")
+    runtime = Runtime(base, dtype="float32", lora_modules={"cls": adapter})
+    mixed = runtime.frontend.plan(planned("classify", TEXTS, "cls")).requests
+    mixed += runtime.frontend.plan(planned("classify", TEXTS, None)).requests
+    outputs = runtime._run(mixed, False)
+    for k, folder in enumerate([adapter, None]):
+        reference = peft_hidden(base, folder, TEXTS, auto=AutoModelForSequenceClassification)
+        for i, output in enumerate(reference):
+            np.testing.assert_allclose(outputs[k * len(TEXTS) + i].numpy(), output.logits[0].softmax(-1).numpy(),
+                                       atol=ATOL)
+    results = runtime.classify(TEXTS, lora="cls")
+    np.testing.assert_allclose([r.probs for r in results], [o.numpy() for o in outputs[:len(TEXTS)]], atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_decoder_adapter_equals_peft(tmp_path_factory, family):
+    root = tmp_path_factory.mktemp(f"lora-{family}")
+    base = tiny_model_folder(root / "base", family, "model")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapters = {"a": make_adapter(base, root / "a", LoraConfig(r=4, lora_alpha=8, target_modules=targets)),
+                "b": make_adapter(base, root / "b", LoraConfig(r=8, lora_alpha=8, target_modules=targets[:4]), seed=1)}
+    runtime = Runtime(base, dtype="float32", lora_modules=adapters)
+    requests = [request for name in ["a", None, "b"]
+                for request in runtime.frontend.plan(planned("embed", TEXTS, name)).requests]
+    outputs = runtime._run(requests, False)
+    for k, name in enumerate(["a", None, "b"]):
+        for i, output in enumerate(peft_hidden(base, adapters.get(name), TEXTS)):
+            np.testing.assert_allclose(outputs[k * len(TEXTS) + i].numpy(), normalized(output.last_hidden_state[0, -1]),
+                                       atol=ATOL)  # LAST, normalized
+
+
+def _edit_config(folder: Path, **changes) -> Path:
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, **changes}))
+    return folder
+
+
+def test_bad_adapters_are_refused_and_the_runtime_serves_on(bert, tmp_path):
+    base, adapters, runtime = bert
+    good = make_adapter(base, tmp_path / "good", LoraConfig(r=4, lora_alpha=8, target_modules=["query"]))
+    cases = {
+        "dora": (make_adapter(base, tmp_path / "dora", LoraConfig(r=4, target_modules=["query"], use_dora=True)),
+                 "adapter_config.json: use_dora True is not served"),
+        "bias": (_edit_config(make_adapter(base, tmp_path / "bias", LoraConfig(r=4, target_modules=["query"])),
+                              bias="all"), "adapter_config.json: bias 'all' is not served"),
+        "rank": (make_adapter(base, tmp_path / "rank", LoraConfig(r=16, target_modules=["query"])),
+                 "adapter_config.json: r 16 is above max_lora_rank 8"),
+        "embedding": (make_adapter(base, tmp_path / "emb", LoraConfig(r=4, target_modules=["word_embeddings"])),
+                      "LoRA on an embedding layer is not served"),
+        "missing": (tmp_path / "nowhere", "adapter_config.json is missing"),
+    }
+    shapes = tmp_path / "shapes"
+    make_adapter(base, shapes, LoraConfig(r=4, target_modules=["query"]))
+    tensors = load_file(shapes / "adapter_model.safetensors")
+    key = "base_model.model.encoder.layer.0.attention.self.query.lora_A.weight"
+    tensors[key] = torch.zeros(4, 32)
+    save_file(tensors, shapes / "adapter_model.safetensors")
+    cases["shapes"] = (shapes, f"tensor {key!r}"[:0] + "module 'encoder.layer.0.attention.self.query': lora_A (4, 32)")
+    for name, (folder, message) in cases.items():
+        with pytest.raises(ModelLoadError, match="") as error:
+            runtime.load_lora(name, folder)
+        assert message in str(error.value), (name, str(error.value))
+        assert name not in runtime.lora_adapters
+    with pytest.raises(InvalidRequestError, match="lora 'nope' is not loaded; loaded adapters"):
+        runtime.embed(TEXTS, lora="nope")
+    runtime.load_lora("good", good)  # the next adapter loads and serves
+    reference = peft_hidden(base, good, TEXTS[:1])[0].last_hidden_state[0, 0]
+    np.testing.assert_allclose(runtime.embed(TEXTS[0], lora="good"), normalized(reference), atol=ATOL)
+    with pytest.raises(InvalidRequestError, match="max_loras 4 adapters are loaded"):
+        runtime.load_lora("fifth", good)
+    runtime.unload_lora("good")
+    with pytest.raises(InvalidRequestError, match="lora 'good' is not loaded"):
+        runtime.embed(TEXTS, lora="good")
