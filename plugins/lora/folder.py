@@ -92,7 +92,7 @@ def read_folder(path: Path, max_rank: int) -> PeftFolder:
         if not key.startswith(KEY_PREFIX):
             raise ModelLoadError(f"{where} does not start with {KEY_PREFIX!r}: not a PEFT adapter")
         name = key.removeprefix(KEY_PREFIX)
-        kind = re.search(r"\.(lora_[A-Za-z_]+)\.weight$", name)
+        kind = re.search(r"\.(lora_[A-Za-z_]+)(?:\.weight)?$", name)  # embeddings: no .weight
         if kind is None:
             module, parameter = _saved_module(name, config.get("modules_to_save") or [], where)
             saved.setdefault(module, {})[parameter] = tensor
