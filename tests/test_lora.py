@@ -191,3 +191,19 @@ def test_bad_adapters_are_refused_and_the_runtime_serves_on(bert, tmp_path):
     runtime.unload_lora("good")
     with pytest.raises(InvalidRequestError, match="lora 'good' is not loaded"):
         runtime.embed(TEXTS, lora="good")
+
+
+def test_cli_lora_modules_and_lora(bert, tmp_path):
+    """``--lora-modules`` in both of vLLM's forms, ``--lora`` picking one: PEFT's vectors."""
+    from poolrunner.core.cli.main import main
+
+    base, adapters, _ = bert
+    output = tmp_path / "out.npy"
+    modules = ["names=" + str(adapters["names"]), json.dumps({"name": "regex", "path": str(adapters["regex"])})]
+    for name in ("names", "regex"):
+        argv = ["embed", "--model", str(base), "--dtype", "float32", "--lora-modules", *modules, "--lora", name,
+                "-o", str(output), *TEXTS]
+        assert main(argv) == 0
+        expected = [normalized(out.last_hidden_state[0, 0]) for out in peft_hidden(base, adapters[name], TEXTS)]
+        np.testing.assert_allclose(np.load(output), np.stack(expected), atol=ATOL)
+    assert main(["embed", "--model", str(base), "--lora-modules", "names", "-o", str(output), "x"]) == 2
