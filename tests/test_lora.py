@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from poolrunner import Runtime
-from poolrunner.core import InvalidRequestError, ModelLoadError
+from poolrunner.core import InvalidRequestError, LoraRequest, ModelLoadError, hookimpl
 from poolrunner.core.frontend.requests import ClassifyRequest, EncodeRequest
 from poolrunner.core.testing.steps import record_steps
 from poolrunner.core.testing.tiny_models import tiny_model_folder
@@ -207,3 +207,55 @@ def test_cli_lora_modules_and_lora(bert, tmp_path):
         expected = [normalized(out.last_hidden_state[0, 0]) for out in peft_hidden(base, adapters[name], TEXTS)]
         np.testing.assert_allclose(np.load(output), np.stack(expected), atol=ATOL)
     assert main(["embed", "--model", str(base), "--lora-modules", "names", "-o", str(output), "x"]) == 2
+
+
+class _RecordingAdapters:
+    """A plugin standing in for the built-in: records what the adapter hooks receive."""
+
+    def __init__(self):
+        self.calls = []
+
+    @hookimpl
+    def load_adapter(self, model, model_config, lora, max_rank):
+        self.calls.append(("load", type(model).__name__, model_config.architecture, lora, max_rank))
+        return "recorded"
+
+    @hookimpl
+    def unload_adapter(self, model, lora_id):
+        self.calls.append(("unload", lora_id))
+        return True
+
+
+@pytest.fixture(scope="module")
+def recorded(bert):
+    base, adapters, _ = bert
+    plugin = _RecordingAdapters()
+    runtime = Runtime(base, dtype="float32", plugins=[plugin], disable_plugins=["lora"], max_loras=1,
+                      max_lora_rank=4)
+    return plugin, runtime, adapters
+
+
+def test_hook_load_adapter(recorded):
+    plugin, runtime, adapters = recorded
+    runtime.load_lora("x", adapters["names"])
+    assert plugin.calls[-1] == ("load", "BertModel", "BertModel",
+                                LoraRequest(name="x", lora_id=1, path=adapters["names"]), 4)
+    assert runtime.lora_adapters == ["x"]
+    runtime.unload_lora("x")
+
+
+def test_hook_unload_adapter(recorded):
+    plugin, runtime, adapters = recorded
+    runtime.load_lora("y", adapters["names"])
+    runtime.unload_lora("y")
+    assert plugin.calls[-1] == ("unload", plugin.calls[-2][3].lora_id)
+    assert runtime.lora_adapters == []
+
+
+def test_no_adapter_plugin_refuses_the_adapter(bert):
+    base, adapters, _ = bert
+    runtime = Runtime(base, dtype="float32", disable_plugins=["lora"], max_loras=1)
+    with pytest.raises(ModelLoadError, match="lora 'x': no installed plugin loads LoRA adapters"):
+        runtime.load_lora("x", adapters["names"])
+    assert runtime.lora_adapters == []
+    assert runtime.embed(TEXTS).shape == (3, 64)
