@@ -5,6 +5,7 @@ runtime serves the next request."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from pathlib import Path
@@ -63,6 +64,12 @@ def planned(task: str, texts: list[str], lora: str | None):
     return EncodeRequest.of(inputs=texts, task=task, lora=lora)
 
 
+def run_together(runtime: Runtime, requests: list) -> list:
+    """Run engine requests of several adapters as one submission to the serving loop."""
+    with runtime.serving() as serving:
+        return asyncio.run(serving.run(requests))
+
+
 def normalized(vector: torch.Tensor) -> np.ndarray:
     return torch.nn.functional.normalize(vector, dim=-1).numpy()
 
@@ -104,7 +111,7 @@ def test_three_adapters_and_base_in_one_step(bert):
     requests = [request for name in names for request in runtime.frontend.plan(
         planned("token_embed", TEXTS, name)).requests]
     with record_steps(runtime) as log:
-        outputs = runtime._run(requests, False)  # one call: the four groups share steps
+        outputs = run_together(runtime, requests)  # one submission: the four groups share steps
     assert [len(step.chunks) for step in log.steps] == [len(requests)]
     for k, name in enumerate(names):
         reference = peft_hidden(base, adapters.get(name), TEXTS)
@@ -122,7 +129,7 @@ def test_classify_with_modules_to_save_head(tmp_path_factory):
     runtime = Runtime(base, dtype="float32", lora_modules={"cls": adapter})
     mixed = runtime.frontend.plan(planned("classify", TEXTS, "cls")).requests
     mixed += runtime.frontend.plan(planned("classify", TEXTS, None)).requests
-    outputs = runtime._run(mixed, False)
+    outputs = run_together(runtime, mixed)
     for k, folder in enumerate([adapter, None]):
         reference = peft_hidden(base, folder, TEXTS, auto=AutoModelForSequenceClassification)
         for i, output in enumerate(reference):
@@ -142,7 +149,7 @@ def test_decoder_adapter_equals_peft(tmp_path_factory, family):
     runtime = Runtime(base, dtype="float32", lora_modules=adapters)
     requests = [request for name in ["a", None, "b"]
                 for request in runtime.frontend.plan(planned("embed", TEXTS, name)).requests]
-    outputs = runtime._run(requests, False)
+    outputs = run_together(runtime, requests)
     for k, name in enumerate(["a", None, "b"]):
         for i, output in enumerate(peft_hidden(base, adapters.get(name), TEXTS)):
             np.testing.assert_allclose(outputs[k * len(TEXTS) + i].numpy(), normalized(output.last_hidden_state[0, -1]),
