@@ -266,3 +266,49 @@ def test_no_adapter_plugin_refuses_the_adapter(bert):
         runtime.load_lora("x", adapters["names"])
     assert runtime.lora_adapters == []
     assert runtime.embed(TEXTS).shape == (3, 64)
+
+
+def test_http_model_selects_the_adapter(bert, tmp_path):
+    """vLLM's rule: ``model: NAME`` of an adapter runs its parent with it, 16 clients at once,
+    mixed; ``/v1/models`` lists adapters with their parent; run-time loading is behind
+    ``allow_runtime_lora`` and the API key."""
+    import concurrent.futures
+
+    import httpx
+
+    from poolrunner.core.server import ServerSettings
+    from poolrunner.core.testing.server import ServerThread
+
+    base, adapters, _ = bert
+    runtime = Runtime(base, dtype="float32", lora_modules={"names": adapters["names"], "regex": adapters["regex"]},
+                      max_loras=4)
+    expected = {name: np.stack([normalized(out.last_hidden_state[0, 0])
+                                for out in peft_hidden(base, adapters.get(name), TEXTS)])
+                for name in (None, "names", "regex", "all")}
+    headers = {"Authorization": "Bearer sesame"}
+    with ServerThread(runtime, ServerSettings(served_model_name="base", api_key="sesame",
+                                              allow_runtime_lora=True)) as server:
+        def embed(name):
+            answer = httpx.post(server.url + "/v1/embeddings", json={"model": name or "base", "input": TEXTS},
+                                headers=headers, timeout=60)
+            assert answer.status_code == 200, answer.text
+            return name, np.array([item["embedding"] for item in answer.json()["data"]], dtype=np.float32)
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            for name, vectors in pool.map(embed, [None, "names", "regex", "names"] * 4):
+                np.testing.assert_allclose(vectors, expected[name], atol=ATOL)
+        cards = httpx.get(server.url + "/v1/models", headers=headers).json()["data"]
+        assert [(card["id"], card["parent"]) for card in cards] == [("base", None), ("names", "base"),
+                                                                     ("regex", "base")]
+        load = {"lora_name": "all", "lora_path": str(adapters["all"])}
+        assert httpx.post(server.url + "/v1/load_lora_adapter", json=load).status_code == 401
+        assert httpx.post(server.url + "/v1/load_lora_adapter", json=load, headers=headers).status_code == 200
+        np.testing.assert_allclose(embed("all")[1], expected["all"], atol=ATOL)
+        bad = httpx.post(server.url + "/v1/load_lora_adapter", headers=headers,
+                         json={"lora_name": "bad", "lora_path": str(tmp_path / "nowhere")})
+        assert bad.status_code == 400 and "adapter_config.json is missing" in bad.text, bad.text
+        assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "all"},
+                          headers=headers).status_code == 200
+        gone = httpx.post(server.url + "/v1/embeddings", json={"model": "all", "input": TEXTS}, headers=headers)
+        assert gone.status_code == 404 and "'all' does not exist" in gone.text, gone.text
+        np.testing.assert_allclose(embed("names")[1], expected["names"], atol=ATOL)  # still serving

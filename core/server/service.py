@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from contextvars import ContextVar
 from typing import Any
 
+import attrs
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
@@ -128,8 +130,12 @@ class PoolingService:
 
         :raises ApiError: 400 for more items than ``max_inputs_per_request``; as :meth:`execute`.
         :raises InvalidRequestError: from the plan, for bad input.
+
+        A request whose ``model`` named one of this model's LoRA adapters (:data:`ADAPTER`, set by
+        the router) runs with that adapter.
         """
         self.check_count(*_size(frontend_request))
+        frontend_request = with_adapter(frontend_request, ADAPTER.get())
         plan = await run_in_threadpool(self.frontend.plan, frontend_request)
         return await self.execute(request, plan, priority=priority)
 
@@ -189,3 +195,15 @@ async def _disconnected(request: Request) -> None:
     """Return once the client has gone (the body was read already, so only that can arrive)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+ADAPTER: ContextVar[str | None] = ContextVar("poolrunner_adapter", default=None)
+"""The LoRA adapter the request being answered named as its ``model`` (vLLM's rule), else ``None``;
+set by :meth:`ModelRouter.pick <poolrunner.core.server.models.ModelRouter.pick>`."""
+
+
+def with_adapter(request: FrontendRequest, adapter: str | None) -> FrontendRequest:
+    """``request`` run with ``adapter`` (its ``tokenization.lora``), unless it names none."""
+    if adapter is None or request.tokenization.lora is not None:
+        return request
+    return attrs.evolve(request, tokenization=attrs.evolve(request.tokenization, lora=adapter))

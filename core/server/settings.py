@@ -67,6 +67,8 @@ class ServerSettings:
         log them (vLLM's behaviour) instead of answering a 400 naming the field.
     :ivar allowed_origins: Origins whose browser pages may call the API (CORS; ``*`` for any);
         empty: no CORS headers, as TEI and vLLM by default.
+    :ivar allow_runtime_lora: Serve ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
+        (behind the API key, when set); off: they answer 404 (vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``).
     :ivar protect_metrics: ``/metrics`` needs the API key too; by default it is open, as TEI and
         vLLM leave it to the network.
     """
@@ -81,6 +83,7 @@ class ServerSettings:
     allow_extra_fields: bool = False
     allowed_origins: tuple[str, ...] = field(default=(), converter=tuple)
     protect_metrics: bool = False
+    allow_runtime_lora: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.max_inputs_per_request > self.max_waiting_requests:

@@ -1,7 +1,8 @@
 """The server's routes, one module per API family, each route a module-level function on its
 module's ``APIRouter``: :mod:`.embeddings` (OpenAI's and vLLM's embeddings, ``/pooling``,
 ``/classify``), :mod:`.scoring` (score and rerank: vLLM, Jina, Cohere), :mod:`.tei` (Text
-Embeddings Inference's), :mod:`.admin` (health, metrics, models, tokenize) and
+Embeddings Inference's), :mod:`.admin` (health, metrics, models, tokenize), :mod:`.adapters`
+(vLLM's run-time LoRA loading) and
 :mod:`.invocations` (SageMaker). What a route needs of its app comes from ``app.state``
 through FastAPI dependencies (:mod:`.dependencies`, which also says why the routes whose bodies
 carry plugin request options are added per app).
@@ -16,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
 from poolrunner.core.server.models import ModelRouter
-from poolrunner.core.server.routes import admin, embeddings, invocations, scoring, tei
+from poolrunner.core.server.routes import adapters, admin, embeddings, invocations, scoring, tei
 from poolrunner.core.server.routes.dependencies import OptionBodies
 
 
@@ -25,7 +26,7 @@ def include_routes(app: FastAPI, served: ModelRouter) -> None:
     sets ``app.state.invocations`` (``/invocations``' table)."""
     bodies = OptionBodies.of(served)
     for router in (embeddings.router, embeddings.option_routes(bodies), scoring.option_routes(bodies),
-                   admin.router, tei.router, invocations.router):
+                   admin.router, adapters.router, tei.router, invocations.router):
         app.include_router(router)
     app.state.invocations = invocations.Dispatch.build(
         served, bodies, (route for route in every_route(app.routes) if isinstance(route, APIRoute)))
