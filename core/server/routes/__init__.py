@@ -26,8 +26,10 @@ def include_routes(app: FastAPI, served: ModelRouter) -> None:
     sets ``app.state.invocations`` (``/invocations``' table)."""
     bodies = OptionBodies.of(served)
     for router in (embeddings.router, embeddings.option_routes(bodies), scoring.option_routes(bodies),
-                   admin.router, adapters.router, tei.router, invocations.router):
+                   admin.router, tei.router, invocations.router):
         app.include_router(router)
+    if served.settings.allow_runtime_lora:  # vLLM too serves them only when allowed
+        app.include_router(adapters.router)
     app.state.invocations = invocations.Dispatch.build(
         served, bodies, (route for route in every_route(app.routes) if isinstance(route, APIRoute)))
 

@@ -1,5 +1,5 @@
 """vLLM's run-time LoRA routes: ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``,
-served only with ``allow_runtime_lora`` (``--allow-runtime-lora``) and, like every route but
+on the app only with ``allow_runtime_lora`` (``--allow-runtime-lora``) and, like every route but
 ``/health``, behind the API key when one is set. Loading reads the folder and unloading waits for
 the adapter's requests in flight, so both run in a worker thread.
 """
@@ -23,7 +23,6 @@ async def load_lora_adapter(body: p.LoadLoraAdapterRequest, served: Served) -> s
     """Load the PEFT folder ``lora_path`` as adapter ``lora_name`` of model ``model`` (default: the
     first); a request then selects it by ``model: lora_name``. 400 for a folder refused (naming
     the file and field or tensor), a name taken, or ``max_loras`` adapters loaded."""
-    _check_allowed(served)
     service = served.pick(body.model)
     if body.lora_name in {name for s in served.services for name in s.model_names}:
         raise ApiError(400, f"lora_name {body.lora_name!r} is a served model's name", param="lora_name")
@@ -37,15 +36,9 @@ async def load_lora_adapter(body: p.LoadLoraAdapterRequest, served: Served) -> s
 @router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
 async def unload_lora_adapter(body: p.UnloadLoraAdapterRequest, served: Served) -> str:
     """Unload adapter ``lora_name`` once its requests in flight finished; 404 when none has that name."""
-    _check_allowed(served)
     for name, service in served.adapters():
         if name == body.lora_name:
             await run_in_threadpool(service.runtime.unload_lora, name)
             return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
     raise ApiError(404, f"no LoRA adapter is named {body.lora_name!r}", param="lora_name")
 
-
-def _check_allowed(served: Served) -> None:
-    if not served.settings.allow_runtime_lora:
-        raise ApiError(404, "loading and unloading LoRA adapters at run time is off: start the server with "
-                            "--allow-runtime-lora")
