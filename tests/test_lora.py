@@ -312,6 +312,9 @@ def test_http_model_selects_the_adapter(bert, tmp_path):
         gone = httpx.post(server.url + "/v1/embeddings", json={"model": "all", "input": TEXTS}, headers=headers)
         assert gone.status_code == 404 and "'all' does not exist" in gone.text, gone.text
         np.testing.assert_allclose(embed("names")[1], expected["names"], atol=ATOL)  # still serving
+        metrics = httpx.get(server.url + "/metrics").text
+        assert 'poolrunner_lora_requests_total{lora="names"} 9.0' in metrics
+        assert 'poolrunner_lora_requests_total{lora="all"} 1.0' in metrics
     with ServerThread(runtime) as plain:  # without allow_runtime_lora the routes are not there
         assert httpx.post(plain.url + "/v1/load_lora_adapter", json=load).status_code == 404
         assert "/v1/load_lora_adapter" not in httpx.get(plain.url + "/openapi.json").json()["paths"]

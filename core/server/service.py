@@ -137,7 +137,10 @@ class PoolingService:
         self.check_count(*_size(frontend_request))
         frontend_request = with_adapter(frontend_request, ADAPTER.get())
         plan = await run_in_threadpool(self.frontend.plan, frontend_request)
-        return await self.execute(request, plan, priority=priority)
+        answer = await self.execute(request, plan, priority=priority)
+        if frontend_request.tokenization.lora is not None:
+            self.metrics.lora_requests.labels(lora=frontend_request.tokenization.lora).inc()
+        return answer
 
     async def execute(self, request: Request, plan: Plan[Any], *, priority: int | None = None) -> tuple[Any, int]:
         """Run ``plan``'s engine requests through the loop, batched with other clients' (``priority``
