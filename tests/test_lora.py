@@ -292,6 +292,7 @@ def test_http_model_selects_the_adapter(bert, tmp_path):
             answer = httpx.post(server.url + "/v1/embeddings", json={"model": name or "base", "input": TEXTS},
                                 headers=headers, timeout=60)
             assert answer.status_code == 200, answer.text
+            assert answer.json()["model"] == (name or "base")  # vLLM's answers name the adapter
             return name, np.array([item["embedding"] for item in answer.json()["data"]], dtype=np.float32)
 
         with concurrent.futures.ThreadPoolExecutor(16) as pool:

@@ -44,6 +44,12 @@ class PoolingService:
         self.model_name = self.model_names[0]  # the name answers report (vLLM: the first served name)
         self.serving: Serving | None = None  # set by the app's lifespan
 
+    @property
+    def answered_name(self) -> str:
+        """The ``model`` an answer reports: the LoRA adapter the request named, else the model's
+        first served name (vLLM's answers name the adapter)."""
+        return ADAPTER.get() or self.model_name
+
     def public_text(self, text: str) -> str:
         """``text`` with the model's folder path (how core names the model) replaced by the
         served model name: a client never learns paths on this machine."""
