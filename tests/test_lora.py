@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -319,3 +320,29 @@ def test_http_model_selects_the_adapter(bert, tmp_path):
     with ServerThread(runtime) as plain:  # without allow_runtime_lora the routes are not there
         assert httpx.post(plain.url + "/v1/load_lora_adapter", json=load).status_code == 404
         assert "/v1/load_lora_adapter" not in httpx.get(plain.url + "/openapi.json").json()["paths"]
+
+
+def test_unload_waits_for_requests_in_flight(tmp_path_factory):
+    """``unload_lora`` during a run of that adapter returns after the run, whose answers are the
+    adapter's (never the base model's, never an error)."""
+    import threading
+
+    root = tmp_path_factory.mktemp("lora-unload")
+    base = tiny_model_folder(root / "base", "bert", "model")
+    adapter = make_adapter(base, root / "a", LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"]))
+    runtime = Runtime(base, dtype="float32", lora_modules={"a": adapter}, max_num_seqs=2)
+    texts = TEXTS * 20
+    requests = runtime.frontend.plan(planned("embed", texts, "a")).requests
+    outputs = []
+    with runtime.serving() as serving:
+        running = threading.Thread(target=lambda: outputs.extend(asyncio.run(serving.run(requests))))
+        running.start()
+        while serving.pending == 0:  # submitted: the adapter counts as in use from here
+            time.sleep(0.001)
+        runtime.unload_lora("a")
+        assert serving.pending == 0  # it returned once every request of the run had finished
+        running.join()
+    assert len(outputs) == len(texts)
+    expected = [normalized(out.last_hidden_state[0, 0]) for out in peft_hidden(base, adapter, TEXTS)]
+    np.testing.assert_allclose(np.stack([o.numpy() for o in outputs]), np.stack(expected * 20), atol=ATOL)
+    assert runtime.lora_adapters == []
