@@ -16,6 +16,16 @@ from attrs import asdict, converters, field, fields, frozen
 
 from poolrunner.core.errors import InvalidRequestError
 from poolrunner.core.inputs import score_template
+from poolrunner.core.inputs.images import (
+    MAX_IMAGE_BYTES,
+    MAX_IMAGE_PIXELS,
+    MAX_IMAGES_PER_REQUEST,
+    MEDIA_FETCH_TIMEOUT,
+    ImageLimits,
+    check_host_names,
+    host_names,
+    positive_seconds,
+)
 from poolrunner.core.types import PLUGIN_TASK_NAME, POOLING_TASKS, POOLING_TYPES, PoolingTask, PoolingType
 from poolrunner.core.validators import json_object, one_of, optional_bool, positive_int, task_name
 
@@ -120,8 +130,20 @@ class RuntimeConfig:
         whose fused activations would come before an adapter's term), and ``dtype="int8"`` is refused.
     :ivar max_loras: Most adapters loaded at once; ``None``: as many as ``lora_modules`` (at least 1).
     :ivar max_lora_rank: Largest adapter rank served (vLLM's default, 16).
+    :ivar max_image_bytes: Most bytes of one encoded image (a file, bytes, a data URL's payload,
+        a download); a text-image model refuses a larger one naming it.
+    :ivar max_image_pixels: Most pixels (width x height, as the image's header declares, read
+        before any pixel is decoded: a decompression bomb never decodes) of one image.
+    :ivar max_images_per_request: Most images in one request (a call of the Python API, one HTTP
+        request, one chunk of a file on the command line).
+    :ivar allowed_media_domains: Hosts whose ``http(s)`` image URLs are fetched (vLLM's
+        ``--allowed-media-domains``, exact host names); empty (default): every remote URL is
+        refused and nothing is downloaded.
+    :ivar media_fetch_timeout: Seconds one image download may take to connect, and per read.
     :ivar overrides: Settings that win over the model folder's.
 
+    The image settings make :meth:`image_limits`, the same on every surface
+    (:class:`~poolrunner.core.inputs.images.ImageLimits` checks them).
     Fields marked :data:`SPEED_ONLY` change speed, never results.
     """
 
@@ -146,6 +168,11 @@ class RuntimeConfig:
     lora_modules: dict[str, str] = field(factory=dict, converter=_lora_modules, hash=False)
     max_loras: int | None = field(default=None, validator=positive_int)
     max_lora_rank: int = field(default=16, validator=positive_int)
+    max_image_bytes: int = field(default=MAX_IMAGE_BYTES, validator=positive_int)
+    max_image_pixels: int = field(default=MAX_IMAGE_PIXELS, validator=positive_int)
+    max_images_per_request: int = field(default=MAX_IMAGES_PER_REQUEST, validator=positive_int)
+    allowed_media_domains: tuple[str, ...] = field(default=(), converter=host_names, validator=check_host_names)
+    media_fetch_timeout: float = field(default=MEDIA_FETCH_TIMEOUT, validator=positive_seconds)
     overrides: ModelOverrides = field(factory=ModelOverrides)
 
     def __attrs_post_init__(self) -> None:
@@ -167,6 +194,12 @@ class RuntimeConfig:
         if not self.lora_enabled:
             return 0
         return self.max_loras if self.max_loras is not None else max(len(self.lora_modules), 1)
+
+    def image_limits(self) -> ImageLimits:
+        """The image settings as :class:`~poolrunner.core.inputs.images.ImageLimits` (checked here already)."""
+        return ImageLimits(max_bytes=self.max_image_bytes, max_pixels=self.max_image_pixels,
+                           max_images=self.max_images_per_request, allowed_media_domains=self.allowed_media_domains,
+                           fetch_timeout=self.media_fetch_timeout)
 
     @classmethod
     def from_options(cls, model: str | os.PathLike[str] | None = None, **options: Any) -> RuntimeConfig:

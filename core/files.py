@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import glob
 import io
 import json
+import logging
 import os
 import re
 import sys
@@ -35,6 +37,8 @@ import numpy as np
 
 from poolrunner.core.errors import InvalidRequestError
 from poolrunner.core.validators import unencodable_at
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -82,6 +86,9 @@ class Fields:
     id: tuple[str, str] | None = None
     optional_id: bool = False
     """Take ``id`` only where a file has it (by its header, its schema, or its first record)."""
+    images: bool = False
+    """The fields hold images: a string is a file path or a ``data:image/`` URL, and a Parquet
+    binary column holds each image's encoded bytes (the command line's ``--image-field``)."""
 
     @classmethod
     def with_id(cls, texts: tuple[tuple[str, str], ...], id_field: str | None,
@@ -370,10 +377,13 @@ def _parquet_records(source: Any, fields: Fields, name: str) -> Iterator[_Record
                 continue
             known = ", ".join(repr(column) for column in schema.names)
             raise InvalidRequestError(f"{name}: no column {field!r} (columns: {known}); pick one with {option}")
-        if (field, option) in fields.texts and not (pa.types.is_string(schema.field(field).type)
-                                                   or pa.types.is_large_string(schema.field(field).type)):
-            raise InvalidRequestError(f"{name}: column {field!r} is {schema.field(field).type}, not text; "
-                                      f"pick a text column with {option}")
+        kind = schema.field(field).type
+        text = pa.types.is_string(kind) or pa.types.is_large_string(kind)
+        binary = fields.images and (pa.types.is_binary(kind) or pa.types.is_large_binary(kind))
+        if (field, option) in fields.texts and not (text or binary):
+            wanted_kind = "text (image paths) or binary (encoded images)" if fields.images else "text"
+            raise InvalidRequestError(f"{name}: column {field!r} is {kind}, not {wanted_kind}; "
+                                      f"pick a {'column' if fields.images else 'text column'} with {option}")
     id_field = fields.id[0] if fields.id and fields.id[0] in schema.names else None
     names = list(dict.fromkeys([field for field, _ in fields.texts] + ([id_field] if id_field else [])))
     row = 0
@@ -595,6 +605,7 @@ def open_output(path: str | None, fmt: str, *, column: str | None = None) -> Ite
         sys.stdout.flush()
         return
     target = Path(path)
+    _remove_stale_partials(target)
     partial: Path | None = None
     try:
         with tempfile.NamedTemporaryFile("wb" if binary else "w", encoding=None if binary else "utf-8",
@@ -612,6 +623,16 @@ def open_output(path: str | None, fmt: str, *, column: str | None = None) -> Ite
         if isinstance(exc, OSError):
             raise InvalidRequestError(f"cannot write output file {path!r}: {exc.strerror or exc}") from None
         raise
+
+
+def _remove_stale_partials(target: Path) -> None:
+    """Remove the partial files of ``target`` that an earlier run left when it was killed outright
+    (SIGKILL, a power cut: no ``finally`` ran), with a warning naming each. Two runs writing one output
+    at once are not supported: the last to finish would replace the other's file anyway."""
+    for stale in target.parent.glob(f".{glob.escape(target.name)}.*.partial"):
+        with contextlib.suppress(OSError):
+            stale.unlink()
+            logger.warning("removed %s, a partial output an interrupted run left", stale)
 
 
 def _writer(file: IO[Any], fmt: str, column: str | None) -> Writer:

@@ -103,7 +103,8 @@ class Runtime:
         self.frontend = Frontend(loaded.model_config, loaded.inputs, loaded.hooks, loaded.tasks, loaded.task,
                                  loaded.options, max_embed_len=loaded.config.max_embed_len,
                                  score_template=loaded.score_template, images=loaded.images,
-                                 adapters=LoraAdapters(loaded.config.lora_capacity))
+                                 adapters=LoraAdapters(loaded.config.lora_capacity),
+                                 image_score=loaded.image_score)
         self._engine = loaded.engine  # private: driven by this runtime alone (or its serving loop)
         self._engine_lock = threading.Lock()
         self._loop: EngineLoop | None = None
@@ -362,8 +363,8 @@ class Runtime:
 
     def rerank(
         self,
-        query: str,
-        documents: Sequence[str],
+        query: Input,
+        documents: Sequence[Input],
         *,
         top_n: int | None = None,
         return_documents: bool = False,
@@ -375,14 +376,20 @@ class Runtime:
     ) -> list[RerankResult]:
         """Rank ``documents`` by relevance to ``query``, best first.
 
+        :param query: A text; for a text-image model (CLIP) also an image (any kind :meth:`embed`
+            takes), to rank texts by how well they describe it.
+        :param documents: Texts; for a text-image model also images, ranked by the model's own
+            similarity (CLIP: the cosine of the projected embeddings, the order of its
+            ``logits_per_text``).
         :param top_n: Keep the best ``top_n`` (all when ``None`` or larger than the list).
         :param max_tokens_per_doc: As for :meth:`score`; results carry the whole documents.
         :param options: Request options of the runtime's task, as for :meth:`score`.
         :param lora: A loaded LoRA adapter's name, as for :meth:`embed`.
         :param return_documents: Include each document's text in its result.
         :returns: :class:`RerankResult` objects sorted by descending score (ties keep input order).
-        :raises InvalidRequestError: for a non-text query, no documents, text that is not valid
-            Unicode (naming ``query`` or ``documents[i]``), or ``top_n < 1``.
+        :raises InvalidRequestError: for a query that is neither text nor an image (an image for
+            a text-only model), no documents, text that is not valid Unicode or an unreadable
+            image (naming ``query`` or ``documents[i]``), or ``top_n < 1``.
         """
         return self.execute(RerankRequest.of(
             query=query, documents=documents, top_n=top_n, return_documents=return_documents,

@@ -239,7 +239,8 @@ def test_remote_urls_are_refused_and_never_fetched(runtime):
     with pytest.raises(InvalidRequestError) as info:
         runtime.embed(["w1", ImageURL("https://example.com/cat.png")])
     assert str(info.value) == ("input 1: remote image URLs are refused ('https://example.com/cat.png'); poolrunner "
-                               "downloads nothing: pass the image's bytes or a data: URL")
+                               "downloads nothing unless the operator allows the host (--allowed-media-domains): "
+                               "pass the image's bytes or a data: URL")
     # A plain string is text, whatever it spells.
     assert runtime.embed("https://example.com/cat.png").shape == (16,)
 
@@ -259,7 +260,8 @@ def test_text_models_refuse_images(photos):
     runtime = Runtime(dtype="float32", load_entrypoints=False)  # all-MiniLM-L6-v2
     with pytest.raises(InvalidRequestError) as info:
         runtime.embed(["a cat", photos[0]])
-    assert str(info.value) == "input 1 is an image, but BertModel has no vision tower (images are served for CLIPModel)"
+    assert str(info.value) == ("input 1 is an image, but BertModel has no vision tower (images are served for "
+                               "CLIPModel, SiglipModel, Siglip2Model)")
     assert runtime.embed("data:image/png;base64,AAAA").shape == (384,)
 
 
@@ -268,14 +270,15 @@ def test_other_composite_configs_are_refused_naming_what_is_served(tmp_path):
 
     from poolrunner import ModelLoadError, Runtime
 
-    config = transformers.SiglipConfig(architectures=["SiglipModel"])
+    config = transformers.BlipConfig(architectures=["BlipModel"])
     config.save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError) as info:
         Runtime(str(tmp_path), load_entrypoints=False)
     assert str(info.value) == (
-        f"{tmp_path}: SiglipModel (model_type 'siglip') is a composite model whose config holds text_config, "
-        "vision_config; of the composite families poolrunner serves only CLIPModel ('clip'); other text-image "
-        "families (SigLIP, ...) and other multimodal models are refused until it implements them")
+        f"{tmp_path}: BlipModel (model_type 'blip') is a composite model whose config holds text_config, "
+        "vision_config; of the composite families poolrunner serves only CLIPModel ('clip'), SiglipModel ('siglip'), "
+        "Siglip2Model ('siglip2'); other multimodal models (vision-language, audio, other heads of these "
+        "families) are refused until it implements them")
 
 
 def test_data_urls_over_http_equal_the_python_api(runtime, photos):

@@ -13,7 +13,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
-from poolrunner.core.config import COMPILE_MODES, DTYPES
+from poolrunner.core.config import (
+    COMPILE_MODES,
+    DTYPES,
+    MAX_IMAGE_BYTES,
+    MAX_IMAGE_PIXELS,
+    MAX_IMAGES_PER_REQUEST,
+    MEDIA_FETCH_TIMEOUT,
+)
 from poolrunner.core.files import (
     DEFAULT_ID_FIELD,
     INPUT_FORMATS,
@@ -281,6 +288,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, several: str | None = 
                        help="most LoRA adapters loaded at once (default: as many as --lora-modules)")
     model.add_argument("--max-lora-rank", metavar="R", type=positive_int, default=16,
                        help="largest LoRA rank served; an adapter of a larger rank is refused (default: 16)")
+    add_image_options(parser)
     return model
 
 
@@ -320,6 +328,24 @@ def _lora_modules(pairs: list[tuple[str, str]] | None) -> dict[str, str]:
             raise CliError(f"--lora-modules names adapter {name!r} twice")
         modules[name] = path
     return modules
+
+
+def add_image_options(parser: argparse.ArgumentParser) -> None:
+    """The ``images`` group: the limits of a text-image model's image inputs and the hosts whose
+    image URLs are fetched (``RuntimeConfig``'s image settings)."""
+    images = parser.add_argument_group("images (text-image models: CLIP)")
+    images.add_argument("--max-image-bytes", metavar="N", type=positive_int, default=MAX_IMAGE_BYTES,
+                        help=f"most bytes of one encoded image (default: {MAX_IMAGE_BYTES})")
+    images.add_argument("--max-image-pixels", metavar="N", type=positive_int, default=MAX_IMAGE_PIXELS,
+                        help="most pixels (width x height, from the image's header, before any pixel is decoded) of "
+                             f"one image (default: {MAX_IMAGE_PIXELS})")
+    images.add_argument("--max-images-per-request", metavar="N", type=positive_int, default=MAX_IMAGES_PER_REQUEST,
+                        help=f"most images in one request (default: {MAX_IMAGES_PER_REQUEST})")
+    images.add_argument("--allowed-media-domains", metavar="HOST", nargs="+", default=[],
+                        help="fetch http(s) image URLs from these hosts only (exact names, as vLLM's flag); "
+                             "default: none, every remote URL is refused and nothing is downloaded")
+    images.add_argument("--media-fetch-timeout", metavar="SECONDS", type=float, default=MEDIA_FETCH_TIMEOUT,
+                        help=f"seconds one image download may take (default: {MEDIA_FETCH_TIMEOUT:g})")
 
 
 def json_object(value: str) -> dict[str, Any]:
@@ -398,6 +424,9 @@ def runtime_options(args: argparse.Namespace) -> dict[str, Any]:
         "score_template": score_template_text(args.score_template),
         "lora_modules": _lora_modules(args.lora_modules), "max_loras": args.max_loras,
         "max_lora_rank": args.max_lora_rank,
+        "max_image_bytes": args.max_image_bytes, "max_image_pixels": args.max_image_pixels,
+        "max_images_per_request": args.max_images_per_request,
+        "allowed_media_domains": tuple(args.allowed_media_domains), "media_fetch_timeout": args.media_fetch_timeout,
     }
 
 

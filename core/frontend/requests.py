@@ -22,6 +22,7 @@ from attrs import field, frozen
 
 from poolrunner.core.errors import InvalidRequestError
 from poolrunner.core.frontend.quantize import Precision, check_precision, check_ranges
+from poolrunner.core.inputs.images import ImageURL as ImageURL  # re-exported: surfaces reach images through here
 from poolrunner.core.inputs.images import is_image
 from poolrunner.core.types import PoolingTask, PromptInput, TruncationSide
 
@@ -272,15 +273,18 @@ class RerankRequest(_Request):
     :ivar return_documents: Include each document's text in its result.
     :ivar max_tokens_per_doc: As :attr:`ScoreRequest.max_tokens_per_doc`.
     :ivar options: As :attr:`ScoreRequest.options`.
-    :raises InvalidRequestError: for a non-text query, documents given as one string, or a
-        ``top_n`` that is not a positive integer.
+    :ivar query: A text, or, for a text-image model, an image (then the documents are usually
+        texts: the reverse search).
+    :ivar documents: Texts, or, for a text-image model, images (or both, mixed).
+    :raises InvalidRequestError: for a query that is neither a text nor an image, documents
+        given as one string, or a ``top_n`` that is not a positive integer.
     """
 
     takes_plugin_options: ClassVar[bool] = True
     input_fields: ClassVar[tuple[str, ...]] = ("query", "documents")
 
-    query: str = field()
-    documents: Sequence[str] = field()
+    query: Input = field()
+    documents: Sequence[Input] = field()
     sides: tuple[str, str] = ("query", "documents")
     use_activation: bool | None = None
     top_n: int | None = field(default=None, validator=_optional_positive)
@@ -291,7 +295,7 @@ class RerankRequest(_Request):
 
     @query.validator
     def _query(self, _attribute: attrs.Attribute, value: Any) -> None:
-        if not isinstance(value, str):
+        if not isinstance(value, str) and not is_image(value):  # an image for a text-only model: the plan's error
             raise InvalidRequestError(f"query must be a string, got {value!r:.80}", param="query")
 
     @documents.validator

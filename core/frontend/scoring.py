@@ -73,3 +73,11 @@ def cosine(left: np.ndarray, right: np.ndarray) -> np.ndarray:
     left, right = left.astype(np.float32), right.astype(np.float32)
     norms = np.linalg.norm(left, axis=1) * np.linalg.norm(right, axis=1)
     return (np.einsum("nd,nd->n", left, right) / np.maximum(norms, np.finfo(np.float32).tiny)).astype(np.float32)
+
+
+def sigmoid_score(cosines: np.ndarray, logit_scale: float, logit_bias: float) -> np.ndarray:
+    """SigLIP's (text, image) probability from the cosine of the pair's embeddings:
+    ``sigmoid(cosine * exp(logit_scale) + logit_bias)``, i.e. ``torch.sigmoid`` of
+    ``SiglipModel``'s ``logits_per_text`` (transformers' zero-shot pipeline's scores). ``[n]`` float32."""
+    logits = cosines.astype(np.float64) * np.exp(logit_scale) + logit_bias
+    return (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)

@@ -2,8 +2,9 @@
 
 Request models forbid unknown fields and use strict types, so ``"1"`` is never taken for a
 token id nor ``1.0`` for an integer: such input is a 400 naming the field. A server started
-with ``allow_extra_fields`` sets :data:`ALLOW_EXTRA_FIELDS` for its requests: unknown fields are
-then dropped and logged (vLLM's behaviour) instead.
+with ``allow_extra_fields`` drops and logs unknown fields instead (vLLM's behaviour), and one with
+``truncate_prompt_tokens`` gives that value to a body that sets none: the middleware sets
+:data:`BODY_SETTINGS` to the server's settings while a request is read.
 """
 
 from __future__ import annotations
@@ -31,13 +32,19 @@ from poolrunner.core.frontend import requests as fr
 from poolrunner.core.frontend.quantize import Precision
 from poolrunner.core.plugin_api.options import RequestOptions
 from poolrunner.core.server.errors import ApiError
+from poolrunner.core.server.settings import ServerSettings
 from poolrunner.core.server.tei_protocol import tei_tokenization
 from poolrunner.core.validators import unencodable_at
 
 logger = logging.getLogger("poolrunner.core.server")
 
-ALLOW_EXTRA_FIELDS: ContextVar[bool] = ContextVar("poolrunner_allow_extra_fields", default=False)
-"""True while a request of a server with ``allow_extra_fields`` is read (set by its middleware)."""
+LOGGED_NAMES = 10
+"""Unknown field names logged per request; their number is logged beyond it."""
+LOGGED_NAME_CHARS = 64
+"""Characters of an unknown field's name logged."""
+# ServerSettings is frozen, so one shared default is safe.
+BODY_SETTINGS: ContextVar[ServerSettings] = ContextVar("poolrunner_body_settings", default=ServerSettings())  # noqa: B039
+"""The settings of the server whose request is being read (set by its middleware)."""
 
 TokenIds = list[StrictInt]
 EncodingFormat = Literal["float", "base64", "bytes", "bytes_only"]
@@ -79,21 +86,24 @@ EchoedStr = Annotated[StrictStr, AfterValidator(_whole_characters)]
 
 class _Body(BaseModel):
     """A request body: unknown fields are a 400 unless the server allows them
-    (:data:`ALLOW_EXTRA_FIELDS`); then they are logged and dropped."""
+    (:data:`BODY_SETTINGS`); then they are logged and dropped."""
 
     model_config = ConfigDict(extra="forbid")
 
     @model_validator(mode="before")
     @classmethod
     def _drop_extra_fields(cls, data: Any) -> Any:
-        if not ALLOW_EXTRA_FIELDS.get() or not isinstance(data, dict):
+        if not BODY_SETTINGS.get().allow_extra_fields or not isinstance(data, dict):
             return data
         known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
         extra = [name for name in data if name not in known]
         if not extra:
             return data
-        logger.warning("ignoring fields the request sent that %s does not know: %s", cls.__name__,
-                       ", ".join(map(str, extra)))
+        # Client text in a log line: quoted (a newline cannot forge a line) and capped.
+        shown = ", ".join(repr(name[:LOGGED_NAME_CHARS]) + ("..." if len(name) > LOGGED_NAME_CHARS else "")
+                          for name in extra[:LOGGED_NAMES])
+        more = f" and {len(extra) - LOGGED_NAMES} more" if len(extra) > LOGGED_NAMES else ""
+        logger.warning("ignoring fields the request sent that %s does not know: %s%s", cls.__name__, shown, more)
         return {name: value for name, value in data.items() if name in known}
 
 
@@ -104,7 +114,8 @@ class _Request(_Body):
     model: StrictStr | None = Field(default=None, description="Must be a served model name when given.")
     truncate_prompt_tokens: StrictInt | None = Field(
         default=None, description="Keep this many tokens of each input (-1: the model maximum); "
-                                  "without it a too long input is a 400.")
+                                  "without it (and without the server's --truncate-prompt-tokens) a too long "
+                                  "input is a 400.")
     user: StrictStr | None = Field(default=None, description="Accepted (OpenAI, vLLM); unused.")
     priority: StrictInt | None = Field(
         default=None, description="vLLM's: lower runs first (default 0); requests of equal priority take turns.")
@@ -116,33 +127,91 @@ class _Request(_Body):
         return {name: getattr(self, name) for name in self.plugin_option_names if getattr(self, name) is not None}
 
     def tokenization(self, add_special_tokens: bool = True) -> fr.Tokenization:
-        return fr.Tokenization(truncate_prompt_tokens=self.truncate_prompt_tokens,
-                               add_special_tokens=add_special_tokens)
+        """The body's prompt fields; ``truncate_prompt_tokens`` unset: the server's default."""
+        keep = self.truncate_prompt_tokens
+        return fr.Tokenization(truncate_prompt_tokens=BODY_SETTINGS.get().truncate_prompt_tokens if keep is None
+                               else keep, add_special_tokens=add_special_tokens)
 
 
 class ContentPart(_Body):
-    """A part of a chat message's content: text only (vLLM's ``{"type": "text", "text": ...}``)."""
+    """A text part of a chat message's content (vLLM's ``{"type": "text", "text": ...}``)."""
 
     type: Literal["text"]
     text: StrictStr
 
 
+class ImageUrl(_Body):
+    """OpenAI's ``image_url`` object: ``url`` is a ``data:image/...;base64,`` URL, or an
+    ``http(s)`` URL the server fetches only from its allowed media domains; ``detail`` is
+    accepted and unused (the model's own processor decides the resolution)."""
+
+    url: StrictStr
+    detail: StrictStr | None = None
+
+
+class ImagePart(_Body):
+    """An image part of a chat message's content (OpenAI's and vLLM's ``{"type": "image_url",
+    "image_url": {"url": ...}}``)."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+Part = Annotated[ContentPart | ImagePart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
-    """One chat message (OpenAI's shape): ``role`` and ``content`` (a text, or text parts, which
-    are joined with newlines as vLLM's ``string`` content format joins them); any other field
-    (``name``...) reaches the chat template as sent."""
+    """One chat message (OpenAI's shape): ``role`` and ``content`` (a text, or text and image
+    parts; text parts are joined with newlines as vLLM's ``string`` content format joins them); any
+    other field (``name``...) reaches the chat template as sent."""
 
     model_config = ConfigDict(extra="allow")
 
     role: StrictStr
-    content: StrictStr | list[ContentPart] | None = None
+    content: StrictStr | list[Part] | None = None
+
+    def text(self) -> str:
+        """The message's text: ``content``, or its text parts joined with newlines."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content if isinstance(part, ContentPart))
+        return self.content or ""
+
+    def image_urls(self) -> list[str]:
+        """The URLs of the message's image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if isinstance(part, ImagePart)]
 
     def for_template(self) -> dict[str, Any]:
         """The message as the chat template reads it: ``content`` as one text."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            message["content"] = "\n".join(part.text for part in self.content)
+            message["content"] = self.text()
         return message
+
+
+def text_image_prompt(messages: list[ChatMessage]) -> fr.Input:
+    """The one input ``messages`` make for a text-image model (CLIP), as vLLM reads them: its
+    fallback chat template for CLIP concatenates the messages' texts, and CLIP's processor takes a
+    prompt of text only or of one image only. So the messages' image part, when there is one, is
+    the input; else their texts, concatenated.
+
+    :raises ApiError: 400 for more than one image, or text beside the image (vLLM refuses both).
+    """
+    urls = [url for message in messages for url in message.image_urls()]
+    text = "".join(message.text() for message in messages)
+    if len(urls) > 1:
+        raise ApiError(400, f"messages hold {len(urls)} images: a text-image model embeds one image per prompt "
+                            "(vLLM's limit for CLIP); send each image in its own request, or the images as input",
+                       param="messages")
+    if urls and text:
+        raise ApiError(400, "messages hold text and an image: a text-image model (CLIP) embeds a text or an image, "
+                            "not both in one prompt (as vLLM refuses it); send them as two inputs", param="messages")
+    if urls:
+        return fr.ImageURL(urls[0])
+    if not text:
+        raise ApiError(400, "messages hold no text and no image", param="messages")
+    return text
 
 
 class _Chat(_Body):
@@ -183,19 +252,46 @@ Inputs = StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
 
 class EmbeddingRequest(_Request, _Chat, _Encoding, _Quantize):
     """OpenAI's embeddings request with vLLM's fields: ``input`` (a text, texts, token ids or
-    token-id lists) or ``messages`` (vLLM's chat form)."""
+    token-id lists) or ``messages`` (vLLM's chat form); infinity's ``modality``."""
 
     input: Inputs | None = None
     dimensions: StrictInt | None = None
     normalize: StrictBool | None = None
     use_activation: StrictBool | None = Field(default=None, description="vLLM: normalize (normalize wins).")
+    modality: Literal["text", "image", "audio"] | None = Field(
+        default=None, description="infinity's: image reads each input as an image URL (data:image/...;base64, or "
+                                  "http(s) from an allowed media domain); text (default) reads texts, where a "
+                                  "data:image/ URL is an image for a text-image model; audio is not served.")
 
     def to_request(self, inputs: list[fr.Input], add_special_tokens: bool) -> fr.EncodeRequest:
         """The request of ``inputs`` (:meth:`PoolingService.prompts` reads them from ``input`` or
-        ``messages``)."""
+        ``messages``), each an image URL with ``modality="image"``.
+
+        :raises ApiError: 400 for ``modality`` with ``messages``, ``audio``, or token ids as images.
+        """
+        inputs = self.modal_inputs(inputs)
         return fr.EncodeRequest(inputs=inputs, task="embed", dimensions=self.dimensions, normalize=self.normalize,
                                 use_activation=self.use_activation, precision=self.precision, ranges=self.ranges,
                                 tokenization=self.tokenization(add_special_tokens))
+
+    def modal_inputs(self, inputs: list[fr.Input]) -> list[fr.Input]:
+        """``inputs`` as :attr:`modality` says (infinity's field): image URLs for ``image``.
+
+        :raises ApiError: as :meth:`to_request`.
+        """
+        if self.modality is None or self.modality == "text":
+            if self.modality is not None and self.messages is not None:
+                raise ApiError(400, "modality applies to input, not to messages", param="modality")
+            return inputs
+        if self.messages is not None:
+            raise ApiError(400, "modality applies to input, not to messages", param="modality")
+        if self.modality == "audio":
+            raise ApiError(400, "modality 'audio' is not served: poolrunner embeds texts and images", param="modality")
+        for index, item in enumerate(inputs):
+            if not isinstance(item, str):
+                raise ApiError(400, f"input[{index}]: modality 'image' takes image URLs (data:image/...;base64, "
+                                    "or http(s)), not token ids", param="input")
+        return [fr.ImageURL(item) for item in inputs]  # type: ignore[arg-type]
 
 
 class PoolingHttpRequest(_Request, _Chat, _Encoding, _Quantize):
