@@ -18,6 +18,7 @@ from poolrunner.core.cli.common import (
     Inputs,
     add_command,
     add_input_option,
+    add_lora_option,
     add_model_options,
     add_output_option,
     add_plugin_options,
@@ -110,6 +111,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                               "uint8 calibrate each dimension's range on all the inputs of the run; binary / "
                               "ubinary pack one bit per dimension (.npy keeps the dtype)")
     add_truncation_options(request)
+    add_lora_option(request)
     prompt = request.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", metavar="STR", help="literal prefix prepended to every text")
     prompt.add_argument("--prompt-name", metavar="NAME",

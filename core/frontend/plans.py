@@ -20,6 +20,7 @@ import attrs
 import numpy as np
 from attrs import frozen
 
+from poolrunner.core.adapters import LoraAdapters
 from poolrunner.core.errors import InvalidRequestError, UnsupportedTaskError
 from poolrunner.core.frontend import outputs
 from poolrunner.core.frontend.chunking import LongInputs
@@ -89,6 +90,7 @@ class Frontend:
         cross-encoder scores (:mod:`poolrunner.core.inputs.score_template`); ``None``: the pair
         is tokenized as a (text, text_pair).
     :param images: A text-image model's image inputs; ``None``: images are refused.
+    :param adapters: The LoRA adapters a request's ``lora`` may name; ``None``: none.
     :param image_score: ``(logit_scale, logit_bias)`` of a family whose (text, image) pairs score
         :func:`~poolrunner.core.frontend.scoring.sigmoid_score` (SigLIP); ``None``: the cosine.
     """
@@ -96,7 +98,8 @@ class Frontend:
     def __init__(self, model_config: ModelConfig, inputs: InputProcessor, hooks: Hooks, tasks: frozenset[PoolingTask],
                  default_task: PoolingTask, options: RequestOptions, *, max_embed_len: int | None = None,
                  score_template: ScoreTemplate | None = None, images: ImageInputs | None = None,
-                 image_score: tuple[float, float] | None = None) -> None:
+                 image_score: tuple[float, float] | None = None,
+                 adapters: LoraAdapters | None = None) -> None:
         self.model_config = model_config
         self.inputs = inputs
         self.tasks = tasks
@@ -107,6 +110,7 @@ class Frontend:
         self.long_inputs = LongInputs(inputs, max_embed_len) if max_embed_len is not None else None
         self.score_template = score_template
         self.images = images
+        self.adapters = adapters if adapters is not None else LoraAdapters(0)
         self.image_score = image_score
 
     @functools.singledispatchmethod
@@ -172,7 +176,7 @@ class Frontend:
             tokens = self._tokens(request.texts, tokenization.add_special_tokens)
             answer: list[Any] = tokens if request.with_tokens else [[token.id for token in row] for row in tokens]
         else:  # the requests' own path: checked against the model maximum
-            answer = [list(ids) for ids in self.inputs.encode(request.texts, **attrs.asdict(tokenization))]
+            answer = [list(ids) for ids in self.inputs.encode(request.texts, **tokenization.encoding())]
         return Plan([], lambda _: answer)
 
     def params(self, task: PoolingTask | None = None, options: Mapping[str, Any] | None = None,
@@ -208,8 +212,13 @@ class Frontend:
         ``model_config.image_positions`` placeholder tokens carrying its pixel values, decoded
         and preprocessed here (the server plans in worker threads).
 
-        :raises InvalidRequestError: for bad input, naming its index and the limit it breaks.
+        A ``tokenization.lora`` name sets ``params.lora_id`` to that adapter's number.
+
+        :raises InvalidRequestError: for bad input, naming its index and the limit it breaks; for
+            a ``lora`` that is not loaded.
         """
+        if tokenization.lora is not None:
+            params = attrs.evolve(params, lora_id=self.adapters.get(tokenization.lora).lora_id)
         image_at = [i for i, item in enumerate(inputs) if is_image(item, data_urls=self.images is not None)]
         if image_at:
             return self._prepare_images(inputs, image_at, params, tokenization)
@@ -409,7 +418,7 @@ class Frontend:
                                              add_special_tokens=tokenization.add_special_tokens)
             encoded.update(zip(pair_at, pairs, strict=True))
         if single_at:
-            singles = self.inputs.encode([items[i] for i in single_at], **attrs.asdict(tokenization))  # type: ignore[misc]
+            singles = self.inputs.encode([items[i] for i in single_at], **tokenization.encoding())  # type: ignore[misc]
             encoded.update((i, (ids, None)) for i, ids in zip(single_at, singles, strict=True))
         return [encoded[i] for i in range(len(items))]
 

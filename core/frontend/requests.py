@@ -78,6 +78,8 @@ class Tokenization:
     :ivar prompt: A literal prefix for every text.
     :ivar prompt_name: The name of one of the model's prompts (sentence-transformers').
     :ivar add_special_tokens: ``False`` tokenizes without the tokenizer's special tokens (vLLM's).
+    :ivar lora: The name of a loaded LoRA adapter to run with (vLLM's ``lora_request``; over HTTP
+        the body's ``model``); ``None``: the base model. Here because every operation takes it.
     :raises InvalidRequestError: for a value of the wrong type, or both ``prompt`` and ``prompt_name``.
     """
 
@@ -86,6 +88,12 @@ class Tokenization:
     prompt: str | None = field(default=None, validator=_optional_text)
     prompt_name: str | None = field(default=None, validator=_optional_text)
     add_special_tokens: bool = field(default=True, validator=_flag)
+    lora: str | None = field(default=None, validator=_optional_text)
+
+    def encoding(self) -> dict[str, Any]:
+        """The fields that shape ``prompt_token_ids`` (``InputProcessor.encode``'s keywords):
+        all but :attr:`lora`, which picks weights, not tokens."""
+        return attrs.asdict(self, filter=lambda a, _v: a.name != "lora")
 
     def __attrs_post_init__(self) -> None:
         if self.prompt is not None and self.prompt_name is not None:

@@ -668,6 +668,23 @@ class ModelCard(BaseModel):
     owned_by: str = "poolrunner"
     max_model_len: int
     task: str
+    root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's card)
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """vLLM's ``POST /v1/load_lora_adapter`` body (``model``: which served model, default the first)."""
+
+    lora_name: str
+    lora_path: str
+    model: str | None = None
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body."""
+
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 class ModelList(BaseModel):
