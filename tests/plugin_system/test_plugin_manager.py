@@ -66,9 +66,9 @@ def names(pm: PoolrunnerPluginManager) -> list[str]:
 def test_the_builtin_plugins_are_pinned(default_runtime):
     """The one test that names every built-in, its hooks and its tasks: adding, removing or
     reordering a built-in must be noticed here. Other tests take them from ``builtin_plugins``."""
-    assert BUILTIN_PLUGINS == ("core", "token_type_ids", "pixel_values", "sequence_pooling", "token_pooling",
-                               "async_output")
-    assert DISABLEABLE_BUILTINS == ("token_type_ids", "pixel_values", "sequence_pooling", "token_pooling",
+    assert BUILTIN_PLUGINS == ("core", "token_type_ids", "pixel_values", "lora", "sequence_pooling",
+                               "token_pooling", "async_output")
+    assert DISABLEABLE_BUILTINS == ("token_type_ids", "pixel_values", "lora", "sequence_pooling", "token_pooling",
                                     "async_output")
     pm = build_plugin_manager(load_entrypoints=False)
     assert pm.plugin_infos() == builtin_infos() == [
@@ -78,6 +78,9 @@ def test_the_builtin_plugins_are_pinned(default_runtime):
                    hooks=("add_request", "prepare_inputs", "remove_request")),
         PluginInfo(name="pixel_values", source="builtin", dist="poolrunner", version=POOLRUNNER_VERSION,
                    hooks=("add_request", "prepare_inputs", "remove_request")),
+        PluginInfo(name="lora", source="builtin", dist="poolrunner", version=POOLRUNNER_VERSION,
+                   hooks=("add_request", "load_adapter", "pool", "prepare_inputs", "remove_request",
+                          "unload_adapter")),
         PluginInfo(name="sequence_pooling", source="builtin", dist="poolrunner",
                    version=POOLRUNNER_VERSION, hooks=("get_pooler", "supported_tasks")),
         PluginInfo(name="token_pooling", source="builtin", dist="poolrunner",

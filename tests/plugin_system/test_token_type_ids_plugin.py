@@ -56,9 +56,10 @@ def spy() -> ModelSpy:
 @pytest.fixture(scope="module")
 def runtime(spy) -> poolrunner.Runtime:
     """The default model with the built-in plugins and the spy (which implements get_pooler alone);
-    ``pixel_values``, the other model-state built-in (images), is left out so that this one is alone."""
+    ``pixel_values`` and ``lora``, the other model-state built-ins (images, adapters), are left out
+    so that this one is alone."""
     runtime = poolrunner.Runtime(plugins=[spy], load_entrypoints=False, dtype="float32",
-                                 disable_plugins=["pixel_values"])
+                                 disable_plugins=["pixel_values", "lora"])
     assert runtime.model_config.type_vocab_size == 2
     impls = runtime.plugin_manager.hook.prepare_inputs.get_hookimpls()
     assert [impl.plugin_name for impl in impls] == [NAME]  # the only one
