@@ -31,6 +31,7 @@ from poolrunner.core.frontend import chunking
 from poolrunner.core.hooks import Hooks
 from poolrunner.core.inputs import score_template
 from poolrunner.core.inputs.images import ImageInputs
+from poolrunner.core.inputs.pages import PageInputs
 from poolrunner.core.inputs.score_template import ScoreTemplate
 from poolrunner.core.inputs.tokenize import InputProcessor
 from poolrunner.core.kernels import cpu_kernels, fused_norms, onednn
@@ -60,7 +61,8 @@ class LoadedModel:
     :ivar engine: Scheduler, runner and pooler, ready for requests.
     :ivar score_template: What formats each (query, document) pair before a cross-encoder scores
         it (``config.score_template``, or the built-in the folder asks for); ``None``: pairs as they are.
-    :ivar images: A text-image model's image inputs (its own image processor); ``None``: text only.
+    :ivar images: A text-image model's image inputs (its own image processor), or a page-retrieval
+        model's (:class:`PageInputs`: its own processor); ``None``: text only.
     """
 
     config: RuntimeConfig
@@ -99,7 +101,8 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
     max_input_chars = config.max_input_chars or default_max_input_chars(config.max_embed_len
                                                                         or model_config.max_model_len)
     inputs = InputProcessor(tokenizer, model_config, max_input_chars=max_input_chars)
-    images = ImageInputs.load(path, hf_config.vision_config) if model_config.image_positions else None
+    images = (ImageInputs.load(path, hf_config.vision_config) if model_config.image_positions
+              else PageInputs.load(path) if model_config.images_in_prompt else None)
     build = functools.partial(_build_engine, config, path, hf_config, hooks, model_config, wanted, device)
     fast_path = config.compile == "auto" and onednn.supported(device, torch.float32)
     mixed_path = fast_path and onednn.supported(device, torch.bfloat16)  # bf16 products, as bf16-mixed's

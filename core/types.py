@@ -149,7 +149,12 @@ class PoolingRequest:
     :ivar params: The pooling options.
     :ivar pixel_values: An image input: ``[3, height, width]`` float32 from the model's image
         processor; ``prompt_token_ids`` are then placeholders, one per position the image takes
-        (:attr:`ModelConfig.image_positions`). ``None`` for text.
+        (:attr:`ModelConfig.image_positions`). ``None`` for text. A page-retrieval model's page
+        (:attr:`ModelConfig.images_in_prompt`) holds its processor's own pixel values instead
+        (ColPali ``[3, height, width]``, ColQwen2 ``[num_patches, patch_dim]``) and its
+        processor's own prompt (image tokens and text).
+    :ivar image_grid: A dynamic-resolution image's patch grid as its processor gives it (Qwen2-VL's
+        ``image_grid_thw``: temporal, height and width patches); ``None`` otherwise.
     :raises ValueError: On an empty prompt or mismatched ``token_type_ids`` length.
     """
 
@@ -160,6 +165,7 @@ class PoolingRequest:
     )
     params: PoolingParams = field(validator=validators.instance_of(PoolingParams))
     pixel_values: Any = field(default=None, eq=False, repr=False)
+    image_grid: tuple[int, ...] | None = field(default=None, converter=converters.optional(_token_ids))
 
     @token_type_ids.validator
     def _same_length(self, _attribute: Any, value: tuple[int, ...] | None) -> None:
@@ -274,7 +280,11 @@ class ModelConfig:
         LM head, read at the last token. ``None`` for every other model.
     :ivar image_positions: A text-image model (CLIP): the positions one image takes in a step,
         its vision tower's sequence length (patches, plus CLS), which the scheduler counts
-        against ``max_num_batched_tokens``; ``None`` for a model without a vision tower.
+        against ``max_num_batched_tokens``; ``None`` for a model without a vision tower, or
+        whose images are part of a prompt (:attr:`images_in_prompt`).
+    :ivar images_in_prompt: A page-retrieval model (ColPali, ColQwen2): a page is its processor's
+        prompt (image tokens and text, as many positions as that prompt has tokens) with its
+        pixels on the request; every input, query or page, gives one vector per token.
     :ivar hf_config: The raw ``config.json`` contents (``hf_overrides`` applied), read-only, for
         plugins that need more.
     """
@@ -309,6 +319,7 @@ class ModelConfig:
     required_plugin: RequiredPlugin | None = None
     token_logits: TokenLogits | None = None
     image_positions: int | None = None
+    images_in_prompt: bool = False
     hf_config: Mapping[str, Any] = field(
         factory=dict, converter=_frozen_mapping, eq=False, hash=False, repr=False
     )

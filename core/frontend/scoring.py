@@ -1,4 +1,4 @@
-"""Shapes of scoring requests and the bi-encoder similarity."""
+"""Shapes of scoring requests, the bi-encoder similarity and late interaction (MaxSim)."""
 
 from __future__ import annotations
 
@@ -73,3 +73,15 @@ def cosine(left: np.ndarray, right: np.ndarray) -> np.ndarray:
     left, right = left.astype(np.float32), right.astype(np.float32)
     norms = np.linalg.norm(left, axis=1) * np.linalg.norm(right, axis=1)
     return (np.einsum("nd,nd->n", left, right) / np.maximum(norms, np.finfo(np.float32).tiny)).astype(np.float32)
+
+
+def maxsim(queries: Sequence[np.ndarray], documents: Sequence[np.ndarray]) -> np.ndarray:
+    """Late interaction per pair: the sum over query tokens of the best dot product with any
+    document token (ColBERT's MaxSim; ColPali's ``score_retrieval`` of one query and one page).
+
+    :param queries: ``[query_tokens, d]`` per pair.
+    :param documents: ``[document_tokens, d]`` per pair.
+    :returns: ``[num_pairs]`` float32.
+    """
+    return np.array([(query.astype(np.float32) @ document.astype(np.float32).T).max(axis=1).sum()
+                     for query, document in zip(queries, documents, strict=True)], dtype=np.float32)
