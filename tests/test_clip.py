@@ -259,7 +259,8 @@ def test_text_models_refuse_images(photos):
     runtime = Runtime(dtype="float32", load_entrypoints=False)  # all-MiniLM-L6-v2
     with pytest.raises(InvalidRequestError) as info:
         runtime.embed(["a cat", photos[0]])
-    assert str(info.value) == "input 1 is an image, but BertModel has no vision tower (images are served for CLIPModel)"
+    assert str(info.value) == ("input 1 is an image, but BertModel has no vision tower (images are served for "
+                               "CLIPModel, ColPaliForRetrieval, ColQwen2ForRetrieval)")
     assert runtime.embed("data:image/png;base64,AAAA").shape == (384,)
 
 
@@ -274,7 +275,8 @@ def test_other_composite_configs_are_refused_naming_what_is_served(tmp_path):
         Runtime(str(tmp_path), load_entrypoints=False)
     assert str(info.value) == (
         f"{tmp_path}: SiglipModel (model_type 'siglip') is a composite model whose config holds text_config, "
-        "vision_config; of the composite families poolrunner serves only CLIPModel ('clip'); other text-image "
+        "vision_config; of the composite families poolrunner serves only CLIPModel ('clip'), ColPaliForRetrieval "
+        "('colpali'), ColQwen2ForRetrieval ('colqwen2'); other text-image "
         "families (SigLIP, ...) and other multimodal models are refused until it implements them")
 
 
