@@ -234,3 +234,20 @@ def test_http_pooling_score_and_rerank_equal_the_python_api(runtime, photos):
                                                                                   "iVBORw0KGgo="]})
         assert refused.status_code == 400 and "documents[1]" in refused.json()["error"]["message"], refused.text
         assert client.post("/rerank", json={"query": QUERIES[1], "documents": urls}).status_code == 200
+
+
+def test_a_page_of_extreme_aspect_ratio(family, runtime, reference):
+    """1 x 400 pixels: ColPali resizes it like any page (the model's vectors); Qwen2-VL's
+    processor refuses it, and the refusal names the input."""
+    from PIL import Image
+
+    from poolrunner import InvalidRequestError
+
+    page = Image.new("RGB", (1, 400), (200, 30, 30))
+    if family == "colpali":
+        assert_close(runtime.encode(page)[0], embeddings(reference, page).numpy(), f"{family}/1x400")
+        return
+    with pytest.raises(InvalidRequestError) as info:
+        runtime.encode([QUERIES[0], page])
+    assert str(info.value) == ("input 1: the image processor refused the image: absolute aspect ratio must be "
+                               "smaller than 200, got 400.0")
