@@ -21,12 +21,14 @@ ROWS = 2048  # tokens per step, poolrunner's CPU default for max_num_batched_tok
 
 def layer_shapes(model: str) -> tuple[list[tuple[int, int]], int, int, bool]:
     """``(in, out)`` of each linear layer in one block, the number of blocks, hidden size and
-    whether attention is causal."""
+    whether attention is causal. For a text-image model (CLIP) the vision tower's: a position is
+    an image patch (its patch embedding, under 3% of ViT-B/32's FLOPs, is left out)."""
     config = json.loads((Path(model) / "config.json").read_text())
+    config = config.get("vision_config", config)
     hidden, inner = config["hidden_size"], config["intermediate_size"]
     heads = config["num_attention_heads"]
     kv = config.get("num_key_value_heads", heads) * config.get("head_dim", hidden // heads)
-    causal = config.get("is_decoder", False) or config["model_type"] in {"llama", "qwen2", "qwen3", "gpt2"}
+    causal = config.get("is_decoder", False) or config.get("model_type") in {"llama", "qwen2", "qwen3", "gpt2"}
     if causal:  # gated MLP: gate and up, then down
         shapes = [(hidden, hidden), (hidden, kv), (hidden, kv), (hidden, hidden),
                   (hidden, inner), (hidden, inner), (inner, hidden)]

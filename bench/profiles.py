@@ -7,7 +7,10 @@
   30 tokens each, like the issue's 63,327 tokens in 2,000 paragraphs;
 * ``docs``: the 300 news documents of ``lee_background.cor``, cut at the model maximum (256
   tokens for all-MiniLM-L6-v2) as sentence-transformers does;
-* ``smollm2``: the first 500 paragraphs, embedded by SmolLM2-135M with LAST pooling.
+* ``smollm2``: the first 500 paragraphs, embedded by SmolLM2-135M with LAST pooling;
+* ``images``: scikit-image's 26 photographs and scans (``skimage/data/*.png``, ``*.jpg``: 102 x
+  102 to 1411 x 1411 pixels; RGB, grayscale and RGBA; about 200 KB each), cycled to 104 files,
+  embedded from their files by a CLIP of ViT-B/32's shape (``clip_folder.py``): 50 positions each.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'])")
 @dataclass(frozen=True)
 class Profile:
     name: str
-    model: str  # "minilm" or "smollm2"
+    model: str  # "minilm", "smollm2" or "clip"
     default_texts: int
     description: str
 
@@ -36,6 +39,7 @@ PROFILES = {
         Profile("paragraphs", "minilm", 2000, "sentences of the Lee corpora and para2para"),
         Profile("docs", "minilm", 300, "lee_background.cor news documents, cut at the model maximum"),
         Profile("smollm2", "smollm2", 500, "paragraphs, SmolLM2-135M LAST pooling"),
+        Profile("images", "clip", 104, "scikit-image's photographs and scans, PNG and JPEG files"),
     )
 }
 
@@ -65,8 +69,22 @@ def _sentences() -> list[str]:
     return sentences
 
 
+def image_files() -> list[str]:
+    """scikit-image's bundled photographs and scans, sorted: the PNG and JPEG files of
+    ``skimage/data`` (no download; the GIF and TIFF files are left out)."""
+    spec = importlib.util.find_spec("skimage")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("scikit-image is not installed: pip install -e '.[test]'")
+    data = Path(spec.submodule_search_locations[0]) / "data"
+    return sorted(str(path) for path in data.iterdir() if path.suffix in (".png", ".jpg"))
+
+
 def load_texts(profile: Profile, limit: int | None) -> list[str]:
-    """The profile's texts, the first ``limit`` of them (all when ``None``)."""
+    """The profile's texts (for ``images``: image file paths, cycled), the first ``limit`` of
+    them (the profile's default when ``None``)."""
+    if profile.name == "images":
+        files = image_files()
+        return [files[i % len(files)] for i in range(limit or profile.default_texts)]
     if profile.name == "queries":
         texts = _word_pairs()
     elif profile.name == "docs":

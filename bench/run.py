@@ -53,7 +53,12 @@ LABELS = {"sentence-transformers": "sentence-transformers", "transformers": "tra
           "openvino": "ST OpenVINO", "vllm": "vLLM", "poolrunner": "poolrunner",
           "poolrunner-eager": "poolrunner eager"}
 # The fp32 reference every other system's vectors are compared with, per model.
-REFERENCE = {"minilm": ("sentence-transformers", "float32"), "smollm2": ("transformers", "float32")}
+REFERENCE = {"minilm": ("sentence-transformers", "float32"), "smollm2": ("transformers", "float32"),
+             "clip": ("sentence-transformers", "float32")}
+# Systems with no image path here: OpenVINO's sentence-transformers backend exports text models,
+# and the padded-transformers baseline is a text loop.
+TEXT_ONLY = ("openvino", "transformers")
+TEXT_PROFILES = tuple(name for name, profile in PROFILES.items() if profile.model != "clip")  # the default
 RESULTS = BENCH / ".results"
 
 
@@ -75,6 +80,8 @@ def variants(model: str, families: list[str], dtypes: list[str]) -> list[Variant
     for family in families:
         if family == "sentence-transformers" or (model == "smollm2" and family == "openvino"):
             continue  # the reference is its only dtype; OpenVINO here serves MiniLM only
+        if model == "clip" and family in TEXT_ONLY:
+            continue
         for dtype in dtypes:
             variant = Variant(family, dtype)
             if family in ONLY_FOR.get(dtype, (family,)) and variant != reference:
@@ -92,6 +99,12 @@ def resolve_models(needed: set[str]) -> dict[str, dict | str]:
     models: dict[str, dict | str] = {
         "minilm": {"model": str(minilm), "pooling": "MEAN", "max_length": max_length, "name": "all-MiniLM-L6-v2"}
     }
+    if "clip" in needed:
+        from clip_folder import clip_folder, sentence_transformers_folder
+
+        models["clip"] = {"model": str(clip_folder()), "st_model": str(sentence_transformers_folder()),
+                          "pooling": "CLS", "max_length": 77, "inputs": "images",
+                          "name": "CLIP of ViT-B/32's shape (seeded weights)"}
     if "smollm2" not in needed:
         return models
     try:
@@ -105,6 +118,10 @@ def resolve_models(needed: set[str]) -> dict[str, dict | str]:
 
 
 def token_lengths(model: dict, texts: list[str]) -> list[int]:
+    """Tokens per text; for images, the vision tower's positions per image (patches + class)."""
+    if model.get("inputs") == "images":
+        vision = json.loads((Path(model["model"]) / "config.json").read_text())["vision_config"]
+        return [(vision["image_size"] // vision["patch_size"]) ** 2 + 1] * len(texts)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model["model"])
@@ -157,7 +174,7 @@ def run_worker(variant: Variant, job: dict, workdir: Path, timeout: float) -> di
 
 
 def merge(old: dict | None, new: dict) -> dict:
-    """Combine a variant's rounds: all passes, the highest peak, the latest vectors."""
+    """Combine a variant's rounds: all passes, the highest peak, the latest vectors and stages."""
     if old is None or "error" in old or "error" in new:
         return new if old is None or "error" in new else old
     return {**new, "seconds": old["seconds"] + new["seconds"], "peak_rss_mib": max(old["peak_rss_mib"],
@@ -185,6 +202,8 @@ def summarize(results: dict[Variant, dict], reference: Variant, num_texts: int, 
         row.update(texts_per_s=num_texts / median, tokens_per_s=num_tokens / median,
                    spread=float((seconds.max() - seconds.min()) / median), passes=len(seconds),
                    peak_rss_mib=result["peak_rss_mib"], load_s=result["load_s"])
+        if "decode_s" in result:  # one pass of each stage, as a share of the median pass
+            row.update(decode_share=result["decode_s"] / median, preprocess_share=result["preprocess_s"] / median)
         if ref is not None:
             cos = cosines(result["vectors"], ref)
             row.update(min_cos=float(cos.min()), mean_cos=float(cos.mean()))
@@ -215,10 +234,12 @@ def table(header: list[str], rows: list[list[str]], markdown: bool) -> str:
     return "\n".join([line(header), *map(line, rows)])
 
 
-def profile_table(rows: list[dict], markdown: bool) -> str:
+def profile_table(rows: list[dict], markdown: bool, unit: str = "texts") -> str:
     ours = [d for d in DTYPES if any(r["family"] == "poolrunner" and r["dtype"] == d and "ratios" in r for r in rows)]
-    header = ["system", "texts/s", "tokens/s", "spread", "peak MiB", "min cos", "mean cos", "% bf16 ceil",
-              "% fp32 ceil"] + [f"poolrunner {SHORT[d]} x" for d in ours]
+    stages = any("decode_share" in r for r in rows)
+    header = (["system", f"{unit}/s", "tokens/s" if unit == "texts" else "positions/s", "spread", "peak MiB",
+               "min cos", "mean cos", "% bf16 ceil", "% fp32 ceil"] + [f"poolrunner {SHORT[d]} x" for d in ours]
+              + (["% decode", "% preprocess"] if stages else []))
     body, notes = [], []
     for r in rows:
         if "error" in r:
@@ -230,7 +251,9 @@ def profile_table(rows: list[dict], markdown: bool) -> str:
                      fmt(r.get("mean_cos"), ".5f"),
                      fmt(100 * r["ceiling_bfloat16"], ".1f") if "ceiling_bfloat16" in r else "-",
                      fmt(100 * r["ceiling_float32"], ".1f") if "ceiling_float32" in r else "-"]
-                    + [fmt(r["ratios"].get(d), ".2f") for d in ours])
+                    + [fmt(r["ratios"].get(d), ".2f") for d in ours]
+                    + ([fmt(100 * r["decode_share"], ".0f") if "decode_share" in r else "-",
+                        fmt(100 * r["preprocess_share"], ".0f") if "preprocess_share" in r else "-"] if stages else []))
     return "\n".join([table(header, body, markdown), *notes])
 
 
@@ -262,8 +285,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     csv = lambda allowed: lambda text: [x for x in text.split(",") if x in allowed or parser.error(  # noqa: E731
         f"{x!r} is not one of {', '.join(allowed)}")]
-    parser.add_argument("--profiles", type=csv(tuple(PROFILES)), default=list(PROFILES),
-                        help=f"comma-separated, from {', '.join(PROFILES)} (default: all)")
+    parser.add_argument("--profiles", type=csv(tuple(PROFILES)), default=list(TEXT_PROFILES),
+                        help=f"comma-separated, from {', '.join(PROFILES)} (default: {', '.join(TEXT_PROFILES)})")
     parser.add_argument("--systems", type=csv(FAMILIES), default=list(FAMILIES),
                         help=f"comma-separated, from {', '.join(FAMILIES)} (default: all; the reference always runs)")
     parser.add_argument("--dtypes", type=csv(DTYPES), default=list(DTYPES),
@@ -328,6 +351,7 @@ def run_profile(profile: Profile, model: dict, args: argparse.Namespace, missing
     per_token = ceiling.flops_per_token(model["model"], lengths)
     ceilings = {d: g * 1e9 / per_token for d, g in gflops.items()}
     return {"model": model["name"], "description": profile.description, "texts": len(texts),
+            "inputs": model.get("inputs", "texts"),
             "tokens": sum(lengths), "mflop_per_token": per_token / 1e6, "ceiling_tokens_per_s": ceilings,
             "rows": summarize(results, found[0], len(texts), sum(lengths), ceilings)}
 
@@ -435,10 +459,15 @@ def print_profile(name: str, p: dict, markdown: bool) -> None:
         print(f"\n## {name}: not run: {p['error']}", flush=True)
         return
     limits = ", ".join(f"{SHORT[d]} {v:,.0f}" for d, v in p["ceiling_tokens_per_s"].items())
-    print(f"\n## {name}: {p['texts']} texts ({p['description']}), {p['tokens']:,} tokens "
-          f"({p['tokens'] / p['texts']:.1f} per text), {p['model']}, {p['mflop_per_token']:.1f} MFLOP/token"
-          + (f"; ceiling tokens/s: {limits}" if limits else ""))
-    print(profile_table(p["rows"], markdown), flush=True)
+    unit, token = ("images", "position") if p.get("inputs") == "images" else ("texts", "token")
+    print(f"\n## {name}: {p['texts']} {unit} ({p['description']}), {p['tokens']:,} {token}s "
+          f"({p['tokens'] / p['texts']:.1f} per {unit[:-1]}), {p['model']}, {p['mflop_per_token']:.1f} MFLOP/{token}"
+          + (f"; ceiling {token}s/s: {limits}" if limits else ""))
+    print(profile_table(p["rows"], markdown, unit), flush=True)
+    if unit == "images":
+        print("% decode, % preprocess: one pass of the system's own file decoding (PIL, to RGB) and of its "
+              "preprocessing (the folder's AutoImageProcessor), timed apart after the passes, as a share of the "
+              "median pass; the rest is the towers and the system's machinery.")
 
 
 if __name__ == "__main__":

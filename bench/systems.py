@@ -5,6 +5,12 @@ their library lazily: this module is also imported by the peers' own virtual env
 which hold only numpy, torch and that peer. ``spec`` is the worker's job description (see
 ``worker.py``): ``model`` (a local folder), ``pooling`` ("MEAN" or "LAST"), ``max_length`` (the
 model maximum in tokens) and ``dtype`` ("float32", "bfloat16" or, for poolrunner, "auto" or "int8").
+
+With ``spec["inputs"] == "images"`` (the ``images`` profile) the items are image file paths and
+``model`` a CLIP folder (``st_model``: the same as a sentence-transformers folder): every system
+reads and decodes the files itself, so decoding is part of each one's time. Such an ``embed``
+may carry ``stages``: ``{"decode": f(paths) -> images, "preprocess": f(images)}``, the system's
+own first two stages, which the worker times apart (``worker.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +29,16 @@ def poolrunner_system(spec: dict, compile: str = "auto") -> Embed:
 
     config = RuntimeConfig(model=spec["model"], dtype=spec["dtype"], compile=compile, load_entrypoints=False)
     runtime = Runtime.from_config(config)
+    if spec.get("inputs") == "images":
+        from pathlib import Path
+
+        def embed_images(paths: list[str]) -> np.ndarray:
+            return runtime.embed([Path(p) for p in paths])
+
+        images = runtime.frontend.images  # the same two calls Frontend.plan makes per image
+        embed_images.stages = {"decode": lambda paths: [images.open(Path(p), i) for i, p in enumerate(paths)],
+                               "preprocess": lambda decoded: [images.pixels(im, i) for i, im in enumerate(decoded)]}
+        return embed_images
     return lambda texts: runtime.embed(texts, truncate_prompt_tokens=-1)
 
 
@@ -36,8 +52,31 @@ def sentence_transformers_system(spec: dict) -> Embed:
     """sentence-transformers fp32 with its own length sorting (by characters), batch 32."""
     from sentence_transformers import SentenceTransformer
 
+    if spec.get("inputs") == "images":  # image paths: ST reads them (transformers' load_image)
+        model = SentenceTransformer(spec["st_model"], device="cpu")
+        return _with_pil_stages(lambda paths: model.encode(paths, batch_size=BATCH_SIZE, convert_to_numpy=True), spec)
     model = SentenceTransformer(spec["model"], device="cpu")
     return lambda texts: model.encode(texts, batch_size=BATCH_SIZE, convert_to_numpy=True)
+
+
+def _with_pil_stages(embed: Embed, spec: dict) -> Embed:
+    """``embed`` with the stages a peer runs before its towers, as it runs them: PIL decodes
+    each file to RGB, then the folder's ``AutoImageProcessor`` (in the peer's own environment,
+    so its own transformers) makes the pixel values."""
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    processor = AutoImageProcessor.from_pretrained(spec["model"])
+
+    def decode(paths: list[str]) -> list:
+        return [Image.open(p).convert("RGB") for p in paths]
+
+    def run(items: list) -> np.ndarray:
+        return embed(items)
+
+    run.stages = {"decode": decode,
+                  "preprocess": lambda decoded: [processor(images=im, return_tensors="pt") for im in decoded]}
+    return run
 
 
 def openvino_system(spec: dict) -> Embed:
@@ -87,6 +126,8 @@ def vllm_system(spec: dict) -> Embed:
     from vllm import LLM
     from vllm.config import PoolerConfig
 
+    if spec.get("inputs") == "images":
+        return _vllm_images(spec)
     llm = LLM(model=spec["model"], runner="pooling", dtype=spec["dtype"], max_model_len=spec["max_length"],
               pooler_config=PoolerConfig(pooling_type=spec["pooling"]), seed=0)
 
@@ -95,6 +136,25 @@ def vllm_system(spec: dict) -> Embed:
         return np.asarray([o.outputs.embedding for o in outputs], dtype=np.float32)
 
     return embed
+
+
+def _vllm_images(spec: dict) -> Embed:
+    """vLLM's CLIP pooling (``CLIPEmbeddingModel``): an image is a prompt with an empty text and
+    the decoded image as ``multi_modal_data`` (vLLM refuses text and image in one prompt). Its
+    processed-input cache is off (``mm_processor_cache_gb=0``): the profile repeats its files,
+    and every other system preprocesses each one."""
+    from PIL import Image
+    from vllm import LLM
+
+    llm = LLM(model=spec["model"], runner="pooling", dtype=spec["dtype"], seed=0, limit_mm_per_prompt={"image": 1},
+              mm_processor_cache_gb=0)
+
+    def embed(paths: list[str]) -> np.ndarray:
+        prompts = [{"prompt": "", "multi_modal_data": {"image": Image.open(p).convert("RGB")}} for p in paths]
+        outputs = llm.embed(prompts, use_tqdm=False)
+        return np.asarray([o.outputs.embedding for o in outputs], dtype=np.float32)
+
+    return _with_pil_stages(embed, spec)
 
 
 SYSTEMS: dict[str, Callable[[dict], Embed]] = {

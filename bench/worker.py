@@ -9,6 +9,10 @@ the last timed pass) and ``result.json``.
 Modes: ``throughput`` embeds ``warmup`` texts once, then all texts ``repeats`` times and records
 each pass in seconds; ``latency`` embeds one text per call, ``warmup`` calls and then
 ``calls`` timed calls, cycling through the texts, and records each call in seconds.
+
+When the system's ``embed`` carries ``stages`` (the ``images`` profile), the worker then times
+them apart, once over all the items: ``decode_s`` (files to RGB images) and ``preprocess_s``
+(images to pixel values); the rest of a pass is the towers and the system's own machinery.
 """
 
 from __future__ import annotations
@@ -51,6 +55,15 @@ def latency(embed, texts: list[str], job: dict) -> tuple[list[float], None]:
     return seconds, None
 
 
+def time_stages(stages: dict, items: list) -> dict[str, float]:
+    """``decode_s`` and ``preprocess_s``: one pass of each stage over ``items``."""
+    start = time.perf_counter()
+    decoded = stages["decode"](items)
+    middle = time.perf_counter()
+    stages["preprocess"](decoded)
+    return {"decode_s": middle - start, "preprocess_s": time.perf_counter() - middle}
+
+
 def main(job_file: str) -> None:
     job = json.loads(Path(job_file).read_text())
     out = Path(job["out_dir"])
@@ -62,6 +75,8 @@ def main(job_file: str) -> None:
     if vectors is not None:
         np.save(out / "vectors.npy", vectors)
     result = {"seconds": seconds, "load_s": load_s, "peak_rss_mib": peak_rss_mib()}
+    if job["mode"] == "throughput" and hasattr(embed, "stages"):
+        result.update(time_stages(embed.stages, texts))
     (out / "result.json").write_text(json.dumps(result))
     sys.stdout.flush()
     sys.stderr.flush()

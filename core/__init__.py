@@ -50,6 +50,7 @@ _LAZY = {
     "SequenceHead": "poolrunner.core.model.heads",
     "StModule": "poolrunner.core.model.st_metadata",
     "read_modules": "poolrunner.core.model.st_metadata",
+    "load_weights": "poolrunner.core.model.weight_files",
     "sequence_classifier_head": "poolrunner.core.model.heads",
     "token_classifier_head": "poolrunner.core.model.heads",
     "ClassificationResult": "poolrunner.core.frontend.results",
@@ -63,6 +64,7 @@ if TYPE_CHECKING:
     from poolrunner.core.matryoshka import check_dimensions
     from poolrunner.core.model.heads import SequenceHead, sequence_classifier_head, token_classifier_head
     from poolrunner.core.model.st_metadata import StModule, read_modules
+    from poolrunner.core.model.weight_files import load_weights
     from poolrunner.core.plugin_api.batch import InputBatch, PoolingMetadata
     from poolrunner.core.plugin_api.output import OutputHandle, RequestOutput
     from poolrunner.core.plugin_api.pooler import Pooler, PoolerOutput
@@ -114,6 +116,7 @@ __all__ = [
     "check_dimensions",
     "classifier_activation",
     "hookimpl",
+    "load_weights",
     "read_modules",
     "sequence_classifier_head",
     "token_classifier_head",

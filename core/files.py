@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import glob
 import io
 import json
+import logging
 import os
 import re
 import sys
@@ -35,6 +37,8 @@ import numpy as np
 
 from poolrunner.core.errors import InvalidRequestError
 from poolrunner.core.validators import unencodable_at
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -595,6 +599,7 @@ def open_output(path: str | None, fmt: str, *, column: str | None = None) -> Ite
         sys.stdout.flush()
         return
     target = Path(path)
+    _remove_stale_partials(target)
     partial: Path | None = None
     try:
         with tempfile.NamedTemporaryFile("wb" if binary else "w", encoding=None if binary else "utf-8",
@@ -612,6 +617,16 @@ def open_output(path: str | None, fmt: str, *, column: str | None = None) -> Ite
         if isinstance(exc, OSError):
             raise InvalidRequestError(f"cannot write output file {path!r}: {exc.strerror or exc}") from None
         raise
+
+
+def _remove_stale_partials(target: Path) -> None:
+    """Remove the partial files of ``target`` that an earlier run left when it was killed outright
+    (SIGKILL, a power cut: no ``finally`` ran), with a warning naming each. Two runs writing one output
+    at once are not supported: the last to finish would replace the other's file anyway."""
+    for stale in target.parent.glob(f".{glob.escape(target.name)}.*.partial"):
+        with contextlib.suppress(OSError):
+            stale.unlink()
+            logger.warning("removed %s, a partial output an interrupted run left", stale)
 
 
 def _writer(file: IO[Any], fmt: str, column: str | None) -> Writer:

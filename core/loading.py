@@ -35,8 +35,9 @@ from poolrunner.core.inputs.pages import PageInputs
 from poolrunner.core.inputs.score_template import ScoreTemplate
 from poolrunner.core.inputs.tokenize import InputProcessor
 from poolrunner.core.kernels import cpu_kernels, fused_norms, onednn
-from poolrunner.core.model import families, loader, metadata, token_logits
+from poolrunner.core.model import families, loader, metadata, siglip, token_logits
 from poolrunner.core.model.hf_overrides import apply_hf_overrides
+from poolrunner.core.model.towers import TextImageModel
 from poolrunner.core.plugin_api.options import RequestOptions
 from poolrunner.core.selection import required_plugin, resolve_task, select_pooler, served_tasks
 from poolrunner.core.types import ModelConfig, PoolingParams, PoolingRequest, PoolingTask
@@ -63,6 +64,8 @@ class LoadedModel:
         it (``config.score_template``, or the built-in the folder asks for); ``None``: pairs as they are.
     :ivar images: A text-image model's image inputs (its own image processor), or a page-retrieval
         model's (:class:`PageInputs`: its own processor); ``None``: text only.
+    :ivar image_score: ``(logit_scale, logit_bias)`` of a text-image family that scores a (text,
+        image) pair ``sigmoid(cosine * exp(logit_scale) + logit_bias)`` (SigLIP); ``None``: cosine.
     """
 
     config: RuntimeConfig
@@ -77,6 +80,7 @@ class LoadedModel:
     engine: Engine
     score_template: ScoreTemplate | None = None
     images: ImageInputs | None = None
+    image_score: tuple[float, float] | None = None
 
 
 def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
@@ -101,8 +105,7 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
     max_input_chars = config.max_input_chars or default_max_input_chars(config.max_embed_len
                                                                         or model_config.max_model_len)
     inputs = InputProcessor(tokenizer, model_config, max_input_chars=max_input_chars)
-    images = (ImageInputs.load(path, hf_config.vision_config) if model_config.image_positions
-              else PageInputs.load(path) if model_config.images_in_prompt else None)
+    images = _image_inputs(path, hf_config, model_config)
     build = functools.partial(_build_engine, config, path, hf_config, hooks, model_config, wanted, device)
     fast_path = config.compile == "auto" and onednn.supported(device, torch.float32)
     mixed_path = fast_path and onednn.supported(device, torch.bfloat16)  # bf16 products, as bf16-mixed's
@@ -122,7 +125,25 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
                 sorted(tasks), task, device, chosen.name)
     return LoadedModel(config=config, hooks=hooks, model_config=model_config, task=task,
                        tasks=tasks, device=device, precision=chosen, inputs=inputs, options=options, engine=engine,
-                       score_template=template, images=images)
+                       score_template=template, images=images, image_score=_image_score(engine))
+
+
+def _image_score(engine: Engine) -> tuple[float, float] | None:
+    """A sigmoid-scored text-image family's ``(logit_scale, logit_bias)`` (SigLIP), from its weights."""
+    backbone = engine.runner.backbone
+    return backbone.pair_score() if isinstance(backbone, TextImageModel) else None
+
+
+def _image_inputs(path: Path, hf_config: PretrainedConfig, model_config: ModelConfig) -> ImageInputs | None:
+    """A text-image model's image inputs, its processor checked to give the family's pixel shape;
+    a page-retrieval model's, its own processor (:class:`PageInputs`)."""
+    if model_config.images_in_prompt:
+        return PageInputs.load(path)
+    if not model_config.image_positions:
+        return None
+    towers = metadata.text_image_towers(hf_config.model_type)
+    shape = towers.pixel_shape(hf_config, model_config.image_positions)
+    return ImageInputs.load(path, hf_config.vision_config, shape=shape)
 
 
 def _explicit_precision(
@@ -199,6 +220,8 @@ def read_model(
     model_config = metadata.load_model_config(path, hf_config, tokenizer.model_max_length, overrides, required)
     if logits is not None:
         model_config = attrs.evolve(model_config, token_logits=logits)
+    if hf_config.model_type in siglip.SIGLIP_FAMILIES and model_config.image_positions:
+        model_config = attrs.evolve(model_config, text_padding=siglip.text_padding(path, hf_config, tokenizer))
     return hf_config, tokenizer, model_config
 
 
@@ -219,7 +242,8 @@ def _build_engine(
     the served set, with a log line; a request for it then gets the usual clear error.
     """
     model = loader.load_model(path, hf_config, chosen.weights, device, model_config.token_logits,
-                              claimed=model_config.required_plugin is not None)
+                              claimed=model_config.required_plugin is not None,
+                              image_positions=model_config.image_positions, text_padding=model_config.text_padding)
     # Built here, at load, so that no request waits for a compile.
     kernels = cpu_kernels.supported_dtypes() if config.compile == "auto" and device.type == "cpu" else frozenset()
     products = chosen.weights if chosen.matmul == torch.int8 else chosen.matmul

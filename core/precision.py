@@ -7,7 +7,8 @@ and slower than fp32. Where it is native it is about twice as fast (a bf16 ``[20
 accuracy in bf16 is a property of the model. So the choice is measured at load, on this machine:
 the model runs probe texts (:func:`probe_texts`) in fp32 and then in each candidate of
 :data:`AUTO_CANDIDATES`, fastest first, and the first whose every probe output stays within
-:data:`MAX_RELATIVE_ERROR` of fp32 is kept; else fp32.
+:data:`MAX_RELATIVE_ERROR` of fp32 (an output of one value, a cross-encoder's score: within
+:data:`MAX_SCORE_ERROR`, absolute) is kept; else fp32.
 
 The candidates are bfloat16 (everything in bf16, as transformers runs a bf16 model) and
 ``bf16-mixed``: float32 weights and activations, only the matrix products in bf16 (their inputs
@@ -71,6 +72,11 @@ vectors exactly the embedding bar ``cosine >= 0.9999``, applied alike to every t
 
 MAX_INT8_RELATIVE_ERROR = 2e-3**0.5
 """The int8 bar, about 4.47%: cosine >= 0.999 for unit vectors."""
+
+MAX_SCORE_ERROR = 1e-4
+"""Largest ``|bf16 - fp32|`` accepted for an output of one value (a cross-encoder's score, a
+regression): a relative bar would let a probability near 0.5 move by 7e-3, enough to swap
+near-tied rerank results; 1e-4 is the parity bar against sentence-transformers' CrossEncoder."""
 
 PROBE_TEXTS = (
     "Hello!",
@@ -141,12 +147,11 @@ def choose_cpu_precision(
     for candidate in candidates:
         del engine
         engine = build(candidate)
-        error = _probe_error(engine, probes, reference)
-        if error <= MAX_RELATIVE_ERROR:
-            logger.info("dtype auto: %s (probe error %.2e <= %.2e against float32)",
-                        candidate.name, error, MAX_RELATIVE_ERROR)
+        excess = _excess(reference, _run(engine, probes), MAX_RELATIVE_ERROR)
+        if excess <= 1:
+            logger.info("dtype auto: %s (probe error %.2f of its bar against float32)", candidate.name, excess)
             return engine, candidate
-        logger.info("dtype auto: not %s (probe error %.2e > %.2e)", candidate.name, error, MAX_RELATIVE_ERROR)
+        logger.info("dtype auto: not %s (probe error %.2f times its bar)", candidate.name, excess)
     del engine
     return build(FLOAT32), FLOAT32
 
@@ -166,8 +171,9 @@ def quantize_checked(
     engine = build(INT8)
     calibration = _served(calibration, engine)
     int8.calibrate(engine.runner.backbone, lambda: _run(engine, calibration))
-    error = _probe_error(engine, probes, reference)
-    if error > MAX_INT8_RELATIVE_ERROR:
+    outputs = _run(engine, probes)
+    error = _relative_error(reference, outputs)
+    if _excess(reference, outputs, MAX_INT8_RELATIVE_ERROR) > 1:
         detail = ("its outputs differ from float32's in shape or in integer values" if math.isinf(error)
                   else f"its outputs are up to {error:.4f} away from float32's (relative error; for unit "
                        f"vectors cosine {1 - error**2 / 2:.4f})")
@@ -184,9 +190,18 @@ def _served(requests: Sequence[PoolingRequest], engine: Engine) -> list[PoolingR
     return [request for request in requests if request.params.task in engine.runner.poolers]
 
 
-def _probe_error(engine: Engine, probes: Sequence[PoolingRequest], reference: Sequence[RequestOutput]) -> float:
-    """The largest :func:`_relative_error` of ``engine``'s outputs on ``probes`` against ``reference``."""
-    return max(_relative_error(ref, out) for ref, out in zip(reference, _run(engine, probes), strict=True))
+def _excess(reference: RequestOutput | Sequence[RequestOutput], output: RequestOutput | Sequence[RequestOutput],
+            relative_bar: float) -> float:
+    """The largest error of ``output`` (one output, a dict of named ones, or a list) against
+    ``reference`` as a multiple of its bar (<= 1: every output holds it): an output of one value
+    against :data:`MAX_SCORE_ERROR` (absolute), any other against ``relative_bar`` (relative)."""
+    if isinstance(reference, list | tuple):
+        return max(_excess(ref, out, relative_bar) for ref, out in zip(reference, output, strict=True))
+    if isinstance(reference, dict):
+        return max(_excess(reference[name], output[name], relative_bar) for name in reference)  # type: ignore[index]
+    if reference.is_floating_point() and reference.numel() == 1 and output.shape == reference.shape:  # type: ignore[union-attr]
+        return abs(output.double().item() - reference.double().item()) / MAX_SCORE_ERROR  # type: ignore[union-attr]
+    return _relative_error(reference, output) / relative_bar
 
 
 def _run(engine: Engine, probes: Sequence[PoolingRequest]) -> list[RequestOutput]:
@@ -194,10 +209,14 @@ def _run(engine: Engine, probes: Sequence[PoolingRequest]) -> list[RequestOutput
     return [outputs[probe.request_id] for probe in probes]
 
 
-def _relative_error(reference: RequestOutput, output: RequestOutput) -> float:
-    """``||output - reference|| / ||reference||``; infinite where the two cannot be compared
-    element by element: shapes that differ (SPLADE keeps the non-zero weights, whose number
-    bf16 may change) or integer outputs that differ (token ids)."""
+def _relative_error(reference: RequestOutput | Sequence[RequestOutput],
+                    output: RequestOutput | Sequence[RequestOutput]) -> float:
+    """``||output - reference|| / ||reference||`` (the largest of a list or dict of outputs);
+    infinite where the two cannot be compared element by element: shapes that differ (SPLADE
+    keeps the non-zero weights, whose number bf16 may change) or integer outputs that differ
+    (token ids)."""
+    if isinstance(reference, list | tuple):
+        return max(_relative_error(ref, out) for ref, out in zip(reference, output, strict=True))
     if isinstance(reference, dict):
         return max(_relative_error(reference[name], output[name]) for name in reference)  # type: ignore[index]
     if reference.shape != output.shape:  # type: ignore[union-attr]

@@ -96,7 +96,8 @@ class Runtime:
         self.inputs = loaded.inputs
         self.frontend = Frontend(loaded.model_config, loaded.inputs, loaded.hooks, loaded.tasks, loaded.task,
                                  loaded.options, max_embed_len=loaded.config.max_embed_len,
-                                 score_template=loaded.score_template, images=loaded.images)
+                                 score_template=loaded.score_template, images=loaded.images,
+                                 image_score=loaded.image_score)
         self._engine = loaded.engine  # private: driven by this runtime alone (or its serving loop)
         self._engine_lock = threading.Lock()
         self._loop: EngineLoop | None = None

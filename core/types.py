@@ -155,6 +155,9 @@ class PoolingRequest:
         processor's own prompt (image tokens and text).
     :ivar image_grid: A dynamic-resolution image's patch grid as its processor gives it (Qwen2-VL's
         ``image_grid_thw``: temporal, height and width patches); ``None`` otherwise.
+    :ivar image_kwargs: An image input's other image-processor outputs, by name, each one image's
+        (SigLIP2: ``pixel_attention_mask`` ``[image_positions]`` int and ``spatial_shapes`` ``[2]``
+        int64); ``None`` when the processor gives only ``pixel_values`` (CLIP, SigLIP).
     :raises ValueError: On an empty prompt or mismatched ``token_type_ids`` length.
     """
 
@@ -166,6 +169,7 @@ class PoolingRequest:
     params: PoolingParams = field(validator=validators.instance_of(PoolingParams))
     pixel_values: Any = field(default=None, eq=False, repr=False)
     image_grid: tuple[int, ...] | None = field(default=None, converter=converters.optional(_token_ids))
+    image_kwargs: Mapping[str, Any] | None = field(default=None, eq=False, repr=False)
 
     @token_type_ids.validator
     def _same_length(self, _attribute: Any, value: tuple[int, ...] | None) -> None:
@@ -233,6 +237,26 @@ class TokenLogits:
 
 
 @frozen(kw_only=True)
+class TextPadding:
+    """How a text-image family's text tower takes a prompt (SigLIP, SigLIP2): padded to
+    ``length`` with ``pad_token_id`` on the tokenizer's padding side, as transformers'
+    zero-shot-image-classification pipeline tokenizes it (``padding="max_length"``); the family
+    pools the last position.
+
+    :ivar length: The padded length, the text tower's ``max_position_embeddings`` (64).
+    :ivar pad_token_id: The tokenizer's pad id.
+    :ivar left: The tokenizer pads on the left (``padding_side``; Gemma's, SigLIP2's), else right.
+    :ivar attention_mask: Whether the pads are masked: the folder's tokenizer returns an
+        ``attention_mask`` (its ``model_input_names``), which the pipeline passes to the model.
+    """
+
+    length: int
+    pad_token_id: int
+    left: bool
+    attention_mask: bool
+
+
+@frozen(kw_only=True)
 class ModelConfig:
     """What poolrunner knows about the loaded model, without any transformers object.
 
@@ -285,6 +309,8 @@ class ModelConfig:
     :ivar images_in_prompt: A page-retrieval model (ColPali, ColQwen2): a page is its processor's
         prompt (image tokens and text, as many positions as that prompt has tokens) with its
         pixels on the request; every input, query or page, gives one vector per token.
+    :ivar text_padding: A text-image family whose text tower runs padded prompts (SigLIP,
+        SigLIP2: :class:`TextPadding`); ``None`` for every other model.
     :ivar hf_config: The raw ``config.json`` contents (``hf_overrides`` applied), read-only, for
         plugins that need more.
     """
@@ -320,6 +346,7 @@ class ModelConfig:
     token_logits: TokenLogits | None = None
     image_positions: int | None = None
     images_in_prompt: bool = False
+    text_padding: TextPadding | None = None
     hf_config: Mapping[str, Any] = field(
         factory=dict, converter=_frozen_mapping, eq=False, hash=False, repr=False
     )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -77,3 +79,20 @@ def cosine_rows(a: Any, b: Any) -> np.ndarray:
 def normalized(x: np.ndarray) -> np.ndarray:
     """L2-normalize along the last axis."""
     return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+@contextlib.contextmanager
+def captured_logs(caplog: Any) -> Iterator[None]:
+    """Records of poolrunner's and uvicorn's loggers into ``caplog``, even where an earlier test's
+    ``log_config`` stopped them propagating to the root logger."""
+    loggers = [logging.getLogger(name) for name in ("poolrunner", "uvicorn", "asyncio")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(caplog.handler)
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.removeHandler(caplog.handler)
+            logger.setLevel(level)

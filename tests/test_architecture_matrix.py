@@ -21,10 +21,11 @@ one, no padding). ``exact`` rows must give it in every mode:
 Outputs: ``*Model`` -> ``token_embed`` rows ``[T, hidden]`` (per-token cosine >= 0.9999 and max
 abs <= 1e-4); ``*ForSequenceClassification`` -> ``classify`` raw logits ``[num_labels]`` and
 ``*ForTokenClassification`` -> ``token_classify`` raw logits ``[T, num_labels]`` (max abs <= 1e-4).
-``exact (text, image)`` rows (CLIP) load with both towers: one text and one image embed as
-``get_text_features`` / ``get_image_features`` do (``tests/test_clip.py`` holds the rest).
-``exact (queries, pages)`` rows (ColPali, ColQwen2): a query and a page give the model's
-``embeddings`` of its processor's inputs (``tests/test_colpali.py`` holds the rest).
+``exact (text, image)`` rows (CLIP, SigLIP, SigLIP2) load with both towers: one text and one image
+embed as ``get_text_features`` / ``get_image_features`` do (SigLIP's text padded as the folder's
+tokenizer pads it to the text tower's length; ``tests/test_clip.py`` and ``tests/test_siglip.py``
+hold the rest). ``exact (queries, pages)`` rows (ColPali, ColQwen2): a query and a page give the
+model's ``embeddings`` of its processor's inputs (``tests/test_colpali.py`` holds the rest).
 ``refused`` rows must raise :class:`poolrunner.ModelLoadError` naming the architecture, and so
 must the folders of :data:`~tests.models.architectures.VARIANTS` (a row's folder edited into a
 layout poolrunner refuses: remote code, weights the class would drop or leave random, malformed
@@ -235,7 +236,7 @@ def _check_text_image(row: Row, folder: Path, ids: tuple[int, ...]) -> None:
     """Both towers of a text-image row, against the family's own features (normalized)."""
     import torch
     from PIL import Image
-    from transformers import CLIPImageProcessor
+    from transformers import AutoImageProcessor, AutoTokenizer
 
     from poolrunner import Runtime
 
@@ -243,10 +244,16 @@ def _check_text_image(row: Row, folder: Path, ids: tuple[int, ...]) -> None:
     assert (rt.model_config.architecture, rt.task) == (row.architecture, "embed")
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 40, 3), dtype=np.uint8))
     model = load_reference(row, folder)
-    pixels = CLIPImageProcessor.from_pretrained(folder)(images=image, return_tensors="pt")["pixel_values"]
+    pixels = AutoImageProcessor.from_pretrained(folder, backend="pil")(images=image, return_tensors="pt")
+    text_inputs = {"input_ids": torch.tensor([ids])}
+    if row.family.id.startswith("siglip"):  # the pipeline's padding="max_length" to the tower's length
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        padded = tokenizer.pad({"input_ids": [list(ids)]}, padding="max_length",
+                               max_length=model.config.text_config.max_position_embeddings, return_tensors="pt")
+        text_inputs = {key: padded[key] for key in tokenizer.model_input_names}
     with torch.inference_mode():
-        text = model.get_text_features(input_ids=torch.tensor([ids])).pooler_output
-        picture = model.get_image_features(pixel_values=pixels).pooler_output
+        text = model.get_text_features(**text_inputs).pooler_output
+        picture = model.get_image_features(**pixels).pooler_output
     want = torch.nn.functional.normalize(torch.cat([text, picture]), dim=-1).double().numpy()
     deviation = Deviation()
     deviation.add("a text and an image", rt.embed([list(ids), image]), want)

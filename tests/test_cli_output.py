@@ -53,3 +53,43 @@ def test_the_output_gets_the_usual_permissions(tmp_path):
     finally:
         os.umask(umask)
     assert fresh.stat().st_mode & 0o777 == 0o644  # a new one follows the umask, not 0600
+
+
+def test_partial_files_a_killed_run_left_are_removed_by_the_next(tmp_path, caplog):
+    output = tmp_path / "vectors.jsonl"
+    stale = [tmp_path / ".vectors.jsonl.k3x9q.partial", tmp_path / ".vectors.jsonl.abc.partial"]
+    for path in stale:
+        path.write_text('{"index": 0')
+    other = tmp_path / ".other.jsonl.k3x9q.partial"  # another output's: not this run's to remove
+    other.write_text("")
+    with caplog.at_level("WARNING", logger="poolrunner.core.files"):
+        write_indices(output, 2)
+    assert sorted(path.name for path in tmp_path.iterdir()) == [".other.jsonl.k3x9q.partial", "vectors.jsonl"]
+    assert sorted(record.getMessage() for record in caplog.records) == sorted(
+        f"removed {path}, a partial output an interrupted run left" for path in stale)
+
+
+def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
+    """``kill PID`` (SIGTERM: what a job scheduler or ``timeout`` sends) used to kill the process
+    where it stood, leaving its partial file behind; now the run stops cleanly with status 143,
+    the previous output kept and no partial file left."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"sentence number {i} about cats and dogs\n" for i in range(200_000)))
+    output = tmp_path / "vectors.jsonl"
+    output.write_text("previous\n")
+    with subprocess.Popen([sys.executable, "-m", "poolrunner", "embed", "--input", str(corpus), "--output",
+                           str(output)], stderr=subprocess.PIPE, text=True) as process:
+        deadline = time.monotonic() + 240
+        while not list(tmp_path.glob(".vectors.jsonl.*.partial")):  # writing has begun
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 128 + signal.SIGTERM
+        assert "poolrunner: terminated (SIGTERM)" in process.stderr.read()
+    assert output.read_text() == "previous\n"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["corpus.txt", "vectors.jsonl"]

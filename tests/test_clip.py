@@ -260,7 +260,7 @@ def test_text_models_refuse_images(photos):
     with pytest.raises(InvalidRequestError) as info:
         runtime.embed(["a cat", photos[0]])
     assert str(info.value) == ("input 1 is an image, but BertModel has no vision tower (images are served for "
-                               "CLIPModel, ColPaliForRetrieval, ColQwen2ForRetrieval)")
+                               "CLIPModel, SiglipModel, Siglip2Model, ColPaliForRetrieval, ColQwen2ForRetrieval)")
     assert runtime.embed("data:image/png;base64,AAAA").shape == (384,)
 
 
@@ -269,15 +269,16 @@ def test_other_composite_configs_are_refused_naming_what_is_served(tmp_path):
 
     from poolrunner import ModelLoadError, Runtime
 
-    config = transformers.SiglipConfig(architectures=["SiglipModel"])
+    config = transformers.BlipConfig(architectures=["BlipModel"])
     config.save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError) as info:
         Runtime(str(tmp_path), load_entrypoints=False)
     assert str(info.value) == (
-        f"{tmp_path}: SiglipModel (model_type 'siglip') is a composite model whose config holds text_config, "
-        "vision_config; of the composite families poolrunner serves only CLIPModel ('clip'), ColPaliForRetrieval "
-        "('colpali'), ColQwen2ForRetrieval ('colqwen2'); other text-image "
-        "families (SigLIP, ...) and other multimodal models are refused until it implements them")
+        f"{tmp_path}: BlipModel (model_type 'blip') is a composite model whose config holds text_config, "
+        "vision_config; of the composite families poolrunner serves only CLIPModel ('clip'), SiglipModel ('siglip'), "
+        "Siglip2Model ('siglip2'), ColPaliForRetrieval ('colpali'), ColQwen2ForRetrieval ('colqwen2'); other "
+        "multimodal models (vision-language, audio, other heads of these families) are refused until it implements "
+        "them")
 
 
 def test_data_urls_over_http_equal_the_python_api(runtime, photos):

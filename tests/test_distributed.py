@@ -23,6 +23,7 @@ import pytest
 
 from poolrunner.core import InvalidRequestError, hookimpl
 from poolrunner.core.cli.main import main
+from poolrunner.core.distributed import cluster
 from poolrunner.core.distributed.actor import output_columns
 from poolrunner.core.distributed.shards import list_shards
 from poolrunner.distributed import JobConflictError, RayNotInstalledError, run_job
@@ -64,7 +65,7 @@ def ray_cluster():
     import ray
     import ray.cloudpickle
 
-    ray.init(num_cpus=2, include_dashboard=False)
+    cluster.init(None, num_cpus=2)  # as the CLI starts one
     # Actors cannot import this test module (pytest puts it on the driver's path only): ship
     # CrashOnce by value.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -99,6 +100,37 @@ def embeddings(table: pa.Table) -> np.ndarray:
 def assert_matches(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
     cosines = cosine_rows(actual, expected)
     assert cosines.min() >= MIN_COSINE, f"{what}: row {cosines.argmin()} has cosine {cosines.min()}"
+
+
+def test_the_control_plane_of_a_cluster_poolrunner_starts_refuses_calls_without_its_token(ray_cluster) -> None:
+    """Ray's GCS runs jobs for whoever can call it: a cluster the CLI starts must require the
+    cluster's token (a call without it is UNAUTHENTICATED) and have no dashboard."""
+    import grpc
+    import ray
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    context = ray.get_runtime_context()
+    gcs = context.gcs_address
+    with grpc.insecure_channel(gcs) as channel:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=30)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert not ray.worker.get_dashboard_url()
+
+
+@pytest.mark.parametrize(("address", "environment", "options"), [
+    (None, None, {"address": None, "include_dashboard": False}),
+    ("local", None, {"address": None, "include_dashboard": False}),
+    ("auto", None, {"address": "auto"}),
+    ("ray://head:10001", None, {"address": "ray://head:10001"}),
+    (None, "head:6379", {"address": None}),  # ray.init joins $RAY_ADDRESS's cluster
+])
+def test_ray_init_options(address, environment, options, monkeypatch) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    if environment:
+        monkeypatch.setenv("RAY_ADDRESS", environment)
+    assert cluster.init_options(address) == options
 
 
 def test_bad_options_fail_before_any_work(tmp_path) -> None:

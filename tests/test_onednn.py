@@ -249,15 +249,29 @@ def test_bf16_mixed_is_refused_off_the_fast_path(model_path):
 
 
 class _FakeEngine:
-    """An engine whose outputs are the reference scaled by ``1 + error``."""
+    """An engine whose outputs are the reference (``output``, default a vector of ones) scaled by
+    ``1 + error``."""
 
-    def __init__(self, error: float, built: list[str], name: str) -> None:
+    def __init__(self, error: float, built: list[str], name: str, output: torch.Tensor | None = None) -> None:
         self.error = error
-        self.runner = type("Runner", (), {"poolers": {"embed": None}})()
+        self.output = torch.ones(4) if output is None else output
+        self.runner = type("Runner", (), {"poolers": {"embed": None, "classify": None}})()
         built.append(name)
 
     def run(self, probes):
-        return [(probe.request_id, torch.ones(4) * (1 + self.error)) for probe in probes]
+        return [(probe.request_id, self.output * (1 + self.error)) for probe in probes]
+
+
+@pytest.mark.parametrize(("error", "chosen"), [(1.9e-4, "bfloat16"), (2.1e-4, "float32")])
+def test_auto_judges_a_score_by_its_absolute_error(error, chosen):
+    """A cross-encoder's one score near 0.5: 2.1e-4 relative (far inside the vector bar) is 1.05e-4
+    absolute, past the score bar of 1e-4, so bf16 is refused."""
+    errors = {"float32": 0.0, "bfloat16": error, "bf16-mixed": error}
+    params = poolrunner.PoolingParams(task="classify")
+    probes = [poolrunner.PoolingRequest(request_id="p", prompt_token_ids=[1, 2], params=params)]
+    _, got = precision.choose_cpu_precision(
+        lambda p: _FakeEngine(errors[p.name], [], p.name, torch.tensor([0.5])), probes)
+    assert got.name == chosen
 
 
 @pytest.mark.parametrize(("errors", "chosen", "built"), [

@@ -17,6 +17,7 @@ import pytest
 
 import poolrunner
 from poolrunner.core.errors import InvalidRequestError
+from poolrunner.core.server import ServerSettings
 from poolrunner.core.testing.server import ServerThread
 from tests.helpers import MIN_COSINE, cosine_rows, normalized
 
@@ -196,7 +197,27 @@ def test_http_one_token_is_a_400_then_the_server_serves(server, runtime, poolrun
 
 def test_http_too_long_without_truncation_suggests_the_option(server):
     message = _error(httpx.post(f"{server.url}/v1/embeddings", json={"input": "word " * 400}))
-    assert message.endswith("shorten it or pass truncate_prompt_tokens (-1 keeps the maximum)")
+    assert message.endswith("shorten it or pass truncate_prompt_tokens (-1 keeps the maximum), or ask the operator "
+                            "for --truncate-prompt-tokens (the default of clients that cannot send it)")
+
+
+def test_the_servers_truncate_prompt_tokens_is_the_default_of_bodies_that_set_none(runtime):
+    """``--truncate-prompt-tokens -1``: clients that cannot send the field (Chroma's, Haystack's
+    OpenAI embedders) get the model maximum; a body's own value still wins; TEI's routes follow
+    ``--auto-truncate``, not this setting."""
+    long = "word " * 400
+    with ServerThread(runtime, ServerSettings(truncate_prompt_tokens=-1, auto_truncate=False)) as running:
+        answer = httpx.post(f"{running.url}/v1/embeddings", json={"input": [long, "a"]})
+        np.testing.assert_allclose([item["embedding"] for item in answer.json()["data"]],
+                                   runtime.embed([long, "a"], truncate_prompt_tokens=-1), atol=2e-6)
+        own = httpx.post(f"{running.url}/v1/embeddings", json={"input": long, "truncate_prompt_tokens": 5})
+        np.testing.assert_allclose(own.json()["data"][0]["embedding"],
+                                   runtime.embed(long, truncate_prompt_tokens=5), atol=2e-6)
+        tei = httpx.post(f"{running.url}/embed", json={"inputs": long})
+        assert tei.status_code == 422 and tei.json()["error_type"] == "Validation"
+    with pytest.raises(ValueError, match="^truncate_prompt_tokens must be -1 \\(the model maximum\\) or a positive "
+                                         "number of tokens, got 0$"):
+        ServerSettings(truncate_prompt_tokens=0)
 
 
 def test_http_pairs(make_classifier_folder, classifier_runtime, classifier_reference, word_texts):

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
 import importlib_metadata
 
@@ -84,16 +87,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command is None:
             parser.print_help(sys.stderr)
             raise CliError("a command is required: " + ", ".join(sorted(_commands(parser))))
-        return int(args.run(args))
+        with _terminated_on_sigterm():
+            return int(args.run(args))
     except (CliError, PoolrunnerError) as exc:
         _report(exc)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print(f"{PROG}: terminated (SIGTERM)", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except BrokenPipeError:  # e.g. `poolrunner embed ... | head -1`
         _silence_stdout()
         return 1
+
+
+class Terminated(BaseException):
+    """Raised in the main thread on SIGTERM, so that a command stops as on Ctrl-C: every ``finally``
+    runs (an output being written is removed, the previous file kept), instead of the process
+    dying where it stands."""
+
+
+@contextlib.contextmanager
+def _terminated_on_sigterm() -> Iterator[None]:
+    """SIGTERM raises :class:`Terminated` while the block runs (the server and Ray install their
+    own handlers over it: they drain instead)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(_signum: int, _frame: object) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def print_version() -> int:

@@ -2,45 +2,55 @@
 own served names and options.
 
 ``--model ./reranker:name=rerank:task=classify`` serves the folder ``./reranker`` as ``rerank``;
-the keys are those of :data:`KEYS` (the ``serve`` flags of the same name), ``name`` repeated
-for aliases. A flag given for the whole command applies to every model that does not set its
-own key. Options are separated by ``:`` because ``,`` separates models in ``$POOLRUNNER_MODEL``.
+the keys are ``name`` (repeated for aliases) and every flag of ``serve``'s ``model`` group
+(:func:`model_keys`: ``dtype``, ``task``, ``hf-overrides``...). A flag given for the whole
+command applies to every model that does not set its own key. Options are separated by ``:``
+because ``,`` separates models in ``$POOLRUNNER_MODEL``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from attrs import frozen
 
-from poolrunner.core.cli.common import CliError, boolean, positive_int
-from poolrunner.core.config import DTYPES
+from poolrunner.core.cli.common import CliError, boolean
 
 logger = logging.getLogger(__name__)
 
-_OPTION = re.compile(r":([a-z][a-z-]*)=([^:]*)")
-_OPTIONS_AT_END = re.compile(r"(?::[a-z][a-z-]*=[^:]*)+$")
+_KEY = re.compile(r":([a-z][a-z-]*)=")
 
 
-def _choice(choices: Sequence[str]) -> Callable[[str], str]:
-    def check(value: str) -> str:
-        if value not in choices:
-            raise argparse.ArgumentTypeError(f"expected one of {', '.join(choices)}, got {value!r}")
-        return value
+def model_keys(group: argparse._ArgumentGroup) -> dict[str, Callable[[str], Any]]:
+    """The keys a ``--model`` value may set: ``name`` (repeatable), and every other flag of the
+    command's ``model`` group by its long name (``dtype``, ``max-model-len``, ``hf-overrides``...),
+    each read as the flag reads its value (a switch takes true / false)."""
+    keys: dict[str, Callable[[str], Any]] = {"name": str}
+    for action in group._group_actions:
+        long_names = [option[2:] for option in action.option_strings if option.startswith("--")]
+        if action.dest != "model" and long_names:
+            keys[long_names[0]] = _reader(action)
+    return keys
 
-    return check
 
+def _reader(action: argparse.Action) -> Callable[[str], Any]:
+    """How ``action``'s flag reads one value: its ``type`` (a switch: true / false), then its ``choices``."""
+    read = boolean if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction) else action.type or str
+    if action.choices is None:
+        return read
 
-KEYS: dict[str, Callable[[str], Any]] = {
-    "name": str, "task": str, "dtype": _choice(DTYPES), "revision": str, "max-model-len": positive_int,
-    "max-num-seqs": positive_int, "max-num-batched-tokens": positive_int, "is-matryoshka": boolean,
-    "score-template": str,
-}
-"""The keys a model may set, each read as its ``serve`` flag reads it; ``name`` may repeat."""
+    def chosen(value: str) -> Any:
+        converted = read(value)
+        if converted not in action.choices:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(map(str, action.choices))}, got {value!r}")
+        return converted
+
+    return chosen
 
 
 @frozen
@@ -57,23 +67,32 @@ class ModelSpec:
         return argparse.Namespace(**{**vars(args), "model": self.model, **self.options})
 
 
-def parse_model_spec(text: str) -> ModelSpec:
-    """``PATH[:KEY=VALUE...]`` as a :class:`ModelSpec`; a path holding ``:`` stays whole unless
-    what follows the colon reads as options.
+def parse_model_spec(text: str, keys: dict[str, Callable[[str], Any]]) -> ModelSpec:
+    """``PATH[:KEY=VALUE...]`` as a :class:`ModelSpec`, ``keys`` those of :func:`model_keys`. The
+    path ends where the rest of the text reads as ``:KEY=VALUE`` pairs (a path holding ``:``
+    stays whole otherwise); a value runs to the next ``:KEY=``, and one that starts with ``{`` or
+    ``[`` is JSON, colons and all (``hf-overrides={"a": 1}``).
 
     :raises CliError: for an unknown key, a key given twice (but ``name``), a bad value or no path.
     """
-    options_at = _OPTIONS_AT_END.search(text)
-    path, options_text = (text[:options_at.start()], options_at.group()) if options_at else (text, "")
+    start, pairs = len(text), []
+    for match in _KEY.finditer(text):
+        try:
+            pairs = list(_options(text, match.start()))
+        except CliError:
+            continue
+        start = match.start()
+        break
+    path = text[:start]
     if not path:
         raise CliError(f"--model {text!r} names no model folder before its options")
     names: list[str] = []
     options: dict[str, Any] = {}
-    for key, value in _OPTION.findall(options_text):
-        if key not in KEYS:
-            raise CliError(f"--model {text!r}: unknown option {key!r}; a model may set {', '.join(KEYS)}")
+    for key, value in pairs:
+        if key not in keys:
+            raise CliError(f"--model {text!r}: unknown option {key!r}; a model may set {', '.join(keys)}")
         try:
-            converted = KEYS[key](value)
+            converted = keys[key](value)
         except (argparse.ArgumentTypeError, ValueError) as exc:
             raise CliError(f"--model {text!r}: {key}: {exc}") from None
         if key == "name":
@@ -87,6 +106,25 @@ def parse_model_spec(text: str) -> ModelSpec:
     return ModelSpec(path, tuple(names), options)
 
 
+def _options(text: str, at: int) -> Iterator[tuple[str, str]]:
+    """The ``(key, value)`` pairs of ``text[at:]``, a run of ``:KEY=VALUE``."""
+    while at < len(text):
+        match = _KEY.match(text, at)
+        if match is None:
+            raise CliError(f"--model {text!r}: expected :KEY=VALUE at {text[at:at + 20]!r}")
+        value_at = match.end()
+        if text[value_at:value_at + 1] in ("{", "["):
+            try:
+                end = value_at + json.JSONDecoder().raw_decode(text[value_at:])[1]
+            except ValueError as exc:
+                raise CliError(f"--model {text!r}: {match.group(1)}: the JSON value does not parse: {exc}") from None
+        else:
+            following = _KEY.search(text, value_at)
+            end = following.start() if following else len(text)
+        yield match.group(1), text[value_at:end]
+        at = end
+
+
 def model_specs(args: argparse.Namespace) -> list[ModelSpec]:
     """Every ``--model`` of ``args`` (the default model when none), with ``--served-model-name``
     as the names of a lone model.
@@ -94,7 +132,8 @@ def model_specs(args: argparse.Namespace) -> list[ModelSpec]:
     :raises CliError: as :func:`parse_model_spec`; for ``--served-model-name`` with several
         models (each takes ``name=`` instead) or a name two models share.
     """
-    specs = [parse_model_spec(text) for text in args.model] if args.model else [ModelSpec(None, (), {})]
+    specs = ([parse_model_spec(text, args.model_keys) for text in args.model] if args.model
+             else [ModelSpec(None, (), {})])
     if args.served_model_name:
         if len(specs) > 1:
             raise CliError("--served-model-name names a single model; with several, give each its names as "

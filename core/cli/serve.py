@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
+import ipaddress
+import math
 import os
 from typing import Any
 
@@ -17,9 +20,10 @@ from poolrunner.core.cli.common import (
     positive_int,
 )
 from poolrunner.core.cli.environment import check_environment, read_environment
-from poolrunner.core.cli.model_specs import KEYS, load_served_models, model_specs
+from poolrunner.core.cli.model_specs import load_served_models, model_keys, model_specs
 from poolrunner.core.cli.ray_serve import add_ray_serve_options, ray_serve_requested, run_ray_serve
 from poolrunner.core.server.logs import LOG_FORMATS, LOG_LEVELS
+from poolrunner.core.server.settings import LOOPBACK_HOSTS, MAX_PRIORITY, SCHEDULING_POLICIES
 
 __all__ = ["API_KEY_ENV", "add_parser", "run"]
 
@@ -66,7 +70,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                          description=DESCRIPTION, epilog=EPILOG)
     model = add_model_options(parser, several="repeat it to serve several models in one process, each with its "
                                                 "own engine, as PATH:name=NAME[:task=TASK:dtype=...] (options: "
-                                                f"{', '.join(KEYS)}); requests choose one by their model field")
+                                                "name and every flag of this group); requests choose one by their "
+                                                "model field")
     add_task_option(model, "serve alone", default="every task the model and the plugins allow, each request "
                                                   "naming its own (/pooling's task)")
     model.add_argument("--is-matryoshka", action="store_true",
@@ -74,6 +79,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     model.add_argument("--max-model-len", metavar="N", type=positive_int,
                        help="most tokens per input (default: the model's maximum); longer inputs are a 400 "
                             "unless the request asks for truncate_prompt_tokens")
+    parser.set_defaults(model_keys=model_keys(model))  # what each --model PATH:KEY=VALUE may set
 
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -94,9 +100,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--max-waiting-requests", metavar="N", type=positive_int, default=8192,
                         help="most inputs queued or running over all clients; a request that would pass "
                              "it is answered 429 at once (413 when it alone needs more than N engine requests)")
-    server.add_argument("--drain-timeout", metavar="SECONDS", type=float, default=30.0,
+    server.add_argument("--max-output-values", metavar="N", type=positive_int, default=1 << 24,
+                        help="most values (tokens x hidden size) of one request's per-token outputs (token_embed, "
+                             "token_classify); more is a 413")
+    server.add_argument("--drain-timeout", metavar="SECONDS", default=30.0,
+                        type=functools.partial(_seconds, allow_zero=True),
                         help="how long requests in flight may take to finish after SIGTERM; then their "
                              "connections are closed and the process exits")
+    server.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                        help="vLLM's: fcfs refuses a request's 'priority' other than 0 (a 400); priority runs "
+                             f"lower values first, within -{MAX_PRIORITY}..{MAX_PRIORITY}")
     server.add_argument("--max-connections", metavar="N", type=positive_int, default=1024,
                         help="most connections (and requests running) at once; a request past it is answered 503 "
                              "and its connection closed")
@@ -105,13 +118,24 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--read-timeout", metavar="SECONDS", type=_seconds, default=30.0,
                         help="how long a client may take to send a whole request (head and body), from the "
                              "connection's opening or its previous answer; then the connection is closed")
-    server.add_argument("--auto-truncate", metavar="BOOL", nargs="?", type=boolean, const=True, default=False,
+    server.add_argument("--auto-truncate", metavar="BOOL", nargs="?", type=boolean, const=True, default=True,
                         help="TEI's routes (/embed, /predict...) truncate an over-long input to the model maximum "
-                             "when the request does not set truncate (as TEI's --auto-truncate; default: false, "
-                             "such an input is a 422)")
+                             "when the request does not set truncate (TEI's --auto-truncate and its default, true; "
+                             "false: such an input is a 422)")
     server.add_argument("--allowed-origins", metavar="ORIGIN", nargs="+", default=[],
                         help="origins whose browser pages may call the API (CORS), e.g. https://app.example.com, "
                              "or * for any (default: none, no CORS headers)")
+    server.add_argument("--truncate-prompt-tokens", metavar="N", type=_truncation, default=None,
+                        help="truncate_prompt_tokens of an OpenAI, vLLM, Jina or Cohere request that sets none "
+                             "(-1: the model maximum), for clients that cannot send it; default: an over-long input "
+                             "is a 400 (vLLM's). TEI's routes follow --auto-truncate")
+    server.add_argument("--any-model-name", action="store_true",
+                        help="a single-model server answers any 'model' in a request (TEI's behaviour), so clients' "
+                             "default names reach it; default: an unknown name is a 404 (vLLM's)")
+    server.add_argument("--allowed-hosts", metavar="HOST", nargs="+",
+                        help="Host header values answered (names or addresses, '*.example.com', '*' for any); "
+                             "another is a 400, against DNS rebinding (default: localhost, 127.0.0.1 and ::1 when "
+                             "--host is a loopback address, else any)")
     server.add_argument("--protect-metrics", action="store_true",
                         help="require the API key on /metrics too (default: open, left to the network as TEI "
                              "and vLLM do)")
@@ -154,13 +178,19 @@ def _serve(args: argparse.Namespace) -> None:
             api_key=args.api_key,
             max_inputs_per_request=args.max_inputs_per_request, max_request_bytes=args.max_request_bytes,
             max_waiting_requests=args.max_waiting_requests, drain_timeout=args.drain_timeout,
+            max_output_values=args.max_output_values,
             auto_truncate=args.auto_truncate, allow_extra_fields=args.allow_extra_fields,
             allowed_origins=args.allowed_origins, protect_metrics=args.protect_metrics,
+            scheduling_policy=args.scheduling_policy, allowed_hosts=_allowed_hosts(args),
+            any_model_name=args.any_model_name, truncate_prompt_tokens=args.truncate_prompt_tokens,
         )
     except ValueError as exc:
         hint = "raise --max-waiting-requests or lower --max-inputs-per-request" if "max_inputs" in str(exc) else None
         raise CliError(str(exc), hint=hint) from exc
     specs = model_specs(args)
+    if args.any_model_name and len(specs) > 1:  # before any model loads
+        raise CliError("--any-model-name needs a single model: with several, a request's model must say which",
+                       hint="serve clients' default names as aliases instead: --model PATH:name=NAME")
     if ray_serve_requested(args):
         if len(specs) > 1:
             raise CliError("--ray-serve deploys one model; give one --model")
@@ -184,12 +214,36 @@ def _check_installed() -> None:
                        hint="pip install -e '.[serve]' in the poolrunner checkout")
 
 
-def _seconds(value: str) -> float:
-    """argparse ``type`` for a positive number of seconds."""
+def _truncation(value: str) -> int:
+    """argparse ``type`` for ``truncate_prompt_tokens``: -1 or a positive number of tokens."""
+    try:
+        tokens = int(value)
+    except ValueError:
+        tokens = 0
+    if tokens < 1 and tokens != -1:
+        raise argparse.ArgumentTypeError(f"expected -1 (the model maximum) or a positive number of tokens, "
+                                         f"got {value!r}")
+    return tokens
+
+
+def _allowed_hosts(args: argparse.Namespace) -> list[str] | None:
+    """``--allowed-hosts``, else the loopback names when listening on a loopback address only."""
+    if args.allowed_hosts:
+        return args.allowed_hosts
+    try:
+        loopback = ipaddress.ip_address(args.host).is_loopback
+    except ValueError:  # a name
+        loopback = args.host.lower() == "localhost"
+    return list(LOOPBACK_HOSTS) if loopback else None
+
+
+def _seconds(value: str, *, allow_zero: bool = False) -> float:
+    """argparse ``type`` for a finite, positive number of seconds (``allow_zero``: or 0)."""
     try:
         seconds = float(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value!r}") from None
-    if not seconds > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value!r}")
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds {'>= 0' if allow_zero else '> 0'}, "
+                                         f"got {value!r}")
     return seconds

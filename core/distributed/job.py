@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from poolrunner.core.config import RuntimeConfig
+from poolrunner.core.distributed import cluster
 from poolrunner.core.distributed.shards import (
     ERROR,
     PATH,
@@ -287,7 +288,7 @@ class _connected:
         import ray
 
         if not ray.is_initialized():
-            ray.init(address=self.address)
+            cluster.init(self.address)
             self.started = True
 
     def __exit__(self, *exc: object) -> None:

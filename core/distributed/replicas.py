@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from poolrunner.core.distributed import cluster
 from poolrunner.core.distributed.job import runtime_config
 from poolrunner.core.errors import InvalidRequestError, RayNotInstalledError, ReplicaStartError
 from poolrunner.core.server.settings import ServerSettings
@@ -264,7 +265,7 @@ def connect(address: str | None) -> bool:
     if ray.is_initialized():
         return False
     with _proxy_callback():
-        ray.init(address=address)
+        cluster.init(address)
     return True
 
 

@@ -34,7 +34,7 @@ from poolrunner.core.frontend.requests import (
     TokenizeRequest,
     is_pair,
 )
-from poolrunner.core.frontend.scoring import cosine, maxsim, pair_up, text_labels
+from poolrunner.core.frontend.scoring import cosine, maxsim, pair_up, sigmoid_score, text_labels
 from poolrunner.core.hooks import Hooks
 from poolrunner.core.inputs.images import ImageInputs, is_image
 from poolrunner.core.inputs.pages import PageInputs, Prepared
@@ -90,11 +90,14 @@ class Frontend:
         cross-encoder scores (:mod:`poolrunner.core.inputs.score_template`); ``None``: the pair
         is tokenized as a (text, text_pair).
     :param images: A text-image model's image inputs; ``None``: images are refused.
+    :param image_score: ``(logit_scale, logit_bias)`` of a family whose (text, image) pairs score
+        :func:`~poolrunner.core.frontend.scoring.sigmoid_score` (SigLIP); ``None``: the cosine.
     """
 
     def __init__(self, model_config: ModelConfig, inputs: InputProcessor, hooks: Hooks, tasks: frozenset[PoolingTask],
                  default_task: PoolingTask, options: RequestOptions, *, max_embed_len: int | None = None,
-                 score_template: ScoreTemplate | None = None, images: ImageInputs | None = None) -> None:
+                 score_template: ScoreTemplate | None = None, images: ImageInputs | None = None,
+                 image_score: tuple[float, float] | None = None) -> None:
         self.model_config = model_config
         self.inputs = inputs
         self.tasks = tasks
@@ -105,6 +108,7 @@ class Frontend:
         self.long_inputs = LongInputs(inputs, max_embed_len) if max_embed_len is not None else None
         self.score_template = score_template
         self.images = images
+        self.image_score = image_score
 
     @functools.singledispatchmethod
     def plan(self, request: Request) -> Plan[Any]:
@@ -236,11 +240,12 @@ class Frontend:
             encoded = dict(zip(text_at, self._tokenize([inputs[i] for i in text_at], tokenization), strict=True))
         except InvalidRequestError as exc:
             raise _renumbered(exc, text_at) from None
-        pixels = {i: self.images.pixels(inputs[i], i) for i in image_at}
+        features = self.images.features_of({i: inputs[i] for i in image_at})
         placeholder = (0,) * (self.model_config.image_positions or 0)
         return [
-            PoolingRequest(request_id=f"{params.task}-{next(self._request_ids)}", params=params, pixel_values=pixels[i],
-                           prompt_token_ids=placeholder) if i in pixels
+            PoolingRequest(request_id=f"{params.task}-{next(self._request_ids)}", params=params,
+                           pixel_values=features[i].pop("pixel_values"), image_kwargs=features[i] or None,
+                           prompt_token_ids=placeholder) if i in features
             else PoolingRequest(request_id=f"{params.task}-{next(self._request_ids)}", params=params,
                                 prompt_token_ids=encoded[i][0], token_type_ids=encoded[i][1])
             for i in range(len(inputs))
@@ -285,10 +290,17 @@ class Frontend:
         return requests
 
     def _plan_image_score(self, request: ScoreRequest) -> Plan[np.ndarray]:
-        """Scoring with images: each input pooled once, in order. A text-image model scores the
-        cosine of each pair's embeddings (CLIP's ``logits_per_text`` divided by ``logit_scale``,
-        so the order is CLIP's); a page-retrieval model MaxSim of their token vectors (its
-        processor's ``score_retrieval`` of one query and one page)."""
+        """Scoring with images (a text-image model): each input pooled once, in order, and each
+        pair scored as the family scores it: CLIP, the cosine of the embeddings (its
+        ``logits_per_text`` divided by ``logit_scale``, so the order is CLIP's); SigLIP, a (text,
+        image) pair's :func:`~poolrunner.core.frontend.scoring.sigmoid_score` (``torch.sigmoid`` of
+        its ``logits_per_text``), and pairs of one kind (image, image) the cosine. A page-retrieval
+        model scores MaxSim of the token vectors (its processor's ``score_retrieval`` of one query
+        and one page).
+
+        :raises InvalidRequestError: for SigLIP, a request mixing (text, image) pairs with pairs of
+            one kind (their scores would be on two scales).
+        """
         sides = [[side] if isinstance(side, str) or is_image(side, data_urls=True) else list(side)
                  for side in (request.queries, request.documents)]
         queries, documents = sides
@@ -309,14 +321,34 @@ class Frontend:
             names += [f"{request.sides[1]}[{i}]" for i in range(len(documents))]
             raise _renamed(exc, names) from None
         pairs = [(0 if len(queries) == 1 else i, len(queries) + i) for i in range(len(documents))]
+        sigmoid = self.image_score is not None and self._cross_modal(requests, pairs, request.sides)
 
         def finish(done: list[RequestOutput]) -> np.ndarray:
             vectors = [outputs.to_array(output) for output in done]
-            if task == "token_embed":
+            if task == "token_embed":  # a page-retrieval model: MaxSim of the token vectors
                 return maxsim([vectors[q] for q, _ in pairs], [vectors[d] for _, d in pairs])
-            return cosine(np.stack([vectors[q] for q, _ in pairs]), np.stack([vectors[d] for _, d in pairs]))
+            scores = cosine(np.stack([vectors[q] for q, _ in pairs]), np.stack([vectors[d] for _, d in pairs]))
+            return sigmoid_score(scores, *self.image_score) if sigmoid and self.image_score else scores
 
         return Plan(requests, finish)
+
+    def _cross_modal(self, requests: list[PoolingRequest], pairs: list[tuple[int, int]], sides: tuple[str, str],
+                     ) -> bool:
+        """Whether every pair is (text, image) or (image, text), for a sigmoid-scored family:
+        ``False`` when every pair is of one kind (scored by the cosine).
+
+        :raises InvalidRequestError: when the pairs are of both kinds, naming the first unlike pair 0.
+        """
+        crossed = [(requests[q].pixel_values is None) != (requests[d].pixel_values is None) for q, d in pairs]
+        if all(crossed) or not any(crossed):
+            return all(crossed)
+        odd = crossed.index(not crossed[0])
+        kind = ["a pair of one kind", "a (text, image) pair"]
+        raise InvalidRequestError(
+            f"{sides[1]}[{odd}] makes {kind[crossed[odd]]} and {sides[1]}[0] {kind[crossed[0]]}: "
+            f"{self.model_config.architecture} scores a (text, image) pair sigmoid(cosine * exp(logit_scale) + "
+            "logit_bias) and a pair of one kind (text, text or image, image) by the cosine; score them in "
+            "separate requests")
 
     def _plan_score(self, request: ScoreRequest) -> Plan[np.ndarray]:
         """A ``classify`` model with one label scores each pair as a cross-encoder (formatted by
@@ -395,6 +427,10 @@ class Frontend:
         result = scores.detach().float().cpu().numpy()
         if result.shape != (len(pairs),):
             raise RuntimeError(f"score_outputs returned shape {list(result.shape)} for {len(pairs)} pairs")
+        if not np.isfinite(result).all():  # a plugin option out of range (weights of 1e308) overflows
+            shown = ", ".join(f"{name}={value!r}" for name, value in options.items()) or "none"
+            raise InvalidRequestError(f"the scores of {self.default_task!r} outputs are not finite (inf or nan) "
+                                      f"with the request's options ({shown}): use smaller values")
         return result
 
     def _cannot_score(self) -> UnsupportedTaskError:

@@ -75,6 +75,12 @@ def cosine(left: np.ndarray, right: np.ndarray) -> np.ndarray:
     return (np.einsum("nd,nd->n", left, right) / np.maximum(norms, np.finfo(np.float32).tiny)).astype(np.float32)
 
 
+def sigmoid_score(cosines: np.ndarray, logit_scale: float, logit_bias: float) -> np.ndarray:
+    """SigLIP's (text, image) probability from the cosine of the pair's embeddings:
+    ``sigmoid(cosine * exp(logit_scale) + logit_bias)``, i.e. ``torch.sigmoid`` of
+    ``SiglipModel``'s ``logits_per_text`` (transformers' zero-shot pipeline's scores). ``[n]`` float32."""
+    logits = cosines.astype(np.float64) * np.exp(logit_scale) + logit_bias
+    return (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
 def maxsim(queries: Sequence[np.ndarray], documents: Sequence[np.ndarray]) -> np.ndarray:
     """Late interaction per pair: the sum over query tokens of the best dot product with any
     document token (ColBERT's MaxSim; ColPali's ``score_retrieval`` of one query and one page).

@@ -7,8 +7,14 @@ refused: nothing is ever downloaded. Encoded images are checked before their pix
 (:data:`MAX_IMAGE_BYTES`, and the size the header declares against :data:`MAX_IMAGE_PIXELS`: a
 decompression bomb never decodes); a multi-frame image gives its first frame, and every mode
 (palette, CMYK, 16-bit, alpha) is converted to RGB, as CLIP's processor does. The pixels are the
-folder's own image processor's (``AutoImageProcessor``, never downloaded). Every failure is an
-:class:`InvalidRequestError` naming the input.
+folder's own image processor's (``AutoImageProcessor``, never downloaded), its PIL backend
+whatever else is installed. Every failure is an :class:`InvalidRequestError` naming the input.
+
+A request's images are decoded and preprocessed on a small thread pool per model
+(:meth:`ImageInputs.pixels_of`): PIL's decoders and resampling and numpy's arithmetic release the
+GIL, so the images of one request use the cores together, and however many requests carry
+images at once, preprocessing never takes more than :data:`PREPROCESS_THREADS` threads from the
+towers and the other requests (the server plans each request on a worker thread of its own).
 """
 
 from __future__ import annotations
@@ -18,7 +24,10 @@ import binascii
 import io
 import os
 import sys
+import threading
 import warnings
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +40,9 @@ MAX_IMAGE_BYTES = 32 * 1024 * 1024
 MAX_IMAGE_PIXELS = 40_000_000
 """The most pixels (width x height, as the header declares) one image may have."""
 DATA_URL_PREFIX = "data:image/"
+PREPROCESS_THREADS = min(4, os.cpu_count() or 1)
+"""Threads that decode and preprocess images, per model: the cores, at most 4 (beyond that a
+request's images gain little, and the towers lose cores)."""
 
 
 @frozen
@@ -61,28 +73,35 @@ class ImageInputs:
     :param max_bytes: See :data:`MAX_IMAGE_BYTES`.
     """
 
-    def __init__(self, processor: Any, shape: tuple[int, int, int], *, max_pixels: int = MAX_IMAGE_PIXELS,
-                 max_bytes: int = MAX_IMAGE_BYTES) -> None:
+    def __init__(self, processor: Any, shape: tuple[int, ...], *, max_pixels: int = MAX_IMAGE_PIXELS,
+                 max_bytes: int = MAX_IMAGE_BYTES, threads: int = PREPROCESS_THREADS) -> None:
         self.processor = processor
         self.shape = shape
         self.max_pixels = max_pixels
         self.max_bytes = max_bytes
+        self.threads = threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:  # a pickled copy starts its own pool
+        return {**self.__dict__, "_pool": None, "_pool_lock": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _pool_lock=threading.Lock())
 
     @classmethod
-    def load(cls, path: Path, vision_config: Any) -> ImageInputs:
+    def load(cls, path: Path, vision_config: Any, *, shape: tuple[int, ...] | None = None) -> ImageInputs:
         """The folder's image processor, checked to give the vision tower's input shape.
 
+        :param shape: One image's ``pixel_values`` shape, when it is not
+            ``[num_channels, image_size, image_size]`` (SigLIP2: ``[max_num_patches, channels * patch ** 2]``).
         :raises ModelLoadError: when the folder has no image processor transformers reads, or
-            its output is not ``[num_channels, image_size, image_size]``.
+            its output is not ``shape``.
         """
         from PIL import Image
-        from transformers import AutoImageProcessor
 
-        try:
-            processor = AutoImageProcessor.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-        except Exception as exc:  # OSError, ValueError: no preprocessor_config.json, a class of its own code
-            raise ModelLoadError(f"cannot load the image processor of {path}: {' '.join(str(exc).split())}") from exc
-        shape = (vision_config.num_channels, vision_config.image_size, vision_config.image_size)
+        processor = load_image_processor(path)
+        shape = shape or (vision_config.num_channels, vision_config.image_size, vision_config.image_size)
         inputs = cls(processor, shape)
         got = tuple(inputs.pixels(Image.new("RGB", (7, 5)), 0).shape)
         if got != shape:
@@ -90,18 +109,55 @@ class ImageInputs:
                                  f"vision tower takes {list(shape)}")
         return inputs
 
+    def pixels_of(self, items: Mapping[int, Any]) -> dict[int, Any]:
+        """:meth:`pixels` of each ``{index: item}``, on the model's preprocessing threads.
+
+        :raises InvalidRequestError: :meth:`pixels`' error for the lowest failing index (as one
+            image after another would); the images not yet started are not preprocessed.
+        """
+        return {index: features["pixel_values"] for index, features in self.features_of(items).items()}
+
+    def features_of(self, items: Mapping[int, Any]) -> dict[int, dict[str, Any]]:
+        """:meth:`features` of each ``{index: item}``, on the model's preprocessing threads.
+
+        :raises InvalidRequestError: :meth:`features`' error for the lowest failing index (as one
+            image after another would); the images not yet started are not preprocessed.
+        """
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="poolrunner-images")
+        futures: dict[int, Future[Any]] = {index: self._pool.submit(self.features, item, index)
+                                           for index, item in items.items()}
+        try:
+            return {index: future.result() for index, future in futures.items()}
+        finally:
+            for future in futures.values():
+                future.cancel()
+
     def pixels(self, item: Any, index: int) -> Any:
-        """``item``'s pixel values, ``[channels, height, width]`` float32 (a torch tensor).
+        """``item``'s pixel values, ``[channels, height, width]`` float32 (a torch tensor; SigLIP2:
+        ``[max_num_patches, channels * patch ** 2]``).
 
         :raises InvalidRequestError: naming ``input {index}``: unreadable, truncated, empty or
             over a limit; a remote URL.
         """
+        return self.features(item, index)["pixel_values"]
+
+    def features(self, item: Any, index: int) -> dict[str, Any]:
+        """Every output of the image processor for ``item``, one image's (the batch dimension
+        dropped): ``pixel_values`` float32, and whatever else the family's processor gives
+        (SigLIP2: ``pixel_attention_mask`` ``[max_num_patches]``, ``spatial_shapes`` ``[2]``).
+
+        :raises InvalidRequestError: as :meth:`pixels`.
+        """
         image = self.open(item, index)
         try:
-            values = self.processor(images=image, return_tensors="pt")["pixel_values"][0]
+            outputs = self.processor(images=image, return_tensors="pt")
         except Exception as exc:  # the processor's own refusals (an image it cannot resize...)
             raise InvalidRequestError(f"input {index}: the image processor refused the image: {exc}") from None
-        return values.float()
+        features = {name: value[0] for name, value in outputs.items()}
+        features["pixel_values"] = features["pixel_values"].float()
+        return features
 
     def open(self, item: Any, index: int) -> Any:
         """``item`` decoded: an RGB ``PIL.Image.Image``, its pixels loaded.
@@ -170,6 +226,25 @@ class ImageInputs:
         except Exception as exc:  # OSError "image file is truncated", a decoder error
             raise InvalidRequestError(f"input {index}: the image data is truncated or corrupt "
                                       f"({' '.join(str(exc).split()) or type(exc).__name__})") from None
+
+
+def load_image_processor(path: Path) -> Any:
+    """The folder's own image processor (``AutoImageProcessor``, never downloaded, no folder code),
+    its PIL backend.
+
+    :raises ModelLoadError: when the folder has none transformers reads.
+    """
+    from transformers import AutoImageProcessor
+
+    try:
+        # The PIL backend, also where torchvision is installed (transformers then picks the
+        # torchvision one): its resize is torch's antialiased bicubic, up to 2 levels of 255
+        # away from PIL's on scikit-image's photographs, so the pixels would depend on what
+        # else is installed. The slow (PIL) processor is the one every install has.
+        return AutoImageProcessor.from_pretrained(path, local_files_only=True, trust_remote_code=False,
+                                                  backend="pil")
+    except Exception as exc:  # OSError, ValueError: no preprocessor_config.json, a class of its own code
+        raise ModelLoadError(f"cannot load the image processor of {path}: {' '.join(str(exc).split())}") from exc
 
 
 def _data_url(url: str, index: int) -> bytes:

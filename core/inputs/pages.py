@@ -47,6 +47,13 @@ class PageInputs(ImageInputs):
         # The processor's tokenizer sets its padding on the shared backend per call.
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, Any]:  # a pickled copy (Ray) makes its own lock
+        return {**super().__getstate__(), "_lock": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._lock = threading.Lock()
+
     @classmethod
     def load(cls, path: Path, vision_config: Any = None) -> PageInputs:
         """The folder's own processor (``AutoProcessor``, never downloaded).

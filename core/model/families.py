@@ -40,7 +40,7 @@ LM_CLASSES = frozenset(name for mapping in _LM_MAPPINGS for name in mapping.valu
 _TEXT_TOWER_SUFFIX = "_text_model"
 # Composite (text-image) families served, model_type -> the one class served: both towers run,
 # each request through the tower its input needs (poolrunner.core.model.towers).
-TEXT_IMAGE_FAMILIES = {"clip": "CLIPModel"}
+TEXT_IMAGE_FAMILIES = {"clip": "CLIPModel", "siglip": "SiglipModel", "siglip2": "Siglip2Model"}
 # Page-retrieval families served, model_type -> the one class served: a vision-language model whose
 # every prompt token gives a vector (pages and queries; poolrunner.core.model.page_retrieval).
 PAGE_RETRIEVAL_FAMILIES = {"colpali": "ColPaliForRetrieval", "colqwen2": "ColQwen2ForRetrieval"}
@@ -82,25 +82,60 @@ def check_config(path: Path, config: PretrainedConfig) -> None:
     ):
         raise ModelLoadError(f"{path}/config.json: architectures must be a list of class names, got {architectures!r}")
     name = architecture_name(config)
+    served = served_text_image()
     if config.sub_configs:
-        if is_text_image(config) or is_page_retrieval(config):
+        if is_text_image(config):
+            _check_projections(path, config)
             return  # its size is the projection's, not a hidden_size
+        if is_page_retrieval(config):
+            return  # its size is embedding_dim, not a hidden_size
         served = ", ".join(f"{cls} ({model_type!r})" for model_type, cls in
                            {**TEXT_IMAGE_FAMILIES, **PAGE_RETRIEVAL_FAMILIES}.items())
         raise ModelLoadError(
             f"{path}: {name} (model_type {config.model_type!r}) is a composite model whose config holds "
             f"{', '.join(sorted(config.sub_configs))}; of the composite families poolrunner serves only {served}; "
-            "other text-image families (SigLIP, ...) and other multimodal models are refused until it implements them"
+            "other multimodal models (vision-language, audio, other heads of these families) are refused until it "
+            "implements them"
+        )
+    if (modality := _non_text_input(name)) is not None:
+        raise ModelLoadError(
+            f"{path}: {name} (model_type {config.model_type!r}) is {modality} model; poolrunner embeds images "
+            f"only with the text-image families {served_text_image()}, each with both towers, and serves no "
+            "other vision or audio model"
         )
     if config.model_type.endswith(_TEXT_TOWER_SUFFIX):
         raise ModelLoadError(
             f"{path}: {name} (model_type {config.model_type!r}) is the text tower of a text-image family; its "
             "embedding is the family's own pooled output (CLIP's: the EOS row, then text_projection), which "
-            "poolrunner does not implement yet, so the folder is refused rather than pooled another way"
+            "poolrunner serves only from the whole model's folder (text-image families: "
+            f"{served_text_image()}), so the folder is refused rather than pooled another way"
         )
     hidden_size = getattr(config, "hidden_size", None)
     if not isinstance(hidden_size, int) or isinstance(hidden_size, bool) or hidden_size < 1:
         raise ModelLoadError(f"{path}/config.json: {name} needs a positive integer hidden_size, got {hidden_size!r}")
+
+
+def served_text_image() -> str:
+    """The served text-image classes, as a readable list: ``CLIPModel ('clip'), ...``."""
+    return ", ".join(f"{cls} ({model_type!r})" for model_type, cls in TEXT_IMAGE_FAMILIES.items())
+
+
+def _non_text_input(architecture: str) -> str | None:
+    """``"a vision"`` / ``"an audio"`` when transformers' class ``architecture`` takes images or
+    audio (its ``main_input_name`` is ``pixel_values``, ``input_features`` or ``input_values``),
+    else ``None``."""
+    model_class = getattr(transformers, architecture, None)
+    main_input = getattr(model_class, "main_input_name", "input_ids") if _is_model_class(model_class) else "input_ids"
+    return {"pixel_values": "a vision", "input_features": "an audio", "input_values": "an audio"}.get(main_input)
+
+
+def _check_projections(path: Path, config: PretrainedConfig) -> None:
+    """SigLIP's text head and vision pooling head must give one size (no projection joins them)."""
+    if config.model_type in ("siglip", "siglip2"):
+        text, vision = config.text_config.projection_size, config.vision_config.hidden_size
+        if text != vision:
+            raise ModelLoadError(f"{path}: text_config.projection_size {text} differs from vision_config.hidden_size "
+                                 f"{vision}; {architecture_name(config)}'s text and image embeddings must share a size")
 
 
 def is_text_image(config: PretrainedConfig) -> bool:

@@ -17,8 +17,8 @@ from poolrunner.core.model import checkpoint, families
 from poolrunner.core.model import token_logits as token_logits_rules
 from poolrunner.core.model.families import one_line
 from poolrunner.core.model.page_retrieval import PageRetrievalModel
-from poolrunner.core.model.towers import TextImageModel
-from poolrunner.core.types import TokenLogits
+from poolrunner.core.model.siglip import TOWERS
+from poolrunner.core.types import TextPadding, TokenLogits
 
 _HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -50,7 +50,8 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
 
 def load_model(
     path: Path, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-    token_logits: TokenLogits | None = None, *, claimed: bool = False,
+    token_logits: TokenLogits | None = None, *, claimed: bool = False, image_positions: int | None = None,
+    text_padding: TextPadding | None = None,
 ) -> nn.Module:
     """Load the weights with the class ``config.architectures`` names, in eval mode.
 
@@ -62,6 +63,8 @@ def load_model(
     :param claimed: A plugin claimed the folder's format: see
         :func:`~poolrunner.core.model.families.architecture_class` and
         :func:`~poolrunner.core.model.checkpoint.check_loaded`.
+    :param image_positions: A text-image model's positions per image; with ``text_padding``,
+        given to its backbone (:mod:`~poolrunner.core.model.towers`).
     :returns: The full model (head included); the runner calls its ``base_model``.
     :raises ModelLoadError: if transformers does not know the architecture, the weights fail to
         load, or they differ from the class's (:func:`~poolrunner.core.model.checkpoint.check_loaded`).
@@ -91,7 +94,8 @@ def load_model(
     if token_logits is not None:
         token_logits_rules.install_head(model, token_logits)
     if families.is_text_image(hf_config):
-        model = TextImageModel(model)
+        assert image_positions is not None
+        model = TOWERS[hf_config.model_type](model, image_positions=image_positions, text_padding=text_padding)
     elif families.is_page_retrieval(hf_config):
         model = PageRetrievalModel(model)
     return model.to(device).eval()

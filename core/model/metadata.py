@@ -172,10 +172,13 @@ def load_model_config(
     is_causal = _is_causal(hf_config)
     text_image = is_text_image(hf_config)
     pages = is_page_retrieval(hf_config)
-    # A text-image model's output is its projection: both towers map into projection_dim; a
+    if st is not None:
+        _check_st_text_image(path, hf_config, st.text_image, text_image)
+    # A text-image model's output is its towers' shared embedding size (CLIP: projection_dim); a
     # page-retrieval model's is its per-token embedding_proj_layer.
-    hidden_size = int(hf_config.projection_dim if text_image else hf_config.embedding_dim if pages
-                      else hf_config.hidden_size)
+    towers = text_image_towers(hf_config.model_type) if text_image else None
+    hidden_size = (towers.embedding_size(hf_config) if towers else int(hf_config.embedding_dim) if pages
+                   else int(hf_config.hidden_size))
     dense = st.dense_layers if st else ()
     pooling_type = overrides.pooling_type or (st.pooling_type if st else None)
     normalize = overrides.normalize if overrides.normalize is not None else (st.normalize if st else True)
@@ -215,16 +218,36 @@ def load_model_config(
         type_vocab_size=int(getattr(hf_config, "type_vocab_size", 0) or 0),
         token_weight_head=str(head) if (head := token_weight_head(path)) else None,
         required_plugin=required,
-        image_positions=_image_positions(hf_config) if text_image else None,
+        image_positions=towers.image_positions(hf_config, path) if towers else None,
         images_in_prompt=pages,
         hf_config=hf_config.to_dict(),
     )
 
 
-def _image_positions(hf_config: PretrainedConfig) -> int:
-    """The vision tower's sequence length: one position per patch, plus CLIP's class embedding."""
-    vision = hf_config.vision_config
-    return (vision.image_size // vision.patch_size) ** 2 + 1
+def _check_st_text_image(path: Path, hf_config: PretrainedConfig, st_text_image: bool, text_image: bool) -> None:
+    """A sentence-transformers text-image pipeline (its ``CLIPModel`` module: both towers' features)
+    is served for a ``CLIPModel`` folder only, and a ``CLIPModel`` folder's pipeline must be one.
+
+    :raises ModelLoadError: naming the folder, the module and the architecture.
+    """
+    architecture = architecture_name(hf_config)
+    if st_text_image and hf_config.model_type != "clip":
+        raise ModelLoadError(
+            f"{path}/modules.json: its first module outputs get_text_features / get_image_features, which poolrunner "
+            f"serves for a CLIPModel folder only, not {architecture} (model_type {hf_config.model_type!r}): "
+            "sentence-transformers tokenizes other families' text its own way")
+    if text_image and not st_text_image:
+        raise ModelLoadError(
+            f"{path}/modules.json: a Transformer module that pools the text tower's token embeddings is not "
+            f"supported for {architecture}; poolrunner serves its get_text_features / get_image_features (the "
+            "module sentence-transformers' CLIPModel, or a Transformer whose modality_config names them)")
+
+
+def text_image_towers(model_type: str) -> Any:
+    """The backbone class of a served text-image ``model_type`` (imported here: torch loads with a model)."""
+    from poolrunner.core.model.siglip import TOWERS
+
+    return TOWERS[model_type]
 
 
 def _is_decoder(hf_config: PretrainedConfig) -> bool:

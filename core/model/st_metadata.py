@@ -161,6 +161,16 @@ _TRANSFORMER_KEYS: dict[str, _Rule] = {
 }
 # transformer_task -> the modality_config and module_output_name sentence-transformers gives it by
 # default (TRANSFORMER_TASK_DEFAULTS): what poolrunner runs for that task.
+_TEXT_IMAGE_OUTPUTS: tuple[dict[str, Any], str] = ({
+    "text": {"method": "get_text_features", "method_output_name": "pooler_output"},
+    "image": {"method": "get_image_features", "method_output_name": "pooler_output"},
+}, "sentence_embedding")
+"""A text-image module's outputs: each tower's pooled, projected features as the sentence embedding
+(sentence-transformers' legacy ``CLIPModel`` module, its default; or a ``Transformer`` declaring them)."""
+_TEXT_IMAGE_MODULE = "CLIPModel"
+"""sentence-transformers' legacy CLIP module (``sentence_transformers.models.CLIPModel``, 6.2's
+``sentence_transformers.sentence_transformer.modules.clip_model.CLIPModel``): a Transformer whose
+outputs are :data:`_TEXT_IMAGE_OUTPUTS`, unnormalized."""
 _TASK_OUTPUTS: dict[str, tuple[dict[str, Any], str]] = {
     "feature-extraction": ({"text": {"method": "forward", "method_output_name": "last_hidden_state"}},
                            "token_embeddings"),
@@ -234,6 +244,9 @@ class SentenceTransformerMetadata:
     :ivar prompts: Named prompts from ``config_sentence_transformers.json``.
     :ivar default_prompt_name: Prompt applied when the caller names none.
     :ivar similarity_fn_name: The similarity the model was trained for (``cosine`` when unset).
+    :ivar text_image: The first module outputs a text-image model's features (sentence-transformers'
+        ``CLIPModel`` module: ``get_text_features`` / ``get_image_features``' pooled output, then
+        only an optional Normalize), not token embeddings to pool.
     """
 
     pooling_type: str | None
@@ -244,6 +257,7 @@ class SentenceTransformerMetadata:
     prompts: dict[str, str] = field(factory=dict)
     default_prompt_name: str | None = None
     similarity_fn_name: str = "cosine"
+    text_image: bool = False
 
 
 def read_st_metadata(folder: Path) -> SentenceTransformerMetadata | None:
@@ -265,8 +279,8 @@ def read_st_metadata(folder: Path) -> SentenceTransformerMetadata | None:
     model_config = _read_object(config_file, optional=True)
     _check_keys(config_file, model_config, _MODEL_CONFIG_KEYS, strict=False)
     model_type = model_config.get("model_type", "SentenceTransformer")
-    max_seq_length, lowercase = _transformer_settings(folder, model_type)
-    pooling_type, normalize, dense = _pipeline(folder, modules)
+    max_seq_length, lowercase, text_image = _transformer_settings(folder, model_type, _module_kind(modules[0].type))
+    pooling_type, normalize, dense = _pipeline(folder, modules, text_image=text_image)
     prompts, default_prompt_name = _prompts(config_file, model_config)
     if model_type == "CrossEncoder" and default_prompt_name is not None and prompts[default_prompt_name]:
         raise _refused(config_file, "default_prompt_name", default_prompt_name,
@@ -281,20 +295,26 @@ def read_st_metadata(folder: Path) -> SentenceTransformerMetadata | None:
         prompts=prompts,
         default_prompt_name=default_prompt_name,
         similarity_fn_name=_similarity_fn_name(config_file, model_config),
+        text_image=text_image,
     )
 
 
-def _pipeline(folder: Path, modules: tuple[StModule, ...]) -> tuple[str | None, bool, tuple[DenseLayerSpec, ...]]:
+def _pipeline(folder: Path, modules: tuple[StModule, ...], *, text_image: bool = False,
+              ) -> tuple[str | None, bool, tuple[DenseLayerSpec, ...]]:
     """``(pooling_type, normalize, dense_layers)`` of the modules after the Transformer.
 
-    :raises ModelLoadError: unless the pipeline is one Transformer first, at the folder itself (the
-        backbone poolrunner loads), then Pooling, Dense layers and a last Normalize, of those types.
+    :param text_image: The first module outputs text-image features (a sentence embedding): only
+        a Normalize may follow it.
+    :raises ModelLoadError: unless the pipeline is one Transformer (or ``CLIPModel``) first, at the
+        folder itself (the backbone poolrunner loads), then Pooling, Dense layers and a last
+        Normalize, of those types (after ``CLIPModel``: a Normalize alone).
     """
     pooling_type: str | None = None
     normalize = False
     dense: list[DenseLayerSpec] = []
     for index, module in enumerate(modules):
         kind = _module_kind(module.type)
+        kind = "Transformer" if kind == _TEXT_IMAGE_MODULE else kind
         if (index == 0) != (kind == "Transformer") or (kind == "Transformer" and module.path != folder):
             path = "" if module.path == folder else str(module.path.relative_to(folder))
             raise ModelLoadError(
@@ -304,7 +324,10 @@ def _pipeline(folder: Path, modules: tuple[StModule, ...]) -> tuple[str | None, 
             )
         if kind == "Transformer":
             continue
-        if kind in ("Dense", "Normalize") and pooling_type is None:
+        if text_image and kind != "Normalize":
+            raise ModelLoadError(f"{folder}: a {kind} module after {_module_kind(modules[0].type)}'s text-image "
+                                 "features is not supported (only a Normalize may follow them)")
+        if kind in ("Dense", "Normalize") and pooling_type is None and not text_image:
             raise ModelLoadError(f"{folder}: a {kind} module before the Pooling module is not supported")
         if kind == "Pooling":
             pooling_type = _pooling_type(module.path / "config.json")
@@ -341,9 +364,11 @@ def _module_kind(module_type: str) -> str:
     return module_type
 
 
-def _transformer_settings(folder: Path, model_type: str) -> tuple[int | None, bool]:
-    """``(max_seq_length, do_lower_case)`` of the Transformer module's config file, checked
-    against :data:`_TRANSFORMER_KEYS` and the task of ``model_type``.
+def _transformer_settings(folder: Path, model_type: str, kind: str = "Transformer") -> tuple[int | None, bool, bool]:
+    """``(max_seq_length, do_lower_case, text_image)`` of the Transformer module's config file,
+    checked against :data:`_TRANSFORMER_KEYS` and the task of ``model_type``; ``text_image``: the
+    module outputs :data:`_TEXT_IMAGE_OUTPUTS` (a ``CLIPModel`` module, whose default they are, or
+    a Transformer whose ``modality_config`` names them).
 
     :raises ModelLoadError: naming the file, the key and the value.
     """
@@ -353,13 +378,15 @@ def _transformer_settings(folder: Path, model_type: str) -> tuple[int | None, bo
     given = config.get("transformer_task", "feature-extraction")
     if given != task:
         raise _refused(config_file, "transformer_task", given, f"the Transformer of a {model_type} runs {task!r}")
-    if "modality_config" in config:  # else sentence-transformers takes the task's own, whatever the file says
-        modality_config, output_name = _TASK_OUTPUTS[task]
-        for key, expected in (("modality_config", modality_config), ("module_output_name", output_name)):
-            if config.get(key) != expected:
-                raise _refused(config_file, key, config.get(key), f"poolrunner runs {task!r} with {key}="
-                               f"{json.dumps(expected)} only")
-    return config.get("max_seq_length"), bool(config.get("do_lower_case"))
+    text_image = kind == _TEXT_IMAGE_MODULE
+    if "modality_config" in config:  # else sentence-transformers takes the module's own, whatever the file says
+        declared = (config.get("modality_config"), config.get("module_output_name"))
+        text_image = model_type == "SentenceTransformer" and declared == _TEXT_IMAGE_OUTPUTS
+        expected = _TEXT_IMAGE_OUTPUTS if kind == _TEXT_IMAGE_MODULE else _TASK_OUTPUTS[task]
+        for key, want, got in zip(("modality_config", "module_output_name"), expected, declared, strict=True):
+            if got != want and not text_image:
+                raise _refused(config_file, key, got, f"poolrunner runs {task!r} with {key}={json.dumps(want)} only")
+    return config.get("max_seq_length"), bool(config.get("do_lower_case")), text_image
 
 
 def _transformer_config(folder: Path) -> tuple[Path, dict[str, Any]]:

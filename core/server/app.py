@@ -78,9 +78,8 @@ def create_app(models: Runtime | Sequence[ServedModel], settings: ServerSettings
     endpoints = frozenset(path for route in every_route(app.routes)
                           if isinstance(path := getattr(route, "path", None), str))
     open_paths = OPEN_PATHS if settings.protect_metrics else OPEN_PATHS | {"/metrics"}
-    app.add_middleware(GuardMiddleware, state=state, metrics=metrics, api_key=settings.api_key,
-                       max_request_bytes=settings.max_request_bytes, endpoints=endpoints,
-                       allow_extra_fields=settings.allow_extra_fields, open_paths=open_paths)
+    app.add_middleware(GuardMiddleware, state=state, metrics=metrics, settings=settings, endpoints=endpoints,
+                       open_paths=open_paths)
     if settings.allowed_origins:  # added last, so outermost: preflights need no API key
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["x-request-id"])

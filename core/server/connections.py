@@ -24,6 +24,8 @@ from poolrunner.core.validators import positive_int
 
 logger = logging.getLogger(__name__)
 
+HEALTH_PATH = "/health"
+"""Answered whatever the connection count: an orchestrator's probe must not fail under load."""
 MAX_HEAD_BYTES = 16 * 1024
 """Largest request head (request line and headers), bytes: h11's default, set explicitly; a
 larger head is answered 400 and the connection closed."""
@@ -63,11 +65,13 @@ class GuardedH11Protocol(H11Protocol):
     A request's head and body must arrive within ``read_timeout`` seconds of the connection's
     opening or of its previous answer, else the connection is closed (a route waiting for the
     body sees the client gone). A request arriving while more than ``max_connections``
-    connections are open (this one included), or more requests are running, is answered by
-    :meth:`refuse` instead of the app. uvicorn's own cap (``limit_concurrency``, which must stay
-    unset) answers plain text from a module-level app that cannot be replaced without patching
-    uvicorn for every server in the process; so this protocol puts :meth:`_admit` in front of the
-    app it was given, for its own connection only.
+    connections are open (this one included), or more requests are running, first closes the
+    connections that have sent nothing yet (sockets opened and left silent cost an attacker
+    nothing and must not lock real clients out), and is answered by :meth:`refuse` instead of
+    the app only if that leaves the count over the cap. ``/health`` is never refused. uvicorn's
+    own cap (``limit_concurrency``, which must stay unset) answers plain text from a module-level
+    app that cannot be replaced without patching uvicorn for every server in the process; so this
+    protocol puts :meth:`_admit` in front of the app it was given, for its own connection only.
 
     :param read_timeout: Seconds, > 0.
     :param max_connections: The cap, >= 1.
@@ -78,8 +82,13 @@ class GuardedH11Protocol(H11Protocol):
         self.read_timeout = read_timeout
         self._read_deadline: asyncio.TimerHandle | None = None
         self.max_connections = max_connections
+        self.silent = True  # no byte received yet
         self._app = self.app
         self.app = self._admit
+
+    def data_received(self, data: bytes) -> None:
+        self.silent = False
+        super().data_received(data)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -119,11 +128,24 @@ class GuardedH11Protocol(H11Protocol):
     async def _admit(self, scope: Any, receive: Any, send: Any) -> None:
         """The app, or :meth:`refuse` past the cap. Runs as the request's task, which
         ``self.tasks`` already holds, as ``self.connections`` holds this connection."""
-        cap = self.max_connections
-        if len(self.connections) > cap or len(self.tasks) > cap:
+        if scope.get("path") != HEALTH_PATH and self._over_cap():
             await self.refuse(send)
         else:
             await self._app(scope, receive, send)
+
+    def _over_cap(self) -> bool:
+        """More requests running than the cap, or more connections even once the silent ones close."""
+        cap = self.max_connections
+        if len(self.tasks) > cap:
+            return True
+        return len(self.connections) > cap and len(self.connections) - self._close_silent() > cap
+
+    def _close_silent(self) -> int:
+        """Close the other connections that have sent nothing yet; how many."""
+        silent = [other for other in self.connections if other is not self and getattr(other, "silent", False)]
+        for other in silent:
+            other.transport.close()
+        return len(silent)
 
     async def refuse(self, send: Any) -> None:
         """Answer 503 with an OpenAI-shaped JSON error naming the cap and ``--max-connections``,

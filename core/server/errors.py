@@ -10,6 +10,7 @@ error they raise in that shape, including the body validation FastAPI does befor
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Literal
 
@@ -24,10 +25,13 @@ from starlette.responses import Response
 from poolrunner.core.errors import (
     InvalidRequestError,
     LoopClosedError,
+    PromptTooLongError,
     QueueFullError,
     StepFailedError,
     UnsupportedTaskError,
 )
+
+logger = logging.getLogger("poolrunner.core.server")
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -87,9 +91,18 @@ def install_handlers(app: FastAPI) -> None:
 
     for bad_input in (InvalidRequestError, UnsupportedTaskError):
         app.add_exception_handler(bad_input, _status_handler(400))
+    @app.exception_handler(PromptTooLongError)
+    async def prompt_too_long(request: Request, exc: PromptTooLongError) -> JSONResponse:
+        return error_response(400, public_text(request, f"{exc}, or ask the operator for --truncate-prompt-tokens "
+                                                        "(the default of clients that cannot send it)"),
+                              "truncate_prompt_tokens")
+
     app.add_exception_handler(QueueFullError, _status_handler(429))
     app.add_exception_handler(LoopClosedError, _status_handler(503))
-    app.add_exception_handler(StepFailedError, _status_handler(500))
+
+    @app.exception_handler(StepFailedError)
+    async def step_failed(request: Request, exc: StepFailedError) -> JSONResponse:
+        return error_response(500, step_failure_text(request, exc))
 
 
 def _status_handler(status: int):
@@ -97,6 +110,14 @@ def _status_handler(status: int):
         return error_response(status, public_text(request, str(exc)), getattr(exc, "param", None))
 
     return handle
+
+
+def step_failure_text(request: Request | None, exc: StepFailedError) -> str:
+    """Log a failed engine step's cause under the request's id and return the client's text: the
+    id only, since the cause (an exception's text) may hold paths or other clients' data."""
+    request_id = request.scope.get("state", {}).get("request_id", "?") if request is not None else "?"
+    logger.error("the engine step running request %s failed", request_id, exc_info=exc.__cause__ or exc)
+    return f"the engine step running this request failed (request id {request_id}); the server logged the cause"
 
 
 def _http_detail(exc: HTTPException) -> str:
@@ -163,7 +184,7 @@ def public_text(request: Request, text: str) -> str:
     return router.public_text(text) if router is not None else text
 
 
-def as_tei_error(exc: Exception) -> TeiError | None:
+def as_tei_error(exc: Exception, request: Request | None) -> TeiError | None:
     """What ``exc`` is in TEI's terms; ``None`` for an exception that is not a client's answer
     (a bug: the server's 500)."""
     if isinstance(exc, TeiError):
@@ -175,7 +196,7 @@ def as_tei_error(exc: Exception) -> TeiError | None:
     if isinstance(exc, QueueFullError):
         return TeiError("Overloaded", str(exc))
     if isinstance(exc, StepFailedError):  # TEI: an inference failure is the backend's (424)
-        return TeiError("Backend", str(exc))
+        return TeiError("Backend", step_failure_text(request, exc))
     if isinstance(exc, LoopClosedError):
         return TeiError("Unhealthy", str(exc))
     if isinstance(exc, ApiError):  # the service's own limits: not serving (503), else bad input (413: too large)
@@ -204,7 +225,7 @@ async def in_tei_shape(request: Request, answer: Awaitable[Any]) -> Any:
     try:
         return await answer
     except Exception as exc:
-        error = as_tei_error(exc)
+        error = as_tei_error(exc, request)
         if error is None:
             raise
         return tei_error_response(error, request)

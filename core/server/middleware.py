@@ -24,7 +24,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from poolrunner.core.memory import TRIM_AFTER_CHARS, release_memory
 from poolrunner.core.server.errors import send_error
 from poolrunner.core.server.metrics import ServerMetrics
-from poolrunner.core.server.protocol import ALLOW_EXTRA_FIELDS
+from poolrunner.core.server.protocol import BODY_SETTINGS
+from poolrunner.core.server.settings import ServerSettings
 
 OPEN_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 """Paths always answered without the API key (``/metrics`` too unless ``protect_metrics``): the
@@ -74,21 +75,24 @@ class ServerState:
 
 
 class GuardMiddleware:
-    """Answers 503 while draining, 401 without the key, 413 for a body over the limit, and
-    counts every answer by endpoint and status. With ``allow_extra_fields`` the request's body
-    models drop (and log) fields they do not know (:data:`~.protocol.ALLOW_EXTRA_FIELDS`)."""
+    """Answers 400 for a ``Host`` not in ``allowed_hosts``, 503 while draining, 401 without the
+    key, 413 for a body over the limit, and counts every answer by endpoint and status. The
+    request's body models read ``settings`` (:data:`~.protocol.BODY_SETTINGS`).
 
-    def __init__(self, app: ASGIApp, *, state: ServerState, metrics: ServerMetrics, api_key: str | None,
-                 max_request_bytes: int, endpoints: frozenset[str], allow_extra_fields: bool = False,
-                 open_paths: frozenset[str] = OPEN_PATHS) -> None:
+    :param open_paths: Paths answered without the API key.
+    """
+
+    def __init__(self, app: ASGIApp, *, state: ServerState, metrics: ServerMetrics, settings: ServerSettings,
+                 endpoints: frozenset[str], open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.app = app
         self.state = state
         self.metrics = metrics
-        self.api_key = api_key
+        self.settings = settings
+        self.api_key = settings.api_key
         self.open_paths = open_paths
-        self.max_request_bytes = max_request_bytes
+        self.max_request_bytes = settings.max_request_bytes
         self.endpoints = endpoints
-        self.allow_extra_fields = allow_extra_fields
+        self.allowed_hosts = settings.allowed_hosts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -99,6 +103,7 @@ class GuardMiddleware:
         endpoint = path if path in self.endpoints else "other"
         status: list[int | None] = [None]  # set once the answer starts
         request_id = _request_id(scope)
+        scope.setdefault("state", {})["request_id"] = request_id  # for the error handlers' texts
 
         async def counted_send(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -110,7 +115,7 @@ class GuardMiddleware:
         self.state.in_flight += 1
         stats = RequestStats()
         stats_token = REQUEST_STATS.set(stats)
-        extra_fields = ALLOW_EXTRA_FIELDS.set(self.allow_extra_fields)  # this request's task only
+        body_settings = BODY_SETTINGS.set(self.settings)  # this request's task only
         try:
             refusal = self._refusal(scope, path)
             if refusal is not None:
@@ -125,7 +130,7 @@ class GuardMiddleware:
             logger.exception("unexpected error %s answering %s %s", request_id, scope.get("method"), endpoint)
             await _send_error(counted_send, 500, f"internal server error (id {request_id}); the server logged it")
         finally:
-            ALLOW_EXTRA_FIELDS.reset(extra_fields)
+            BODY_SETTINGS.reset(body_settings)
             REQUEST_STATS.reset(stats_token)
             self.state.in_flight -= 1
             seconds = time.perf_counter() - began
@@ -137,6 +142,10 @@ class GuardMiddleware:
 
     def _refusal(self, scope: Scope, path: str) -> tuple[int, str] | None:
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+        host = _host_name(headers.get("host", ""))
+        if self.allowed_hosts is not None and not _host_allowed(host, self.allowed_hosts):
+            return 400, (f"the Host header {host[:100]!r} is not one this server answers (allowed_hosts, the "
+                         f"--allowed-hosts flag: {', '.join(self.allowed_hosts)})")
         if self.state.draining:
             return 503, "the server is shutting down and takes no new requests"
         if self.api_key is not None and path not in self.open_paths and not path.startswith(OPEN_PREFIX):
@@ -161,6 +170,18 @@ class GuardMiddleware:
             return message
 
         return limited
+
+
+def _host_name(header: str) -> str:
+    """The name or address of a ``Host`` header, lower case, without its port (``[::1]:80`` -> ``::1``)."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:].partition("]")[0]
+    return header.rpartition(":")[0] if header.count(":") == 1 else header
+
+
+def _host_allowed(host: str, allowed: tuple[str, ...]) -> bool:
+    return any(host == name or (name.startswith("*.") and host.endswith(name[1:])) for name in allowed)
 
 
 def _request_id(scope: Scope) -> str:

@@ -9,6 +9,7 @@ without one (TEI's bodies have no such field) goes to the model that fits its ro
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from contextvars import ContextVar
 from pathlib import Path
@@ -21,6 +22,8 @@ from poolrunner.core.server.service import PoolingService
 from poolrunner.core.server.settings import ServerSettings, served_names
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+
+logger = logging.getLogger("poolrunner.core.server")
 
 _ANSWERING: ContextVar[PoolingService | None] = ContextVar("poolrunner_answering_model", default=None)
 """The service :meth:`ModelRouter.pick` chose for the request being answered (its errors name it)."""
@@ -75,9 +78,14 @@ class ModelRouter:
     """The served models' services, in the order they were given; the first is the default."""
 
     def __init__(self, services: Sequence[PoolingService], settings: ServerSettings) -> None:
+        """:raises ValueError: for ``any_model_name`` with several models (which would it be?)."""
         self.services = tuple(services)
         self.settings = settings
         self._by_name = {name: service for service in self.services for name in service.model_names}
+        if settings.any_model_name and len(self.services) > 1:
+            raise ValueError("any_model_name (--any-model-name) needs a single model: with several, a request's "
+                             "model must say which; serve clients' default names as aliases instead")
+        self._unknown_logged = False
 
     @property
     def default(self) -> PoolingService:
@@ -101,13 +109,24 @@ class ModelRouter:
         if model is not None:
             service = self._by_name.get(model)
             if service is None:
-                raise ApiError(404, f"the model {model!r} does not exist: this server serves {self._listing()}",
-                               param="model")
+                return self._unknown(model)
             return service
         if task is None or len(self.services) == 1:
             return self.default
         ranked = [(rank, i) for i, service in enumerate(self.services) if (rank := _fit(service, task)) is not None]
         return self.services[min(ranked)[1]] if ranked else self.default
+
+    def _unknown(self, model: str) -> PoolingService:
+        """The one model under ``any_model_name`` (the first unknown name logged), else a 404."""
+        if self.settings.any_model_name:
+            if not self._unknown_logged:
+                self._unknown_logged = True
+                logger.info("answering requests for model %r (and any other unknown name) with %r "
+                            "(--any-model-name)", model[:100], self.default.model_name)
+            return self.default
+        raise ApiError(404, f"the model {model[:100]!r} does not exist: this server serves {self._listing()}; a "
+                            "client's default name is served when the operator lists it in --served-model-name "
+                            "or, for a single model, turns on --any-model-name", param="model")
 
     def public_text(self, text: str) -> str:
         """``text`` with every model's folder path replaced by its served name: the answering

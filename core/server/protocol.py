@@ -2,8 +2,9 @@
 
 Request models forbid unknown fields and use strict types, so ``"1"`` is never taken for a
 token id nor ``1.0`` for an integer: such input is a 400 naming the field. A server started
-with ``allow_extra_fields`` sets :data:`ALLOW_EXTRA_FIELDS` for its requests: unknown fields are
-then dropped and logged (vLLM's behaviour) instead.
+with ``allow_extra_fields`` drops and logs unknown fields instead (vLLM's behaviour), and one with
+``truncate_prompt_tokens`` gives that value to a body that sets none: the middleware sets
+:data:`BODY_SETTINGS` to the server's settings while a request is read.
 """
 
 from __future__ import annotations
@@ -31,13 +32,19 @@ from poolrunner.core.frontend import requests as fr
 from poolrunner.core.frontend.quantize import Precision
 from poolrunner.core.plugin_api.options import RequestOptions
 from poolrunner.core.server.errors import ApiError
+from poolrunner.core.server.settings import ServerSettings
 from poolrunner.core.server.tei_protocol import tei_tokenization
 from poolrunner.core.validators import unencodable_at
 
 logger = logging.getLogger("poolrunner.core.server")
 
-ALLOW_EXTRA_FIELDS: ContextVar[bool] = ContextVar("poolrunner_allow_extra_fields", default=False)
-"""True while a request of a server with ``allow_extra_fields`` is read (set by its middleware)."""
+LOGGED_NAMES = 10
+"""Unknown field names logged per request; their number is logged beyond it."""
+LOGGED_NAME_CHARS = 64
+"""Characters of an unknown field's name logged."""
+# ServerSettings is frozen, so one shared default is safe.
+BODY_SETTINGS: ContextVar[ServerSettings] = ContextVar("poolrunner_body_settings", default=ServerSettings())  # noqa: B039
+"""The settings of the server whose request is being read (set by its middleware)."""
 
 TokenIds = list[StrictInt]
 EncodingFormat = Literal["float", "base64", "bytes", "bytes_only"]
@@ -79,21 +86,24 @@ EchoedStr = Annotated[StrictStr, AfterValidator(_whole_characters)]
 
 class _Body(BaseModel):
     """A request body: unknown fields are a 400 unless the server allows them
-    (:data:`ALLOW_EXTRA_FIELDS`); then they are logged and dropped."""
+    (:data:`BODY_SETTINGS`); then they are logged and dropped."""
 
     model_config = ConfigDict(extra="forbid")
 
     @model_validator(mode="before")
     @classmethod
     def _drop_extra_fields(cls, data: Any) -> Any:
-        if not ALLOW_EXTRA_FIELDS.get() or not isinstance(data, dict):
+        if not BODY_SETTINGS.get().allow_extra_fields or not isinstance(data, dict):
             return data
         known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
         extra = [name for name in data if name not in known]
         if not extra:
             return data
-        logger.warning("ignoring fields the request sent that %s does not know: %s", cls.__name__,
-                       ", ".join(map(str, extra)))
+        # Client text in a log line: quoted (a newline cannot forge a line) and capped.
+        shown = ", ".join(repr(name[:LOGGED_NAME_CHARS]) + ("..." if len(name) > LOGGED_NAME_CHARS else "")
+                          for name in extra[:LOGGED_NAMES])
+        more = f" and {len(extra) - LOGGED_NAMES} more" if len(extra) > LOGGED_NAMES else ""
+        logger.warning("ignoring fields the request sent that %s does not know: %s%s", cls.__name__, shown, more)
         return {name: value for name, value in data.items() if name in known}
 
 
@@ -104,7 +114,8 @@ class _Request(_Body):
     model: StrictStr | None = Field(default=None, description="Must be a served model name when given.")
     truncate_prompt_tokens: StrictInt | None = Field(
         default=None, description="Keep this many tokens of each input (-1: the model maximum); "
-                                  "without it a too long input is a 400.")
+                                  "without it (and without the server's --truncate-prompt-tokens) a too long "
+                                  "input is a 400.")
     user: StrictStr | None = Field(default=None, description="Accepted (OpenAI, vLLM); unused.")
     priority: StrictInt | None = Field(
         default=None, description="vLLM's: lower runs first (default 0); requests of equal priority take turns.")
@@ -116,8 +127,10 @@ class _Request(_Body):
         return {name: getattr(self, name) for name in self.plugin_option_names if getattr(self, name) is not None}
 
     def tokenization(self, add_special_tokens: bool = True) -> fr.Tokenization:
-        return fr.Tokenization(truncate_prompt_tokens=self.truncate_prompt_tokens,
-                               add_special_tokens=add_special_tokens)
+        """The body's prompt fields; ``truncate_prompt_tokens`` unset: the server's default."""
+        keep = self.truncate_prompt_tokens
+        return fr.Tokenization(truncate_prompt_tokens=BODY_SETTINGS.get().truncate_prompt_tokens if keep is None
+                               else keep, add_special_tokens=add_special_tokens)
 
 
 class ContentPart(_Body):

@@ -23,7 +23,8 @@ from poolrunner.core.runtime import Runtime, Serving
 from poolrunner.core.server.errors import ApiError
 from poolrunner.core.server.metrics import ServerMetrics
 from poolrunner.core.server.middleware import REQUEST_STATS
-from poolrunner.core.server.settings import ServerSettings
+from poolrunner.core.server.settings import MAX_PRIORITY, ServerSettings
+from poolrunner.core.types import PoolingRequest
 
 CLIENT_CLOSED = 499
 """Status recorded for a request whose client went away (nginx's convention); never sent."""
@@ -146,6 +147,7 @@ class PoolingService:
         requests = plan.requests
         if not requests:  # tokenize: answered by the plan alone
             return plan.finish([]), 0
+        priority = self._priority(priority)
         if self.serving is None:
             raise ApiError(503, "the server is not serving (starting up or shut down)")
         count, limit = len(chunking.expand(requests)[0]), self.settings.max_waiting_requests
@@ -155,12 +157,13 @@ class PoolingService:
                                 f"more than the limit of {limit} waiting or running at once (max_waiting_requests, "
                                 "the --max-waiting-requests flag): it could never be queued; send fewer inputs")
         num_tokens = sum(r.num_tokens for r in requests)
+        self._check_output_size(requests)
         self.metrics.request_tokens.observe(num_tokens)
         stats = REQUEST_STATS.get()
         if stats is not None:
             stats.inputs += len(requests)
             stats.tokens += num_tokens
-        result = asyncio.ensure_future(self.serving.run(requests, priority=priority or 0))
+        result = asyncio.ensure_future(self.serving.run(requests, priority=priority))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -172,6 +175,36 @@ class PoolingService:
             result.cancel()  # a no-op once done; else its requests leave the engine
         answer = await run_in_threadpool(plan.finish, outputs) if plan.offload else plan.finish(outputs)
         return answer, num_tokens
+
+    def _check_output_size(self, requests: Sequence[PoolingRequest]) -> None:
+        """:raises ApiError: 413 when the per-token outputs would pass ``max_output_values``."""
+        tokens = sum(r.num_tokens for r in requests if r.params.task in PER_TOKEN_TASKS)
+        values, limit = tokens * self.frontend.model_config.hidden_size, self.settings.max_output_values
+        if values > limit:
+            raise ApiError(413, f"this request's per-token outputs would hold {values} values ({tokens} tokens x "
+                                f"{self.frontend.model_config.hidden_size}), more than the limit of {limit} per "
+                                "request (max_output_values, the --max-output-values flag); send fewer or shorter "
+                                "inputs per request")
+
+    def _priority(self, priority: int | None) -> int:
+        """A request's ``priority`` as the scheduling policy allows it (vLLM's rule).
+
+        :raises ApiError: 400 for a priority other than 0 under ``fcfs``, or beyond :data:`MAX_PRIORITY`.
+        """
+        if not priority:
+            return 0
+        if self.settings.scheduling_policy != "priority":
+            raise ApiError(400, f"priority {priority} needs priority scheduling, which this server does not use: "
+                                "send 0 or leave it out, or ask the operator for --scheduling-policy priority",
+                           param="priority")
+        if abs(priority) > MAX_PRIORITY:
+            raise ApiError(400, f"priority {priority} is out of range: -{MAX_PRIORITY}..{MAX_PRIORITY}",
+                           param="priority")
+        return priority
+
+
+PER_TOKEN_TASKS = frozenset({"token_embed", "token_classify", "embed&token_classify"})
+"""Tasks whose output has a row per token (the others: one row per input)."""
 
 
 def _size(request: FrontendRequest) -> tuple[int, str]:

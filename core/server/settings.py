@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
-from attrs import field, frozen
+from attrs import Attribute, field, frozen
 
-from poolrunner.core.validators import positive_int
+from poolrunner.core.validators import one_of, positive_int
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+"""vLLM's ``--scheduling-policy``: first come first served (a request's ``priority`` must be 0 or
+absent), or ``priority`` (lower runs first, within :data:`MAX_PRIORITY`)."""
+MAX_PRIORITY = 1000
+"""The largest ``|priority|`` a request may ask for under priority scheduling."""
 
 
 def served_names(names: str | Sequence[str] | None) -> tuple[str, ...] | None:
@@ -20,6 +27,36 @@ def served_names(names: str | Sequence[str] | None) -> tuple[str, ...] | None:
     if not names or not all(isinstance(name, str) and name for name in names):
         raise ValueError(f"served_model_name must be one or more non-empty names, got {list(names)!r}")
     return tuple(dict.fromkeys(names))
+
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+"""The names of this machine as a loopback client sends them in ``Host``."""
+
+
+def host_names(names: Sequence[str] | None) -> tuple[str, ...] | None:
+    """``allowed_hosts`` as a tuple of lower-case names; ``None`` or a ``*`` among them: any host.
+
+    :raises ValueError: for an empty list or an empty name.
+    """
+    if names is None:
+        return None
+    names = tuple(name.strip().lower() for name in names)
+    if not names or not all(names):
+        raise ValueError(f"allowed_hosts must be one or more host names, got {list(names)!r}")
+    return None if "*" in names else names
+
+
+def optional_truncation(_instance: object, attribute: Attribute, value: int | None) -> None:
+    """:raises ValueError: unless ``value`` is ``None``, -1 or a positive integer."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1)):
+        raise ValueError(f"{attribute.name} must be -1 (the model maximum) or a positive number of tokens, "
+                         f"got {value!r}")
+
+
+def non_negative_seconds(_instance: object, attribute: Attribute, value: float) -> None:
+    """:raises ValueError: for a negative, infinite or NaN number of seconds."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{attribute.name} must be a finite number of seconds >= 0, got {value!r}")
 
 
 def check_api_key(_instance: object, _attribute: object, key: str | None) -> None:
@@ -59,14 +96,35 @@ class ServerSettings:
         clients; a request that would pass it is answered 429 at once, or 413 when it alone needs
         more engine requests than this (a bi-encoder's score: each distinct text; a long input:
         each window), which no wait would make fit.
-    :ivar drain_timeout: Seconds that requests in flight get to finish after SIGTERM.
-    :ivar auto_truncate: TEI's ``--auto-truncate``: TEI's routes (``/embed``, ``/predict``...) keep
-        the model maximum of tokens of an over-long input when the request does not say
-        ``truncate``; off, such an input is a 422 unless the request asks for ``truncate: true``.
+    :ivar max_output_values: Most values (tokens x hidden size) the per-token outputs of one
+        request may hold (``token_embed``, ``token_classify``); more is a 413, before any work: a
+        request of 2,048 long inputs would otherwise make the server build gigabytes of JSON.
+    :ivar drain_timeout: Seconds that requests in flight get to finish after SIGTERM (finite, >= 0).
+    :ivar scheduling_policy: One of :data:`SCHEDULING_POLICIES`, vLLM's ``--scheduling-policy``:
+        under ``fcfs`` (the default) a request asking for a ``priority`` other than 0 is a 400, so
+        no client can push its work ahead of others' unless the operator allows it.
+    :ivar auto_truncate: TEI's ``--auto-truncate``, on by default as in TEI: TEI's routes
+        (``/embed``, ``/predict``...) keep the model maximum of tokens of an over-long input when
+        the request does not say ``truncate`` (TEI clients such as Chroma's send none and cannot
+        recover from the error); off, such an input is a 422 unless the request asks for
+        ``truncate: true``.
     :ivar allow_extra_fields: Accept request bodies with fields the endpoint does not know, and
         log them (vLLM's behaviour) instead of answering a 400 naming the field.
     :ivar allowed_origins: Origins whose browser pages may call the API (CORS; ``*`` for any);
         empty: no CORS headers, as TEI and vLLM by default.
+    :ivar allowed_hosts: The ``Host`` header values (names or addresses, without the port;
+        ``*.example.com`` for its subdomains) a request may carry; another is a 400, which stops a
+        DNS-rebinding page from reaching a key-less local server. ``None`` (the default here) or
+        ``("*",)``: any; ``poolrunner serve`` defaults to :data:`LOOPBACK_HOSTS` when it listens on a
+        loopback address.
+    :ivar any_model_name: A single-model server answers a request whatever its ``model`` names
+        (TEI's behaviour), so clients' default names (``text-embedding-3-small``, Cohere's
+        ``rerank-v3.5``, infinity's ``default/not-specified``) reach it; the first unknown name is
+        logged once. Off (vLLM's behaviour), an unknown name is a 404 naming this setting.
+    :ivar truncate_prompt_tokens: The ``truncate_prompt_tokens`` of an OpenAI, vLLM, Jina or
+        Cohere body that sets none (-1: the model maximum; ``None``, the default as in vLLM: an
+        over-long input is a 400), for clients that cannot send the field (Chroma's and
+        Haystack's OpenAI embedders). TEI's routes follow ``auto_truncate`` instead.
     :ivar protect_metrics: ``/metrics`` needs the API key too; by default it is open, as TEI and
         vLLM leave it to the network.
     """
@@ -76,11 +134,16 @@ class ServerSettings:
     max_inputs_per_request: int = field(default=2048, validator=positive_int)
     max_request_bytes: int = field(default=2_000_000, validator=positive_int)
     max_waiting_requests: int = field(default=8192, validator=positive_int)
-    drain_timeout: float = 30.0
-    auto_truncate: bool = False
+    max_output_values: int = field(default=1 << 24, validator=positive_int)
+    drain_timeout: float = field(default=30.0, validator=non_negative_seconds)
+    scheduling_policy: str = field(default="fcfs", validator=one_of(SCHEDULING_POLICIES))
+    auto_truncate: bool = True
     allow_extra_fields: bool = False
     allowed_origins: tuple[str, ...] = field(default=(), converter=tuple)
     protect_metrics: bool = False
+    any_model_name: bool = False
+    truncate_prompt_tokens: int | None = field(default=None, validator=optional_truncation)
+    allowed_hosts: tuple[str, ...] | None = field(default=None, converter=host_names)
 
     def __attrs_post_init__(self) -> None:
         if self.max_inputs_per_request > self.max_waiting_requests:

@@ -455,3 +455,128 @@ def tiny_colqwen2_folder(folder: Path, *, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     widen_weights(transformers.ColQwen2ForRetrieval(config).eval()).save_pretrained(folder)
     return folder
+
+
+TINY_SIGLIP_IMAGE_SIZE = 32
+"""Side of a :func:`tiny_siglip_folder` model's images, in pixels (patches of 8: 16 positions)."""
+TINY_SIGLIP2_PATCHES = 16
+"""``max_num_patches`` of a :func:`tiny_siglip2_folder` model's processor (patches of 8 pixels)."""
+TINY_SIGLIP_LOGITS = (2.302585, -2.0)
+"""``(logit_scale, logit_bias)`` of the tiny SigLIP folders: SigLIP's initial scale (log 10) and a
+bias that keeps random cosines' sigmoids between 0 and 1 rather than at 0."""
+
+
+def _word_tokenizer(folder: Path, specials: list[str], template: str, **named: Any) -> None:
+    """Save a WordLevel tokenizer over ``specials`` then ``w0 ..`` (ids in that order), its
+    post-processor ``template`` (special tokens by name), with ``named`` tokenizer settings."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(specials)}
+    vocab.update({f"w{i}": i + len(specials) for i in range(VOCAB_SIZE - len(specials))})
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    used = [token for token in specials if token in template.split()]
+    backend.post_processor = processors.TemplateProcessing(
+        single=template, special_tokens=[(token, vocab[token]) for token in used])
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", **named).save_pretrained(folder)
+
+
+def _gemma_word_tokenizer(folder: Path) -> None:
+    """Save a BPE tokenizer laid out as SigLIP2's Gemma tokenizer (``<pad> <eos> <bos> <unk>`` at
+    ids 0-3, spaces as ``▁`` merged into the next word, ``<bos> A <eos>``, padding on the left,
+    an ``attention_mask``) over the words ``w0 .. w996``: one token per word (``w12`` first,
+    ``▁w12`` after a space), which transformers' ``Siglip2Tokenizer`` reads back as it is."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    vocab = {token: i for i, token in enumerate([*specials, "▁", "w", *"0123456789", "▁w"])}
+    merges = [("▁", "w")]
+    for prefix in ("", "▁"):
+        for i in range(VOCAB_SIZE - 3):
+            vocab.setdefault(f"{prefix}w{i}", len(vocab))
+            merges.append((f"{prefix}w" if i < 10 else f"{prefix}w{i // 10}", str(i % 10)))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous")
+    backend.post_processor = processors.TemplateProcessing(single="<bos> $A <eos>",
+                                                           special_tokens=[("<bos>", 2), ("<eos>", 1)])
+    assert len(vocab) <= SIGLIP2_VOCAB_SIZE
+    PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+        padding_side="left", model_max_length=64, model_input_names=["input_ids", "attention_mask"],
+    ).save_pretrained(folder)
+
+
+SIGLIP2_VOCAB_SIZE = 2048
+"""Text vocabulary of :func:`tiny_siglip2_folder` (each word twice: with and without ``▁``)."""
+
+
+def _siglip_config(family: str, **vision: Any) -> Any:
+    import transformers
+
+    siglip = family == "siglip"
+    config_class = transformers.SiglipConfig if siglip else transformers.Siglip2Config
+    specials = {"pad_token_id": 1, "bos_token_id": None, "eos_token_id": 1} if siglip else {
+        "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1}
+    return config_class(
+        text_config={"vocab_size": VOCAB_SIZE if siglip else SIGLIP2_VOCAB_SIZE, "hidden_size": 32,
+                     "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                     "max_position_embeddings": 64, "projection_size": 32, **specials},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "patch_size": 8, **vision},
+        architectures=["SiglipModel" if family == "siglip" else "Siglip2Model"],
+    )
+
+
+def _save_siglip(folder: Path, model: Any, seed: int) -> None:
+    import torch
+
+    torch.manual_seed(seed)
+    widen_weights(model.eval())
+    with torch.no_grad():
+        model.logit_scale.fill_(TINY_SIGLIP_LOGITS[0])
+        model.logit_bias.fill_(TINY_SIGLIP_LOGITS[1])
+    model.save_pretrained(folder)
+
+
+def tiny_siglip_folder(folder: Path, *, seed: int = 0) -> Path:
+    """Save a seeded tiny ``SiglipModel`` (embeddings of 32), its ``SiglipImageProcessor``
+    (resize to :data:`TINY_SIGLIP_IMAGE_SIZE` square, SigLIP's mean and std of 0.5) and a
+    WordLevel tokenizer over ``w0 .. w996`` laid out as Google's SigLIP tokenizers are: ``A </s>``,
+    pad is ``</s>`` (id 1), padding on the right, ``model_input_names`` ``input_ids`` only (so the
+    pads attend). The text tower takes 64 positions; weights widened as :func:`widen_weights`,
+    ``logit_scale`` / ``logit_bias`` set to :data:`TINY_SIGLIP_LOGITS`.
+
+    :returns: ``folder``.
+    """
+    import transformers
+    from transformers import SiglipImageProcessor
+
+    folder.mkdir(parents=True, exist_ok=True)
+    _word_tokenizer(folder, ["<pad>", "</s>", "<unk>"], "$A </s>", eos_token="</s>", pad_token="</s>",
+                    model_max_length=64, model_input_names=["input_ids"])
+    side = TINY_SIGLIP_IMAGE_SIZE
+    SiglipImageProcessor(size={"height": side, "width": side}).save_pretrained(folder)
+    _save_siglip(folder, transformers.SiglipModel(_siglip_config("siglip", image_size=side)), seed)
+    return folder
+
+
+def tiny_siglip2_folder(folder: Path, *, seed: int = 0) -> Path:
+    """Save a seeded tiny ``Siglip2Model`` (NaFlex, embeddings of 32), its ``Siglip2ImageProcessor``
+    (patches of 8 pixels, :data:`TINY_SIGLIP2_PATCHES` at most, so an image keeps its aspect
+    ratio) and a BPE tokenizer laid out as SigLIP2's Gemma tokenizer is (:func:`_gemma_word_tokenizer`:
+    ``<bos> A <eos>``, pad ``<pad>`` (id 0), padding on the left, ``input_ids`` and
+    ``attention_mask``, so the pads are masked). Weights and logits as :func:`tiny_siglip_folder`.
+
+    :returns: ``folder``.
+    """
+    import transformers
+    from transformers import Siglip2ImageProcessor
+
+    folder.mkdir(parents=True, exist_ok=True)
+    _gemma_word_tokenizer(folder)
+    Siglip2ImageProcessor(patch_size=8, max_num_patches=TINY_SIGLIP2_PATCHES).save_pretrained(folder)
+    _save_siglip(folder, transformers.Siglip2Model(_siglip_config("siglip2", num_patches=TINY_SIGLIP2_PATCHES)), seed)
+    return folder

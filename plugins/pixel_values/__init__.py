@@ -7,7 +7,11 @@ tokens. ``add_request`` keeps its pixels flattened and cut into one row per posi
 zero-padded); each step with an image gets them as the model inputs ``pixel_rows``
 (``[num_tokens, width]``: images' rows, zeros for text tokens) and ``image_rows``
 (``[num_tokens]`` bool), which travel with the tokens wherever the runner packs, sorts or pads
-them. Steps of text alone get nothing. Text-only models never see an image request: the front
+them. An image's other processor outputs (``request.image_kwargs``, SigLIP2's
+``pixel_attention_mask`` and ``spatial_shapes``) travel the same way, as ``<name>_rows``
+(``[num_tokens, width]``, their own dtype): a tensor with one entry per position gives each
+position its entry, any other is repeated on every position of its image. Steps of text alone get
+nothing. Text-only models never see an image request: the front
 end refuses images for them.
 
 A page-retrieval model (``model_config.images_in_prompt``: ColPali, ColQwen2) takes a page as
@@ -29,6 +33,7 @@ if TYPE_CHECKING:  # torch loads with a model, not with `poolrunner plugins`
     from poolrunner.core import InputBatch
 
 NAME = "pixel_values"
+KWARGS = "pixel_values.image_kwargs"
 
 
 @hookimpl
@@ -49,6 +54,17 @@ def add_request(state: RequestState, model_config: ModelConfig) -> None:
     width = -(-flat.numel() // positions)
     padded = torch.nn.functional.pad(flat, (0, width * positions - flat.numel()))
     state.plugin_data[NAME] = padded.view(positions, width)
+    if state.request.image_kwargs:
+        state.plugin_data[KWARGS] = {name: _per_position(torch.as_tensor(value), positions)
+                                     for name, value in state.request.image_kwargs.items()}
+
+
+def _per_position(value: torch.Tensor, positions: int) -> torch.Tensor:
+    """``[positions, width]``: one row per position (a tensor of ``positions`` entries), else the
+    whole tensor on every position."""
+    if value.dim() >= 1 and value.shape[0] == positions:
+        return value.reshape(positions, -1)
+    return value.reshape(1, -1).expand(positions, -1)
 
 
 @hookimpl
@@ -74,13 +90,27 @@ def prepare_inputs(batch: InputBatch, model_config: ModelConfig) -> dict[str, to
             image_rows[offsets[i]: offsets[i + 1]] = True
             if image_grid is not None and grids[i] is not None:
                 image_grid[offsets[i]: offsets[i + 1], : len(grids[i])] = torch.tensor(grids[i])
-    inputs = {"pixel_rows": pixel_rows.to(batch.device, non_blocking=True),
-              "image_rows": image_rows.to(batch.device, non_blocking=True)}
+    inputs = {"pixel_rows": pixel_rows, "image_rows": image_rows, **_kwarg_rows(batch, offsets)}
     if image_grid is not None:
-        inputs["image_grid"] = image_grid.to(batch.device, non_blocking=True)
-    return inputs
+        inputs["image_grid"] = image_grid
+    return {key: value.to(batch.device, non_blocking=True) for key, value in inputs.items()}
+
+
+def _kwarg_rows(batch: InputBatch, offsets: list[int]) -> dict[str, torch.Tensor]:
+    """``<name>_rows`` ``[num_tokens, width]`` for each image kwarg of the step (zeros elsewhere)."""
+    import torch
+
+    rows: dict[str, torch.Tensor] = {}
+    for i, state in enumerate(batch.requests):
+        for name, value in state.plugin_data.get(KWARGS, {}).items():
+            if name not in rows:
+                rows[name] = torch.zeros(batch.num_tokens, value.shape[1], dtype=value.dtype)
+            start = state.num_computed_tokens
+            rows[name][offsets[i]: offsets[i + 1]] = value[start: start + batch.num_scheduled_tokens[i]]
+    return {f"{name}_rows": value for name, value in rows.items()}
 
 
 @hookimpl
 def remove_request(state: RequestState) -> None:
     state.plugin_data.pop(NAME, None)
+    state.plugin_data.pop(KWARGS, None)

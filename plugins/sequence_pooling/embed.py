@@ -18,6 +18,7 @@ from poolrunner.core import (
     PoolingParams,
     PoolingTask,
     check_dimensions,
+    load_weights,
 )
 
 from .methods import pooling_method
@@ -94,13 +95,9 @@ class _Dense(nn.Module):
 def _load_dense(spec: DenseLayerSpec) -> nn.Module:
     layer = _Dense(spec)
     folder = Path(spec.path)
-    if (folder / "model.safetensors").is_file():
-        from safetensors.torch import load_file
-
-        state = load_file(folder / "model.safetensors")
-    elif (folder / "pytorch_model.bin").is_file():
-        state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    else:
+    files = [folder / name for name in ("model.safetensors", "pytorch_model.bin") if (folder / name).is_file()]
+    if not files:
         raise ModelLoadError(f"{folder}: Dense module has no model.safetensors or pytorch_model.bin")
+    state = load_weights(files[0])
     layer.load_state_dict({k: v.float() for k, v in state.items()})
     return layer

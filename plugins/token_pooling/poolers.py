@@ -22,6 +22,7 @@ from poolrunner.core import (
     PoolingTask,
     check_dimensions,
     classifier_activation,
+    load_weights,
     token_classifier_head,
 )
 
@@ -126,7 +127,7 @@ class EmbedTokenClassifyPooler(Pooler):
         path = model_config.token_weight_head
         if path is None:
             raise ModelLoadError(f"model {model_config.name} has no token-weight head (sparse_linear.pt)")
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = load_weights(path)
         try:
             linear = nn.Linear(model_config.hidden_size, 1)
             linear.load_state_dict({key: value.float() for key, value in state.items()})

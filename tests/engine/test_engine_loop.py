@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
+from poolrunner.core.server import ServerSettings
 from poolrunner.core.testing.server import ServerThread
 from tests.conftest import SANITY_TEXT
 from tests.helpers import MIN_COSINE, cosine_rows
@@ -65,7 +66,7 @@ def test_a_lower_priority_in_the_body_runs_first(runtime, monkeypatch):
 
     monkeypatch.setattr(runtime._engine.runner, "execute", held)
     monkeypatch.setattr(runtime._engine.scheduler, "schedule", recording)
-    with ServerThread(runtime) as running, ThreadPoolExecutor(3) as pool:
+    with ServerThread(runtime, ServerSettings(scheduling_policy="priority")) as running, ThreadPoolExecutor(3) as pool:
         def post(marker: int, priority: int | None = None) -> httpx.Response:
             inputs = [[101, marker + i, 102] for i in range(3)]
             return httpx.post(f"{running.url}/v1/embeddings", json={"input": inputs, "priority": priority}, timeout=60)

@@ -8,9 +8,11 @@ poolrunner must do with such a folder:
 * ``exact``: serve it, with transformers' own result (eager attention, fp32, each input run
   alone) in every batching mode (``tests/test_architecture_matrix.py``);
 * ``refused``: refuse it at load with a :class:`poolrunner.ModelLoadError` naming the architecture;
-* ``exact (text, image)``: a text-image model (CLIP) served with both towers: ``embed`` of a text
-  equals ``get_text_features`` and of an image ``get_image_features``, normalized (the matrix
-  checks one of each; ``tests/test_clip.py`` holds the family's full parity and image inputs);
+* ``exact (text, image)``: a text-image model (CLIP, SigLIP, SigLIP2) served with both towers:
+  ``embed`` of a text equals ``get_text_features`` (SigLIP's of the prompt padded as its tokenizer
+  pads to the text tower's length) and of an image ``get_image_features``, normalized (the matrix
+  checks one of each; ``tests/test_clip.py`` and ``tests/test_siglip.py`` hold each family's full
+  parity and image inputs);
 * ``exact (queries, pages)``: a page-retrieval model (ColPali, ColQwen2): ``token_embed`` of a
   query and of a page (an image) equals the model's ``embeddings`` of its processor's
   ``process_queries`` / ``process_images`` (``tests/test_colpali.py`` holds the rest). Their
@@ -135,11 +137,15 @@ def _exact(*heads: str) -> dict[str, str]:
     return dict.fromkeys(heads, EXACT)
 
 
-# Text towers alone and composites other than CLIPModel: refused until poolrunner implements their
-# pooled outputs (CLIP's EOS row and projection, SigLIP's head); never embedded another way.
+# Text towers alone: refused (their embedding is the whole model's pooled output: CLIP's EOS row and
+# projection, SigLIP's head); never embedded another way.
 _CLIP_TEXT = {**_ENCODER, "projection_dim": 32}
 _VISION = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
            "image_size": 32, "patch_size": 8}
+# SigLIP's text tower takes 64 positions, as every published checkpoint's; its head projects to the
+# vision tower's hidden size (64). SigLIP2's images are up to 16 patches of 8 pixels (NaFlex).
+_SIGLIP_TEXT = {**_ENCODER, "max_position_embeddings": 64}
+_SIGLIP2_VISION = {**{k: v for k, v in _VISION.items() if k != "image_size"}, "num_patches": 16}
 _REFUSED_MODEL = {"model": REFUSED}
 
 
@@ -213,7 +219,9 @@ FAMILIES: tuple[Family, ...] = (
            status={"model": PAGE_RETRIEVAL}, classes={"model": "ColQwen2ForRetrieval"}),
     Family("siglip-text", "SigLIP text tower", "SiglipText", "SiglipTextConfig", _ENCODER, status=_REFUSED_MODEL),
     Family("siglip", "SigLIP (text and image)", "Siglip", "SiglipConfig",
-           {"text_config": _ENCODER, "vision_config": _VISION}, status=_REFUSED_MODEL),
+           {"text_config": _SIGLIP_TEXT, "vision_config": _VISION}, status={"model": TEXT_IMAGE}),
+    Family("siglip2", "SigLIP2 (text and image, NaFlex)", "Siglip2", "Siglip2Config",
+           {"text_config": _SIGLIP_TEXT, "vision_config": _SIGLIP2_VISION}, status={"model": TEXT_IMAGE}),
 )
 
 
@@ -328,9 +336,23 @@ def make_tokenizer() -> Any:
     )
 
 
+def image_processor(family: Family) -> Any:
+    """A ``TEXT_IMAGE`` family's own image processor, sized for its vision tower."""
+    import transformers
+
+    vision = family.config["vision_config"]
+    if family.id == "siglip2":
+        return transformers.Siglip2ImageProcessor(patch_size=vision["patch_size"],
+                                                  max_num_patches=vision["num_patches"])
+    side = vision["image_size"]
+    if family.id == "siglip":
+        return transformers.SiglipImageProcessor(size={"height": side, "width": side})
+    return transformers.CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+
+
 def build_folder(row: Row, folder: Path, seed: int = 0) -> Path:
     """Save the row's tiny model (:func:`make_model`) and tokenizer into ``folder``; a
-    ``TEXT_IMAGE`` row also gets a ``CLIPImageProcessor`` for its vision tower's image size; a
+    ``TEXT_IMAGE`` row also gets its family's image processor (:func:`image_processor`); a
     ``PAGE_RETRIEVAL`` row is the family's tiny folder with its processor (``tiny_colpali_folder``...)."""
     if row.status == PAGE_RETRIEVAL:
         from poolrunner.core.testing import tiny_models
@@ -339,11 +361,7 @@ def build_folder(row: Row, folder: Path, seed: int = 0) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     make_tokenizer().save_pretrained(folder)
     if row.status == TEXT_IMAGE:
-        from transformers import CLIPImageProcessor
-
-        side = row.family.config["vision_config"]["image_size"]
-        processor = CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
-        processor.save_pretrained(folder)
+        image_processor(row.family).save_pretrained(folder)
     make_model(row, seed).save_pretrained(folder)
     saved = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     assert saved["architectures"] == [row.architecture], saved.get("architectures")

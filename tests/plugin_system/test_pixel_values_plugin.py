@@ -76,6 +76,25 @@ def test_remove_request_is_idempotent():
     assert state.plugin_data == {}
 
 
+def test_image_kwargs_travel_per_position_or_per_image():
+    """SigLIP2's ``pixel_attention_mask`` (one entry per position) and ``spatial_shapes`` (one per
+    image) become ``<name>_rows`` for exactly the scheduled tokens, in their own dtype."""
+    kwargs = {"pixel_attention_mask": torch.tensor([1, 1, 1, 0, 0], dtype=torch.int32),
+              "spatial_shapes": torch.tensor([1, 3], dtype=torch.int64)}
+    image = RequestState(request=PoolingRequest(
+        request_id="img", prompt_token_ids=(0,) * 5, params=PoolingParams(task="embed"),
+        pixel_values=torch.zeros(5, 2), image_kwargs=kwargs))
+    text = text_state("txt", 2)
+    for state in (image, text):
+        plugin.add_request(state=state, model_config=CLIP)
+    advance(image, 2)
+    extra = plugin.prepare_inputs(batch=InputBatch.build([text, image], [2, 3], torch.device("cpu")),
+                                  model_config=CLIP)
+    assert extra["pixel_attention_mask_rows"].dtype == torch.int32
+    assert extra["pixel_attention_mask_rows"].tolist() == [[0], [0], [1], [0], [0]]
+    assert extra["spatial_shapes_rows"].tolist() == [[0, 0], [0, 0], [1, 3], [1, 3], [1, 3]]
+    plugin.remove_request(state=image)
+    assert image.plugin_data == {}
 def test_pages_take_their_prompts_positions_rows_of_their_width_and_their_grid():
     """Pages of 4 and 2 positions (widths 3 and 4), a query between them: each page's rows are
     left-aligned in the step's widest, and its grid is on each of its positions."""

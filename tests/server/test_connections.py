@@ -26,6 +26,7 @@ from poolrunner.core.server.connections import ConnectionLimits
 from poolrunner.core.server.logs import RepeatFilter, log_config
 from poolrunner.core.server.serve import SHUTDOWN_GRACE, DrainingServer, server_config
 from tests.conftest import SANITY_TEXT
+from tests.helpers import captured_logs
 
 SLACK_S = 1.0
 """Seconds allowed beyond a timeout for the event loop's ticks and a loaded 2-core machine."""
@@ -73,23 +74,6 @@ def closed_after(connection: socket.socket, limit: float) -> float:
     return time.monotonic() - began
 
 
-@contextlib.contextmanager
-def captured(caplog) -> Iterator[None]:
-    """Records of poolrunner's and uvicorn's loggers into ``caplog``, even where an earlier test's
-    ``log_config`` stopped them propagating to the root logger."""
-    loggers = [logging.getLogger(name) for name in ("poolrunner", "uvicorn", "asyncio")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.addHandler(caplog.handler)
-        logger.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.removeHandler(caplog.handler)
-            logger.setLevel(level)
-
-
 def embed_request(text: str = SANITY_TEXT) -> bytes:
     body = json.dumps({"input": [text]}).encode()
     return (b"POST /v1/embeddings HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
@@ -129,16 +113,18 @@ def test_a_request_body_that_stalls_is_cut_at_the_read_timeout(runtime):
 
 
 def test_connections_past_the_cap_are_refused_with_a_json_503_then_served_again(runtime, caplog):
-    """The cap counts open connections: the 4th of 4 is served, the 5th gets OpenAI's error shape
-    and is closed after the answer (read to EOF, nothing after it), and once connections close
-    requests are served again."""
-    with running(runtime, ConnectionLimits(max_connections=4)) as (_, port, _), captured(caplog):
+    """The cap counts open connections that have sent something (here, half a request head): the
+    4th of 4 is served, the 5th gets OpenAI's error shape and is closed after the answer (read to
+    EOF, nothing after it), ``/health`` is still answered, and once connections close requests
+    are served again."""
+    with running(runtime, ConnectionLimits(max_connections=4)) as (_, port, _), captured_logs(caplog):
         url = f"http://127.0.0.1:{port}/v1/embeddings"
-        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        held = [_started(port) for _ in range(3)]
         time.sleep(0.2)
         assert httpx.post(url, json={"input": "x"}).status_code == 200  # the 4th connection
-        held.append(socket.create_connection(("127.0.0.1", port)))
+        held.append(_started(port))
         time.sleep(0.2)
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200  # never refused
         refused = httpx.post(url, json={"input": "x"})
         message = "the server is at its limit of 4 connections (--max-connections); try again later"
         assert (refused.status_code, refused.json()) == (503, {"error": {
@@ -163,6 +149,26 @@ def test_connections_past_the_cap_are_refused_with_a_json_503_then_served_again(
     assert refusals == {"refused a request: the server is at its limit of 4 connections (--max-connections)"}
 
 
+def _started(port: int) -> socket.socket:
+    """A connection that sent the start of a request head and then waits."""
+    connection = socket.create_connection(("127.0.0.1", port))
+    connection.sendall(b"POST /v1/embeddings HTTP/1.1\r\n")
+    return connection
+
+
+def test_silent_connections_make_room_for_a_request_past_the_cap(runtime):
+    """Sockets opened and left silent (an attacker's, at no cost) used to hold every request at
+    503 until the read timeout; now a request past the cap closes them and is answered."""
+    with running(runtime, ConnectionLimits(max_connections=4)) as (_, port, _):
+        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(6)]
+        time.sleep(0.2)
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/embeddings", json={"input": [SANITY_TEXT]})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["data"][0]["embedding"] == pytest.approx(runtime.embed(SANITY_TEXT).tolist(), abs=2e-6)
+        for connection in silent:
+            closed_after(connection, 5)
+
+
 def test_drain_with_a_slow_client_ends_within_the_drain_timeout(runtime, caplog):
     """The slow client's request never completes: at the drain deadline its connection is closed,
     its request ends (no task cancelled, no traceback) and the server exits."""
@@ -172,7 +178,7 @@ def test_drain_with_a_slow_client_ends_within_the_drain_timeout(runtime, caplog)
         slow.sendall(embed_request()[:-10])
         while server._state.in_flight < 1:
             time.sleep(0.01)
-        with captured(caplog):
+        with captured_logs(caplog):
             began = time.monotonic()
             server.handle_exit(signal.SIGTERM, None)
             thread.join(drain_timeout + SHUTDOWN_GRACE + 10)

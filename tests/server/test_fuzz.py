@@ -99,7 +99,7 @@ IDS = [101, 7929, 102]
 SEEDS: dict[str, list[dict[str, Any]]] = {
     "EmbeddingRequest": [
         {"input": GOOD_TEXT, "request_id": "r1"},
-        {"input": TEXTS, "model": DEFAULT_MODEL_NAME, "user": "u1", "priority": 1},
+        {"input": TEXTS, "model": DEFAULT_MODEL_NAME, "user": "u1", "priority": 0},
         {"input": [IDS], "encoding_format": "base64", "embed_dtype": "float16", "endianness": "big"},
         {"input": GOOD_TEXT, "precision": "int8", "normalize": False, "truncate_prompt_tokens": 8},
         {"input": TEXTS, "encoding_format": "bytes", "dimensions": 384},

@@ -60,3 +60,25 @@ def test_a_15_mb_truncated_text_does_not_slow_other_requests(runtime, big_server
         np.testing.assert_allclose(vector, expected, atol=1e-6)
     assert len(big) > 15_000_000
     assert max(during) < max(1.0, 10 * max(alone)), (alone, during)
+
+
+def test_per_token_outputs_over_the_limit_are_a_413_before_any_work(runtime):
+    """Per-token outputs grow with tokens x hidden size: a request whose outputs would pass
+    ``max_output_values`` is refused whole (413, naming the limit), in OpenAI's and TEI's shapes,
+    and the server answers the next request."""
+    texts = ["word " * 40, "word " * 40]
+    tokens = sum(len(ids) for ids in runtime.tokenize(texts))
+    settings = ServerSettings(max_output_values=tokens * 384 - 1)
+    message = (f"this request's per-token outputs would hold {tokens * 384} values ({tokens} tokens x 384), more than "
+               f"the limit of {tokens * 384 - 1} per request (max_output_values, the --max-output-values flag); "
+               "send fewer or shorter inputs per request")
+    with ServerThread(runtime, settings) as running, httpx.Client(base_url=running.url, timeout=60) as client:
+        pooled = client.post("/pooling", json={"input": texts, "task": "token_embed"})
+        assert (pooled.status_code, pooled.json()["error"]["message"]) == (413, message)
+        tei = client.post("/embed_all", json={"inputs": texts})
+        assert (tei.status_code, tei.json()) == (413, {"error": message, "error_type": "Validation"})
+        one = client.post("/pooling", json={"input": texts[:1], "task": "token_embed"})
+        assert one.status_code == 200
+        np.testing.assert_allclose(one.json()["data"][0]["data"], runtime.encode(texts[:1], task="token_embed")[0],
+                                   atol=2e-6)
+        assert client.post("/v1/embeddings", json={"input": texts * 100}).status_code == 200  # one row per input

@@ -20,6 +20,7 @@ import pytest
 
 import poolrunner
 from poolrunner.core.cli.common import CliError
+from poolrunner.core.cli.main import build_parser
 from poolrunner.core.cli.model_specs import ModelSpec, parse_model_spec
 from poolrunner.core.server.models import ServedModel, served_models
 from poolrunner.core.testing.server import ServerThread
@@ -80,6 +81,7 @@ def _classify(url: str, model: str | None) -> np.ndarray:
 
 
 CALLS = {"embed": _embed, "rerank": _rerank, "labels": _classify}
+KEYS = build_parser().parse_args(["serve"]).model_keys
 
 
 def _check(name: str, answer: np.ndarray, references: dict) -> None:
@@ -122,7 +124,9 @@ def test_an_unknown_model_is_a_404_naming_the_served_ones_and_the_server_still_s
     answer = httpx.post(f"{three.url}/v1/embeddings", json={"input": "x", "model": "nope"})
     assert answer.status_code == 404
     assert answer.json()["error"] == {
-        "message": "the model 'nope' does not exist: this server serves 'embed'; 'rerank'; 'labels' (aliases: 'cls')",
+        "message": "the model 'nope' does not exist: this server serves 'embed'; 'rerank'; 'labels' (aliases: 'cls'); "
+                   "a client's default name is served when the operator lists it in --served-model-name or, for a "
+                   "single model, turns on --any-model-name",
         "type": "not_found_error", "param": "model", "code": 404}
     _check("embed", _embed(three.url, "embed"), references)
 
@@ -148,13 +152,20 @@ def test_served_models_refuses_a_shared_name(runtime):
      ModelSpec("org/model", ("a", "b"), {"task": "classify", "max_model_len": 128, "is_matryoshka": True,
                                           "dtype": "float32"})),
     ("C:/models/x:name=x", ModelSpec("C:/models/x", ("x",), {})),
+    # every flag of the model group is a key, read as the flag reads it; JSON values keep their colons
+    ('./llm:name=rr:hf-overrides={"architectures": ["Qwen3ForSequenceClassification"], "x": {"a": 1}}:task=classify',
+     ModelSpec("./llm", ("rr",), {"hf_overrides": {"architectures": ["Qwen3ForSequenceClassification"],
+                                                    "x": {"a": 1}}, "task": "classify"})),
+    ("./m:async-scheduling=false:max-num-seqs=8:score-template=qwen3_reranker:device=cpu",
+     ModelSpec("./m", (), {"async_scheduling": False, "max_num_seqs": 8, "score_template": "qwen3_reranker",
+                           "device": "cpu"})),
 ])
 def test_model_spec_parsing(text, expected):
-    assert parse_model_spec(text) == expected
+    assert parse_model_spec(text, KEYS) == expected
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("./m:colour=red", "--model './m:colour=red': unknown option 'colour'; a model may set name, task, dtype"),
+    ("./m:colour=red", "--model './m:colour=red': unknown option 'colour'; a model may set name, revision, dtype"),
     ("./m:max-model-len=0", "--model './m:max-model-len=0': max-model-len: expected a positive integer, got '0'"),
     ("./m:dtype=int4", "--model './m:dtype=int4': dtype: expected one of auto, float32"),
     ("./m:task=embed:task=classify", "--model './m:task=embed:task=classify' sets task twice"),
@@ -162,7 +173,7 @@ def test_model_spec_parsing(text, expected):
 ])
 def test_model_spec_errors(text, message):
     with pytest.raises(CliError) as error:
-        parse_model_spec(text)
+        parse_model_spec(text, KEYS)
     assert str(error.value).startswith(message)
 
 

@@ -17,7 +17,7 @@ import poolrunner
 from poolrunner.core.server import ServerSettings
 from poolrunner.core.testing.server import ServerThread
 from tests.conftest import SANITY_TEXT
-from tests.helpers import MIN_COSINE, cosine_rows, normalized
+from tests.helpers import MIN_COSINE, captured_logs, cosine_rows, normalized
 from tests.server.conftest import API_KEY
 
 TEXTS = ["A man is eating food.", "A cheetah chases its prey across a field.", "The new movie is awesome!"]
@@ -107,6 +107,28 @@ def test_bad_input_raises_bad_request_and_the_server_still_serves(client, payloa
 def test_unknown_model_is_not_found(client):
     with pytest.raises(openai.NotFoundError, match="'other-model' does not exist: this server serves"):
         client.embeddings.create(model="other-model", input="x")
+
+
+def test_any_model_name_answers_clients_default_names(runtime, caplog):
+    """``--any-model-name``: the OpenAI client left at LangChain's / OpenAI's default model name
+    gets the one model's vectors; the first unknown name is logged once."""
+    with ServerThread(runtime, ServerSettings(any_model_name=True)) as running, captured_logs(caplog):
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
+        for name in ("text-embedding-3-small", "text-embedding-ada-002"):
+            answer = client.embeddings.create(model=name, input=[SANITY_TEXT], encoding_format="float")
+            np.testing.assert_allclose(answer.data[0].embedding, runtime.embed(SANITY_TEXT), atol=2e-6)
+            assert answer.model == "all-MiniLM-L6-v2"
+    records = {id(record): record for record in caplog.records}.values()  # a record may reach caplog twice
+    logged = [record.getMessage() for record in records if "--any-model-name" in record.getMessage()]
+    assert logged == ["answering requests for model 'text-embedding-3-small' (and any other unknown name) with "
+                      "'all-MiniLM-L6-v2' (--any-model-name)"]
+
+
+def test_any_model_name_needs_a_single_model(runtime):
+    from poolrunner.core.server import ServedModel, create_app
+
+    with pytest.raises(ValueError, match=r"^any_model_name \(--any-model-name\) needs a single model"):
+        create_app([ServedModel(runtime, ("a",)), ServedModel(runtime, ("b",))], ServerSettings(any_model_name=True))
 
 
 def test_models_lists_the_served_model(client, runtime):

@@ -329,7 +329,7 @@ def test_tei_rerank_errors_are_tei_shaped(cross_encoder, text_with_tokens):
     long_text = text_with_tokens(600, 3)
     with pytest.raises(poolrunner.InvalidRequestError) as offline:
         runtime.score(QUERY, [long_text])
-    answer = httpx.post(f"{running.url}/rerank", json={"query": QUERY, "texts": [long_text]})
+    answer = httpx.post(f"{running.url}/rerank", json={"query": QUERY, "texts": [long_text], "truncate": False})
     assert answer.status_code == 422, answer.text
     served = str(offline.value).replace(runtime.model_config.name, Path(runtime.model_config.name).name)
     assert answer.json() == {"error": served, "error_type": "Validation"}  # the served name, not the path
@@ -399,7 +399,9 @@ def test_model_retrieve_and_embeddings_alias(server, runtime):
     listed = _ok(httpx.get(f"{server.url}/v1/models"))["data"][0]
     assert _ok(httpx.get(f"{server.url}/v1/models/{listed['id']}")) == listed
     message, param = _error(httpx.get(f"{server.url}/v1/models/org/other"), 404)
-    assert (message, param) == (f"the model 'org/other' does not exist: this server serves {listed['id']!r}", "model")
+    assert (message, param) == (f"the model 'org/other' does not exist: this server serves {listed['id']!r}; a "
+                                "client's default name is served when the operator lists it in --served-model-name "
+                                "or, for a single model, turns on --any-model-name", "model")
     body = _ok(httpx.post(f"{server.url}/embeddings", json={"input": DOCUMENTS}))
     np.testing.assert_allclose([item["embedding"] for item in body["data"]], runtime.embed(DOCUMENTS), atol=2e-6)
     _still_serves(server.url, runtime)

@@ -21,7 +21,7 @@ from huggingface_hub import constants as hub_constants
 
 import poolrunner
 from poolrunner.core.cli.main import build_parser
-from poolrunner.core.errors import LoopClosedError, QueueFullError, StepFailedError
+from poolrunner.core.errors import LoopClosedError, QueueFullError
 from poolrunner.core.server import ServerSettings
 from poolrunner.core.server.errors import as_tei_error
 from poolrunner.core.testing.server import ServerThread
@@ -160,7 +160,7 @@ def test_info_describes_the_default_model(server):
     assert info["model_type"] == {"embedding": {"pooling": "mean"}}
     assert info["model_id"] == info["served_model_name"] == "all-MiniLM-L6-v2"
     assert (info["model_dtype"], info["max_input_length"], info["max_client_batch_size"]) == ("float32", 256, 2048)
-    assert info["auto_truncate"] is False and info["version"] == poolrunner.__version__
+    assert info["auto_truncate"] is True and info["version"] == poolrunner.__version__
     assert {"model_sha", "max_concurrent_requests", "max_batch_tokens", "max_batch_requests"} <= set(info)
 
 
@@ -210,11 +210,20 @@ def test_bad_input_is_a_tei_error_and_the_server_still_serves(server, still_serv
     still_serves()
 
 
+def test_an_over_long_input_is_truncated_by_default_as_tei_does(server, st_model, lee_long_docs, still_serves):
+    """TEI's default ``--auto-truncate``: a client that sends no ``truncate`` (Chroma's TEI
+    embedder) gets sentence-transformers' vector of the first 256 tokens, not a 422."""
+    answer = httpx.post(f"{server.url}/embed", json={"inputs": [lee_long_docs[0]]})
+    assert answer.status_code == 200, answer.text
+    assert cosine_rows(answer.json()[0], st_model.encode(lee_long_docs[0]))[0] >= MIN_COSINE
+    still_serves()
+
+
 def test_errors_that_name_the_model(server, runtime, still_serves, lee_long_docs):
     """By its served name: the folder's path on the server's machine is never shown."""
     name = "all-MiniLM-L6-v2"
     assert runtime.model_config.name != name
-    too_long = httpx.post(f"{server.url}/embed", json={"inputs": [TEXTS[0], lee_long_docs[0]]})
+    too_long = httpx.post(f"{server.url}/embed", json={"inputs": [TEXTS[0], lee_long_docs[0]], "truncate": False})
     tokens = len(runtime.frontend.inputs.tokenizer(lee_long_docs[0])["input_ids"])
     assert _tei_error(too_long, 422, "Validation") == (
         f"input 1 has {tokens} tokens, more than the maximum of 256 (max_model_len of {name}); shorten it or "
@@ -248,13 +257,12 @@ def test_a_body_that_is_not_utf8_is_a_validation_error(server, still_serves):
 
 @pytest.mark.parametrize(("error", "status", "error_type"), [
     (QueueFullError("the loop holds 8 requests"), 429, "Overloaded"),
-    (StepFailedError("the step failed"), 424, "Backend"),
     (LoopClosedError("the loop stopped"), 503, "Unhealthy"),
 ])
 def test_engine_errors_take_tei_status_codes(error, status, error_type):
-    tei = as_tei_error(error)
+    tei = as_tei_error(error, None)
     assert tei is not None and (tei.status, tei.error_type, str(tei)) == (status, error_type, str(error))
-    assert as_tei_error(RuntimeError("a bug")) is None  # left to the server's 500
+    assert as_tei_error(RuntimeError("a bug"), None) is None  # left to the server's 500
 
 
 # --------------------------------------------------------------------------- limits and --auto-truncate
@@ -312,7 +320,7 @@ def test_dimensions_slice_then_normalize(limited, st_model):
 
 def test_auto_truncate_flag():
     parser = build_parser()
-    assert parser.parse_args(["serve"]).auto_truncate is False
+    assert parser.parse_args(["serve"]).auto_truncate is True  # TEI's default
     assert parser.parse_args(["serve", "--auto-truncate"]).auto_truncate is True  # TEI's bare flag
     assert parser.parse_args(["serve", "--auto-truncate", "false"]).auto_truncate is False
     assert parser.parse_args(["serve", "--auto-truncate", "true"]).auto_truncate is True

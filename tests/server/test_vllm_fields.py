@@ -156,12 +156,12 @@ def test_base64_payload_has_the_asked_dtype_and_byte_order(server, runtime, embe
 def test_openai_client_passes_vllm_fields_in_extra_body(server, runtime):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     answer = client.embeddings.create(model="all-MiniLM-L6-v2", input=TEXTS, user="someone",  # base64 by default
-                                      extra_body={"normalize": False, "embed_dtype": "float32", "priority": 5,
+                                      extra_body={"normalize": False, "embed_dtype": "float32", "priority": 0,
                                                   "endianness": "little", "request_id": "abc-1"})
     np.testing.assert_allclose([item.embedding for item in answer.data], runtime.embed(TEXTS, normalize=False),
                                atol=2e-6)
     raw = _ok(httpx.post(f"{server.url}/v1/embeddings",
-                         json={"input": TEXTS[0], "request_id": "abc-1", "priority": -3}))
+                         json={"input": TEXTS[0], "request_id": "abc-1", "priority": 0}))
     assert raw["id"] == "embd-abc-1" and isinstance(raw["created"], int) and raw["object"] == "list"
 
 
@@ -427,7 +427,10 @@ def test_served_model_name_aliases(runtime):
         with pytest.raises(openai.NotFoundError) as caught:
             client.embeddings.create(model="all-MiniLM-L6-v2", input="x")
         assert caught.value.body["message"] == ("the model 'all-MiniLM-L6-v2' does not exist: this server serves "
-                                                "'minilm' (aliases: 'sentence-transformers/all-MiniLM-L6-v2')")
+                                                "'minilm' (aliases: 'sentence-transformers/all-MiniLM-L6-v2'); a "
+                                                "client's default name is served when the operator lists it in "
+                                                "--served-model-name or, for a single model, turns on "
+                                                "--any-model-name")
         assert len(client.embeddings.create(model="minilm", input=SANITY_TEXT).data) == 1
         classify = httpx.post(f"{running.url}/pooling", json={"model": "sentence-transformers/all-MiniLM-L6-v2",
                                                               "input": "x"})
@@ -453,8 +456,16 @@ def test_allow_extra_fields_accepts_and_logs_unknown_fields(runtime, server, cap
         vectors = _vectors(_ok(httpx.post(f"{running.url}/v1/embeddings", json=body)))
         np.testing.assert_allclose(vectors, runtime.embed(TEXTS), atol=2e-6)
         logged = [record.getMessage() for record in caplog.records if record.name == "poolrunner.core.server"]
-        assert logged == ["ignoring fields the request sent that EmbeddingRequest does not know: colour, "
-                          "mm_processor_kwargs"]
+        assert logged == ["ignoring fields the request sent that EmbeddingRequest does not know: 'colour', "
+                          "'mm_processor_kwargs'"]
+        # A client's field names cannot forge a log line or flood the log: quoted, capped, counted.
+        caplog.clear()
+        forged = {"input": TEXTS, "a\nERROR forged line": 1, "x" * 100_000: 2, **{f"f{i}": i for i in range(12)}}
+        np.testing.assert_allclose(_vectors(_ok(httpx.post(f"{running.url}/v1/embeddings", json=forged))),
+                                   runtime.embed(TEXTS), atol=2e-6)
+        [line] = [record.getMessage() for record in caplog.records if record.name == "poolrunner.core.server"]
+        assert line == ("ignoring fields the request sent that EmbeddingRequest does not know: 'a\\nERROR forged "
+                        f"line', '{'x' * 64}'..., 'f0', 'f1', 'f2', 'f3', 'f4', 'f5', 'f6', 'f7' and 4 more")
         scored = _ok(httpx.post(f"{running.url}/score", json={"queries": "a", "documents": ["b"], "extra": 1}))
         assert len(scored["data"]) == 1
         # known fields are still checked

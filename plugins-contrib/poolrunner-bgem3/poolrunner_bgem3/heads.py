@@ -10,10 +10,9 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-import torch
 from torch import nn
 
-from poolrunner.core import ModelConfig, ModelLoadError
+from poolrunner.core import ModelConfig, ModelLoadError, load_weights
 
 SPARSE_FILE = "sparse_linear.pt"
 COLBERT_FILE = "colbert_linear.pt"
@@ -35,11 +34,10 @@ def load_linear(path: Path, in_features: int, out_features: int | None = None) -
     :param out_features: The width it must have; ``None``: whatever the file says.
     :raises ModelLoadError: for an unreadable file or a weight of another shape.
     """
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        weight, bias = state["weight"], state.get("bias")
-    except (OSError, RuntimeError, KeyError, AttributeError, TypeError) as exc:
-        raise ModelLoadError(f"{path}: not a Linear state dict ({exc})") from exc
+    state = load_weights(path)
+    if "weight" not in state:
+        raise ModelLoadError(f"{path}: not a Linear state dict (no 'weight'; found {sorted(state)[:5]})")
+    weight, bias = state["weight"], state.get("bias")
     wrong_width = out_features is not None and weight.shape[0] != out_features
     if weight.ndim != 2 or weight.shape[1] != in_features or wrong_width:
         width = "" if out_features is None else f", out_features={out_features}"

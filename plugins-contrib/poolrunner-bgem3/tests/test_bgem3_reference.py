@@ -205,6 +205,16 @@ def test_a_bad_request_is_refused_and_the_runtime_serves_the_next(runtime, m3_ru
     assert m3_runtime.score(QUERY, DOCUMENTS).shape == (3,)
 
 
+def test_weights_that_overflow_the_score_are_refused_not_answered_nan(m3_runtime):
+    """Weights of 1e308 overflow float32: the answer would hold inf or nan (JSON's null)."""
+    with pytest.raises(InvalidRequestError) as caught:
+        m3_runtime.score(QUERY, DOCUMENTS, dense_weight=1e308, colbert_weight=1e308)
+    assert str(caught.value) == ("the scores of 'm3_embed' outputs are not finite (inf or nan) with the request's "
+                                 "options (dense_weight=1e+308, colbert_weight=1e+308, outputs='dense,sparse,colbert', "
+                                 "sparse_weight=0.2): use smaller values")
+    assert np.isfinite(m3_runtime.score(QUERY, DOCUMENTS, dense_weight=1e3, colbert_weight=1e3)).all()
+
+
 def test_folders_without_both_heads_are_left_to_the_builtins(folder, tmp_path):
     partial = tmp_path / "sparse-head-only"
     shutil.copytree(folder, partial)
