@@ -153,8 +153,6 @@ class PoolingRequest:
         (:attr:`ModelConfig.images_in_prompt`) holds its processor's own pixel values instead
         (ColPali ``[3, height, width]``, ColQwen2 ``[num_patches, patch_dim]``) and its
         processor's own prompt (image tokens and text).
-    :ivar image_grid: A dynamic-resolution image's patch grid as its processor gives it (Qwen2-VL's
-        ``image_grid_thw``: temporal, height and width patches); ``None`` otherwise.
     :ivar image_kwargs: An image input's other image-processor outputs, by name, each one image's
         (SigLIP2: ``pixel_attention_mask`` ``[image_positions]`` int and ``spatial_shapes`` ``[2]``
         int64); ``None`` when the processor gives only ``pixel_values`` (CLIP, SigLIP).
@@ -168,7 +166,6 @@ class PoolingRequest:
     )
     params: PoolingParams = field(validator=validators.instance_of(PoolingParams))
     pixel_values: Any = field(default=None, eq=False, repr=False)
-    image_grid: tuple[int, ...] | None = field(default=None, converter=converters.optional(_token_ids))
     image_kwargs: Mapping[str, Any] | None = field(default=None, eq=False, repr=False)
 
     @token_type_ids.validator

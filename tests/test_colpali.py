@@ -128,7 +128,9 @@ def test_prompts_and_pixels_are_the_processors(runtime, reference, photos):
         got = runtime.frontend.images.page(photo, index)
         assert list(got.prompt_token_ids) == want["input_ids"][0].tolist()
         grid = want.get("image_grid_thw")
-        assert got.image_grid == (None if grid is None else tuple(grid[0].tolist()))
+        assert (got.image_kwargs is None) is (grid is None)
+        if grid is not None:
+            assert got.image_kwargs["image_grid_thw"].tolist() == grid.tolist()
         np.testing.assert_array_equal(got.pixel_values.numpy(), want["pixel_values"][0].numpy())
     for query in QUERIES:
         assert list(runtime.frontend.images.query(query).prompt_token_ids) == (

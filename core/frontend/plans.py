@@ -286,7 +286,7 @@ class Frontend:
             requests.append(PoolingRequest(
                 request_id=f"{params.task}-{next(self._request_ids)}", params=params,
                 prompt_token_ids=prepared.prompt_token_ids, pixel_values=prepared.pixel_values,
-                image_grid=prepared.image_grid))
+                image_kwargs=prepared.image_kwargs))
         return requests
 
     def _plan_image_score(self, request: ScoreRequest) -> Plan[np.ndarray]:

@@ -27,12 +27,13 @@ class Prepared:
     :ivar prompt_token_ids: Its ``input_ids``, special tokens and image placeholders included.
     :ivar pixel_values: A page's pixel values for one image (ColPali ``[3, H, W]``, ColQwen2
         ``[num_patches, patch_dim]``) float32; ``None`` for a query.
-    :ivar image_grid: ColQwen2's ``image_grid_thw`` of the page; ``None`` otherwise.
+    :ivar image_kwargs: A ColQwen2 page's ``image_grid_thw``, ``[1, 3]`` int64 (the pixel_values
+        plugin gives it on each of the page's positions); ``None`` otherwise.
     """
 
     prompt_token_ids: tuple[int, ...]
     pixel_values: Any = None
-    image_grid: tuple[int, ...] | None = None
+    image_kwargs: dict[str, Any] | None = None
 
 
 class PageInputs(ImageInputs):
@@ -89,7 +90,7 @@ class PageInputs(ImageInputs):
         if grid is not None:  # one page: nothing padded
             pixels = pixels[: int(grid[0].prod())]
         return Prepared(tuple(batch["input_ids"][0].tolist()), pixels.contiguous(),
-                        None if grid is None else tuple(grid[0].tolist()))
+                        None if grid is None else {"image_grid_thw": grid[:1].clone()})
 
     def query(self, text: str) -> Prepared:
         """``text`` as ``process_queries([text])`` prepares it."""

@@ -4,7 +4,7 @@ The runner gives a step as right-padded rows, one request per row (the padded pa
 keeps transformers' own attention, as its reference does). A row is a query (the processor's
 ``process_queries`` tokens) or a page (``process_images`` tokens, image placeholders included)
 whose pixels the ``pixel_values`` plugin spreads over its positions (``pixel_rows``, marked by
-``image_rows``; a ColQwen2 page's patch grid in ``image_grid``). All pages of a step run in one
+``image_rows``; a ColQwen2 page's ``image_grid_thw`` in ``image_grid_thw_rows``). All pages of a step run in one
 forward of the family's own class, pixels batched as its processor batches them, and all
 queries in another; each row's output is the class's ``embeddings`` (``embedding_proj_layer``,
 L2-normalized, zero where the attention mask is 0), exactly as
@@ -42,7 +42,7 @@ class PageRetrievalModel(nn.Module):
         return self
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pixel_rows: torch.Tensor | None = None,
-                image_rows: torch.Tensor | None = None, image_grid: torch.Tensor | None = None,
+                image_rows: torch.Tensor | None = None, image_grid_thw_rows: torch.Tensor | None = None,
                 **_: object) -> tuple[torch.Tensor]:
         """``[rows, length, embedding_dim]``: each row's ``embeddings``.
 
@@ -50,7 +50,8 @@ class PageRetrievalModel(nn.Module):
         :param pixel_rows: ``[rows, length, width]`` float: a page's pixel values, flattened and
             cut into ``ceil(numel / positions)`` values per position, left-aligned.
         :param image_rows: ``[rows, length]`` bool, true on every position of a page.
-        :param image_grid: ``[rows, length, 3]`` int64, a ColQwen2 page's ``image_grid_thw``.
+        :param image_grid_thw_rows: ``[rows, length, 3]`` int64, a ColQwen2 page's
+            ``image_grid_thw`` on each of its positions (an image kwarg of the plugin).
         """
         rows, length = input_ids.shape
         dtype = self.model.embedding_proj_layer.weight.dtype
@@ -66,7 +67,8 @@ class PageRetrievalModel(nn.Module):
             if page:
                 assert pixel_rows is not None
                 inputs.update(self._pixels(pixel_rows.index_select(0, index), mask.sum(1).tolist(),
-                                           None if image_grid is None else image_grid.index_select(0, index)))
+                                           None if image_grid_thw_rows is None
+                                           else image_grid_thw_rows.index_select(0, index)))
             if not self.dynamic:  # ColPaliProcessor's own token types: all 0 without a suffix
                 inputs["token_type_ids"] = torch.zeros_like(inputs["input_ids"])
             out[index] = self.model(**inputs).embeddings.to(dtype)

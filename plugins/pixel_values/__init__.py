@@ -17,8 +17,7 @@ end refuses images for them.
 A page-retrieval model (``model_config.images_in_prompt``: ColPali, ColQwen2) takes a page as
 its processor's prompt, as many positions as that prompt has tokens, and its processor's pixel
 values of any shape; each image's rows are ``ceil(numel / positions)`` wide, left-aligned in the
-step's widest. A dynamic-resolution page's patch grid (``request.image_grid``) is given on each of
-its positions as ``image_grid`` (``[num_tokens, len(grid)]`` int64, zeros elsewhere).
+step's widest (ColQwen2's ``image_grid_thw`` travels as an image kwarg).
 """
 
 from __future__ import annotations
@@ -79,20 +78,13 @@ def prepare_inputs(batch: InputBatch, model_config: ModelConfig) -> dict[str, to
     width = max(row.shape[1] for row in rows if row is not None)
     pixel_rows = torch.zeros(batch.num_tokens, width, dtype=torch.float32)
     image_rows = torch.zeros(batch.num_tokens, dtype=torch.bool)
-    grids = [state.request.image_grid for state in batch.requests]
-    grid_width = max((len(grid) for grid in grids if grid is not None), default=0)
-    image_grid = torch.zeros(batch.num_tokens, grid_width, dtype=torch.int64) if grid_width else None
     offsets = batch.query_start_loc_cpu.tolist()
     for i, (state, row) in enumerate(zip(batch.requests, rows, strict=True)):
         if row is not None:  # the positions scheduled this step
             start = state.num_computed_tokens
             pixel_rows[offsets[i]: offsets[i + 1], : row.shape[1]] = row[start: start + batch.num_scheduled_tokens[i]]
             image_rows[offsets[i]: offsets[i + 1]] = True
-            if image_grid is not None and grids[i] is not None:
-                image_grid[offsets[i]: offsets[i + 1], : len(grids[i])] = torch.tensor(grids[i])
     inputs = {"pixel_rows": pixel_rows, "image_rows": image_rows, **_kwarg_rows(batch, offsets)}
-    if image_grid is not None:
-        inputs["image_grid"] = image_grid
     return {key: value.to(batch.device, non_blocking=True) for key, value in inputs.items()}
 
 

@@ -2,7 +2,7 @@
 its positions, a step with images gets ``pixel_rows`` and ``image_rows`` for exactly its
 scheduled tokens, text-only steps get nothing, and removal is idempotent. A page-retrieval
 model's pages (``images_in_prompt``) take their prompt's positions, rows of their own width
-and, for a dynamic-resolution page, its patch grid on each position (``image_grid``)."""
+left-aligned in the step's widest."""
 
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ PAGES = SimpleNamespace(name="tiny-colqwen2", architecture="ColQwen2ForRetrieval
 
 def image_state(request_id: str, pixels: torch.Tensor, positions: int = 5,
                 grid: tuple[int, ...] | None = None) -> RequestState:
+    kwargs = None if grid is None else {"image_grid_thw": torch.tensor([grid])}  # ColQwen2's, [1, 3]
     return RequestState(request=PoolingRequest(request_id=request_id, prompt_token_ids=(0,) * positions,
                                                params=PoolingParams(task="embed"), pixel_values=pixels,
-                                               image_grid=grid))
+                                               image_kwargs=kwargs))
 
 
 def text_state(request_id: str, length: int) -> RequestState:
@@ -108,8 +109,4 @@ def test_pages_take_their_prompts_positions_rows_of_their_width_and_their_grid()
     assert extra["image_rows"].tolist() == [True] * 4 + [False] * 2 + [True] * 2
     assert extra["pixel_rows"].tolist() == [[0, 1, 2, 0], [3, 4, 5, 0], [6, 7, 8, 0], [9, 0, 0, 0],
                                             [0, 0, 0, 0], [0, 0, 0, 0], [0, 1, 2, 3], [4, 5, 6, 7]]
-    assert extra["image_grid"].tolist() == [[1, 5, 1]] * 4 + [[0, 0, 0]] * 2 + [[1, 1, 2]] * 2
-    clip = image_state("clip", torch.zeros(3, 2, 2))
-    plugin.add_request(state=clip, model_config=CLIP)
-    assert "image_grid" not in plugin.prepare_inputs(batch=InputBatch.build([clip], [5], torch.device("cpu")),
-                                                     model_config=CLIP)
+    assert extra["image_grid_thw_rows"].tolist() == [[1, 5, 1]] * 4 + [[0, 0, 0]] * 2 + [[1, 1, 2]] * 2
