@@ -28,6 +28,7 @@ from poolrunner.core.plugin_api.request import RequestState
 from poolrunner.core.types import (
     POOLING_TASKS,
     DenseLayerSpec,
+    LoraRequest,
     ModelConfig,
     PluginInfo,
     PoolingParams,
@@ -96,6 +97,7 @@ __all__ = [
     "Pooler",
     "PoolerOutput",
     "PoolingMetadata",
+    "LoraRequest",
     "PoolingParams",
     "PoolingRequest",
     "PoolingTask",

@@ -14,7 +14,18 @@ from typing import Any
 
 from attrs import asdict, converters, field, fields, frozen
 
+from poolrunner.core.errors import InvalidRequestError
 from poolrunner.core.inputs import score_template
+from poolrunner.core.inputs.images import (
+    MAX_IMAGE_BYTES,
+    MAX_IMAGE_PIXELS,
+    MAX_IMAGES_PER_REQUEST,
+    MEDIA_FETCH_TIMEOUT,
+    ImageLimits,
+    check_host_names,
+    host_names,
+    positive_seconds,
+)
 from poolrunner.core.types import PLUGIN_TASK_NAME, POOLING_TASKS, POOLING_TYPES, PoolingTask, PoolingType
 from poolrunner.core.validators import json_object, one_of, optional_bool, positive_int, task_name
 
@@ -31,6 +42,16 @@ def _copied_dict(value: Any) -> Any:
     if value is None:
         return {}
     return copy.deepcopy(dict(value)) if isinstance(value, Mapping) else value
+
+
+def _lora_modules(value: Any) -> dict[str, str]:
+    """``{name: path}`` (paths as strings); a name must be a non-empty string."""
+    modules = dict(value or {})
+    for name, path in modules.items():
+        if not isinstance(name, str) or not name.strip():
+            raise InvalidRequestError(f"lora_modules: an adapter name must be a non-empty string, got {name!r}")
+        modules[name] = os.fspath(path)
+    return modules
 
 
 @frozen(kw_only=True)
@@ -103,8 +124,26 @@ class RuntimeConfig:
         cross-encoder scores it, or the name of a built-in one (``qwen3_reranker``,
         ``bge_reranker_v2_gemma``); ``None``: the built-in the folder asks for, if any
         (:mod:`poolrunner.core.inputs.score_template`).
+    :ivar lora_modules: LoRA adapters to load at start, name -> PEFT folder (vLLM's
+        ``--lora-modules``); requests pick one by name (``lora=NAME``). Setting this or
+        ``max_loras`` serves adapters: the linear layers then run unpacked (no oneDNN prepacking,
+        whose fused activations would come before an adapter's term), and ``dtype="int8"`` is refused.
+    :ivar max_loras: Most adapters loaded at once; ``None``: as many as ``lora_modules`` (at least 1).
+    :ivar max_lora_rank: Largest adapter rank served (vLLM's default, 16).
+    :ivar max_image_bytes: Most bytes of one encoded image (a file, bytes, a data URL's payload,
+        a download); a text-image model refuses a larger one naming it.
+    :ivar max_image_pixels: Most pixels (width x height, as the image's header declares, read
+        before any pixel is decoded: a decompression bomb never decodes) of one image.
+    :ivar max_images_per_request: Most images in one request (a call of the Python API, one HTTP
+        request, one chunk of a file on the command line).
+    :ivar allowed_media_domains: Hosts whose ``http(s)`` image URLs are fetched (vLLM's
+        ``--allowed-media-domains``, exact host names); empty (default): every remote URL is
+        refused and nothing is downloaded.
+    :ivar media_fetch_timeout: Seconds one image download may take to connect, and per read.
     :ivar overrides: Settings that win over the model folder's.
 
+    The image settings make :meth:`image_limits`, the same on every surface
+    (:class:`~poolrunner.core.inputs.images.ImageLimits` checks them).
     Fields marked :data:`SPEED_ONLY` change speed, never results.
     """
 
@@ -126,7 +165,41 @@ class RuntimeConfig:
     max_input_chars: int | None = field(default=None, validator=positive_int)
     hf_overrides: dict[str, Any] = field(factory=dict, converter=_copied_dict, validator=json_object, hash=False)
     score_template: str | None = field(default=None, validator=score_template.check_setting)
+    lora_modules: dict[str, str] = field(factory=dict, converter=_lora_modules, hash=False)
+    max_loras: int | None = field(default=None, validator=positive_int)
+    max_lora_rank: int = field(default=16, validator=positive_int)
+    max_image_bytes: int = field(default=MAX_IMAGE_BYTES, validator=positive_int)
+    max_image_pixels: int = field(default=MAX_IMAGE_PIXELS, validator=positive_int)
+    max_images_per_request: int = field(default=MAX_IMAGES_PER_REQUEST, validator=positive_int)
+    allowed_media_domains: tuple[str, ...] = field(default=(), converter=host_names, validator=check_host_names)
+    media_fetch_timeout: float = field(default=MEDIA_FETCH_TIMEOUT, validator=positive_seconds)
     overrides: ModelOverrides = field(factory=ModelOverrides)
+
+    def __attrs_post_init__(self) -> None:
+        if self.lora_enabled and self.dtype == "int8":
+            raise InvalidRequestError("dtype 'int8' does not serve LoRA adapters (lora_modules, max_loras): "
+                                      "its calibrated int8 layers have no adapter term")
+        if self.max_loras is not None and len(self.lora_modules) > self.max_loras:
+            raise InvalidRequestError(f"lora_modules names {len(self.lora_modules)} adapters, more than max_loras "
+                             f"{self.max_loras}")
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether this runtime serves LoRA adapters."""
+        return bool(self.lora_modules) or self.max_loras is not None
+
+    @property
+    def lora_capacity(self) -> int:
+        """How many adapters may be loaded at once (0: adapters are not served)."""
+        if not self.lora_enabled:
+            return 0
+        return self.max_loras if self.max_loras is not None else max(len(self.lora_modules), 1)
+
+    def image_limits(self) -> ImageLimits:
+        """The image settings as :class:`~poolrunner.core.inputs.images.ImageLimits` (checked here already)."""
+        return ImageLimits(max_bytes=self.max_image_bytes, max_pixels=self.max_image_pixels,
+                           max_images=self.max_images_per_request, allowed_media_domains=self.allowed_media_domains,
+                           fetch_timeout=self.media_fetch_timeout)
 
     @classmethod
     def from_options(cls, model: str | os.PathLike[str] | None = None, **options: Any) -> RuntimeConfig:

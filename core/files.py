@@ -86,6 +86,9 @@ class Fields:
     id: tuple[str, str] | None = None
     optional_id: bool = False
     """Take ``id`` only where a file has it (by its header, its schema, or its first record)."""
+    images: bool = False
+    """The fields hold images: a string is a file path or a ``data:image/`` URL, and a Parquet
+    binary column holds each image's encoded bytes (the command line's ``--image-field``)."""
 
     @classmethod
     def with_id(cls, texts: tuple[tuple[str, str], ...], id_field: str | None,
@@ -374,10 +377,13 @@ def _parquet_records(source: Any, fields: Fields, name: str) -> Iterator[_Record
                 continue
             known = ", ".join(repr(column) for column in schema.names)
             raise InvalidRequestError(f"{name}: no column {field!r} (columns: {known}); pick one with {option}")
-        if (field, option) in fields.texts and not (pa.types.is_string(schema.field(field).type)
-                                                   or pa.types.is_large_string(schema.field(field).type)):
-            raise InvalidRequestError(f"{name}: column {field!r} is {schema.field(field).type}, not text; "
-                                      f"pick a text column with {option}")
+        kind = schema.field(field).type
+        text = pa.types.is_string(kind) or pa.types.is_large_string(kind)
+        binary = fields.images and (pa.types.is_binary(kind) or pa.types.is_large_binary(kind))
+        if (field, option) in fields.texts and not (text or binary):
+            wanted_kind = "text (image paths) or binary (encoded images)" if fields.images else "text"
+            raise InvalidRequestError(f"{name}: column {field!r} is {kind}, not {wanted_kind}; "
+                                      f"pick a {'column' if fields.images else 'text column'} with {option}")
     id_field = fields.id[0] if fields.id and fields.id[0] in schema.names else None
     names = list(dict.fromkeys([field for field, _ in fields.texts] + ([id_field] if id_field else [])))
     row = 0

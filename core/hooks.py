@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from poolrunner.core.plugin_api.output import OutputHandle, RequestOutput
     from poolrunner.core.plugin_api.pooler import Pooler, PoolerOutput
     from poolrunner.core.plugin_api.request import RequestState
-    from poolrunner.core.types import ModelConfig, PluginInfo, PoolingTask
+    from poolrunner.core.types import LoraRequest, ModelConfig, PluginInfo, PoolingTask
 
 # Forward keyword arguments the runner sets itself; no plugin may return them. Keep in sync
 # with ModelRunner.forward (``poolrunner_layout`` is core.kernels.attention.LAYOUT_KWARG);
@@ -115,6 +115,13 @@ class Hooks:
         wrapping = {impl.plugin_name for impl in getattr(self._hook, hook_name).get_hookimpls() if _is_wrapper(impl)}
         others = [plugin for name, plugin in self.manager.list_name_plugin() if name not in {*plugins, *wrapping}]
         return self.manager.subset_hook_caller(hook_name, remove_plugins=others)
+
+    def load_adapter(self, *, model: nn.Module, model_config: ModelConfig, lora: LoraRequest,
+                     max_rank: int) -> str | None:
+        return self._hook.load_adapter(model=model, model_config=model_config, lora=lora, max_rank=max_rank)
+
+    def unload_adapter(self, *, model: nn.Module, lora_id: int) -> bool | None:
+        return self._hook.unload_adapter(model=model, lora_id=lora_id)
 
     def add_request(self, *, state: RequestState, model_config: ModelConfig) -> None:
         self._hook.add_request(state=state, model_config=model_config)

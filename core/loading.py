@@ -30,7 +30,7 @@ from poolrunner.core.errors import ModelLoadError, PluginConflictError, Unsuppor
 from poolrunner.core.frontend import chunking
 from poolrunner.core.hooks import Hooks
 from poolrunner.core.inputs import score_template
-from poolrunner.core.inputs.images import ImageInputs
+from poolrunner.core.inputs.images import ImageInputs, ImageLimits
 from poolrunner.core.inputs.pages import PageInputs
 from poolrunner.core.inputs.score_template import ScoreTemplate
 from poolrunner.core.inputs.tokenize import InputProcessor
@@ -105,9 +105,9 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
     max_input_chars = config.max_input_chars or default_max_input_chars(config.max_embed_len
                                                                         or model_config.max_model_len)
     inputs = InputProcessor(tokenizer, model_config, max_input_chars=max_input_chars)
-    images = _image_inputs(path, hf_config, model_config)
+    images = _image_inputs(path, hf_config, model_config, config.image_limits())
     build = functools.partial(_build_engine, config, path, hf_config, hooks, model_config, wanted, device)
-    fast_path = config.compile == "auto" and onednn.supported(device, torch.float32)
+    fast_path = _prepacks(config) and onednn.supported(device, torch.float32)
     mixed_path = fast_path and onednn.supported(device, torch.bfloat16)  # bf16 products, as bf16-mixed's
     if config.dtype == "auto" and precision.native_bf16(device):
         candidates = precision.AUTO_CANDIDATES if mixed_path else (precision.BFLOAT16,)
@@ -134,16 +134,17 @@ def _image_score(engine: Engine) -> tuple[float, float] | None:
     return backbone.pair_score() if isinstance(backbone, TextImageModel) else None
 
 
-def _image_inputs(path: Path, hf_config: PretrainedConfig, model_config: ModelConfig) -> ImageInputs | None:
+def _image_inputs(path: Path, hf_config: PretrainedConfig, model_config: ModelConfig,
+                  limits: ImageLimits) -> ImageInputs | None:
     """A text-image model's image inputs, its processor checked to give the family's pixel shape;
     a page-retrieval model's, its own processor (:class:`PageInputs`)."""
     if model_config.images_in_prompt:
-        return PageInputs.load(path)
+        return PageInputs.load(path, limits=limits)
     if not model_config.image_positions:
         return None
     towers = metadata.text_image_towers(hf_config.model_type)
     shape = towers.pixel_shape(hf_config, model_config.image_positions)
-    return ImageInputs.load(path, hf_config.vision_config, shape=shape)
+    return ImageInputs.load(path, hf_config.vision_config, limits, shape=shape)
 
 
 def _explicit_precision(
@@ -247,7 +248,7 @@ def _build_engine(
     # Built here, at load, so that no request waits for a compile.
     kernels = cpu_kernels.supported_dtypes() if config.compile == "auto" and device.type == "cpu" else frozenset()
     products = chosen.weights if chosen.matmul == torch.int8 else chosen.matmul
-    if config.compile == "auto" and onednn.supported(device, chosen.weights) and onednn.supported(device, products):
+    if _prepacks(config) and onednn.supported(device, chosen.weights) and onednn.supported(device, products):
         onednn.prepack(model.base_model, chosen.matmul)
     if chosen.weights == torch.bfloat16 and torch.bfloat16 in kernels:
         fused_norms.fuse_rms_norms(model.base_model)
@@ -267,6 +268,12 @@ def _build_engine(
                           max_num_seqs=config.max_num_seqs, chunked_prefill=runner.causal)
     async_scheduling = device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
     return Engine(runner, scheduler, hooks, model_config, device, async_scheduling=async_scheduling)
+
+
+def _prepacks(config: RuntimeConfig) -> bool:
+    """Whether linear layers may be prepacked for oneDNN: not when adapters are served, since
+    prepacking fuses a layer's activation into it, before an adapter's term could be added."""
+    return config.compile == "auto" and not config.lora_enabled
 
 
 def _probe_requests(inputs: InputProcessor, tasks: Sequence[PoolingTask],

@@ -27,6 +27,7 @@ ENTRY_POINT_GROUP = "poolrunner.plugins"
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "poolrunner.plugins.token_type_ids",
     "poolrunner.plugins.pixel_values",
+    "poolrunner.plugins.lora",
     "poolrunner.plugins.sequence_pooling",
     "poolrunner.plugins.token_pooling",
     "poolrunner.plugins.async_output",

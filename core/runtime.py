@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from poolrunner.core import similarity
+from poolrunner.core.adapters import LoraAdapters
 from poolrunner.core.config import RuntimeConfig
 from poolrunner.core.engine.loop import EngineLoop, LoopObserver
+from poolrunner.core.errors import ModelLoadError
 from poolrunner.core.frontend import chunking
 from poolrunner.core.frontend.outputs import Result
 from poolrunner.core.frontend.plans import Frontend
@@ -36,6 +40,8 @@ from poolrunner.core.manager import PoolrunnerPluginManager
 from poolrunner.core.plugin_api.output import RequestOutput
 from poolrunner.core.similarity import SimilarityFn, check_similarity_fn
 from poolrunner.core.types import ModelConfig, PoolingRequest, PoolingTask, PromptInput, TruncationSide
+
+logger = logging.getLogger(__name__)
 
 
 class Runtime:
@@ -97,10 +103,52 @@ class Runtime:
         self.frontend = Frontend(loaded.model_config, loaded.inputs, loaded.hooks, loaded.tasks, loaded.task,
                                  loaded.options, max_embed_len=loaded.config.max_embed_len,
                                  score_template=loaded.score_template, images=loaded.images,
+                                 adapters=LoraAdapters(loaded.config.lora_capacity),
                                  image_score=loaded.image_score)
         self._engine = loaded.engine  # private: driven by this runtime alone (or its serving loop)
         self._engine_lock = threading.Lock()
         self._loop: EngineLoop | None = None
+        self._hooks = loaded.hooks
+        for name, path in loaded.config.lora_modules.items():
+            self.load_lora(name, path)
+
+    @property
+    def lora_adapters(self) -> list[str]:
+        """The names of the loaded LoRA adapters, in load order."""
+        return self.frontend.adapters.names()
+
+    def load_lora(self, name: str, path: str | os.PathLike[str]) -> None:
+        """Load the PEFT LoRA folder ``path`` (``adapter_config.json``,
+        ``adapter_model.safetensors``) as adapter ``name``; requests then name it (``lora=name``).
+
+        Its weights go next to the base model's, which stay shared: requests of every adapter
+        and of none share steps. Safe while :meth:`serving`: requests already running are not
+        affected.
+
+        :raises InvalidRequestError: (param ``lora``) when ``name`` is loaded already, or
+            ``max_loras`` adapters are, or this runtime serves no adapters.
+        :raises ModelLoadError: for a folder refused (naming the file, the field or the tensor):
+            another base model, DoRA, a bias, an embedding layer, a rank above ``max_lora_rank``.
+        """
+        adapters = self.frontend.adapters
+        lora = adapters.reserve(name, Path(path))
+        described = self._hooks.load_adapter(model=self._engine.runner.model, model_config=self.model_config,
+                                             lora=lora, max_rank=self.config.max_lora_rank)
+        if described is None:
+            raise ModelLoadError(f"lora {name!r}: no installed plugin loads LoRA adapters (the built-in 'lora' "
+                                 "plugin is disabled?)")
+        adapters.add(lora)
+        logger.info("loaded LoRA adapter %r from %s: %s", name, path, described)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter ``name`` and free its weights. New requests naming it are refused
+        at once; requests already admitted with it finish first (this call waits for them).
+
+        :raises InvalidRequestError: (param ``lora``) when it is not loaded.
+        """
+        lora = self.frontend.adapters.remove(name)
+        self.frontend.adapters.wait_idle(lora.lora_id)
+        self._hooks.unload_adapter(model=self._engine.runner.model, lora_id=lora.lora_id)
 
     def embed(
         self,
@@ -114,6 +162,7 @@ class Runtime:
         prompt_name: str | None = None,
         precision: Precision = "float32",
         ranges: np.ndarray | None = None,
+        lora: str | None = None,
         show_progress_bar: bool = False,
     ) -> np.ndarray:
         """Embed texts (or token-id lists) into one vector each.
@@ -139,6 +188,8 @@ class Runtime:
         :param ranges: ``[2, d]`` per-dimension minima and maxima for ``int8`` / ``uint8``;
             without them the range is calibrated on this call's embeddings (sentence-transformers'
             default), so a vector's codes depend on the other inputs.
+        :param lora: Run with this loaded LoRA adapter (:meth:`load_lora`, ``lora_modules``);
+            ``None``: the base model.
         :param show_progress_bar: Show a tqdm bar over finished inputs.
         :returns: ``[num_inputs, d]`` for a sequence of inputs, ``[d]`` for one text or one
             token-id list: float32, or the ``precision``'s dtype and width.
@@ -147,7 +198,7 @@ class Runtime:
         request = EncodeRequest.of(
             inputs=texts, task="embed", dimensions=dimensions, normalize=normalize, precision=precision, ranges=ranges,
             truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side, prompt=prompt,
-            prompt_name=prompt_name)
+            prompt_name=prompt_name, lora=lora)
         plan = self.frontend.plan(request)
         if not request.inputs:
             return quantize(np.zeros((0, dimensions or self.model_config.embedding_size), np.float32), precision)
@@ -208,6 +259,7 @@ class Runtime:
         truncation_side: TruncationSide = "right",
         prompt: str | None = None,
         prompt_name: str | None = None,
+        lora: str | None = None,
         show_progress_bar: bool = False,
         **options: Any,
     ) -> list[Result]:
@@ -228,6 +280,7 @@ class Runtime:
         :param use_activation: ``False`` returns raw logits (``classify``, ``token_classify``).
         :param step_tag_id: STEP pooling: keep only rows whose prompt token is this id.
         :param returned_token_ids: STEP pooling: keep only these label columns.
+        :param lora: A loaded LoRA adapter's name, as for :meth:`embed`.
         :param options: Request options the plugins declare for ``task`` (``poolrunner plugins``
             lists them; SPLADE's ``top_k``, say); they reach the pooler in
             ``PoolingParams.extra_kwargs``, defaults filled in.
@@ -239,7 +292,7 @@ class Runtime:
             inputs=inputs, task=task, dimensions=dimensions, normalize=normalize, use_activation=use_activation,
             step_tag_id=step_tag_id, returned_token_ids=returned_token_ids,
             truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side, prompt=prompt,
-            prompt_name=prompt_name, **options), show_progress_bar=show_progress_bar)
+            prompt_name=prompt_name, lora=lora, **options), show_progress_bar=show_progress_bar)
 
     def classify(
         self,
@@ -248,6 +301,7 @@ class Runtime:
         use_activation: bool | None = None,
         truncate_prompt_tokens: int | None = None,
         truncation_side: TruncationSide = "right",
+        lora: str | None = None,
         show_progress_bar: bool = False,
     ) -> list[ClassificationResult]:
         """Score each input over the model's labels (a ``*ForSequenceClassification`` model).
@@ -258,13 +312,15 @@ class Runtime:
         :param use_activation: ``False`` returns raw logits instead of probabilities.
         :param truncate_prompt_tokens: As for :meth:`embed`.
         :param truncation_side: As for :meth:`embed`.
+        :param lora: A loaded LoRA adapter's name, as for :meth:`embed` (its ``modules_to_save``
+            head classifies).
         :param show_progress_bar: Show a tqdm bar over finished inputs.
         :returns: One :class:`ClassificationResult` per input, in order.
         :raises InvalidRequestError: for bad input, or if this runtime's task is not ``classify``.
         """
         return self.execute(ClassifyRequest.of(
             inputs=inputs, use_activation=use_activation, truncate_prompt_tokens=truncate_prompt_tokens,
-            truncation_side=truncation_side), show_progress_bar=show_progress_bar)
+            truncation_side=truncation_side, lora=lora), show_progress_bar=show_progress_bar)
 
     def score(
         self,
@@ -275,6 +331,7 @@ class Runtime:
         truncation_side: TruncationSide = "right",
         use_activation: bool | None = None,
         max_tokens_per_doc: int | None = None,
+        lora: str | None = None,
         **options: Any,
     ) -> np.ndarray:
         """Relevance of each (query, document) pair: 1:1, 1:N or N:N.
@@ -301,35 +358,43 @@ class Runtime:
             return np.zeros(0, dtype=np.float32)
         scores = self.execute(ScoreRequest.of(
             queries=queries, documents=documents, use_activation=use_activation, max_tokens_per_doc=max_tokens_per_doc,
-            truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side, **options))
+            truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side, lora=lora, **options))
         return scores[0] if isinstance(queries, str) and isinstance(documents, str) else scores
 
     def rerank(
         self,
-        query: str,
-        documents: Sequence[str],
+        query: Input,
+        documents: Sequence[Input],
         *,
         top_n: int | None = None,
         return_documents: bool = False,
         truncate_prompt_tokens: int | None = None,
         truncation_side: TruncationSide = "right",
         max_tokens_per_doc: int | None = None,
+        lora: str | None = None,
         **options: Any,
     ) -> list[RerankResult]:
         """Rank ``documents`` by relevance to ``query``, best first.
 
+        :param query: A text; for a text-image model (CLIP) also an image (any kind :meth:`embed`
+            takes), to rank texts by how well they describe it.
+        :param documents: Texts; for a text-image model also images, ranked by the model's own
+            similarity (CLIP: the cosine of the projected embeddings, the order of its
+            ``logits_per_text``).
         :param top_n: Keep the best ``top_n`` (all when ``None`` or larger than the list).
         :param max_tokens_per_doc: As for :meth:`score`; results carry the whole documents.
         :param options: Request options of the runtime's task, as for :meth:`score`.
+        :param lora: A loaded LoRA adapter's name, as for :meth:`embed`.
         :param return_documents: Include each document's text in its result.
         :returns: :class:`RerankResult` objects sorted by descending score (ties keep input order).
-        :raises InvalidRequestError: for a non-text query, no documents, text that is not valid
-            Unicode (naming ``query`` or ``documents[i]``), or ``top_n < 1``.
+        :raises InvalidRequestError: for a query that is neither text nor an image (an image for
+            a text-only model), no documents, text that is not valid Unicode or an unreadable
+            image (naming ``query`` or ``documents[i]``), or ``top_n < 1``.
         """
         return self.execute(RerankRequest.of(
             query=query, documents=documents, top_n=top_n, return_documents=return_documents,
             max_tokens_per_doc=max_tokens_per_doc, truncate_prompt_tokens=truncate_prompt_tokens,
-            truncation_side=truncation_side, **options))
+            truncation_side=truncation_side, lora=lora, **options))
 
     def tokenize(self, texts: str | Sequence[str], *, add_special_tokens: bool = True) -> list[list[int]]:
         """Each text's ``prompt_token_ids``, as the model's requests see them (vLLM's ``/tokenize``).
@@ -369,7 +434,7 @@ class Runtime:
         with self._engine_lock:  # waits for a call driving the engine directly to finish
             self._loop = loop
         try:
-            yield Serving(loop)
+            yield Serving(loop, self.frontend.adapters)
         finally:
             with self._engine_lock:
                 self._loop = None
@@ -379,6 +444,10 @@ class Runtime:
         """Run ``requests``; outputs in request order. A long ``embed`` input
         (:class:`~poolrunner.core.frontend.chunking.WindowedRequest`) runs as its windows, and the bar
         counts each window."""
+        with self.frontend.adapters.using(requests):
+            return self._run_tracked(requests, show_progress_bar)
+
+    def _run_tracked(self, requests: list[PoolingRequest], show_progress_bar: bool) -> list[RequestOutput]:
         requests, combine = chunking.expand(requests)
         position = {request.request_id: i for i, request in enumerate(requests)}
         results: list[Any] = [None] * len(requests)
@@ -406,8 +475,9 @@ def _empty(side: str | Sequence[str]) -> bool:
 class Serving:
     """A runtime's engine loop, from :meth:`Runtime.serving`: submit requests from any caller."""
 
-    def __init__(self, loop: EngineLoop) -> None:
+    def __init__(self, loop: EngineLoop, adapters: LoraAdapters | None = None) -> None:
         self._loop = loop
+        self._adapters = adapters if adapters is not None else LoraAdapters(0)
 
     @property
     def pending(self) -> int:
@@ -438,10 +508,11 @@ class Serving:
         A long ``embed`` input (:class:`~poolrunner.core.frontend.chunking.WindowedRequest`) runs as its
         windows (each counts towards ``max_pending``) and is answered by their combination.
         """
-        requests, combine = chunking.expand(requests)
-        submission = self._loop.submit(requests, priority=priority)
-        try:
-            return combine(await asyncio.wrap_future(submission.future))
-        finally:
-            if not submission.future.done():
-                self._loop.abort(submission)
+        with self._adapters.using(requests):  # an adapter's unloading waits for these
+            requests, combine = chunking.expand(requests)
+            submission = self._loop.submit(requests, priority=priority)
+            try:
+                return combine(await asyncio.wrap_future(submission.future))
+            finally:
+                if not submission.future.done():
+                    self._loop.abort(submission)

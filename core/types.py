@@ -25,7 +25,7 @@ from poolrunner.core.validators import (
 )
 
 if TYPE_CHECKING:
-    pass
+    from pathlib import Path
 
 BuiltinTask = Literal["embed", "classify", "token_embed", "token_classify", "embed&token_classify"]
 """The tasks core knows: one vector, one label distribution, per-token vectors, per-token
@@ -111,6 +111,9 @@ class PoolingParams:
     :ivar extra_kwargs: The request options plugins declare (``request_options`` hook), checked
         and with defaults filled in by the runtime before the request reaches the engine;
         ``None`` when the task takes none. Read-only. vLLM's ``PoolingParams.extra_kwargs``.
+    :ivar lora_id: The LoRA adapter this request runs with (vLLM's ``lora_int_id``, given by
+        the runtime when the adapter loads: :class:`LoraRequest`); ``None`` runs the base model.
+        Set by the front end from the request's ``lora`` name, never by a caller.
     """
 
     task: PoolingTask = field(validator=task_name(POOLING_TASKS, PLUGIN_TASK_NAME))
@@ -124,13 +127,14 @@ class PoolingParams:
     extra_kwargs: Mapping[str, Any] | None = field(
         default=None, converter=converters.optional(_frozen_mapping), hash=False
     )
+    lora_id: int | None = field(default=None, validator=positive_int)
 
     def given(self) -> frozenset[str]:
         """Names of the core options set on this request (not ``None``; ``task`` and the plugins'
         :attr:`extra_kwargs` aside)."""
         return frozenset(
             f.name for f in fields(PoolingParams)
-            if f.name not in ("task", "extra_kwargs") and getattr(self, f.name) is not None
+            if f.name not in ("task", "extra_kwargs", "lora_id") and getattr(self, f.name) is not None
         )
 
 
@@ -179,6 +183,21 @@ class PoolingRequest:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+@frozen(kw_only=True)
+class LoraRequest:
+    """A LoRA adapter as the runtime serves it (vLLM's ``LoRARequest``).
+
+    :ivar name: What requests call it (``lora=NAME``, the HTTP ``model`` field).
+    :ivar lora_id: Its number, unique in the runtime, at least 1 (vLLM's ``lora_int_id``):
+        what engine requests carry (:attr:`PoolingParams.lora_id`).
+    :ivar path: The PEFT folder (``adapter_config.json``, ``adapter_model.safetensors``).
+    """
+
+    name: str = field(validator=validators.min_len(1))
+    lora_id: int = field(validator=positive_int)
+    path: Path
 
 
 @frozen(kw_only=True)

@@ -467,8 +467,9 @@ def test_plugins_hook_filter(capsys: pytest.CaptureFixture[str], monkeypatch: py
     assert out == "no third-party plugin implements hook 'get_pooler'; use --all to include built-ins\n"
     code, out, err = run_cli(capsys, "plugins", "--hook", "get_poolr")
     assert_user_error(code, out, err, "unknown hook 'get_poolr'; hooks: add_request, claim_model_folder, "
-                                      "get_pooler, pool, prepare_inputs, process_output, remove_request, "
-                                      "request_options, score_outputs, supported_tasks\n")
+                                      "get_pooler, load_adapter, pool, prepare_inputs, process_output, "
+                                      "remove_request, request_options, score_outputs, supported_tasks, "
+                                      "unload_adapter\n")
     # every hook has a built-in implementer: leave those of add_request (token_type_ids) out to
     # see an empty answer
     disabled = [builtin["name"] for builtin in builtins_json("add_request")]

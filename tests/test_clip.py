@@ -239,7 +239,8 @@ def test_remote_urls_are_refused_and_never_fetched(runtime):
     with pytest.raises(InvalidRequestError) as info:
         runtime.embed(["w1", ImageURL("https://example.com/cat.png")])
     assert str(info.value) == ("input 1: remote image URLs are refused ('https://example.com/cat.png'); poolrunner "
-                               "downloads nothing: pass the image's bytes or a data: URL")
+                               "downloads nothing unless the operator allows the host (--allowed-media-domains): "
+                               "pass the image's bytes or a data: URL")
     # A plain string is text, whatever it spells.
     assert runtime.embed("https://example.com/cat.png").shape == (16,)
 

@@ -24,7 +24,8 @@ def test_keywords_and_from_config_load_the_same_settings(model_path, runtime):
 
 
 def test_an_unknown_option_is_a_type_error_naming_it():
-    with pytest.raises(TypeError, match=r"^unknown runtime option\(s\) 'max_batch_tokens'; known: async_scheduling, "):
+    with pytest.raises(TypeError, match=r"^unknown runtime option\(s\) 'max_batch_tokens'; known: "
+                                        r"allowed_media_domains, async_scheduling, "):
         RuntimeConfig.from_options(max_batch_tokens=64)
 
 

@@ -13,6 +13,7 @@ from poolrunner.core.cli.common import (
     CliError,
     add_command,
     add_input_option,
+    add_lora_option,
     add_model_options,
     add_output_option,
     add_plugin_options,
@@ -87,6 +88,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     request.add_argument("--raw-logits", action="store_true",
                          help='write the raw logits (as "logits") instead of probabilities')
     add_truncation_options(request)
+    add_lora_option(request)
 
     add_plugin_options(parser)
     parser.set_defaults(run=run)

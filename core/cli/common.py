@@ -13,7 +13,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
-from poolrunner.core.config import COMPILE_MODES, DTYPES
+from poolrunner.core.config import (
+    COMPILE_MODES,
+    DTYPES,
+    MAX_IMAGE_BYTES,
+    MAX_IMAGE_PIXELS,
+    MAX_IMAGES_PER_REQUEST,
+    MEDIA_FETCH_TIMEOUT,
+)
 from poolrunner.core.files import (
     DEFAULT_ID_FIELD,
     INPUT_FORMATS,
@@ -272,7 +279,73 @@ def add_model_options(parser: argparse.ArgumentParser, *, several: str | None = 
                             "file holding a Jinja template (variables query, document, messages), the Jinja text, "
                             "or a built-in: qwen3_reranker, bge_reranker_v2_gemma (default: the built-in the model "
                             "folder is named after, if any)")
+    model.add_argument("--lora-modules", metavar="NAME=PATH", type=lora_module, action="extend", nargs="+",
+                       default=None,
+                       help="LoRA adapters (PEFT folders) to load, as vLLM's --lora-modules: NAME=PATH, or the JSON "
+                            "form '{\"name\": NAME, \"path\": PATH}'; repeatable; requests pick one by name "
+                            "(--lora, or the HTTP body's model)")
+    model.add_argument("--max-loras", metavar="N", type=positive_int, default=None,
+                       help="most LoRA adapters loaded at once (default: as many as --lora-modules)")
+    model.add_argument("--max-lora-rank", metavar="R", type=positive_int, default=16,
+                       help="largest LoRA rank served; an adapter of a larger rank is refused (default: 16)")
+    add_image_options(parser)
     return model
+
+
+def lora_module(value: str) -> tuple[str, str]:
+    """argparse ``type`` of one ``--lora-modules`` value: ``NAME=PATH`` or vLLM's JSON form
+    ``{"name": NAME, "path": PATH}`` (its ``base_model_name`` is not read)."""
+    if value.lstrip().startswith("{"):
+        try:
+            parsed = json.loads(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"expected NAME=PATH or a JSON object, got {value!r}: {exc}") from None
+        if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str) or not isinstance(
+                parsed.get("path"), str):
+            raise argparse.ArgumentTypeError(f"a JSON --lora-modules value needs string fields name and path, "
+                                             f"got {value!r}")
+        return parsed["name"], parsed["path"]
+    name, equals, path = value.partition("=")
+    if not equals or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name, path
+
+
+def add_lora_option(group: argparse._ArgumentGroup) -> None:
+    """``--lora NAME``: the request runs with that loaded adapter (the request field ``lora``)."""
+    group.add_argument("--lora", metavar="NAME", default=None,
+                       help="run with the LoRA adapter NAME (one of --lora-modules); default: the base model")
+
+
+def _lora_modules(pairs: list[tuple[str, str]] | None) -> dict[str, str]:
+    """``--lora-modules`` as ``{name: path}``.
+
+    :raises CliError: for a name given twice.
+    """
+    modules: dict[str, str] = {}
+    for name, path in pairs or ():
+        if name in modules:
+            raise CliError(f"--lora-modules names adapter {name!r} twice")
+        modules[name] = path
+    return modules
+
+
+def add_image_options(parser: argparse.ArgumentParser) -> None:
+    """The ``images`` group: the limits of a text-image model's image inputs and the hosts whose
+    image URLs are fetched (``RuntimeConfig``'s image settings)."""
+    images = parser.add_argument_group("images (text-image models: CLIP)")
+    images.add_argument("--max-image-bytes", metavar="N", type=positive_int, default=MAX_IMAGE_BYTES,
+                        help=f"most bytes of one encoded image (default: {MAX_IMAGE_BYTES})")
+    images.add_argument("--max-image-pixels", metavar="N", type=positive_int, default=MAX_IMAGE_PIXELS,
+                        help="most pixels (width x height, from the image's header, before any pixel is decoded) of "
+                             f"one image (default: {MAX_IMAGE_PIXELS})")
+    images.add_argument("--max-images-per-request", metavar="N", type=positive_int, default=MAX_IMAGES_PER_REQUEST,
+                        help=f"most images in one request (default: {MAX_IMAGES_PER_REQUEST})")
+    images.add_argument("--allowed-media-domains", metavar="HOST", nargs="+", default=[],
+                        help="fetch http(s) image URLs from these hosts only (exact names, as vLLM's flag); "
+                             "default: none, every remote URL is refused and nothing is downloaded")
+    images.add_argument("--media-fetch-timeout", metavar="SECONDS", type=float, default=MEDIA_FETCH_TIMEOUT,
+                        help=f"seconds one image download may take (default: {MEDIA_FETCH_TIMEOUT:g})")
 
 
 def json_object(value: str) -> dict[str, Any]:
@@ -349,6 +422,11 @@ def runtime_options(args: argparse.Namespace) -> dict[str, Any]:
         "async_scheduling": args.async_scheduling, "max_embed_len": args.max_embed_len,
         "max_input_chars": args.max_input_chars, "hf_overrides": args.hf_overrides or {},
         "score_template": score_template_text(args.score_template),
+        "lora_modules": _lora_modules(args.lora_modules), "max_loras": args.max_loras,
+        "max_lora_rank": args.max_lora_rank,
+        "max_image_bytes": args.max_image_bytes, "max_image_pixels": args.max_image_pixels,
+        "max_images_per_request": args.max_images_per_request,
+        "allowed_media_domains": tuple(args.allowed_media_domains), "media_fetch_timeout": args.media_fetch_timeout,
     }
 
 

@@ -4,8 +4,10 @@ out (JSONL, CSV, Parquet or .npy), streamed in chunks."""
 from __future__ import annotations
 
 import argparse
+import glob
 import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -16,6 +18,7 @@ from poolrunner.core.cli.common import (
     Inputs,
     add_command,
     add_input_option,
+    add_lora_option,
     add_model_options,
     add_output_option,
     add_plugin_options,
@@ -33,7 +36,7 @@ from poolrunner.core.cli.common import (
 )
 from poolrunner.core.cli.ray_job import EPILOG as RAY_EPILOG
 from poolrunner.core.cli.ray_job import add_ray_options, run_ray
-from poolrunner.core.files import open_output
+from poolrunner.core.files import CHUNK_RECORDS, Chunk, open_output
 from poolrunner.core.frontend.quantize import PRECISIONS, Precision, quantize
 from poolrunner.core.frontend.requests import EncodeRequest
 
@@ -71,7 +74,8 @@ examples:
   poolrunner embed --input docs.jsonl --text-field body --output vectors.npy
   poolrunner embed --input docs.csv --text-field body --id-field doc_id --output vectors.parquet
   cat texts.txt | poolrunner embed --input - --truncate -1 > vectors.jsonl
-  poolrunner embed --model ./my-model --prompt-name query "what is pooling?\""""
+  poolrunner embed --model ./my-model --prompt-name query "what is pooling?"
+  poolrunner embed --model ./clip --images photos/ --output photos.parquet"""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -81,6 +85,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     files = parser.add_argument_group("input and output")
     add_input_option(files, "texts")
+    files.add_argument("--images", metavar="DIR_OR_GLOB",
+                       help="embed image files (a text-image model: CLIP): every file of a folder, or the files a "
+                            "glob pattern matches ('photos/*.jpg', quoted), in sorted order; each output record "
+                            "names its file (column file)")
+    files.add_argument("--image-field", metavar="FIELD",
+                       help="--input's records hold images in FIELD instead of texts: JSON Lines, CSV or Parquet "
+                            "strings are image file paths (relative to the working directory) or data:image/ "
+                            "URLs, a Parquet binary column holds each image's encoded bytes")
     add_output_option(files, FORMATS, "; .npy: a numpy array [n, d] (float32, or --precision's dtype)")
 
     model = add_model_options(parser)
@@ -99,6 +111,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                               "uint8 calibrate each dimension's range on all the inputs of the run; binary / "
                               "ubinary pack one bit per dimension (.npy keeps the dtype)")
     add_truncation_options(request)
+    add_lora_option(request)
     prompt = request.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", metavar="STR", help="literal prefix prepended to every text")
     prompt.add_argument("--prompt-name", metavar="NAME",
@@ -119,14 +132,31 @@ def run(args: argparse.Namespace) -> int:
     fmt = output_format(args, FORMATS)
     if fmt == "npy" and args.id_field is not None:
         raise CliError("--id-field: a .npy file holds the vectors only; write .jsonl, .csv or .parquet to keep ids")
-    inputs = read_inputs(args, input_fields(args), args.texts, what="texts to embed")
+    if args.images is not None:
+        if args.texts or args.input is not None or args.ray is not None:
+            raise CliError("--images is the input: pass no TEXT, --input or --ray with it")
+        if args.id_field is not None:
+            raise CliError("--images: each record's id is its file (column file); --id-field names no field")
+        inputs = image_inputs(args.images, args.max_images_per_request, args.on_error)
+        args.id_field = "file"
+    elif args.image_field is not None:
+        if args.input is None or args.texts:
+            raise CliError("--image-field names a field of --input FILE's records: pass --input FILE, no TEXT")
+        fields = attrs.evolve(input_fields(args, (args.image_field, "--image-field")), images=True)
+        inputs = read_inputs(args, fields, [], what="images to embed")
+    else:
+        inputs = read_inputs(args, input_fields(args), args.texts, what="texts to embed")
     check_output(args.output)
     runtime = load_model(args, task="embed", is_matryoshka=True if args.is_matryoshka else None)
     calibrated = args.precision in ("int8", "uint8")  # on the whole run's float32 vectors, after the run
     request = request_of(EncodeRequest, args, task="embed", precision="float32" if calibrated else args.precision)
 
-    def embed(texts: list[str]) -> np.ndarray:
-        return np.stack(runtime.execute(attrs.evolve(request, inputs=texts)))
+    def embed(texts: list[Any]) -> np.ndarray:
+        if args.image_field is None:
+            return np.stack(runtime.execute(attrs.evolve(request, inputs=texts)))
+        items, step = [image_item(item) for item in texts], args.max_images_per_request  # a chunk may hold more
+        return np.concatenate([np.stack(runtime.execute(attrs.evolve(request, inputs=items[start:start + step])))
+                               for start in range(0, len(items), step)])
 
     with progress("embedding", inputs) as bar, open_output(args.output, fmt, column="embedding") as writer:
         chunks = _embedded(inputs, embed, bar.update, args.id_field)
@@ -135,6 +165,30 @@ def run(args: argparse.Namespace) -> int:
         inputs.check("texts to embed")
     inputs.report()
     return 0
+
+
+def image_item(value: str | bytes) -> Any:
+    """One ``--image-field`` value as an image input: bytes as they are, a ``data:image/`` URL as
+    it is, any other string a file path."""
+    return value if isinstance(value, bytes) or value.startswith("data:image/") else Path(value)
+
+
+def image_inputs(pattern: str, per_chunk: int, on_error: str) -> Inputs:
+    """The image files of ``pattern`` (a folder: its files; else a glob), sorted, as chunks of at
+    most ``per_chunk`` (the images one request may carry), each record's id its path.
+
+    :raises CliError: when nothing matches.
+    """
+    folder = Path(pattern)
+    paths = sorted(p for p in folder.iterdir() if p.is_file()) if folder.is_dir() else sorted(
+        Path(match) for match in glob.glob(pattern, recursive=True) if Path(match).is_file())
+    if not paths:
+        raise CliError(f"--images {pattern!r}: no files found")
+    size = min(per_chunk, CHUNK_RECORDS)
+    chunks = (Chunk(list(range(start, start + len(part))), [str(path) for path in part],
+                    [(path,) for path in part], [str(path) for path in part])
+              for start in range(0, len(paths), size) for part in [paths[start:start + size]])
+    return Inputs(chunks, total=len(paths), on_error=on_error, located=True)
 
 
 def _embedded(inputs: Inputs, embed: Callable[[list[str]], np.ndarray], done: Callable[[int], Any],

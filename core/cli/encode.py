@@ -12,6 +12,7 @@ from poolrunner.core.cli.common import (
     CliError,
     add_command,
     add_input_option,
+    add_lora_option,
     add_model_options,
     add_output_option,
     add_plugin_options,
@@ -102,6 +103,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                          help="STEP pooling: keep only these label columns")
     add_plugin_request_options(request)
     add_truncation_options(request)
+    add_lora_option(request)
     add_plugin_options(parser)
     add_ray_options(parser)
     parser.set_defaults(run=run)

@@ -44,6 +44,8 @@ def run_ray(args: argparse.Namespace, task: str | None, request_options: dict[st
 
     if args.texts:
         raise CliError("--ray reads --input; TEXT arguments are not taken with it")
+    if getattr(args, "images", None) is not None:
+        raise CliError("--ray reads --input: for images, list them in a file's column (--image-field)")
     if args.input in (None, "-"):
         raise CliError("--ray needs --input FILE or FOLDER (stdin cannot be spread over a cluster)")
     if args.output in (None, "-"):
@@ -55,6 +57,7 @@ def run_ray(args: argparse.Namespace, task: str | None, request_options: dict[st
     try:
         result = run_job(
             args.input, args.output, task=task, model=model, text_field=args.text_field, id_field=args.id_field,
+            image_field=getattr(args, "image_field", None),
             input_format=args.input_format, on_error=args.on_error, num_actors=args.actors,
             num_cpus_per_actor=args.cpus_per_actor, num_gpus_per_actor=args.gpus_per_actor,
             batch_size=args.rows_per_batch, runtime_options=options,

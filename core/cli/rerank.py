@@ -13,6 +13,7 @@ from poolrunner.core.cli.common import (
     CliError,
     add_command,
     add_input_option,
+    add_lora_option,
     add_model_options,
     add_output_option,
     add_plugin_options,
@@ -88,6 +89,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                          help='add each document\'s text to its result, as "document"')
     add_plugin_request_options(request)
     add_truncation_options(request, pairs=True)
+    add_lora_option(request)
 
     add_plugin_options(parser)
     parser.set_defaults(run=run)

@@ -13,6 +13,7 @@ from poolrunner.core.cli.common import (
     CliError,
     add_command,
     add_input_option,
+    add_lora_option,
     add_model_options,
     add_output_option,
     add_plugin_options,
@@ -84,6 +85,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     scoring = parser.add_argument_group("scoring")
     add_plugin_request_options(scoring)
     add_truncation_options(scoring, pairs=True)
+    add_lora_option(scoring)
     add_plugin_options(parser)
     parser.set_defaults(run=run)
     return parser

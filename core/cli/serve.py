@@ -139,6 +139,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--protect-metrics", action="store_true",
                         help="require the API key on /metrics too (default: open, left to the network as TEI "
                              "and vLLM do)")
+    server.add_argument("--allow-runtime-lora", action="store_true",
+                        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), behind the API "
+                             "key; give --max-loras to leave room (default: off, 404)")
     server.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                         help="level of uvicorn's and poolrunner's logs")
     server.add_argument("--log-format", choices=LOG_FORMATS, default="text",
@@ -181,6 +184,7 @@ def _serve(args: argparse.Namespace) -> None:
             max_output_values=args.max_output_values,
             auto_truncate=args.auto_truncate, allow_extra_fields=args.allow_extra_fields,
             allowed_origins=args.allowed_origins, protect_metrics=args.protect_metrics,
+            allow_runtime_lora=args.allow_runtime_lora,
             scheduling_policy=args.scheduling_policy, allowed_hosts=_allowed_hosts(args),
             any_model_name=args.any_model_name, truncate_prompt_tokens=args.truncate_prompt_tokens,
         )

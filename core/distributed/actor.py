@@ -23,21 +23,32 @@ class RuntimeActor:
     :param plugins: Plugin objects registered beside the built-ins and entry points.
     :param request_options: The request's fields by name, plugin options too (:meth:`EncodeRequest.of`).
     :param on_error: ``fail``: a row the runtime refuses fails its file; ``skip``: it is left out.
+    :param images: The rows hold images (``run_job``'s ``image_field``): bytes, or strings that
+        are file paths or ``data:image/`` URLs; run in requests of at most the runtime's
+        ``max_images_per_request``.
     """
 
     def __init__(
         self, config: RuntimeConfig, plugins: Sequence[object], request_options: Mapping[str, Any], on_error: str,
+        images: bool = False,
     ) -> None:
         from poolrunner.core.runtime import Runtime
 
         self.runtime = Runtime.from_config(config, plugins=plugins)
         self.request_options = dict(request_options)
         self.on_error = on_error
+        self.images = images
+        self.step = config.max_images_per_request
 
-    def _encode(self, texts: list[str]) -> list[Any]:
+    def _encode(self, texts: list[Any]) -> list[Any]:
         from poolrunner.core.frontend.requests import EncodeRequest
 
-        return self.runtime.execute(EncodeRequest.of(inputs=texts, **self.request_options))
+        if not self.images:
+            return self.runtime.execute(EncodeRequest.of(inputs=texts, **self.request_options))
+        items = [image_item(value) for value in texts]
+        return [result for start in range(0, len(items), self.step)
+                for result in self.runtime.execute(EncodeRequest.of(inputs=items[start:start + self.step],
+                                                                    **self.request_options))]
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         """The batch's rows, in order, without ``_text`` and ``_place``, with the results of the good
@@ -68,6 +79,14 @@ class RuntimeActor:
             for name, column in output_columns(self.runtime.task, [result for _, result in done]).items():
                 table = table.append_column(name, column.take(indices))
         return table
+
+
+def image_item(value: str | bytes) -> Any:
+    """One image-column value as an image input: bytes as they are, a ``data:image/`` URL as it
+    is, any other string a file path (the command line's ``--image-field`` reads them alike)."""
+    from pathlib import Path
+
+    return value if isinstance(value, bytes) or value.startswith("data:image/") else Path(value)
 
 
 def output_columns(task: str, results: Sequence[np.ndarray | dict[str, np.ndarray]]) -> dict[str, pa.Array]:

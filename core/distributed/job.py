@@ -74,6 +74,7 @@ def run_job(
     task: PoolingTask | None = "embed",
     model: str | os.PathLike[str] | None = None,
     text_field: str = "text",
+    image_field: str | None = None,
     id_field: str | None = None,
     input_format: str | None = None,
     on_error: str = "fail",
@@ -119,6 +120,9 @@ def run_job(
         local Hugging Face cache (``runtime_options={"revision": ...}`` picks a revision; never
         downloaded); ``None``: the default model.
     :param text_field: Column (JSONL field) holding the texts; text files have only ``text``.
+    :param image_field: Column (JSONL field) holding images instead of texts (a text-image model):
+        Parquet binary (encoded bytes), or strings that are file paths (as the workers see them)
+        or ``data:image/`` URLs; not for text files.
     :param id_field: Column (JSONL field) copied to the output; ``None``: ``id`` where a file has it.
     :param input_format: ``text``, ``jsonl``, ``csv`` or ``parquet``; ``None`` infers it from file names.
     :param on_error: ``fail``: a bad row fails its file; ``skip``: it is left out and counted.
@@ -155,12 +159,17 @@ def run_job(
         if id_field is not None:
             raise InvalidRequestError("text files have no id column: id_field (--id-field) needs jsonl, csv or "
                                       "parquet input")
+        if image_field is not None:
+            raise InvalidRequestError("text files have no columns: image_field (--image-field) needs jsonl, csv or "
+                                      "parquet input")
         text_field = "text"
     fields = Fields.with_id(((text_field, "--text-field"),), id_field)
+    if image_field is not None:
+        fields = attrs.evolve(Fields.with_id(((image_field, "--image-field"),), id_field), images=True)
     out_fs, folder = _output_folder(output)
     done = {info.base_name for info in out_fs.get_file_info(_listing(folder))}
     check_manifest(out_fs, folder, {
-        "text_field": text_field, "id_field": id_field,
+        "text_field": text_field, "id_field": id_field, **({"image_field": image_field} if image_field else {}),
         # Speed-only settings (RuntimeConfig's SPEED_ONLY fields) may differ when a job resumes.
         "runtime_options": _json_safe({**config.recorded(), **({"plugins": plugins} if plugins else {})}),
         "request_options": _recorded(request_options),
@@ -185,7 +194,7 @@ def run_job(
         dataset = dataset.map_batches(
             _actor_class(),
             fn_constructor_kwargs={"config": config, "plugins": plugins, "request_options": request_options,
-                                   "on_error": on_error},
+                                   "on_error": on_error, "images": image_field is not None},
             batch_size=batch_size, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=num_actors),
             num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor or None,
         )

@@ -199,7 +199,9 @@ def _chunk_table(path: str, chunk: Chunk, fields: Fields) -> pa.Table:
         PATH: pa.array([path] * (len(chunk) + skipped), pa.string()),
         "row": pa.array(chunk.rows + [row for row, _ in chunk.skipped], pa.int64()),
         PLACE: pa.array(chunk.places + [None] * skipped, pa.string()),
-        TEXT: pa.array(chunk.texts + [None] * skipped, pa.string()),
+        # An image column of encoded bytes (Parquet binary, Fields.images) stays binary.
+        TEXT: pa.array(chunk.texts + [None] * skipped,
+                       pa.binary() if any(isinstance(value, bytes) for value in chunk.texts) else pa.string()),
         ERROR: pa.array([None] * len(chunk) + [message for _, message in chunk.skipped], pa.string()),
     }
     if chunk.ids is not None and fields.id is not None:

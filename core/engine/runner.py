@@ -49,6 +49,7 @@ class ModelRunner:
             (:func:`~poolrunner.core.engine.buckets.bucket_num_tokens`) so kernels are reused: on the CPU.
         :param native_attention: Attend in poolrunner's CPU kernel
             (:mod:`~poolrunner.core.kernels.cpu_kernels`, already built) where a layer's mask allows."""
+        self.model = model  # with its heads: what adapters load into
         self.backbone = model.base_model  # hidden states; heads belong to poolers
         self.poolers = dict(poolers)
         self.pooler = self.poolers[default_task]

@@ -172,7 +172,7 @@ class LongInputs:
         :raises InvalidRequestError: as :meth:`InputProcessor.encode`, and
             :class:`PromptTooLongError` naming both limits for an input over ``max_embed_len``.
         """
-        encoded = self._inputs.encode(items, **attrs.asdict(attrs.evolve(tokenization, truncate_prompt_tokens=None)))
+        encoded = self._inputs.encode(items, **attrs.evolve(tokenization, truncate_prompt_tokens=None).encoding())
         for index, ids in enumerate(encoded):
             if len(ids) > self.max_embed_len:
                 raise PromptTooLongError(

@@ -20,6 +20,7 @@ import attrs
 import numpy as np
 from attrs import frozen
 
+from poolrunner.core.adapters import LoraAdapters
 from poolrunner.core.errors import InvalidRequestError, PromptTooLongError, UnsupportedTaskError
 from poolrunner.core.frontend import outputs
 from poolrunner.core.frontend.chunking import LongInputs
@@ -90,6 +91,7 @@ class Frontend:
         cross-encoder scores (:mod:`poolrunner.core.inputs.score_template`); ``None``: the pair
         is tokenized as a (text, text_pair).
     :param images: A text-image model's image inputs; ``None``: images are refused.
+    :param adapters: The LoRA adapters a request's ``lora`` may name; ``None``: none.
     :param image_score: ``(logit_scale, logit_bias)`` of a family whose (text, image) pairs score
         :func:`~poolrunner.core.frontend.scoring.sigmoid_score` (SigLIP); ``None``: the cosine.
     """
@@ -97,7 +99,8 @@ class Frontend:
     def __init__(self, model_config: ModelConfig, inputs: InputProcessor, hooks: Hooks, tasks: frozenset[PoolingTask],
                  default_task: PoolingTask, options: RequestOptions, *, max_embed_len: int | None = None,
                  score_template: ScoreTemplate | None = None, images: ImageInputs | None = None,
-                 image_score: tuple[float, float] | None = None) -> None:
+                 image_score: tuple[float, float] | None = None,
+                 adapters: LoraAdapters | None = None) -> None:
         self.model_config = model_config
         self.inputs = inputs
         self.tasks = tasks
@@ -108,6 +111,7 @@ class Frontend:
         self.long_inputs = LongInputs(inputs, max_embed_len) if max_embed_len is not None else None
         self.score_template = score_template
         self.images = images
+        self.adapters = adapters if adapters is not None else LoraAdapters(0)
         self.image_score = image_score
 
     @functools.singledispatchmethod
@@ -153,9 +157,13 @@ class Frontend:
     @plan.register
     def _(self, request: RerankRequest) -> Plan[list[Any]]:
         name = request.sides[1]
+        images = self.images is not None
         for index, document in enumerate(request.documents):  # named as the caller sent them
-            if not isinstance(document, str) and not (self.images is not None and is_image(document)):
-                raise InvalidRequestError(f"{name}[{index}] must be a string, got {document!r:.80}", param=name)
+            if not isinstance(document, str) and not (images and is_image(document)):
+                kinds = "a string or an image" if images else "a string"
+                raise InvalidRequestError(f"{name}[{index}] must be {kinds}, got {document!r:.80}", param=name)
+        if not isinstance(request.query, str) and not images:
+            raise InvalidRequestError(f"query must be a string, got {request.query!r:.80}", param="query")
         scoring = self._plan_score(request.score_request())
         documents = list(request.documents)
         return Plan(scoring.requests, lambda done: outputs.rank(
@@ -169,7 +177,7 @@ class Frontend:
             tokens = self._tokens(request.texts, tokenization.add_special_tokens)
             answer: list[Any] = tokens if request.with_tokens else [[token.id for token in row] for row in tokens]
         else:  # the requests' own path: checked against the model maximum
-            answer = [list(ids) for ids in self.inputs.encode(request.texts, **attrs.asdict(tokenization))]
+            answer = [list(ids) for ids in self.inputs.encode(request.texts, **tokenization.encoding())]
         return Plan([], lambda _: answer)
 
     def params(self, task: PoolingTask | None = None, options: Mapping[str, Any] | None = None,
@@ -205,10 +213,14 @@ class Frontend:
         ``model_config.image_positions`` placeholder tokens carrying its pixel values, decoded
         and preprocessed here (the server plans in worker threads).
 
-        A page-retrieval model's inputs are its processor's (:meth:`_prepare_pages`).
+        A ``tokenization.lora`` name sets ``params.lora_id`` to that adapter's number. A
+        page-retrieval model's inputs are its processor's (:meth:`_prepare_pages`).
 
-        :raises InvalidRequestError: for bad input, naming its index and the limit it breaks.
+        :raises InvalidRequestError: for bad input, naming its index and the limit it breaks; for
+            a ``lora`` that is not loaded.
         """
+        if tokenization.lora is not None:
+            params = attrs.evolve(params, lora_id=self.adapters.get(tokenization.lora).lora_id)
         if isinstance(self.images, PageInputs):
             return self._prepare_pages(self.images, inputs, params, tokenization)
         image_at = [i for i, item in enumerate(inputs) if is_image(item, data_urls=self.images is not None)]
@@ -235,6 +247,7 @@ class Frontend:
         if params.task != "embed":
             raise InvalidRequestError(f"input {image_at[0]} is an image: images are embedded (task 'embed'), "
                                       f"not {params.task!r}", param="task")
+        self.images.check_count(len(image_at))
         text_at = [i for i in range(len(inputs)) if i not in set(image_at)]
         try:
             encoded = dict(zip(text_at, self._tokenize([inputs[i] for i in text_at], tokenization), strict=True))
@@ -260,11 +273,13 @@ class Frontend:
         :raises InvalidRequestError: for a tokenization option (the processor takes none), a
             pair, or an input over ``max_model_len``, naming it.
         """
-        changed = [f.name for f in attrs.fields(Tokenization) if getattr(tokenization, f.name) != f.default]
+        changed = [f.name for f in attrs.fields(Tokenization)  # lora picks weights, not tokens
+                   if f.name != "lora" and getattr(tokenization, f.name) != f.default]
         if changed:
             raise InvalidRequestError(
                 f"{changed[0]}: {self.model_config.architecture} prepares every input with its own processor "
                 "(process_queries, process_images), which takes no tokenization options", param=changed[0])
+        pages.check_count(sum(is_image(item, data_urls=True) for item in inputs))
         requests = []
         for index, item in enumerate(inputs):
             if is_image(item, data_urls=True):
@@ -457,7 +472,7 @@ class Frontend:
                                              add_special_tokens=tokenization.add_special_tokens)
             encoded.update(zip(pair_at, pairs, strict=True))
         if single_at:
-            singles = self.inputs.encode([items[i] for i in single_at], **attrs.asdict(tokenization))  # type: ignore[misc]
+            singles = self.inputs.encode([items[i] for i in single_at], **tokenization.encoding())  # type: ignore[misc]
             encoded.update((i, (ids, None)) for i, ids in zip(single_at, singles, strict=True))
         return [encoded[i] for i in range(len(items))]
 

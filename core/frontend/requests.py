@@ -22,6 +22,7 @@ from attrs import field, frozen
 
 from poolrunner.core.errors import InvalidRequestError
 from poolrunner.core.frontend.quantize import Precision, check_precision, check_ranges
+from poolrunner.core.inputs.images import ImageURL as ImageURL  # re-exported: surfaces reach images through here
 from poolrunner.core.inputs.images import is_image
 from poolrunner.core.types import PoolingTask, PromptInput, TruncationSide
 
@@ -77,6 +78,8 @@ class Tokenization:
     :ivar prompt: A literal prefix for every text.
     :ivar prompt_name: The name of one of the model's prompts (sentence-transformers').
     :ivar add_special_tokens: ``False`` tokenizes without the tokenizer's special tokens (vLLM's).
+    :ivar lora: The name of a loaded LoRA adapter to run with (vLLM's ``lora_request``; over HTTP
+        the body's ``model``); ``None``: the base model. Here because every operation takes it.
     :raises InvalidRequestError: for a value of the wrong type, or both ``prompt`` and ``prompt_name``.
     """
 
@@ -85,6 +88,12 @@ class Tokenization:
     prompt: str | None = field(default=None, validator=_optional_text)
     prompt_name: str | None = field(default=None, validator=_optional_text)
     add_special_tokens: bool = field(default=True, validator=_flag)
+    lora: str | None = field(default=None, validator=_optional_text)
+
+    def encoding(self) -> dict[str, Any]:
+        """The fields that shape ``prompt_token_ids`` (``InputProcessor.encode``'s keywords):
+        all but :attr:`lora`, which picks weights, not tokens."""
+        return attrs.asdict(self, filter=lambda a, _v: a.name != "lora")
 
     def __attrs_post_init__(self) -> None:
         if self.prompt is not None and self.prompt_name is not None:
@@ -264,15 +273,18 @@ class RerankRequest(_Request):
     :ivar return_documents: Include each document's text in its result.
     :ivar max_tokens_per_doc: As :attr:`ScoreRequest.max_tokens_per_doc`.
     :ivar options: As :attr:`ScoreRequest.options`.
-    :raises InvalidRequestError: for a non-text query, documents given as one string, or a
-        ``top_n`` that is not a positive integer.
+    :ivar query: A text, or, for a text-image model, an image (then the documents are usually
+        texts: the reverse search).
+    :ivar documents: Texts, or, for a text-image model, images (or both, mixed).
+    :raises InvalidRequestError: for a query that is neither a text nor an image, documents
+        given as one string, or a ``top_n`` that is not a positive integer.
     """
 
     takes_plugin_options: ClassVar[bool] = True
     input_fields: ClassVar[tuple[str, ...]] = ("query", "documents")
 
-    query: str = field()
-    documents: Sequence[str] = field()
+    query: Input = field()
+    documents: Sequence[Input] = field()
     sides: tuple[str, str] = ("query", "documents")
     use_activation: bool | None = None
     top_n: int | None = field(default=None, validator=_optional_positive)
@@ -283,7 +295,7 @@ class RerankRequest(_Request):
 
     @query.validator
     def _query(self, _attribute: attrs.Attribute, value: Any) -> None:
-        if not isinstance(value, str):
+        if not isinstance(value, str) and not is_image(value):  # an image for a text-only model: the plan's error
             raise InvalidRequestError(f"query must be a string, got {value!r:.80}", param="query")
 
     @documents.validator

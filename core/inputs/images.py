@@ -2,10 +2,14 @@
 
 An image input is a ``PIL.Image.Image``, raw bytes (``bytes``, ``bytearray``, ``memoryview``), a
 path (``os.PathLike``: ``pathlib.Path``; a ``str`` is always text), an :class:`ImageURL`, or,
-for a model with a vision tower, a ``str`` that is a ``data:image/...`` URL. Remote URLs are
-refused: nothing is ever downloaded. Encoded images are checked before their pixels are decoded
-(:data:`MAX_IMAGE_BYTES`, and the size the header declares against :data:`MAX_IMAGE_PIXELS`: a
-decompression bomb never decodes); a multi-frame image gives its first frame, and every mode
+for a model with a vision tower, a ``str`` that is a ``data:image/...`` URL. Remote ``http(s)``
+URLs are refused, nothing downloaded, unless the operator lists their host in
+:attr:`ImageLimits.allowed_media_domains` (vLLM's ``--allowed-media-domains``); then
+:mod:`poolrunner.core.inputs.media_fetch` fetches them within the byte limit and a timeout.
+Encoded images are checked before their pixels are decoded (:attr:`ImageLimits.max_bytes`, and
+the size the header declares against :attr:`ImageLimits.max_pixels`: a decompression bomb never
+decodes); the MIME type a data URL names is not trusted, the bytes decide the format (as PIL and
+browsers read them); a multi-frame image gives its first frame, and every mode
 (palette, CMYK, 16-bit, alpha) is converted to RGB, as CLIP's processor does. The pixels are the
 folder's own image processor's (``AutoImageProcessor``, never downloaded), its PIL backend
 whatever else is installed. Every failure is an :class:`InvalidRequestError` naming the input.
@@ -31,18 +35,65 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from attrs import frozen
+from attrs import field, frozen
 
 from poolrunner.core.errors import InvalidRequestError, ModelLoadError
+from poolrunner.core.validators import positive_int
 
 MAX_IMAGE_BYTES = 32 * 1024 * 1024
-"""The most bytes one encoded image (file, bytes, data URL payload) may have."""
+"""Default of :attr:`ImageLimits.max_bytes`: the most bytes one encoded image may have."""
 MAX_IMAGE_PIXELS = 40_000_000
-"""The most pixels (width x height, as the header declares) one image may have."""
+"""Default of :attr:`ImageLimits.max_pixels`: the most pixels (width x height, as the header
+declares) one image may have."""
+MAX_IMAGES_PER_REQUEST = 256
+"""Default of :attr:`ImageLimits.max_images`: the most images one request may carry."""
+MEDIA_FETCH_TIMEOUT = 5.0
+"""Default of :attr:`ImageLimits.fetch_timeout`, seconds (vLLM's ``VLLM_IMAGE_FETCH_TIMEOUT``)."""
 DATA_URL_PREFIX = "data:image/"
 PREPROCESS_THREADS = min(4, os.cpu_count() or 1)
 """Threads that decode and preprocess images, per model: the cores, at most 4 (beyond that a
 request's images gain little, and the towers lose cores)."""
+
+
+def host_names(value: Any) -> tuple[str, ...]:
+    """Host names, lower-cased, each once; a single string is one host."""
+    names = (value,) if isinstance(value, str) else tuple(value or ())
+    return tuple(dict.fromkeys(str(name).strip().lower() for name in names))
+
+
+def check_host_names(_instance: object, attribute: Any, value: tuple[str, ...]) -> None:
+    """:raises ValueError: for an entry that is not a bare host name (a URL, a port, a wildcard)."""
+    for name in value:
+        if not name or "/" in name or ":" in name or "*" in name:
+            raise ValueError(f"{attribute.name} holds host names (images.example.com), got {name!r}")
+
+
+def positive_seconds(_instance: object, attribute: Any, value: Any) -> None:
+    """:raises ValueError: unless ``value`` is a number above 0."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{attribute.name} must be a positive number of seconds, got {value!r}")
+
+
+@frozen(kw_only=True)
+class ImageLimits:
+    """What one image, and one request, may hold; the same on every surface (the runtime's
+    settings of the same names, ``RuntimeConfig.max_image_bytes``...).
+
+    :ivar max_bytes: Most bytes of one encoded image (file, bytes, data URL payload, download).
+    :ivar max_pixels: Most pixels of one image, width x height as its header declares, checked
+        before any pixel is decoded.
+    :ivar max_images: Most images in one request (every input, query and document counted).
+    :ivar allowed_media_domains: Hosts whose ``http(s)`` image URLs are fetched (exact host
+        names, as vLLM's ``--allowed-media-domains``); empty: every remote URL is refused.
+    :ivar fetch_timeout: Seconds one download may take, connecting and reading.
+    :raises ValueError: for a limit that is not positive, or a domain that is not a host name.
+    """
+
+    max_bytes: int = field(default=MAX_IMAGE_BYTES, validator=positive_int)
+    max_pixels: int = field(default=MAX_IMAGE_PIXELS, validator=positive_int)
+    max_images: int = field(default=MAX_IMAGES_PER_REQUEST, validator=positive_int)
+    allowed_media_domains: tuple[str, ...] = field(default=(), converter=host_names, validator=check_host_names)
+    fetch_timeout: float = field(default=MEDIA_FETCH_TIMEOUT, validator=positive_seconds)
 
 
 @frozen
@@ -69,16 +120,14 @@ class ImageInputs:
 
     :param processor: The folder's image processor (``AutoImageProcessor``).
     :param shape: ``(channels, height, width)`` the vision tower takes.
-    :param max_pixels: See :data:`MAX_IMAGE_PIXELS`.
-    :param max_bytes: See :data:`MAX_IMAGE_BYTES`.
+    :param limits: The runtime's :class:`ImageLimits`.
     """
 
-    def __init__(self, processor: Any, shape: tuple[int, ...], *, max_pixels: int = MAX_IMAGE_PIXELS,
-                 max_bytes: int = MAX_IMAGE_BYTES, threads: int = PREPROCESS_THREADS) -> None:
+    def __init__(self, processor: Any, shape: tuple[int, ...], limits: ImageLimits = ImageLimits(),  # noqa: B008 (frozen)
+                 *, threads: int = PREPROCESS_THREADS) -> None:
         self.processor = processor
         self.shape = shape
-        self.max_pixels = max_pixels
-        self.max_bytes = max_bytes
+        self.limits = limits
         self.threads = threads
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -89,8 +138,23 @@ class ImageInputs:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, _pool_lock=threading.Lock())
 
+    @property
+    def max_pixels(self) -> int:
+        return self.limits.max_pixels
+
+    @property
+    def max_bytes(self) -> int:
+        return self.limits.max_bytes
+
+    def check_count(self, count: int) -> None:
+        """:raises InvalidRequestError: for more than :attr:`ImageLimits.max_images` images."""
+        if count > self.limits.max_images:
+            raise InvalidRequestError(f"the request has {count} images, more than the limit of "
+                                      f"{self.limits.max_images} per request (max_images_per_request)")
+
     @classmethod
-    def load(cls, path: Path, vision_config: Any, *, shape: tuple[int, ...] | None = None) -> ImageInputs:
+    def load(cls, path: Path, vision_config: Any, limits: ImageLimits = ImageLimits(),  # noqa: B008 (frozen)
+             *, shape: tuple[int, ...] | None = None) -> ImageInputs:
         """The folder's image processor, checked to give the vision tower's input shape.
 
         :param shape: One image's ``pixel_values`` shape, when it is not
@@ -102,7 +166,7 @@ class ImageInputs:
 
         processor = load_image_processor(path)
         shape = shape or (vision_config.num_channels, vision_config.image_size, vision_config.image_size)
-        inputs = cls(processor, shape)
+        inputs = cls(processor, shape, limits)
         got = tuple(inputs.pixels(Image.new("RGB", (7, 5)), 0).shape)
         if got != shape:
             raise ModelLoadError(f"{path}: the image processor gives pixel values of shape {list(got)}, but the "
@@ -139,7 +203,7 @@ class ImageInputs:
         ``[max_num_patches, channels * patch ** 2]``).
 
         :raises InvalidRequestError: naming ``input {index}``: unreadable, truncated, empty or
-            over a limit; a remote URL.
+            over a limit; a remote URL whose host is not allowed, or whose download failed.
         """
         return self.features(item, index)["pixel_values"]
 
@@ -198,13 +262,21 @@ class ImageInputs:
             except OSError as exc:
                 raise InvalidRequestError(f"input {index}: cannot read image file {path}: {exc.strerror}") from None
         else:
-            data = _data_url(item.url if isinstance(item, ImageURL) else item, index)
+            data = self._url(item.url if isinstance(item, ImageURL) else item, index)
         if len(data) > self.max_bytes:
             raise InvalidRequestError(f"input {index}: the image has {len(data)} bytes, more than the limit of "
                                       f"{self.max_bytes}")
         if not data:
             raise InvalidRequestError(f"input {index}: the image is empty (0 bytes)")
         return data
+
+    def _url(self, url: str, index: int) -> bytes:
+        """A data URL's payload, or an allowed remote URL's download."""
+        if not url.startswith(("http://", "https://")):
+            return _data_url(url, index)
+        from poolrunner.core.inputs.media_fetch import fetch
+
+        return fetch(url, self.limits, f"input {index}")
 
     def _check_size(self, image: Any, index: int) -> None:
         width, height = image.size
@@ -250,11 +322,8 @@ def load_image_processor(path: Path) -> Any:
 def _data_url(url: str, index: int) -> bytes:
     """The payload of a ``data:image/...;base64,`` URL.
 
-    :raises InvalidRequestError: for a remote URL (never fetched), another scheme, or bad base64.
+    :raises InvalidRequestError: for another scheme or media type, or bad base64.
     """
-    if url.startswith(("http://", "https://")):
-        raise InvalidRequestError(f"input {index}: remote image URLs are refused ({url[:60]!r}); poolrunner "
-                                  "downloads nothing: pass the image's bytes or a data: URL")
     head, comma, payload = url.partition(",")
     if not head.startswith(DATA_URL_PREFIX) or not head.endswith(";base64") or not comma:
         raise InvalidRequestError(f"input {index}: an image URL must be data:image/<type>;base64,<data>, "

@@ -17,7 +17,7 @@ from typing import Any
 from attrs import frozen
 
 from poolrunner.core.errors import InvalidRequestError, ModelLoadError
-from poolrunner.core.inputs.images import ImageInputs
+from poolrunner.core.inputs.images import ImageInputs, ImageLimits
 
 
 @frozen(eq=False)
@@ -40,10 +40,11 @@ class PageInputs(ImageInputs):
     """Queries and pages of one page-retrieval model.
 
     :param processor: The folder's ``ColPaliProcessor`` or ``ColQwen2Processor``.
+    :param limits: The runtime's :class:`ImageLimits`.
     """
 
-    def __init__(self, processor: Any) -> None:
-        super().__init__(processor.image_processor, ())
+    def __init__(self, processor: Any, limits: ImageLimits = ImageLimits()) -> None:  # noqa: B008 (frozen)
+        super().__init__(processor.image_processor, (), limits)
         self.page_processor = processor
         # The processor's tokenizer sets its padding on the shared backend per call.
         self._lock = threading.Lock()
@@ -56,7 +57,8 @@ class PageInputs(ImageInputs):
         self._lock = threading.Lock()
 
     @classmethod
-    def load(cls, path: Path, vision_config: Any = None) -> PageInputs:
+    def load(cls, path: Path, vision_config: Any = None, limits: ImageLimits = ImageLimits(),  # noqa: B008
+             *, shape: tuple[int, ...] | None = None) -> PageInputs:
         """The folder's own processor (``AutoProcessor``, never downloaded).
 
         :raises ModelLoadError: when the folder has no processor transformers reads, or it has
@@ -71,7 +73,7 @@ class PageInputs(ImageInputs):
         if not all(hasattr(processor, name) for name in ("process_images", "process_queries")):
             raise ModelLoadError(f"{path}: the processor is a {type(processor).__name__}, which has no "
                                  "process_images / process_queries (ColPaliProcessor, ColQwen2Processor)")
-        return cls(processor)
+        return cls(processor, limits)
 
     def page(self, item: Any, index: int) -> Prepared:
         """``item``, an image, as ``process_images([item])`` prepares it.

@@ -11,6 +11,7 @@ A request's life::
     admit       add_request                                 once per request
     each step   prepare_inputs -> model -> pool -> process_output
     leave       remove_request                              finished or aborted
+    adapters    load_adapter / unload_adapter               at start and on load_lora / unload_lora
     score       score_outputs                               per Runtime.score call (plugin tasks)
 """
 
@@ -32,7 +33,7 @@ if TYPE_CHECKING:  # keep this module import-cheap: type-only imports
     from poolrunner.core.plugin_api.output import OutputHandle, RequestOutput
     from poolrunner.core.plugin_api.pooler import Pooler, PoolerOutput
     from poolrunner.core.plugin_api.request import RequestState
-    from poolrunner.core.types import ModelConfig, PoolingTask
+    from poolrunner.core.types import LoraRequest, ModelConfig, PoolingTask
 
 PROJECT_NAME = "poolrunner"
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -211,6 +212,47 @@ def process_output(output: PoolerOutput, batch: InputBatch) -> OutputHandle | No
     :returns: An :class:`~poolrunner.core.plugin_api.output.OutputHandle`, or ``None``.
 
     .. versionadded:: 0.1
+    """
+
+
+# ---- Adapter hooks: called when a runtime loads or unloads a LoRA adapter. ----
+
+
+@hookspec(firstresult=True)
+def load_adapter(model: nn.Module, model_config: ModelConfig, lora: LoraRequest, max_rank: int) -> str | None:
+    """Load the LoRA adapter folder ``lora.path`` into ``model`` under ``lora.lora_id``.
+
+    Called by the runtime at start for each of ``lora_modules`` and by ``Runtime.load_lora``,
+    never while a step runs. Stops at the first non-``None`` result (pluggy ``firstresult``);
+    if every plugin returns ``None``, the runtime refuses the adapter. From then on the engine
+    requests whose ``params.lora_id`` is ``lora.lora_id`` must compute what PEFT computes with
+    this adapter active, and every other request what the base model computes, in one step. The
+    base weights stay shared.
+
+    :param model: The loaded transformers model, head included, in eval mode on its device.
+    :param model_config: Frozen description of the loaded model.
+    :param lora: The adapter's name, number and folder.
+    :param max_rank: The largest rank served (``max_lora_rank``).
+    :returns: A one-line description for logs (``"rank 8 on 12 modules"``), or ``None`` when
+        this plugin does not load adapters.
+    :raises ModelLoadError: for a folder refused, naming the file, the field or the tensor.
+
+    .. versionadded:: 0.5
+    """
+
+
+@hookspec(firstresult=True)
+def unload_adapter(model: nn.Module, lora_id: int) -> bool | None:
+    """Drop the adapter loaded as ``lora_id`` from ``model``.
+
+    Called by ``Runtime.unload_lora`` once no request in the engine uses it. Stops at the first
+    non-``None`` result.
+
+    :param model: The model :func:`load_adapter` loaded it into.
+    :param lora_id: Its number.
+    :returns: ``True`` when it was dropped, ``None`` when this plugin does not load adapters.
+
+    .. versionadded:: 0.5
     """
 
 

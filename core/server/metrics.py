@@ -11,7 +11,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class ServerMetrics:
-    """Requests by endpoint and status and their end-to-end duration; per-input queue and
+    """Requests by endpoint and status and their end-to-end duration; requests per LoRA adapter;
+    per-input queue and
     inference time; tokens per request; requests per engine step (batch size); inputs running
     and waiting. Implements the engine loop's observer."""
 
@@ -35,6 +36,8 @@ class ServerMetrics:
                                     buckets=BATCH_BUCKETS, registry=self.registry)
         self.batch_tokens = Histogram("poolrunner_batch_tokens", "Tokens run in one engine step",
                                       buckets=TOKEN_BUCKETS, registry=self.registry)
+        self.lora_requests = Counter("poolrunner_lora_requests", "HTTP requests answered with a LoRA adapter, by "
+                                     "adapter", ["lora"], registry=self.registry)
         self.in_flight = Gauge("poolrunner_http_requests_in_flight", "HTTP requests being answered",
                                registry=self.registry)
         self.pending = Gauge("poolrunner_pending_requests", "Inputs queued or running in the engine",

@@ -18,7 +18,7 @@ from attrs import field, frozen
 
 from poolrunner.core.runtime import Runtime
 from poolrunner.core.server.errors import ApiError
-from poolrunner.core.server.service import PoolingService
+from poolrunner.core.server.service import ADAPTER, PoolingService
 from poolrunner.core.server.settings import ServerSettings, served_names
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
@@ -99,15 +99,25 @@ class ModelRouter:
         ``classify``: a classifier before a cross-encoder), else the first that serves ``task``,
         else the first model (whose answer says what it does not serve). One model is always it.
 
-        :raises ApiError: 404 when no model is named ``model``.
+        A ``model`` that is none of the served names but one of a model's LoRA adapters is
+        answered by that model with that adapter (vLLM's rule; :data:`~poolrunner.core.server.service.ADAPTER`).
+
+        :raises ApiError: 404 when no model or adapter is named ``model``.
         """
         service = self._choose(model, task)
         _ANSWERING.set(service)
+        adapters = dict(self.adapters())
+        ADAPTER.set(model if model is not None and model not in self._by_name and model in adapters else None)
         return service
+
+    def adapters(self) -> list[tuple[str, PoolingService]]:
+        """Each loaded LoRA adapter's name and the model it runs on (its ``parent``)."""
+        return [(name, service) for service in self.services for name in service.runtime.lora_adapters
+                if name not in self._by_name]
 
     def _choose(self, model: str | None, task: str | None) -> PoolingService:
         if model is not None:
-            service = self._by_name.get(model)
+            service = self._by_name.get(model) or dict(self.adapters()).get(model)
             if service is None:
                 return self._unknown(model)
             return service

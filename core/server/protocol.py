@@ -134,28 +134,84 @@ class _Request(_Body):
 
 
 class ContentPart(_Body):
-    """A part of a chat message's content: text only (vLLM's ``{"type": "text", "text": ...}``)."""
+    """A text part of a chat message's content (vLLM's ``{"type": "text", "text": ...}``)."""
 
     type: Literal["text"]
     text: StrictStr
 
 
+class ImageUrl(_Body):
+    """OpenAI's ``image_url`` object: ``url`` is a ``data:image/...;base64,`` URL, or an
+    ``http(s)`` URL the server fetches only from its allowed media domains; ``detail`` is
+    accepted and unused (the model's own processor decides the resolution)."""
+
+    url: StrictStr
+    detail: StrictStr | None = None
+
+
+class ImagePart(_Body):
+    """An image part of a chat message's content (OpenAI's and vLLM's ``{"type": "image_url",
+    "image_url": {"url": ...}}``)."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+Part = Annotated[ContentPart | ImagePart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
-    """One chat message (OpenAI's shape): ``role`` and ``content`` (a text, or text parts, which
-    are joined with newlines as vLLM's ``string`` content format joins them); any other field
-    (``name``...) reaches the chat template as sent."""
+    """One chat message (OpenAI's shape): ``role`` and ``content`` (a text, or text and image
+    parts; text parts are joined with newlines as vLLM's ``string`` content format joins them); any
+    other field (``name``...) reaches the chat template as sent."""
 
     model_config = ConfigDict(extra="allow")
 
     role: StrictStr
-    content: StrictStr | list[ContentPart] | None = None
+    content: StrictStr | list[Part] | None = None
+
+    def text(self) -> str:
+        """The message's text: ``content``, or its text parts joined with newlines."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content if isinstance(part, ContentPart))
+        return self.content or ""
+
+    def image_urls(self) -> list[str]:
+        """The URLs of the message's image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if isinstance(part, ImagePart)]
 
     def for_template(self) -> dict[str, Any]:
         """The message as the chat template reads it: ``content`` as one text."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            message["content"] = "\n".join(part.text for part in self.content)
+            message["content"] = self.text()
         return message
+
+
+def text_image_prompt(messages: list[ChatMessage]) -> fr.Input:
+    """The one input ``messages`` make for a text-image model (CLIP), as vLLM reads them: its
+    fallback chat template for CLIP concatenates the messages' texts, and CLIP's processor takes a
+    prompt of text only or of one image only. So the messages' image part, when there is one, is
+    the input; else their texts, concatenated.
+
+    :raises ApiError: 400 for more than one image, or text beside the image (vLLM refuses both).
+    """
+    urls = [url for message in messages for url in message.image_urls()]
+    text = "".join(message.text() for message in messages)
+    if len(urls) > 1:
+        raise ApiError(400, f"messages hold {len(urls)} images: a text-image model embeds one image per prompt "
+                            "(vLLM's limit for CLIP); send each image in its own request, or the images as input",
+                       param="messages")
+    if urls and text:
+        raise ApiError(400, "messages hold text and an image: a text-image model (CLIP) embeds a text or an image, "
+                            "not both in one prompt (as vLLM refuses it); send them as two inputs", param="messages")
+    if urls:
+        return fr.ImageURL(urls[0])
+    if not text:
+        raise ApiError(400, "messages hold no text and no image", param="messages")
+    return text
 
 
 class _Chat(_Body):
@@ -196,19 +252,46 @@ Inputs = StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
 
 class EmbeddingRequest(_Request, _Chat, _Encoding, _Quantize):
     """OpenAI's embeddings request with vLLM's fields: ``input`` (a text, texts, token ids or
-    token-id lists) or ``messages`` (vLLM's chat form)."""
+    token-id lists) or ``messages`` (vLLM's chat form); infinity's ``modality``."""
 
     input: Inputs | None = None
     dimensions: StrictInt | None = None
     normalize: StrictBool | None = None
     use_activation: StrictBool | None = Field(default=None, description="vLLM: normalize (normalize wins).")
+    modality: Literal["text", "image", "audio"] | None = Field(
+        default=None, description="infinity's: image reads each input as an image URL (data:image/...;base64, or "
+                                  "http(s) from an allowed media domain); text (default) reads texts, where a "
+                                  "data:image/ URL is an image for a text-image model; audio is not served.")
 
     def to_request(self, inputs: list[fr.Input], add_special_tokens: bool) -> fr.EncodeRequest:
         """The request of ``inputs`` (:meth:`PoolingService.prompts` reads them from ``input`` or
-        ``messages``)."""
+        ``messages``), each an image URL with ``modality="image"``.
+
+        :raises ApiError: 400 for ``modality`` with ``messages``, ``audio``, or token ids as images.
+        """
+        inputs = self.modal_inputs(inputs)
         return fr.EncodeRequest(inputs=inputs, task="embed", dimensions=self.dimensions, normalize=self.normalize,
                                 use_activation=self.use_activation, precision=self.precision, ranges=self.ranges,
                                 tokenization=self.tokenization(add_special_tokens))
+
+    def modal_inputs(self, inputs: list[fr.Input]) -> list[fr.Input]:
+        """``inputs`` as :attr:`modality` says (infinity's field): image URLs for ``image``.
+
+        :raises ApiError: as :meth:`to_request`.
+        """
+        if self.modality is None or self.modality == "text":
+            if self.modality is not None and self.messages is not None:
+                raise ApiError(400, "modality applies to input, not to messages", param="modality")
+            return inputs
+        if self.messages is not None:
+            raise ApiError(400, "modality applies to input, not to messages", param="modality")
+        if self.modality == "audio":
+            raise ApiError(400, "modality 'audio' is not served: poolrunner embeds texts and images", param="modality")
+        for index, item in enumerate(inputs):
+            if not isinstance(item, str):
+                raise ApiError(400, f"input[{index}]: modality 'image' takes image URLs (data:image/...;base64, "
+                                    "or http(s)), not token ids", param="input")
+        return [fr.ImageURL(item) for item in inputs]  # type: ignore[arg-type]
 
 
 class PoolingHttpRequest(_Request, _Chat, _Encoding, _Quantize):
@@ -585,6 +668,23 @@ class ModelCard(BaseModel):
     owned_by: str = "poolrunner"
     max_model_len: int
     task: str
+    root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's card)
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """vLLM's ``POST /v1/load_lora_adapter`` body (``model``: which served model, default the first)."""
+
+    lora_name: str
+    lora_path: str
+    model: str | None = None
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body."""
+
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 class ModelList(BaseModel):

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from contextvars import ContextVar
 from typing import Any
 
+import attrs
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
@@ -23,6 +25,7 @@ from poolrunner.core.runtime import Runtime, Serving
 from poolrunner.core.server.errors import ApiError
 from poolrunner.core.server.metrics import ServerMetrics
 from poolrunner.core.server.middleware import REQUEST_STATS
+from poolrunner.core.server.protocol import text_image_prompt
 from poolrunner.core.server.settings import MAX_PRIORITY, ServerSettings
 from poolrunner.core.types import PoolingRequest
 
@@ -42,6 +45,12 @@ class PoolingService:
         self.model_names: tuple[str, ...] = (model_name,) if isinstance(model_name, str) else tuple(model_name)
         self.model_name = self.model_names[0]  # the name answers report (vLLM: the first served name)
         self.serving: Serving | None = None  # set by the app's lifespan
+
+    @property
+    def answered_name(self) -> str:
+        """The ``model`` an answer reports: the LoRA adapter the request named, else the model's
+        first served name (vLLM's answers name the adapter)."""
+        return ADAPTER.get() or self.model_name
 
     def public_text(self, text: str) -> str:
         """``text`` with the model's folder path (how core names the model) replaced by the
@@ -68,6 +77,11 @@ class PoolingService:
         """A pooling body's inputs and whether to add special tokens: ``input`` as
         :meth:`inputs` reads it, or vLLM's chat form, ``messages`` rendered with the model's chat
         template into one text (special tokens then not added unless ``add_special_tokens``).
+        For a text-image model (CLIP), or messages holding an image, the messages make one text
+        or one image instead (:func:`~poolrunner.core.server.protocol.text_image_prompt`), and
+        its text gets the tokenizer's special tokens unless ``add_special_tokens`` is false: CLIP
+        pools the end-of-text token, so without them the vector is not CLIP's (vLLM's default
+        for messages leaves them out; poolrunner answers what ``input`` with the same text does).
 
         :raises ApiError: 400 for both or neither of ``input`` and ``messages``, or ``chat_template``.
         :raises InvalidRequestError: when the messages cannot be rendered (no chat template...).
@@ -87,6 +101,8 @@ class PoolingService:
                                 "template", param="chat_template")
         if not body.messages:
             raise ApiError(400, "messages is empty: send at least one message", param="messages")
+        if self.frontend.images is not None or any(message.image_urls() for message in body.messages):
+            return [text_image_prompt(body.messages)], body.add_special_tokens is not False
         text = await run_in_threadpool(
             self.frontend.inputs.render_chat, [message.for_template() for message in body.messages],
             add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
@@ -129,10 +145,17 @@ class PoolingService:
 
         :raises ApiError: 400 for more items than ``max_inputs_per_request``; as :meth:`execute`.
         :raises InvalidRequestError: from the plan, for bad input.
+
+        A request whose ``model`` named one of this model's LoRA adapters (:data:`ADAPTER`, set by
+        the router) runs with that adapter.
         """
         self.check_count(*_size(frontend_request))
+        frontend_request = with_adapter(frontend_request, ADAPTER.get())
         plan = await run_in_threadpool(self.frontend.plan, frontend_request)
-        return await self.execute(request, plan, priority=priority)
+        answer = await self.execute(request, plan, priority=priority)
+        if frontend_request.tokenization.lora is not None:
+            self.metrics.lora_requests.labels(lora=frontend_request.tokenization.lora).inc()
+        return answer
 
     async def execute(self, request: Request, plan: Plan[Any], *, priority: int | None = None) -> tuple[Any, int]:
         """Run ``plan``'s engine requests through the loop, batched with other clients' (``priority``
@@ -222,3 +245,15 @@ async def _disconnected(request: Request) -> None:
     """Return once the client has gone (the body was read already, so only that can arrive)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+ADAPTER: ContextVar[str | None] = ContextVar("poolrunner_adapter", default=None)
+"""The LoRA adapter the request being answered named as its ``model`` (vLLM's rule), else ``None``;
+set by :meth:`ModelRouter.pick <poolrunner.core.server.models.ModelRouter.pick>`."""
+
+
+def with_adapter(request: FrontendRequest, adapter: str | None) -> FrontendRequest:
+    """``request`` run with ``adapter`` (its ``tokenization.lora``), unless it names none."""
+    if adapter is None or request.tokenization.lora is not None:
+        return request
+    return attrs.evolve(request, tokenization=attrs.evolve(request.tokenization, lora=adapter))

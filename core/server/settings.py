@@ -112,6 +112,8 @@ class ServerSettings:
         log them (vLLM's behaviour) instead of answering a 400 naming the field.
     :ivar allowed_origins: Origins whose browser pages may call the API (CORS; ``*`` for any);
         empty: no CORS headers, as TEI and vLLM by default.
+    :ivar allow_runtime_lora: Serve ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
+        (behind the API key, when set); off: they answer 404 (vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``).
     :ivar allowed_hosts: The ``Host`` header values (names or addresses, without the port;
         ``*.example.com`` for its subdomains) a request may carry; another is a 400, which stops a
         DNS-rebinding page from reaching a key-less local server. ``None`` (the default here) or
@@ -141,6 +143,7 @@ class ServerSettings:
     allow_extra_fields: bool = False
     allowed_origins: tuple[str, ...] = field(default=(), converter=tuple)
     protect_metrics: bool = False
+    allow_runtime_lora: bool = False
     any_model_name: bool = False
     truncate_prompt_tokens: int | None = field(default=None, validator=optional_truncation)
     allowed_hosts: tuple[str, ...] | None = field(default=None, converter=host_names)

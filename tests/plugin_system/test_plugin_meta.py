@@ -24,13 +24,14 @@ SPECS = {
     for name, function in vars(hookspec).items()
     if inspect.isfunction(function) and hasattr(function, f"{hookspec.PROJECT_NAME}_spec")
 }
-FIRSTRESULT = {"get_pooler", "pool", "process_output", "score_outputs"}
+FIRSTRESULT = {"get_pooler", "pool", "process_output", "score_outputs", "load_adapter", "unload_adapter"}
 
 
 def test_the_spec_module_declares_the_documented_hooks():
     assert set(SPECS) == {"claim_model_folder", "supported_tasks", "get_pooler", "request_options", "add_request",
                           "remove_request",
-                          "prepare_inputs", "pool", "process_output", "score_outputs"}
+                          "prepare_inputs", "pool", "process_output", "score_outputs", "load_adapter",
+                          "unload_adapter"}
     for name, function in SPECS.items():
         options = getattr(function, f"{hookspec.PROJECT_NAME}_spec")
         assert options["firstresult"] is (name in FIRSTRESULT), name

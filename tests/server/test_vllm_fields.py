@@ -292,9 +292,15 @@ BAD_FIELDS = [
      "as input instead"),
     ("unknown field", {"colour": "red"}, "colour: Extra inputs are not permitted"),
     ("empty messages", {"input": None, "messages": []}, "messages is empty: send at least one message"),
-    ("image part", {"input": None, "messages": [{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]},
-     "messages.0.content.str: Input should be a valid string; messages.0.content.list[ContentPart].0.type: Input "
-     "should be 'text'"),
+    ("image part", {"input": None, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+     "input 0 is an image, but BertModel has no vision tower (images are served for CLIPModel, SiglipModel, "
+     "Siglip2Model)"),
+    ("malformed image part", {"input": None, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "text": "x"}]}]},
+     "messages.0.content.str: Input should be a valid string; messages.0.content.list[tagged-union[ContentPart,"
+     "ImagePart]].0.image_url.image_url: Field required; messages.0.content.list[tagged-union[ContentPart,"
+     "ImagePart]].0.image_url.text: Extra inputs are not permitted"),
 ]
 
 

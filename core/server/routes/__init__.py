@@ -1,7 +1,9 @@
 """The server's routes, one module per API family, each route a module-level function on its
 module's ``APIRouter``: :mod:`.embeddings` (OpenAI's and vLLM's embeddings, ``/pooling``,
-``/classify``), :mod:`.scoring` (score and rerank: vLLM, Jina, Cohere), :mod:`.tei` (Text
-Embeddings Inference's), :mod:`.admin` (health, metrics, models, tokenize) and
+``/classify``), :mod:`.scoring` (score and rerank: vLLM, Jina, Cohere), :mod:`.cohere`
+(Cohere's v2 embed, texts and images), :mod:`.tei` (Text
+Embeddings Inference's), :mod:`.admin` (health, metrics, models, tokenize), :mod:`.adapters`
+(vLLM's run-time LoRA loading) and
 :mod:`.invocations` (SageMaker). What a route needs of its app comes from ``app.state``
 through FastAPI dependencies (:mod:`.dependencies`, which also says why the routes whose bodies
 carry plugin request options are added per app).
@@ -16,7 +18,7 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
 from poolrunner.core.server.models import ModelRouter
-from poolrunner.core.server.routes import admin, embeddings, invocations, scoring, tei
+from poolrunner.core.server.routes import adapters, admin, cohere, embeddings, invocations, scoring, tei
 from poolrunner.core.server.routes.dependencies import OptionBodies
 
 
@@ -25,8 +27,10 @@ def include_routes(app: FastAPI, served: ModelRouter) -> None:
     sets ``app.state.invocations`` (``/invocations``' table)."""
     bodies = OptionBodies.of(served)
     for router in (embeddings.router, embeddings.option_routes(bodies), scoring.option_routes(bodies),
-                   admin.router, tei.router, invocations.router):
+                   cohere.router, admin.router, tei.router, invocations.router):
         app.include_router(router)
+    if served.settings.allow_runtime_lora:  # vLLM too serves them only when allowed
+        app.include_router(adapters.router)
     app.state.invocations = invocations.Dispatch.build(
         served, bodies, (route for route in every_route(app.routes) if isinstance(route, APIRoute)))
 

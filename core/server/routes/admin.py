@@ -20,9 +20,13 @@ router = APIRouter()
 
 @router.get("/v1/models", response_model=p.ModelList)
 async def models(served: Served, created: Created) -> p.ModelList:
-    """Every served name of every model (vLLM lists each alias), each model's reported one first."""
-    return p.ModelList(data=[_card(service, name, created) for service in served.services
-                             for name in service.model_names])
+    """Every served name of every model (vLLM lists each alias), each model's reported one first,
+    then each LoRA adapter with its ``parent`` (vLLM's listing)."""
+    cards = [_card(service, name, created) for service in served.services for name in service.model_names]
+    cards += [p.ModelCard(id=name, created=created, task=service.runtime.task, root=name, parent=service.model_name,
+                          max_model_len=service.runtime.model_config.max_model_len)
+              for name, service in served.adapters()]
+    return p.ModelList(data=cards)
 
 
 @router.get("/v1/models/{model_id:path}", response_model=p.ModelCard)

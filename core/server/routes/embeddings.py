@@ -33,7 +33,7 @@ async def embeddings(body: p.EmbeddingRequest, request: Request, served: Served)
         return _bytes(body, service, vectors, "embd", num_tokens)
     data = [p.EmbeddingData(index=i, embedding=e) for i, e in enumerate(_encoded(body, vectors))]
     return p.EmbeddingResponse(id=answer_id("embd", body.request_id), created=int(time.time()), data=data,
-                               model=service.model_name, usage=usage(num_tokens))
+                               model=service.answered_name, usage=usage(num_tokens))
 
 
 @router.post("/classify", response_model=p.ClassificationResponse)
@@ -44,7 +44,7 @@ async def classify(body: p.ClassificationRequest, request: Request, served: Serv
     data = [p.ClassificationData(index=i, label=r.label, probs=r.probs.tolist(), num_classes=len(r.probs))
             for i, r in enumerate(results)]
     return p.ClassificationResponse(id=answer_id("classify", body.request_id), created=int(time.time()),
-                                    model=service.model_name, data=data, usage=usage(num_tokens))
+                                    model=service.answered_name, data=data, usage=usage(num_tokens))
 
 
 async def pooling(body: p.PoolingHttpRequest, request: Request, served: Served) -> p.PoolingResponse | Response:
@@ -58,7 +58,7 @@ async def pooling(body: p.PoolingHttpRequest, request: Request, served: Served) 
         return _bytes(body, service, outputs, "pool", num_tokens)
     data = [p.PoolingData(index=i, data=d) for i, d in enumerate(_encoded(body, outputs))]
     return p.PoolingResponse(id=answer_id("pool", body.request_id), created=int(time.time()),
-                             model=service.model_name, data=data, usage=usage(num_tokens))
+                             model=service.answered_name, data=data, usage=usage(num_tokens))
 
 
 def option_routes(bodies: OptionBodies) -> APIRouter:
@@ -98,5 +98,5 @@ def _bytes(body: Any, service: PoolingService, arrays: list[Any], prefix: str, n
                             "answers named outputs: use float or base64", param="encoding_format")
     return bytes_response(arrays, embed_dtype=body.embed_dtype, endianness=body.endianness,
                           metadata=body.encoding_format == "bytes", response_id=answer_id(prefix, body.request_id),
-                          created=int(time.time()), model=service.model_name, num_tokens=num_tokens,
+                          created=int(time.time()), model=service.answered_name, num_tokens=num_tokens,
                           precision=body.precision)

@@ -30,7 +30,7 @@ async def score(body: p.ScoreRequest, request: Request, served: Served) -> p.Sco
     scores, num_tokens = await service.answer(request, body.to_request(), priority=body.priority)
     data = [p.ScoreData(index=i, score=float(s)) for i, s in enumerate(scores)]
     return p.ScoreResponse(id=answer_id("score", body.request_id), created=int(time.time()),
-                           model=service.model_name, data=data, usage=usage(num_tokens))
+                           model=service.answered_name, data=data, usage=usage(num_tokens))
 
 
 async def rerank(body: p.RerankRequest, request: Request, served: Served,
@@ -67,7 +67,7 @@ async def _rerank(service: PoolingService, body: p.RerankRequest, request: Reque
     if version is not None:  # Cohere bills one search unit per (up to) 100 documents
         meta = p.RerankMeta(api_version=p.ApiVersion(version=version),
                             billed_units=p.BilledUnits(search_units=max(1, math.ceil(len(documents) / 100))))
-    return p.RerankResponse(id=answer_id("rerank", body.request_id), model=service.model_name,
+    return p.RerankResponse(id=answer_id("rerank", body.request_id), model=service.answered_name,
                             usage=usage(num_tokens), results=results, meta=meta)
 
 

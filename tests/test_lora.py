@@ -1,0 +1,348 @@
+"""LoRA adapters per request against PEFT, the independent reference: each adapter's outputs equal
+``PeftModel.from_pretrained(base, folder)``'s (float32, 1e-4), mixed in one step with other
+adapters and the base model; bad folders are refused naming the field or tensor, and the
+runtime serves the next request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from poolrunner import Runtime
+from poolrunner.core import InvalidRequestError, LoraRequest, ModelLoadError, hookimpl
+from poolrunner.core.frontend.requests import ClassifyRequest, EncodeRequest
+from poolrunner.core.testing.steps import record_steps
+from poolrunner.core.testing.tiny_models import tiny_model_folder
+
+peft = pytest.importorskip("peft")  # the test extra installs it; a missing reference is not a pass
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer  # noqa: E402
+
+# PEFT 0.21 reads transformers' deprecated is_gradient_checkpointing: the reference's warning, not ours.
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
+TEXTS = ["w1 w2 w3 w4 w5", "w7 w8", "w10 w11 w12 w13 w14 w15 w16 w17"]
+ATOL = 1e-4
+
+
+def make_adapter(base_folder: Path, folder: Path, config: LoraConfig, *, auto=AutoModel, seed: int = 0) -> Path:
+    """A PEFT adapter of ``base_folder`` with every trainable tensor redrawn (PEFT starts B at 0,
+    which would make every adapter the base model)."""
+    model = get_peft_model(auto.from_pretrained(base_folder), config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.requires_grad:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+                assert "lora_" in name or "modules_to_save" in name, name
+    model.save_pretrained(folder)
+    return folder
+
+
+def peft_hidden(base_folder: Path, adapter: Path | None, texts: list[str], auto=AutoModel):
+    """PEFT's (or, with no adapter, transformers') outputs for each text on its own."""
+    model = auto.from_pretrained(base_folder).eval()
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    tokenizer = AutoTokenizer.from_pretrained(base_folder)
+    with torch.inference_mode():
+        return [model(**tokenizer(text, return_tensors="pt")) for text in texts]
+
+
+def planned(task: str, texts: list[str], lora: str | None):
+    """The request a runtime method builds for ``task``, run below as one engine call so that
+    requests of several adapters share its steps."""
+    if task == "classify":
+        return ClassifyRequest.of(inputs=texts, lora=lora)
+    return EncodeRequest.of(inputs=texts, task=task, lora=lora)
+
+
+def run_together(runtime: Runtime, requests: list) -> list:
+    """Run engine requests of several adapters as one submission to the serving loop."""
+    with runtime.serving() as serving:
+        return asyncio.run(serving.run(requests))
+
+
+def normalized(vector: torch.Tensor) -> np.ndarray:
+    return torch.nn.functional.normalize(vector, dim=-1).numpy()
+
+
+ENCODER_ADAPTERS = {
+    "names": LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"]),
+    "regex": LoraConfig(r=8, lora_alpha=16, use_rslora=True, target_modules=r".*\.(key|dense)"),
+    "all": LoraConfig(r=2, lora_alpha=4, lora_dropout=0.1, target_modules=["query", "key", "value", "dense"]),
+}
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-bert")
+    base = tiny_model_folder(root / "base", "bert", "model")
+    adapters = {name: make_adapter(base, root / name, config, seed=i)
+                for i, (name, config) in enumerate(ENCODER_ADAPTERS.items())}
+    runtime = Runtime(base, dtype="float32", lora_modules=adapters, max_loras=4, max_lora_rank=8)
+    return base, adapters, runtime
+
+
+@pytest.mark.parametrize("name", [None, *ENCODER_ADAPTERS])
+def test_encoder_adapter_equals_peft(bert, name):
+    base, adapters, runtime = bert
+    reference = peft_hidden(base, adapters.get(name), TEXTS)
+    embeddings = runtime.embed(TEXTS, lora=name)
+    tokens = runtime.encode(TEXTS, task="token_embed", lora=name)
+    for i, output in enumerate(reference):
+        hidden = output.last_hidden_state[0]
+        np.testing.assert_allclose(embeddings[i], normalized(hidden[0]), atol=ATOL)  # CLS, normalized
+        np.testing.assert_allclose(tokens[i], hidden.numpy(), atol=ATOL)
+    if name is not None:  # the adapter changes the answer: the test can tell them apart
+        assert not np.allclose(embeddings, runtime.embed(TEXTS), atol=1e-3)
+
+
+def test_three_adapters_and_base_in_one_step(bert):
+    base, adapters, runtime = bert
+    names = [None, *ENCODER_ADAPTERS]
+    requests = [request for name in names for request in runtime.frontend.plan(
+        planned("token_embed", TEXTS, name)).requests]
+    with record_steps(runtime) as log:
+        outputs = run_together(runtime, requests)  # one submission: the four groups share steps
+    assert [len(step.chunks) for step in log.steps] == [len(requests)]
+    for k, name in enumerate(names):
+        reference = peft_hidden(base, adapters.get(name), TEXTS)
+        for i, output in enumerate(reference):
+            np.testing.assert_allclose(outputs[k * len(TEXTS) + i].numpy(), output.last_hidden_state[0].numpy(),
+                                       atol=ATOL)
+
+
+def test_classify_with_modules_to_save_head(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-classify")
+    base = tiny_model_folder(root / "base", "bert", "sequence")
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value", "dense"], task_type="SEQ_CLS")
+    adapter = make_adapter(base, root / "cls", config, auto=AutoModelForSequenceClassification)
+    assert "base_model.model.classifier.weight" in load_file(adapter / "adapter_model.safetensors")
+    runtime = Runtime(base, dtype="float32", lora_modules={"cls": adapter})
+    mixed = runtime.frontend.plan(planned("classify", TEXTS, "cls")).requests
+    mixed += runtime.frontend.plan(planned("classify", TEXTS, None)).requests
+    outputs = run_together(runtime, mixed)
+    for k, folder in enumerate([adapter, None]):
+        reference = peft_hidden(base, folder, TEXTS, auto=AutoModelForSequenceClassification)
+        for i, output in enumerate(reference):
+            np.testing.assert_allclose(outputs[k * len(TEXTS) + i].numpy(), output.logits[0].softmax(-1).numpy(),
+                                       atol=ATOL)
+    results = runtime.classify(TEXTS, lora="cls")
+    np.testing.assert_allclose([r.probs for r in results], [o.numpy() for o in outputs[:len(TEXTS)]], atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_decoder_adapter_equals_peft(tmp_path_factory, family):
+    root = tmp_path_factory.mktemp(f"lora-{family}")
+    base = tiny_model_folder(root / "base", family, "model")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapters = {"a": make_adapter(base, root / "a", LoraConfig(r=4, lora_alpha=8, target_modules=targets)),
+                "b": make_adapter(base, root / "b", LoraConfig(r=8, lora_alpha=8, target_modules=targets[:4]), seed=1)}
+    runtime = Runtime(base, dtype="float32", lora_modules=adapters)
+    requests = [request for name in ["a", None, "b"]
+                for request in runtime.frontend.plan(planned("embed", TEXTS, name)).requests]
+    outputs = run_together(runtime, requests)
+    for k, name in enumerate(["a", None, "b"]):
+        for i, output in enumerate(peft_hidden(base, adapters.get(name), TEXTS)):
+            np.testing.assert_allclose(outputs[k * len(TEXTS) + i].numpy(), normalized(output.last_hidden_state[0, -1]),
+                                       atol=ATOL)  # LAST, normalized
+
+
+def _edit_config(folder: Path, **changes) -> Path:
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, **changes}))
+    return folder
+
+
+def test_bad_adapters_are_refused_and_the_runtime_serves_on(bert, tmp_path):
+    base, adapters, runtime = bert
+    good = make_adapter(base, tmp_path / "good", LoraConfig(r=4, lora_alpha=8, target_modules=["query"]))
+    cases = {
+        "dora": (make_adapter(base, tmp_path / "dora", LoraConfig(r=4, target_modules=["query"], use_dora=True)),
+                 "adapter_config.json: use_dora True is not served"),
+        "bias": (_edit_config(make_adapter(base, tmp_path / "bias", LoraConfig(r=4, target_modules=["query"])),
+                              bias="all"), "adapter_config.json: bias 'all' is not served"),
+        "rank": (make_adapter(base, tmp_path / "rank", LoraConfig(r=16, target_modules=["query"])),
+                 "adapter_config.json: r 16 is above max_lora_rank 8"),
+        "embedding": (make_adapter(base, tmp_path / "emb", LoraConfig(r=4, target_modules=["word_embeddings"])),
+                      "LoRA on an embedding layer is not served"),
+        "missing": (tmp_path / "nowhere", "adapter_config.json is missing"),
+    }
+    shapes = tmp_path / "shapes"
+    make_adapter(base, shapes, LoraConfig(r=4, target_modules=["query"]))
+    tensors = load_file(shapes / "adapter_model.safetensors")
+    key = "base_model.model.encoder.layer.0.attention.self.query.lora_A.weight"
+    tensors[key] = torch.zeros(4, 32)
+    save_file(tensors, shapes / "adapter_model.safetensors")
+    cases["shapes"] = (shapes, "module 'encoder.layer.0.attention.self.query': lora_A (4, 32) and lora_B (64, 4) "
+                               "do not fit the model's layer (64 -> 64)")
+    for name, (folder, message) in cases.items():
+        with pytest.raises(ModelLoadError, match=re.escape(message)):
+            runtime.load_lora(name, folder)
+        assert name not in runtime.lora_adapters
+    with pytest.raises(InvalidRequestError, match="lora 'nope' is not loaded; loaded adapters"):
+        runtime.embed(TEXTS, lora="nope")
+    runtime.load_lora("good", good)  # the next adapter loads and serves
+    reference = peft_hidden(base, good, TEXTS[:1])[0].last_hidden_state[0, 0]
+    np.testing.assert_allclose(runtime.embed(TEXTS[0], lora="good"), normalized(reference), atol=ATOL)
+    with pytest.raises(InvalidRequestError, match="max_loras 4 adapters are loaded"):
+        runtime.load_lora("fifth", good)
+    runtime.unload_lora("good")
+    with pytest.raises(InvalidRequestError, match="lora 'good' is not loaded"):
+        runtime.embed(TEXTS, lora="good")
+
+
+def test_cli_lora_modules_and_lora(bert, tmp_path):
+    """``--lora-modules`` in both of vLLM's forms, ``--lora`` picking one: PEFT's vectors."""
+    from poolrunner.core.cli.main import main
+
+    base, adapters, _ = bert
+    output = tmp_path / "out.npy"
+    modules = ["names=" + str(adapters["names"]), json.dumps({"name": "regex", "path": str(adapters["regex"])})]
+    for name in ("names", "regex"):
+        argv = ["embed", "--model", str(base), "--dtype", "float32", "--lora-modules", *modules, "--lora", name,
+                "-o", str(output), *TEXTS]
+        assert main(argv) == 0
+        expected = [normalized(out.last_hidden_state[0, 0]) for out in peft_hidden(base, adapters[name], TEXTS)]
+        np.testing.assert_allclose(np.load(output), np.stack(expected), atol=ATOL)
+    assert main(["embed", "--model", str(base), "--lora-modules", "names", "-o", str(output), "x"]) == 2
+
+
+class _RecordingAdapters:
+    """A plugin standing in for the built-in: records what the adapter hooks receive."""
+
+    def __init__(self):
+        self.calls = []
+
+    @hookimpl
+    def load_adapter(self, model, model_config, lora, max_rank):
+        self.calls.append(("load", type(model).__name__, model_config.architecture, lora, max_rank))
+        return "recorded"
+
+    @hookimpl
+    def unload_adapter(self, model, lora_id):
+        self.calls.append(("unload", lora_id))
+        return True
+
+
+@pytest.fixture(scope="module")
+def recorded(bert):
+    base, adapters, _ = bert
+    plugin = _RecordingAdapters()
+    runtime = Runtime(base, dtype="float32", plugins=[plugin], disable_plugins=["lora"], max_loras=1,
+                      max_lora_rank=4)
+    return plugin, runtime, adapters
+
+
+def test_hook_load_adapter(recorded):
+    plugin, runtime, adapters = recorded
+    runtime.load_lora("x", adapters["names"])
+    assert plugin.calls[-1] == ("load", "BertModel", "BertModel",
+                                LoraRequest(name="x", lora_id=1, path=adapters["names"]), 4)
+    assert runtime.lora_adapters == ["x"]
+    runtime.unload_lora("x")
+
+
+def test_hook_unload_adapter(recorded):
+    plugin, runtime, adapters = recorded
+    runtime.load_lora("y", adapters["names"])
+    runtime.unload_lora("y")
+    assert plugin.calls[-1] == ("unload", plugin.calls[-2][3].lora_id)
+    assert runtime.lora_adapters == []
+
+
+def test_no_adapter_plugin_refuses_the_adapter(bert):
+    base, adapters, _ = bert
+    runtime = Runtime(base, dtype="float32", disable_plugins=["lora"], max_loras=1)
+    with pytest.raises(ModelLoadError, match="lora 'x': no installed plugin loads LoRA adapters"):
+        runtime.load_lora("x", adapters["names"])
+    assert runtime.lora_adapters == []
+    assert runtime.embed(TEXTS).shape == (3, 64)
+
+
+def test_http_model_selects_the_adapter(bert, tmp_path):
+    """vLLM's rule: ``model: NAME`` of an adapter runs its parent with it, 16 clients at once,
+    mixed; ``/v1/models`` lists adapters with their parent; run-time loading is behind
+    ``allow_runtime_lora`` and the API key."""
+    import concurrent.futures
+
+    import httpx
+
+    from poolrunner.core.server import ServerSettings
+    from poolrunner.core.testing.server import ServerThread
+
+    base, adapters, _ = bert
+    runtime = Runtime(base, dtype="float32", lora_modules={"names": adapters["names"], "regex": adapters["regex"]},
+                      max_loras=4)
+    expected = {name: np.stack([normalized(out.last_hidden_state[0, 0])
+                                for out in peft_hidden(base, adapters.get(name), TEXTS)])
+                for name in (None, "names", "regex", "all")}
+    headers = {"Authorization": "Bearer sesame"}
+    with ServerThread(runtime, ServerSettings(served_model_name="base", api_key="sesame",
+                                              allow_runtime_lora=True)) as server:
+        def embed(name):
+            answer = httpx.post(server.url + "/v1/embeddings", json={"model": name or "base", "input": TEXTS},
+                                headers=headers, timeout=60)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["model"] == (name or "base")  # vLLM's answers name the adapter
+            return name, np.array([item["embedding"] for item in answer.json()["data"]], dtype=np.float32)
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            for name, vectors in pool.map(embed, [None, "names", "regex", "names"] * 4):
+                np.testing.assert_allclose(vectors, expected[name], atol=ATOL)
+        cards = httpx.get(server.url + "/v1/models", headers=headers).json()["data"]
+        assert [(card["id"], card["parent"]) for card in cards] == [("base", None), ("names", "base"),
+                                                                     ("regex", "base")]
+        load = {"lora_name": "all", "lora_path": str(adapters["all"])}
+        assert httpx.post(server.url + "/v1/load_lora_adapter", json=load).status_code == 401
+        assert httpx.post(server.url + "/v1/load_lora_adapter", json=load, headers=headers).status_code == 200
+        np.testing.assert_allclose(embed("all")[1], expected["all"], atol=ATOL)
+        bad = httpx.post(server.url + "/v1/load_lora_adapter", headers=headers,
+                         json={"lora_name": "bad", "lora_path": str(tmp_path / "nowhere")})
+        assert bad.status_code == 400 and "adapter_config.json is missing" in bad.text, bad.text
+        assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "all"},
+                          headers=headers).status_code == 200
+        gone = httpx.post(server.url + "/v1/embeddings", json={"model": "all", "input": TEXTS}, headers=headers)
+        assert gone.status_code == 404 and "'all' does not exist" in gone.text, gone.text
+        np.testing.assert_allclose(embed("names")[1], expected["names"], atol=ATOL)  # still serving
+        metrics = httpx.get(server.url + "/metrics").text
+        assert 'poolrunner_lora_requests_total{lora="names"} 9.0' in metrics
+        assert 'poolrunner_lora_requests_total{lora="all"} 1.0' in metrics
+    with ServerThread(runtime) as plain:  # without allow_runtime_lora the routes are not there
+        assert httpx.post(plain.url + "/v1/load_lora_adapter", json=load).status_code == 404
+        assert "/v1/load_lora_adapter" not in httpx.get(plain.url + "/openapi.json").json()["paths"]
+
+
+def test_unload_waits_for_requests_in_flight(tmp_path_factory):
+    """``unload_lora`` during a run of that adapter returns after the run, whose answers are the
+    adapter's (never the base model's, never an error)."""
+    import threading
+
+    root = tmp_path_factory.mktemp("lora-unload")
+    base = tiny_model_folder(root / "base", "bert", "model")
+    adapter = make_adapter(base, root / "a", LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"]))
+    runtime = Runtime(base, dtype="float32", lora_modules={"a": adapter}, max_num_seqs=2)
+    texts = TEXTS * 20
+    requests = runtime.frontend.plan(planned("embed", texts, "a")).requests
+    outputs = []
+    with runtime.serving() as serving:
+        running = threading.Thread(target=lambda: outputs.extend(asyncio.run(serving.run(requests))))
+        running.start()
+        while serving.pending == 0:  # submitted: the adapter counts as in use from here
+            time.sleep(0.001)
+        runtime.unload_lora("a")
+        assert serving.pending == 0  # it returned once every request of the run had finished
+        running.join()
+    assert len(outputs) == len(texts)
+    expected = [normalized(out.last_hidden_state[0, 0]) for out in peft_hidden(base, adapter, TEXTS)]
+    np.testing.assert_allclose(np.stack([o.numpy() for o in outputs]), np.stack(expected * 20), atol=ATOL)
+    assert runtime.lora_adapters == []
