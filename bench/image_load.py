@@ -46,11 +46,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from clip_folder import VOCAB_WORDS, clip_folder  # noqa: E402
-from load import Phase, loadavg, percentile  # noqa: E402
+from load import Phase, loadavg, percentile, probe_health  # noqa: E402
 from profiles import image_files  # noqa: E402
 from serving import cpu_kind, start_serve  # noqa: E402
-
-HEALTH_EVERY = 0.02
 
 
 def texts(count: int = 400) -> list[str]:
@@ -119,21 +117,12 @@ async def run_phase(name: str, url: str, args: argparse.Namespace, images: list[
                     phase.big.append((began, time.perf_counter()))
                     embedded += args.batch
 
-        async def health() -> None:
-            while not done.is_set():
-                began = time.perf_counter()
-                answer = await client.get("/health")
-                phase.health.append(time.perf_counter() - began)
-                if answer.status_code != 200:
-                    phase.failures.append(f"health: {answer.status_code}")
-                await asyncio.sleep(HEALTH_EVERY)
-
         async def clock() -> None:
             await asyncio.sleep(args.seconds)
             done.set()
 
         began = time.perf_counter()
-        await asyncio.gather(clock(), health(), *(text_client(i) for i in range(args.clients)),
+        await asyncio.gather(clock(), probe_health(client, done, phase), *(text_client(i) for i in range(args.clients)),
                              *(image_client(i) for i in range(image_clients)))
         phase.seconds = time.perf_counter() - began
     return phase, embedded

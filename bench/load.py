@@ -55,6 +55,18 @@ BIG_ROUTES = {"openai": "/v1/embeddings", "tei": "/embed"}
 """Where ``--big-route`` sends the big text."""
 
 
+async def probe_health(client: httpx.AsyncClient, done: asyncio.Event, phase: Phase) -> None:
+    """``GET /health`` every :data:`HEALTH_EVERY` seconds until ``done``: each latency into
+    ``phase.health``, each answer other than 200 into ``phase.failures``."""
+    while not done.is_set():
+        began = time.perf_counter()
+        answer = await client.get("/health")
+        phase.health.append(time.perf_counter() - began)
+        if answer.status_code != 200:
+            phase.failures.append(f"health: {answer.status_code}")
+        await asyncio.sleep(HEALTH_EVERY)
+
+
 def make_big_body(text: str, route: str) -> bytes:
     """The big request's body: ``text`` truncated to the model maximum, in the route's own words."""
     if route == "tei":
@@ -153,15 +165,6 @@ async def run_phase(name: str, url: str, sentences: list[str], args: argparse.Na
                 else:
                     phase.small.append((began, time.perf_counter()))
 
-        async def health() -> None:
-            while not done.is_set():
-                began = time.perf_counter()
-                answer = await client.get("/health")
-                phase.health.append(time.perf_counter() - began)
-                if answer.status_code != 200:
-                    phase.failures.append(f"health: {answer.status_code}")
-                await asyncio.sleep(HEALTH_EVERY)
-
         async def big() -> None:
             began = time.perf_counter()
             answer = await client.post(BIG_ROUTES[args.big_route], content=big_body,
@@ -182,7 +185,7 @@ async def run_phase(name: str, url: str, sentences: list[str], args: argparse.Na
             done.set()
 
         began = time.perf_counter()
-        await asyncio.gather(conduct(), health(), *(small(i) for i in range(args.clients)))
+        await asyncio.gather(conduct(), probe_health(client, done, phase), *(small(i) for i in range(args.clients)))
         phase.seconds = time.perf_counter() - began
     return phase
 

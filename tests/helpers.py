@@ -96,3 +96,14 @@ def captured_logs(caplog: Any) -> Iterator[None]:
         for logger, level in zip(loggers, levels, strict=True):
             logger.removeHandler(caplog.handler)
             logger.setLevel(level)
+
+
+def image_features(reference: Any, image: Any) -> np.ndarray:
+    """A text-image family's normalized ``get_image_features`` of ``image`` (``reference``: the
+    ``(model, tokenizer, image_processor)`` of transformers), ``[embedding_size]`` float32."""
+    import torch
+
+    model, _, processor = reference
+    with torch.inference_mode():
+        features = model.get_image_features(**processor(images=image, return_tensors="pt")).pooler_output
+    return torch.nn.functional.normalize(features, dim=-1)[0].numpy()

@@ -22,6 +22,8 @@ import zlib
 import numpy as np
 import pytest
 
+from tests.helpers import image_features
+
 MIN_COSINE = 0.9999
 ATOL = 1e-4
 TEXTS = ["w1 w2 w3", "w5 w900 w7 w8 w9 w10 w11 w12 w13", "w4", "w17 w17 w17 w300"]
@@ -67,15 +69,6 @@ def text_features(reference, text: str) -> np.ndarray:
     model, tokenizer, _ = reference
     with torch.inference_mode():
         features = model.get_text_features(**tokenizer(text, return_tensors="pt")).pooler_output
-    return torch.nn.functional.normalize(features, dim=-1)[0].numpy()
-
-
-def image_features(reference, image) -> np.ndarray:
-    import torch
-
-    model, _, processor = reference
-    with torch.inference_mode():
-        features = model.get_image_features(**processor(images=image, return_tensors="pt")).pooler_output
     return torch.nn.functional.normalize(features, dim=-1)[0].numpy()
 
 

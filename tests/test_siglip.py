@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.helpers import image_features
+
 MIN_COSINE = 0.9999
 ATOL = 1e-4
 TEXTS = ["w1 w2 w3", "w5 w900 w7 w8 w9 w10 w11 w12 w13", "w4", "w17 w17 w17 w300"]
@@ -78,15 +80,6 @@ def text_features(reference, text: str) -> np.ndarray:
 
     with torch.inference_mode():
         features = reference[0].get_text_features(**text_inputs(reference, [text])).pooler_output
-    return torch.nn.functional.normalize(features, dim=-1)[0].numpy()
-
-
-def image_features(reference, image) -> np.ndarray:
-    import torch
-
-    model, _, processor = reference
-    with torch.inference_mode():
-        features = model.get_image_features(**processor(images=image, return_tensors="pt")).pooler_output
     return torch.nn.functional.normalize(features, dim=-1)[0].numpy()
 
 
