@@ -31,6 +31,7 @@ from poolrunner.core.frontend import chunking
 from poolrunner.core.hooks import Hooks
 from poolrunner.core.inputs import score_template
 from poolrunner.core.inputs.images import ImageInputs, ImageLimits
+from poolrunner.core.inputs.pages import PageInputs
 from poolrunner.core.inputs.score_template import ScoreTemplate
 from poolrunner.core.inputs.tokenize import InputProcessor
 from poolrunner.core.kernels import cpu_kernels, fused_norms, onednn
@@ -61,7 +62,8 @@ class LoadedModel:
     :ivar engine: Scheduler, runner and pooler, ready for requests.
     :ivar score_template: What formats each (query, document) pair before a cross-encoder scores
         it (``config.score_template``, or the built-in the folder asks for); ``None``: pairs as they are.
-    :ivar images: A text-image model's image inputs (its own image processor); ``None``: text only.
+    :ivar images: A text-image model's image inputs (its own image processor), or a page-retrieval
+        model's (:class:`PageInputs`: its own processor); ``None``: text only.
     :ivar image_score: ``(logit_scale, logit_bias)`` of a text-image family that scores a (text,
         image) pair ``sigmoid(cosine * exp(logit_scale) + logit_bias)`` (SigLIP); ``None``: cosine.
     """
@@ -134,7 +136,10 @@ def _image_score(engine: Engine) -> tuple[float, float] | None:
 
 def _image_inputs(path: Path, hf_config: PretrainedConfig, model_config: ModelConfig,
                   limits: ImageLimits) -> ImageInputs | None:
-    """A text-image model's image inputs, its processor checked to give the family's pixel shape."""
+    """A text-image model's image inputs, its processor checked to give the family's pixel shape;
+    a page-retrieval model's, its own processor (:class:`PageInputs`)."""
+    if model_config.images_in_prompt:
+        return PageInputs.load(path, limits=limits)
     if not model_config.image_positions:
         return None
     towers = metadata.text_image_towers(hf_config.model_type)

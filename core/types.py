@@ -153,7 +153,10 @@ class PoolingRequest:
     :ivar params: The pooling options.
     :ivar pixel_values: An image input: ``[3, height, width]`` float32 from the model's image
         processor; ``prompt_token_ids`` are then placeholders, one per position the image takes
-        (:attr:`ModelConfig.image_positions`). ``None`` for text.
+        (:attr:`ModelConfig.image_positions`). ``None`` for text. A page-retrieval model's page
+        (:attr:`ModelConfig.images_in_prompt`) holds its processor's own pixel values instead
+        (ColPali ``[3, height, width]``, ColQwen2 ``[num_patches, patch_dim]``) and its
+        processor's own prompt (image tokens and text).
     :ivar image_kwargs: An image input's other image-processor outputs, by name, each one image's
         (SigLIP2: ``pixel_attention_mask`` ``[image_positions]`` int and ``spatial_shapes`` ``[2]``
         int64); ``None`` when the processor gives only ``pixel_values`` (CLIP, SigLIP).
@@ -317,7 +320,11 @@ class ModelConfig:
         LM head, read at the last token. ``None`` for every other model.
     :ivar image_positions: A text-image model (CLIP): the positions one image takes in a step,
         its vision tower's sequence length (patches, plus CLS), which the scheduler counts
-        against ``max_num_batched_tokens``; ``None`` for a model without a vision tower.
+        against ``max_num_batched_tokens``; ``None`` for a model without a vision tower, or
+        whose images are part of a prompt (:attr:`images_in_prompt`).
+    :ivar images_in_prompt: A page-retrieval model (ColPali, ColQwen2): a page is its processor's
+        prompt (image tokens and text, as many positions as that prompt has tokens) with its
+        pixels on the request; every input, query or page, gives one vector per token.
     :ivar text_padding: A text-image family whose text tower runs padded prompts (SigLIP,
         SigLIP2: :class:`TextPadding`); ``None`` for every other model.
     :ivar hf_config: The raw ``config.json`` contents (``hf_overrides`` applied), read-only, for
@@ -354,6 +361,7 @@ class ModelConfig:
     required_plugin: RequiredPlugin | None = None
     token_logits: TokenLogits | None = None
     image_positions: int | None = None
+    images_in_prompt: bool = False
     text_padding: TextPadding | None = None
     hf_config: Mapping[str, Any] = field(
         factory=dict, converter=_frozen_mapping, eq=False, hash=False, repr=False

@@ -24,7 +24,8 @@ abs <= 1e-4); ``*ForSequenceClassification`` -> ``classify`` raw logits ``[num_l
 ``exact (text, image)`` rows (CLIP, SigLIP, SigLIP2) load with both towers: one text and one image
 embed as ``get_text_features`` / ``get_image_features`` do (SigLIP's text padded as the folder's
 tokenizer pads it to the text tower's length; ``tests/test_clip.py`` and ``tests/test_siglip.py``
-hold the rest).
+hold the rest). ``exact (queries, pages)`` rows (ColPali, ColQwen2): a query and a page give the
+model's ``embeddings`` of its processor's inputs (``tests/test_colpali.py`` holds the rest).
 ``refused`` rows must raise :class:`poolrunner.ModelLoadError` naming the architecture, and so
 must the folders of :data:`~tests.models.architectures.VARIANTS` (a row's folder edited into a
 layout poolrunner refuses: remote code, weights the class would drop or leave random, malformed
@@ -46,6 +47,7 @@ from tests.models.architectures import (
     EXACT,
     FAMILIES,
     HEADS,
+    PAGE_RETRIEVAL,
     REFUSED,
     REMOTE_CODE_MARKER,
     TEXT_IMAGE,
@@ -182,7 +184,7 @@ def test_table_lists_every_head_transformers_has():
     for family in FAMILIES:
         present = tuple(h for h in HEADS if hasattr(transformers, family.architecture(h)))
         assert family.heads == present, family.id
-        assert set(family.status.values()) <= {EXACT, REFUSED, TEXT_IMAGE}, family.id
+        assert set(family.status.values()) <= {EXACT, REFUSED, TEXT_IMAGE, PAGE_RETRIEVAL}, family.id
 
 
 def test_readme_support_table_matches_the_matrix():
@@ -213,6 +215,9 @@ def test_load(row, matrix):
         return
     if row.status == TEXT_IMAGE:
         _check_text_image(row, matrix.folder(row), matrix.inputs(row).mixed[2])
+        return
+    if row.status == PAGE_RETRIEVAL:
+        _check_page_retrieval(row, matrix.folder(row))
         return
     rt = matrix.runtime(row)
     assert rt.model_config.architecture == row.architecture
@@ -253,6 +258,30 @@ def _check_text_image(row: Row, folder: Path, ids: tuple[int, ...]) -> None:
     deviation = Deviation()
     deviation.add("a text and an image", rt.embed([list(ids), image]), want)
     print(f"deviation {row.id}/text-image: {deviation}")
+    assert deviation.min_cosine >= MIN_COSINE and deviation.max_abs <= ATOL, f"{row.architecture}: {deviation}"
+
+
+def _check_page_retrieval(row: Row, folder: Path) -> None:
+    """A query and a page of a page-retrieval row, against the model's ``embeddings`` of its
+    processor's ``process_queries`` / ``process_images``."""
+    import torch
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from poolrunner import Runtime
+
+    rt = Runtime(str(folder), dtype="float32", load_entrypoints=False)
+    assert (rt.model_config.architecture, rt.task) == (row.architecture, "token_embed")
+    page = Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 40, 3), dtype=np.uint8))
+    model = load_reference(row, folder)
+    processor = AutoProcessor.from_pretrained(folder)
+    deviation = Deviation()
+    for name, item, batch in (("a query", "w1 w2 w3", processor.process_queries(["w1 w2 w3"])),
+                              ("a page", page, processor.process_images([page]))):
+        with torch.inference_mode():
+            want = model(**batch).embeddings[0].double().numpy()
+        deviation.add(name, rt.encode(item)[0], want)
+    print(f"deviation {row.id}/queries-pages: {deviation}")
     assert deviation.min_cosine >= MIN_COSINE and deviation.max_abs <= ATOL, f"{row.architecture}: {deviation}"
 
 

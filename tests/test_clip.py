@@ -254,7 +254,7 @@ def test_text_models_refuse_images(photos):
     with pytest.raises(InvalidRequestError) as info:
         runtime.embed(["a cat", photos[0]])
     assert str(info.value) == ("input 1 is an image, but BertModel has no vision tower (images are served for "
-                               "CLIPModel, SiglipModel, Siglip2Model)")
+                               "CLIPModel, SiglipModel, Siglip2Model, ColPaliForRetrieval, ColQwen2ForRetrieval)")
     assert runtime.embed("data:image/png;base64,AAAA").shape == (384,)
 
 
@@ -270,8 +270,9 @@ def test_other_composite_configs_are_refused_naming_what_is_served(tmp_path):
     assert str(info.value) == (
         f"{tmp_path}: BlipModel (model_type 'blip') is a composite model whose config holds text_config, "
         "vision_config; of the composite families poolrunner serves only CLIPModel ('clip'), SiglipModel ('siglip'), "
-        "Siglip2Model ('siglip2'); other multimodal models (vision-language, audio, other heads of these "
-        "families) are refused until it implements them")
+        "Siglip2Model ('siglip2'), ColPaliForRetrieval ('colpali'), ColQwen2ForRetrieval ('colqwen2'); other "
+        "multimodal models (vision-language, audio, other heads of these families) are refused until it implements "
+        "them")
 
 
 def test_data_urls_over_http_equal_the_python_api(runtime, photos):

@@ -244,7 +244,8 @@ SERVED = "CLIPModel ('clip'), SiglipModel ('siglip'), Siglip2Model ('siglip2')"
      f"families {SERVED}, each with both towers, and serves no other vision or audio model"),
     ("SiglipConfig", "SiglipForImageClassification",
      "SiglipForImageClassification (model_type 'siglip') is a composite model whose config holds text_config, "
-     f"vision_config; of the composite families poolrunner serves only {SERVED}; other multimodal models "
+     f"vision_config; of the composite families poolrunner serves only {SERVED}, ColPaliForRetrieval ('colpali'), "
+     "ColQwen2ForRetrieval ('colqwen2'); other multimodal models "
      "(vision-language, audio, other heads of these families) are refused until it implements them"),
     ("SiglipTextConfig", "SiglipTextModel",
      "SiglipTextModel (model_type 'siglip_text_model') is the text tower of a text-image family; its embedding is "

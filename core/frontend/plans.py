@@ -21,7 +21,7 @@ import numpy as np
 from attrs import frozen
 
 from poolrunner.core.adapters import LoraAdapters
-from poolrunner.core.errors import InvalidRequestError, UnsupportedTaskError
+from poolrunner.core.errors import InvalidRequestError, PromptTooLongError, UnsupportedTaskError
 from poolrunner.core.frontend import outputs
 from poolrunner.core.frontend.chunking import LongInputs
 from poolrunner.core.frontend.requests import (
@@ -35,12 +35,13 @@ from poolrunner.core.frontend.requests import (
     TokenizeRequest,
     is_pair,
 )
-from poolrunner.core.frontend.scoring import cosine, pair_up, sigmoid_score, text_labels
+from poolrunner.core.frontend.scoring import cosine, maxsim, pair_up, sigmoid_score, text_labels
 from poolrunner.core.hooks import Hooks
 from poolrunner.core.inputs.images import ImageInputs, is_image
+from poolrunner.core.inputs.pages import PageInputs, Prepared
 from poolrunner.core.inputs.score_template import ScoreTemplate
 from poolrunner.core.inputs.tokenize import InputProcessor
-from poolrunner.core.model.families import TEXT_IMAGE_FAMILIES
+from poolrunner.core.model.families import PAGE_RETRIEVAL_FAMILIES, TEXT_IMAGE_FAMILIES
 from poolrunner.core.plugin_api.options import RequestOptions
 from poolrunner.core.plugin_api.output import RequestOutput
 from poolrunner.core.types import ModelConfig, PoolingParams, PoolingRequest, PoolingTask
@@ -212,13 +213,16 @@ class Frontend:
         ``model_config.image_positions`` placeholder tokens carrying its pixel values, decoded
         and preprocessed here (the server plans in worker threads).
 
-        A ``tokenization.lora`` name sets ``params.lora_id`` to that adapter's number.
+        A ``tokenization.lora`` name sets ``params.lora_id`` to that adapter's number. A
+        page-retrieval model's inputs are its processor's (:meth:`_prepare_pages`).
 
         :raises InvalidRequestError: for bad input, naming its index and the limit it breaks; for
             a ``lora`` that is not loaded.
         """
         if tokenization.lora is not None:
             params = attrs.evolve(params, lora_id=self.adapters.get(tokenization.lora).lora_id)
+        if isinstance(self.images, PageInputs):
+            return self._prepare_pages(self.images, inputs, params, tokenization)
         image_at = [i for i, item in enumerate(inputs) if is_image(item, data_urls=self.images is not None)]
         if image_at:
             return self._prepare_images(inputs, image_at, params, tokenization)
@@ -237,7 +241,7 @@ class Frontend:
                         tokenization: Tokenization) -> list[PoolingRequest]:
         """:meth:`prepare` for ``inputs`` with images at ``image_at``; texts as usual."""
         if self.images is None:
-            served = ", ".join(TEXT_IMAGE_FAMILIES.values())
+            served = ", ".join([*TEXT_IMAGE_FAMILIES.values(), *PAGE_RETRIEVAL_FAMILIES.values()])
             raise InvalidRequestError(f"input {image_at[0]} is an image, but {self.model_config.architecture} has no "
                                       f"vision tower (images are served for {served})")
         if params.task != "embed":
@@ -260,12 +264,54 @@ class Frontend:
             for i in range(len(inputs))
         ]
 
+    def _prepare_pages(self, pages: PageInputs, inputs: Sequence[Input], params: PoolingParams,
+                       tokenization: Tokenization) -> list[PoolingRequest]:
+        """:meth:`prepare` for a page-retrieval model: an image as its processor's
+        ``process_images`` prepares it, a text as its ``process_queries`` does (prefix and
+        query-augmentation tokens included), token ids as given.
+
+        :raises InvalidRequestError: for a tokenization option (the processor takes none), a
+            pair, or an input over ``max_model_len``, naming it.
+        """
+        changed = [f.name for f in attrs.fields(Tokenization)  # lora picks weights, not tokens
+                   if f.name != "lora" and getattr(tokenization, f.name) != f.default]
+        if changed:
+            raise InvalidRequestError(
+                f"{changed[0]}: {self.model_config.architecture} prepares every input with its own processor "
+                "(process_queries, process_images), which takes no tokenization options", param=changed[0])
+        pages.check_count(sum(is_image(item, data_urls=True) for item in inputs))
+        requests = []
+        for index, item in enumerate(inputs):
+            if is_image(item, data_urls=True):
+                prepared = pages.page(item, index)
+            elif isinstance(item, str):
+                check_text(item, f"input {index}")
+                self.inputs.check_chars(item, f"input {index}")
+                prepared = pages.query(item)
+            elif is_pair(item):
+                raise InvalidRequestError(f"input {index} is a pair: {self.model_config.architecture} embeds "
+                                          "queries and pages, one at a time")
+            else:  # token ids, checked against the vocabulary and the maximum
+                prepared = Prepared(tuple(self.inputs.encode([item])[0]))
+            if len(prepared.prompt_token_ids) > self.model_config.max_model_len:
+                limit = self.model_config.max_model_len
+                raise PromptTooLongError(
+                    f"input {index} has {len(prepared.prompt_token_ids)} tokens as the processor prepares it, more "
+                    f"than the maximum of {limit} (max_model_len of {self.model_config.name})")
+            requests.append(PoolingRequest(
+                request_id=f"{params.task}-{next(self._request_ids)}", params=params,
+                prompt_token_ids=prepared.prompt_token_ids, pixel_values=prepared.pixel_values,
+                image_kwargs=prepared.image_kwargs))
+        return requests
+
     def _plan_image_score(self, request: ScoreRequest) -> Plan[np.ndarray]:
         """Scoring with images (a text-image model): each input pooled once, in order, and each
         pair scored as the family scores it: CLIP, the cosine of the embeddings (its
         ``logits_per_text`` divided by ``logit_scale``, so the order is CLIP's); SigLIP, a (text,
         image) pair's :func:`~poolrunner.core.frontend.scoring.sigmoid_score` (``torch.sigmoid`` of
-        its ``logits_per_text``), and pairs of one kind (image, image) the cosine.
+        its ``logits_per_text``), and pairs of one kind (image, image) the cosine. A page-retrieval
+        model scores MaxSim of the token vectors (its processor's ``score_retrieval`` of one query
+        and one page).
 
         :raises InvalidRequestError: for SigLIP, a request mixing (text, image) pairs with pairs of
             one kind (their scores would be on two scales).
@@ -278,7 +324,11 @@ class Frontend:
         if len(queries) != 1 and len(queries) != len(documents):
             raise InvalidRequestError(f"cannot score {len(queries)} queries against {len(documents)} documents: "
                                       "use 1:1, 1:N (one query) or N:N (equal lengths)")
-        params = self.params("embed", request.options)
+        task = self.default_task
+        if isinstance(self.images, PageInputs) and request.max_tokens_per_doc is not None:
+            raise InvalidRequestError(f"max_tokens_per_doc: {self.model_config.architecture} scores whole pages and "
+                                      "queries as its processor prepares them", param="max_tokens_per_doc")
+        params = self.params(task, request.options)
         try:
             requests = self.prepare([*queries, *documents], params, request.tokenization)
         except InvalidRequestError as exc:
@@ -290,6 +340,8 @@ class Frontend:
 
         def finish(done: list[RequestOutput]) -> np.ndarray:
             vectors = [outputs.to_array(output) for output in done]
+            if task == "token_embed":  # a page-retrieval model: MaxSim of the token vectors
+                return maxsim([vectors[q] for q, _ in pairs], [vectors[d] for _, d in pairs])
             scores = cosine(np.stack([vectors[q] for q, _ in pairs]), np.stack([vectors[d] for _, d in pairs]))
             return sigmoid_score(scores, *self.image_score) if sigmoid and self.image_score else scores
 
@@ -320,6 +372,8 @@ class Frontend:
         pools each text once and asks the ``score_outputs`` plugins. An input error of a
         bi-encoder, which pools the distinct texts sorted, names the text as the caller sent it
         (``documents[1]``)."""
+        if isinstance(self.images, PageInputs):
+            return self._plan_image_score(request)
         if self.images is not None and self.default_task == "embed" and any(
                 is_image(item, data_urls=True) for side in (request.queries, request.documents)
                 for item in ([side] if isinstance(side, str) or is_image(side) else side)):

@@ -1,4 +1,4 @@
-"""Shapes of scoring requests and the bi-encoder similarity."""
+"""Shapes of scoring requests, the bi-encoder similarity and late interaction (MaxSim)."""
 
 from __future__ import annotations
 
@@ -81,3 +81,13 @@ def sigmoid_score(cosines: np.ndarray, logit_scale: float, logit_bias: float) ->
     ``SiglipModel``'s ``logits_per_text`` (transformers' zero-shot pipeline's scores). ``[n]`` float32."""
     logits = cosines.astype(np.float64) * np.exp(logit_scale) + logit_bias
     return (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+def maxsim(queries: Sequence[np.ndarray], documents: Sequence[np.ndarray]) -> np.ndarray:
+    """Late interaction per pair: the sum over query tokens of the best dot product with any
+    document token (ColBERT's MaxSim; ColPali's ``score_retrieval`` of one query and one page).
+
+    :param queries: ``[query_tokens, d]`` per pair.
+    :param documents: ``[document_tokens, d]`` per pair.
+    :returns: ``[num_pairs]`` float32.
+    """
+    return np.array([(query.astype(np.float32) @ document.astype(np.float32).T).max(axis=1).sum()
+                     for query, document in zip(queries, documents, strict=True)], dtype=np.float32)

@@ -4,7 +4,8 @@ poolrunner runs transformers' own classes only, never a folder's code: every con
 and model is read with ``trust_remote_code=False`` (so transformers never asks on stdin either).
 A folder is refused at load, with a one-line :class:`ModelLoadError` that says what is supported,
 when its config cannot be read as a transformers config, when it is composite (a text-image or
-other multimodal model: several sub-configs) outside :data:`TEXT_IMAGE_FAMILIES`, when it is the
+other multimodal model: several sub-configs) outside :data:`TEXT_IMAGE_FAMILIES` and
+:data:`PAGE_RETRIEVAL_FAMILIES`, when it is the
 text tower of a text-image family (whose embedding is the family's own pooled output: CLIP's EOS
 row and projection), or when ``architectures`` names no transformers model class.
 """
@@ -40,6 +41,9 @@ _TEXT_TOWER_SUFFIX = "_text_model"
 # Composite (text-image) families served, model_type -> the one class served: both towers run,
 # each request through the tower its input needs (poolrunner.core.model.towers).
 TEXT_IMAGE_FAMILIES = {"clip": "CLIPModel", "siglip": "SiglipModel", "siglip2": "Siglip2Model"}
+# Page-retrieval families served, model_type -> the one class served: a vision-language model whose
+# every prompt token gives a vector (pages and queries; poolrunner.core.model.page_retrieval).
+PAGE_RETRIEVAL_FAMILIES = {"colpali": "ColPaliForRetrieval", "colqwen2": "ColQwen2ForRetrieval"}
 NATIVE_FAMILIES = ("NomicBERT 'nomic_bert', GTE 'gte', Jina-v3 'jina_embeddings_v3', ModernBERT 'modernbert', "
                    "EuroBERT 'eurobert'")
 
@@ -83,6 +87,10 @@ def check_config(path: Path, config: PretrainedConfig) -> None:
         if is_text_image(config):
             _check_projections(path, config)
             return  # its size is the projection's, not a hidden_size
+        if is_page_retrieval(config):
+            return  # its size is embedding_dim, not a hidden_size
+        served = ", ".join(f"{cls} ({model_type!r})" for model_type, cls in
+                           {**TEXT_IMAGE_FAMILIES, **PAGE_RETRIEVAL_FAMILIES}.items())
         raise ModelLoadError(
             f"{path}: {name} (model_type {config.model_type!r}) is a composite model whose config holds "
             f"{', '.join(sorted(config.sub_configs))}; of the composite families poolrunner serves only {served}; "
@@ -134,6 +142,12 @@ def is_text_image(config: PretrainedConfig) -> bool:
     """A served text-image model: its ``model_type`` is in :data:`TEXT_IMAGE_FAMILIES` and its
     architecture is that family's served class."""
     return TEXT_IMAGE_FAMILIES.get(config.model_type) == architecture_name(config)
+
+
+def is_page_retrieval(config: PretrainedConfig) -> bool:
+    """A served page-retrieval model: its ``model_type`` is in :data:`PAGE_RETRIEVAL_FAMILIES`
+    and its architecture is that family's served class."""
+    return PAGE_RETRIEVAL_FAMILIES.get(config.model_type) == architecture_name(config)
 
 
 def architecture_name(config: PretrainedConfig) -> str:

@@ -16,6 +16,7 @@ from poolrunner.core.kernels.attention import ATTENTION_NAME
 from poolrunner.core.model import checkpoint, families
 from poolrunner.core.model import token_logits as token_logits_rules
 from poolrunner.core.model.families import one_line
+from poolrunner.core.model.page_retrieval import PageRetrievalModel
 from poolrunner.core.model.siglip import TOWERS
 from poolrunner.core.types import TextPadding, TokenLogits
 
@@ -73,9 +74,11 @@ def load_model(
                                                     claimed=claimed))
     # Families with attention of their own (DeBERTa-v2, MPNet) cannot take the packed attention;
     # the runner gives them padded batches instead.
-    packed = getattr(model_class, "_supports_attention_backend", True) and not families.is_text_image(hf_config)
-    # Text-image towers run padded with transformers' default attention (their reference's).
-    attention = ATTENTION_NAME if packed else "sdpa" if families.is_text_image(hf_config) else "eager"
+    vision = families.is_text_image(hf_config) or families.is_page_retrieval(hf_config)
+    packed = getattr(model_class, "_supports_attention_backend", True) and not vision
+    # Text-image towers and page-retrieval models run padded with transformers' default attention
+    # (their reference's).
+    attention = ATTENTION_NAME if packed else "sdpa" if vision else "eager"
     try:
         with _quiet_transformers():
             model, info = model_class.from_pretrained(
@@ -93,6 +96,8 @@ def load_model(
     if families.is_text_image(hf_config):
         assert image_positions is not None
         model = TOWERS[hf_config.model_type](model, image_positions=image_positions, text_padding=text_padding)
+    elif families.is_page_retrieval(hf_config):
+        model = PageRetrievalModel(model)
     return model.to(device).eval()
 
 

@@ -15,7 +15,7 @@ from transformers.models.auto.modeling_auto import (
 
 from poolrunner.core.config import ModelOverrides
 from poolrunner.core.errors import ModelLoadError
-from poolrunner.core.model.families import architecture_name, is_text_image
+from poolrunner.core.model.families import architecture_name, is_page_retrieval, is_text_image
 from poolrunner.core.model.st_metadata import read_st_metadata
 from poolrunner.core.model.tasks import model_tasks, token_weight_head
 from poolrunner.core.types import ModelConfig, RequiredPlugin
@@ -171,11 +171,14 @@ def load_model_config(
     st = None if required else read_st_metadata(path)
     is_causal = _is_causal(hf_config)
     text_image = is_text_image(hf_config)
+    pages = is_page_retrieval(hf_config)
     if st is not None:
         _check_st_text_image(path, hf_config, st.text_image, text_image)
-    # A text-image model's output is its towers' shared embedding size (CLIP: projection_dim).
+    # A text-image model's output is its towers' shared embedding size (CLIP: projection_dim); a
+    # page-retrieval model's is its per-token embedding_proj_layer.
     towers = text_image_towers(hf_config.model_type) if text_image else None
-    hidden_size = towers.embedding_size(hf_config) if towers else int(hf_config.hidden_size)
+    hidden_size = (towers.embedding_size(hf_config) if towers else int(hf_config.embedding_dim) if pages
+                   else int(hf_config.hidden_size))
     dense = st.dense_layers if st else ()
     pooling_type = overrides.pooling_type or (st.pooling_type if st else None)
     normalize = overrides.normalize if overrides.normalize is not None else (st.normalize if st else True)
@@ -185,7 +188,8 @@ def load_model_config(
         if overrides.is_matryoshka is not None
         else matryoshka_dims or getattr(hf_config, "is_matryoshka", False)
     )
-    tasks = frozenset({"embed"}) if text_image else model_tasks(architecture, path)
+    tasks = frozenset({"embed"}) if text_image else frozenset({"token_embed"}) if pages else model_tasks(
+        architecture, path)
     return ModelConfig(
         name=str(path),
         path=str(path),
@@ -194,7 +198,7 @@ def load_model_config(
         hidden_size=hidden_size,
         embedding_size=dense[-1].out_features if dense else ModelConfig.pooled_size(hidden_size, pooling_type),
         # sentence-transformers' max_seq_length replaces the tokenizer's model_max_length.
-        max_model_len=_max_model_len(path, hf_config.get_text_config() if text_image else hf_config,
+        max_model_len=_max_model_len(path, hf_config.get_text_config() if text_image or pages else hf_config,
                                      None if st and st.max_seq_length else tokenizer_max_length,
                                      st and st.max_seq_length, overrides),
         is_causal=is_causal,
@@ -215,6 +219,7 @@ def load_model_config(
         token_weight_head=str(head) if (head := token_weight_head(path)) else None,
         required_plugin=required,
         image_positions=towers.image_positions(hf_config, path) if towers else None,
+        images_in_prompt=pages,
         hf_config=hf_config.to_dict(),
     )
 

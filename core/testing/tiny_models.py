@@ -16,6 +16,9 @@ matrix redrawn from N(0, :data:`INIT_STD`) (:func:`widen_weights`); transformers
 0.02 leaves hidden states nearly input-independent, so a wrong token, position, type or pooled
 row would pass unseen. A seed always gives the same bytes.
 
+Page retrieval (ColPali, ColQwen2): :func:`tiny_colpali_folder`, :func:`tiny_colqwen2_folder`,
+with the processor each family's reference calls.
+
 Nothing here imports torch, transformers or tokenizers at import time.
 """
 
@@ -358,6 +361,99 @@ def tiny_clip_folder(folder: Path, *, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = widen_weights(transformers.CLIPModel(config).eval())
     model.save_pretrained(folder)
+    return folder
+
+
+TINY_PAGE_IMAGE_SIZE = 32
+"""Side of a :func:`tiny_colpali_folder` page, in pixels (patches of 8: 16 image tokens)."""
+_PAGE_WORDS = [f"w{i}" for i in range(200)] + "Question: Query: user Describe the image.".split()
+
+
+def _page_tokenizer(specials: list[str], **named: Any) -> Any:
+    """A byte-level BPE over ``w0 .. w199`` and the processors' prompt words, ``specials`` first
+    (``\\n`` stays a token, as in Gemma's and Qwen2's tokenizers)."""
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = [" ".join(_PAGE_WORDS[i : i + 10]) + "\n" for i in range(0, len(_PAGE_WORDS), 10)] * 3
+    return PreTrainedTokenizerFast(tokenizer_object=qwen2_style_bpe(corpus, 600, specials), model_max_length=512,
+                                   **named)
+
+
+def tiny_colpali_folder(folder: Path, *, seed: int = 0) -> Path:
+    """Save a seeded tiny ``ColPaliForRetrieval`` (a PaliGemma of a 2-layer SigLIP vision tower
+    and a 2-layer Gemma, hidden 32, embeddings of 16) and its ``ColPaliProcessor`` into ``folder``.
+
+    The processor (``save_pretrained``) is a ``SiglipImageProcessor`` resizing pages to
+    :data:`TINY_PAGE_IMAGE_SIZE` square with ``image_seq_length`` 16, and a byte-level BPE with
+    ``<pad>`` 0, ``<eos>`` 1, ``<bos>`` 2, to which the processor adds ``<image>`` and PaliGemma's
+    1152 location and segmentation tokens; the text vocabulary covers them all. Weights widened
+    as :func:`widen_weights`. :returns: ``folder``.
+    """
+    import torch
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = _page_tokenizer(["<pad>", "<eos>", "<bos>", "<unk>"], bos_token="<bos>", eos_token="<eos>",
+                                pad_token="<pad>", unk_token="<unk>")
+    side = TINY_PAGE_IMAGE_SIZE
+    images = transformers.SiglipImageProcessor(size={"height": side, "width": side}, image_seq_length=(side // 8) ** 2)
+    processor = transformers.ColPaliProcessor(image_processor=images, tokenizer=tokenizer)
+    processor.save_pretrained(folder)
+    vocab = len(processor.tokenizer)
+    text = {"model_type": "gemma", "vocab_size": vocab, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+            "max_position_embeddings": 512, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": side, "patch_size": 8}
+    config = transformers.ColPaliConfig(
+        vlm_config={"model_type": "paligemma", "text_config": text, "vision_config": vision, "vocab_size": vocab,
+                    "image_token_index": processor.image_token_id, "projection_dim": 32, "hidden_size": 32},
+        embedding_dim=16, architectures=["ColPaliForRetrieval"])
+    torch.manual_seed(seed)
+    widen_weights(transformers.ColPaliForRetrieval(config).eval()).save_pretrained(folder)
+    return folder
+
+
+TINY_QWEN2_VL_PIXELS = (16 * 16, 48 * 48)
+"""``(min_pixels, max_pixels)`` of :func:`tiny_colqwen2_folder`'s image processor."""
+
+
+def tiny_colqwen2_folder(folder: Path, *, seed: int = 0) -> Path:
+    """Save a seeded tiny ``ColQwen2ForRetrieval`` (a Qwen2-VL of a 2-layer vision tower with
+    patches of 4 merged 2x2, and a 2-layer text model, hidden 32, embeddings of 16) and its
+    ``ColQwen2Processor`` into ``folder``.
+
+    The processor (``save_pretrained``) is a ``Qwen2VLImageProcessor`` keeping each page's aspect
+    ratio within :data:`TINY_QWEN2_VL_PIXELS` (so pages of other shapes take other numbers of
+    image tokens: dynamic resolution), and a byte-level BPE with Qwen2-VL's special tokens at
+    ids 0-6 (``<|endoftext|>`` is pad and query augmentation). Weights widened as
+    :func:`widen_weights`. :returns: ``folder``.
+    """
+    import torch
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                "<|video_pad|>"]
+    tokenizer = _page_tokenizer(specials, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    low, high = TINY_QWEN2_VL_PIXELS
+    images = transformers.Qwen2VLImageProcessor(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=low,
+                                                max_pixels=high)
+    transformers.ColQwen2Processor(image_processor=images, tokenizer=tokenizer).save_pretrained(folder)
+    ids = dict(zip(specials, range(len(specials)), strict=True))
+    text = {"model_type": "qwen2_vl_text", "vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "max_position_embeddings": 512, "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 0,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}}
+    vision = {"model_type": "qwen2_vl", "depth": 2, "embed_dim": 32, "hidden_size": 32, "num_heads": 2,
+              "mlp_ratio": 2, "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    config = transformers.ColQwen2Config(
+        vlm_config={"model_type": "qwen2_vl", "text_config": text, "vision_config": vision,
+                    "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+                    "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"]},
+        embedding_dim=16, architectures=["ColQwen2ForRetrieval"])
+    torch.manual_seed(seed)
+    widen_weights(transformers.ColQwen2ForRetrieval(config).eval()).save_pretrained(folder)
     return folder
 
 

@@ -13,6 +13,11 @@ them. An image's other processor outputs (``request.image_kwargs``, SigLIP2's
 position its entry, any other is repeated on every position of its image. Steps of text alone get
 nothing. Text-only models never see an image request: the front
 end refuses images for them.
+
+A page-retrieval model (``model_config.images_in_prompt``: ColPali, ColQwen2) takes a page as
+its processor's prompt, as many positions as that prompt has tokens, and its processor's pixel
+values of any shape; each image's rows are ``ceil(numel / positions)`` wide, left-aligned in the
+step's widest (ColQwen2's ``image_grid_thw`` travels as an image kwarg).
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ def add_request(state: RequestState, model_config: ModelConfig) -> None:
     if pixels is None:
         return
     positions = state.request.num_tokens
-    if model_config.image_positions is None or positions != model_config.image_positions:
+    if not model_config.images_in_prompt and (model_config.image_positions is None
+                                              or positions != model_config.image_positions):
         raise InvalidRequestError(
             f"request {state.request_id!r} is an image of {positions} positions, but model {model_config.name} "
             f"({model_config.architecture}) takes images of {model_config.image_positions} positions"
@@ -62,21 +68,21 @@ def _per_position(value: torch.Tensor, positions: int) -> torch.Tensor:
 
 @hookimpl
 def prepare_inputs(batch: InputBatch, model_config: ModelConfig) -> dict[str, torch.Tensor] | None:
-    if model_config.image_positions is None:  # a text model's steps: nothing to look at
+    if model_config.image_positions is None and not model_config.images_in_prompt:  # a text model's steps
         return None
     rows = [state.plugin_data.get(NAME) for state in batch.requests]
     if all(row is None for row in rows):
         return None
     import torch
 
-    width = next(row for row in rows if row is not None).shape[1]
+    width = max(row.shape[1] for row in rows if row is not None)
     pixel_rows = torch.zeros(batch.num_tokens, width, dtype=torch.float32)
     image_rows = torch.zeros(batch.num_tokens, dtype=torch.bool)
     offsets = batch.query_start_loc_cpu.tolist()
     for i, (state, row) in enumerate(zip(batch.requests, rows, strict=True)):
         if row is not None:  # the positions scheduled this step
             start = state.num_computed_tokens
-            pixel_rows[offsets[i]: offsets[i + 1]] = row[start: start + batch.num_scheduled_tokens[i]]
+            pixel_rows[offsets[i]: offsets[i + 1], : row.shape[1]] = row[start: start + batch.num_scheduled_tokens[i]]
             image_rows[offsets[i]: offsets[i + 1]] = True
     inputs = {"pixel_rows": pixel_rows, "image_rows": image_rows, **_kwarg_rows(batch, offsets)}
     return {key: value.to(batch.device, non_blocking=True) for key, value in inputs.items()}

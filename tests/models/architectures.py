@@ -12,7 +12,11 @@ poolrunner must do with such a folder:
   ``embed`` of a text equals ``get_text_features`` (SigLIP's of the prompt padded as its tokenizer
   pads to the text tower's length) and of an image ``get_image_features``, normalized (the matrix
   checks one of each; ``tests/test_clip.py`` and ``tests/test_siglip.py`` hold each family's full
-  parity and image inputs).
+  parity and image inputs);
+* ``exact (queries, pages)``: a page-retrieval model (ColPali, ColQwen2): ``token_embed`` of a
+  query and of a page (an image) equals the model's ``embeddings`` of its processor's
+  ``process_queries`` / ``process_images`` (``tests/test_colpali.py`` holds the rest). Their
+  folders are :mod:`poolrunner.core.testing.tiny_models`' own (the processor included).
 
 Heads a family does not have in transformers (Gemma3 has no ``*ForTokenClassification``) are
 simply absent from its ``heads``; ``tests/test_architecture_matrix.py`` checks that the table
@@ -43,6 +47,7 @@ from poolrunner.core.testing.tiny_models import widen_weights
 EXACT = "exact"
 REFUSED = "refused"
 TEXT_IMAGE = "exact (text, image)"
+PAGE_RETRIEVAL = "exact (queries, pages)"
 
 # Heads, as the suffix of the transformers class (``BertForTokenClassification``).
 HEADS = ("model", "sequence", "token")
@@ -208,6 +213,10 @@ FAMILIES: tuple[Family, ...] = (
            status=_REFUSED_MODEL, classes={"model": "CLIPTextModelWithProjection"}),
     Family("clip", "CLIP (text and image)", "CLIP", "CLIPConfig",
            {"text_config": _CLIP_TEXT, "vision_config": _VISION, "projection_dim": 32}, status={"model": TEXT_IMAGE}),
+    Family("colpali", "ColPali (PaliGemma: SigLIP vision, Gemma)", "ColPali", "ColPaliConfig", {},
+           status={"model": PAGE_RETRIEVAL}, classes={"model": "ColPaliForRetrieval"}),
+    Family("colqwen2", "ColQwen2 (Qwen2-VL, dynamic resolution)", "ColQwen2", "ColQwen2Config", {},
+           status={"model": PAGE_RETRIEVAL}, classes={"model": "ColQwen2ForRetrieval"}),
     Family("siglip-text", "SigLIP text tower", "SiglipText", "SiglipTextConfig", _ENCODER, status=_REFUSED_MODEL),
     Family("siglip", "SigLIP (text and image)", "Siglip", "SiglipConfig",
            {"text_config": _SIGLIP_TEXT, "vision_config": _VISION}, status={"model": TEXT_IMAGE}),
@@ -343,7 +352,12 @@ def image_processor(family: Family) -> Any:
 
 def build_folder(row: Row, folder: Path, seed: int = 0) -> Path:
     """Save the row's tiny model (:func:`make_model`) and tokenizer into ``folder``; a
-    ``TEXT_IMAGE`` row also gets its family's image processor (:func:`image_processor`)."""
+    ``TEXT_IMAGE`` row also gets its family's image processor (:func:`image_processor`); a
+    ``PAGE_RETRIEVAL`` row is the family's tiny folder with its processor (``tiny_colpali_folder``...)."""
+    if row.status == PAGE_RETRIEVAL:
+        from poolrunner.core.testing import tiny_models
+
+        return getattr(tiny_models, f"tiny_{row.family.id}_folder")(folder)
     folder.mkdir(parents=True, exist_ok=True)
     make_tokenizer().save_pretrained(folder)
     if row.status == TEXT_IMAGE:

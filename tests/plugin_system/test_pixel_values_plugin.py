@@ -1,6 +1,8 @@
 """The built-in ``pixel_values`` plugin, hook by hook: an image request's pixels become rows of
 its positions, a step with images gets ``pixel_rows`` and ``image_rows`` for exactly its
-scheduled tokens, text-only steps get nothing, and removal is idempotent."""
+scheduled tokens, text-only steps get nothing, and removal is idempotent. A page-retrieval
+model's pages (``images_in_prompt``) take their prompt's positions, rows of their own width
+left-aligned in the step's widest."""
 
 from __future__ import annotations
 
@@ -14,13 +16,18 @@ from poolrunner.core.plugin_api.batch import InputBatch
 from poolrunner.core.plugin_api.request import advance
 from poolrunner.plugins import pixel_values as plugin
 
-CLIP = SimpleNamespace(name="tiny-clip", architecture="CLIPModel", image_positions=5)
-TEXT = SimpleNamespace(name="tiny-bert", architecture="BertModel", image_positions=None)
+CLIP = SimpleNamespace(name="tiny-clip", architecture="CLIPModel", image_positions=5, images_in_prompt=False)
+TEXT = SimpleNamespace(name="tiny-bert", architecture="BertModel", image_positions=None, images_in_prompt=False)
+PAGES = SimpleNamespace(name="tiny-colqwen2", architecture="ColQwen2ForRetrieval", image_positions=None,
+                        images_in_prompt=True)
 
 
-def image_state(request_id: str, pixels: torch.Tensor, positions: int = 5) -> RequestState:
+def image_state(request_id: str, pixels: torch.Tensor, positions: int = 5,
+                grid: tuple[int, ...] | None = None) -> RequestState:
+    kwargs = None if grid is None else {"image_grid_thw": torch.tensor([grid])}  # ColQwen2's, [1, 3]
     return RequestState(request=PoolingRequest(request_id=request_id, prompt_token_ids=(0,) * positions,
-                                               params=PoolingParams(task="embed"), pixel_values=pixels))
+                                               params=PoolingParams(task="embed"), pixel_values=pixels,
+                                               image_kwargs=kwargs))
 
 
 def text_state(request_id: str, length: int) -> RequestState:
@@ -89,3 +96,17 @@ def test_image_kwargs_travel_per_position_or_per_image():
     assert extra["spatial_shapes_rows"].tolist() == [[0, 0], [0, 0], [1, 3], [1, 3], [1, 3]]
     plugin.remove_request(state=image)
     assert image.plugin_data == {}
+def test_pages_take_their_prompts_positions_rows_of_their_width_and_their_grid():
+    """Pages of 4 and 2 positions (widths 3 and 4), a query between them: each page's rows are
+    left-aligned in the step's widest, and its grid is on each of its positions."""
+    wide = image_state("wide", torch.arange(8, dtype=torch.float32).view(2, 4), positions=2, grid=(1, 1, 2))
+    narrow = image_state("narrow", torch.arange(10, dtype=torch.float32).view(5, 2), positions=4, grid=(1, 5, 1))
+    query = text_state("query", 2)
+    for state in (narrow, query, wide):
+        plugin.add_request(state=state, model_config=PAGES)
+    extra = plugin.prepare_inputs(batch=InputBatch.build([narrow, query, wide], [4, 2, 2], torch.device("cpu")),
+                                  model_config=PAGES)
+    assert extra["image_rows"].tolist() == [True] * 4 + [False] * 2 + [True] * 2
+    assert extra["pixel_rows"].tolist() == [[0, 1, 2, 0], [3, 4, 5, 0], [6, 7, 8, 0], [9, 0, 0, 0],
+                                            [0, 0, 0, 0], [0, 0, 0, 0], [0, 1, 2, 3], [4, 5, 6, 7]]
+    assert extra["image_grid_thw_rows"].tolist() == [[1, 5, 1]] * 4 + [[0, 0, 0]] * 2 + [[1, 1, 2]] * 2

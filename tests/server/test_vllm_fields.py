@@ -295,7 +295,7 @@ BAD_FIELDS = [
     ("image part", {"input": None, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
      "input 0 is an image, but BertModel has no vision tower (images are served for CLIPModel, SiglipModel, "
-     "Siglip2Model)"),
+     "Siglip2Model, ColPaliForRetrieval, ColQwen2ForRetrieval)"),
     ("malformed image part", {"input": None, "messages": [{"role": "user", "content": [
         {"type": "image_url", "text": "x"}]}]},
      "messages.0.content.str: Input should be a valid string; messages.0.content.list[tagged-union[ContentPart,"
