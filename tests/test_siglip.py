@@ -234,14 +234,16 @@ SERVED = "CLIPModel ('clip'), SiglipModel ('siglip'), Siglip2Model ('siglip2')"
 
 @pytest.mark.parametrize(("config_class", "architecture", "message"), [
     ("ViTConfig", "ViTModel", f"ViTModel (model_type 'vit') is a vision model; poolrunner embeds images only with the "
-                              f"text-image families {SERVED}, each with both towers, and serves no other vision or "
-                              "audio model"),
+                              f"text-image families {SERVED}, each with both towers, and pages with "
+                              "ColPaliForRetrieval, ColQwen2ForRetrieval, and serves no other vision or audio model"),
     ("SiglipVisionConfig", "SiglipVisionModel",
      f"SiglipVisionModel (model_type 'siglip_vision_model') is a vision model; poolrunner embeds images only with "
-     f"the text-image families {SERVED}, each with both towers, and serves no other vision or audio model"),
+     f"the text-image families {SERVED}, each with both towers, and pages with ColPaliForRetrieval, "
+     "ColQwen2ForRetrieval, and serves no other vision or audio model"),
     ("WhisperConfig", "WhisperModel",
      f"WhisperModel (model_type 'whisper') is an audio model; poolrunner embeds images only with the text-image "
-     f"families {SERVED}, each with both towers, and serves no other vision or audio model"),
+     f"families {SERVED}, each with both towers, and pages with ColPaliForRetrieval, ColQwen2ForRetrieval, and "
+     "serves no other vision or audio model"),
     ("SiglipConfig", "SiglipForImageClassification",
      "SiglipForImageClassification (model_type 'siglip') is a composite model whose config holds text_config, "
      f"vision_config; of the composite families poolrunner serves only {SERVED}, ColPaliForRetrieval ('colpali'), "

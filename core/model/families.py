@@ -100,8 +100,8 @@ def check_config(path: Path, config: PretrainedConfig) -> None:
     if (modality := _non_text_input(name)) is not None:
         raise ModelLoadError(
             f"{path}: {name} (model_type {config.model_type!r}) is {modality} model; poolrunner embeds images "
-            f"only with the text-image families {served_text_image()}, each with both towers, and serves no "
-            "other vision or audio model"
+            f"only with the text-image families {served_text_image()}, each with both towers, and pages with "
+            f"{', '.join(PAGE_RETRIEVAL_FAMILIES.values())}, and serves no other vision or audio model"
         )
     if config.model_type.endswith(_TEXT_TOWER_SUFFIX):
         raise ModelLoadError(
