@@ -65,8 +65,8 @@ class LoraAdapters:
             if name in self._by_name:
                 raise InvalidRequestError(f"lora {name!r} is loaded already; unload it first", param="lora")
             if len(self._by_name) >= self.capacity:
-                raise InvalidRequestError(f"cannot load lora {name!r}: max_loras {self.capacity} adapters are loaded "
-                                          f"({self.names()}); unload one first", param="lora")
+                raise InvalidRequestError(f"cannot load lora {name!r}: {self.capacity} adapters are loaded, the limit "
+                                          f"(max_loras): {self.names()}; unload one first", param="lora")
             return LoraRequest(name=name, lora_id=next(self._ids), path=path)
 
     def add(self, lora: LoraRequest) -> None:

@@ -172,7 +172,7 @@ def test_bad_adapters_are_refused_and_the_runtime_serves_on(bert, tmp_path):
         "bias": (_edit_config(make_adapter(base, tmp_path / "bias", LoraConfig(r=4, target_modules=["query"])),
                               bias="all"), "adapter_config.json: bias 'all' is not served"),
         "rank": (make_adapter(base, tmp_path / "rank", LoraConfig(r=16, target_modules=["query"])),
-                 "adapter_config.json: r 16 is above max_lora_rank 8"),
+                 "adapter_config.json: r 16 is above max_lora_rank 8 (--max-lora-rank)"),
         "embedding": (make_adapter(base, tmp_path / "emb", LoraConfig(r=4, target_modules=["word_embeddings"])),
                       "LoRA on an embedding layer is not served"),
         "missing": (tmp_path / "nowhere", "adapter_config.json is missing"),
@@ -194,7 +194,7 @@ def test_bad_adapters_are_refused_and_the_runtime_serves_on(bert, tmp_path):
     runtime.load_lora("good", good)  # the next adapter loads and serves
     reference = peft_hidden(base, good, TEXTS[:1])[0].last_hidden_state[0, 0]
     np.testing.assert_allclose(runtime.embed(TEXTS[0], lora="good"), normalized(reference), atol=ATOL)
-    with pytest.raises(InvalidRequestError, match="max_loras 4 adapters are loaded"):
+    with pytest.raises(InvalidRequestError, match=r"4 adapters are loaded, the limit \(max_loras\)"):
         runtime.load_lora("fifth", good)
     runtime.unload_lora("good")
     with pytest.raises(InvalidRequestError, match="lora 'good' is not loaded"):

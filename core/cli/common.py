@@ -287,7 +287,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, several: str | None = 
     model.add_argument("--max-loras", metavar="N", type=positive_int, default=None,
                        help="most LoRA adapters loaded at once (default: as many as --lora-modules)")
     model.add_argument("--max-lora-rank", metavar="R", type=positive_int, default=16,
-                       help="largest LoRA rank served; an adapter of a larger rank is refused (default: 16)")
+                       help="largest LoRA rank served; an adapter of a larger rank is refused")
     add_image_options(parser)
     return model
 

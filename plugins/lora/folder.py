@@ -81,7 +81,7 @@ def read_folder(path: Path, max_rank: int) -> PeftFolder:
     if not isinstance(rank, int) or rank < 1:
         raise _refused(path / CONFIG_FILE, f"r must be a positive integer, got {rank!r}")
     if rank > max_rank:
-        raise _refused(path / CONFIG_FILE, f"r {rank} is above max_lora_rank {max_rank}")
+        raise _refused(path / CONFIG_FILE, f"r {rank} is above max_lora_rank {max_rank} (--max-lora-rank)")
     alpha = config.get("lora_alpha", 8)
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     tensors = _read_tensors(path / WEIGHTS_FILE)
