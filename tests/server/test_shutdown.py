@@ -39,13 +39,17 @@ def test_sigterm_finishes_requests_in_flight_refuses_new_ones_and_exits(sanity_r
     try:
         wait_healthy(process, url)
         assert httpx.get(f"{url}/v1/models").status_code == 401  # the key came from the environment
+        # bound to loopback: only loopback names are answered (DNS rebinding), /health too
+        assert httpx.get(f"{url}/health", headers={"host": "rebound.example:80"}).status_code == 400
         # A request in flight for as long as the test likes: its body arrives in two parts.
         body = json.dumps({"input": [SANITY_TEXT], "encoding_format": "float"}).encode()
         with socket.create_connection(("127.0.0.1", port)) as slow:
-            slow.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer k\r\n"
+            slow.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer k\r\n"
                          b"Content-Type: application/json\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode()
                          + body[:10])
+            deadline = time.monotonic() + 60
             while _in_flight(url, headers) < 2:  # the metrics request itself is the other one
+                assert time.monotonic() < deadline, "the slow request never arrived"
                 time.sleep(0.01)
             process.send_signal(signal.SIGTERM)
             time.sleep(0.3)
