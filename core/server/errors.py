@@ -95,7 +95,7 @@ def install_handlers(app: FastAPI) -> None:
     async def prompt_too_long(request: Request, exc: PromptTooLongError) -> JSONResponse:
         return error_response(400, public_text(request, f"{exc}, or ask the operator for --truncate-prompt-tokens "
                                                         "(the default of clients that cannot send it)"),
-                              "truncate_prompt_tokens")
+                              exc.param or "truncate_prompt_tokens")
 
     app.add_exception_handler(QueueFullError, _status_handler(429))
     app.add_exception_handler(LoopClosedError, _status_handler(503))
