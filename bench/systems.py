@@ -141,13 +141,15 @@ def vllm_system(spec: dict) -> Embed:
 def _vllm_images(spec: dict) -> Embed:
     """vLLM's CLIP pooling (``CLIPEmbeddingModel``): an image is a prompt with an empty text and
     the decoded image as ``multi_modal_data`` (vLLM refuses text and image in one prompt). Its
-    processed-input cache is off (``mm_processor_cache_gb=0``): the profile repeats its files,
-    and every other system preprocesses each one."""
+    processed-input cache (``mm_processor_cache_gb=0``) and its prefix cache are off: the profile
+    repeats its files, and every other system preprocesses and runs each one (with the prefix
+    cache on, a repeated image's whole prompt is a cache hit and vLLM measured 656% of the
+    matmul ceiling)."""
     from PIL import Image
     from vllm import LLM
 
     llm = LLM(model=spec["model"], runner="pooling", dtype=spec["dtype"], seed=0, limit_mm_per_prompt={"image": 1},
-              mm_processor_cache_gb=0)
+              mm_processor_cache_gb=0, enable_prefix_caching=False)
 
     def embed(paths: list[str]) -> np.ndarray:
         prompts = [{"prompt": "", "multi_modal_data": {"image": Image.open(p).convert("RGB")}} for p in paths]
