@@ -107,3 +107,21 @@ def image_features(reference: Any, image: Any) -> np.ndarray:
     with torch.inference_mode():
         features = model.get_image_features(**processor(images=image, return_tensors="pt")).pooler_output
     return torch.nn.functional.normalize(features, dim=-1)[0].numpy()
+
+
+PARITY_ATOL = 1e-4
+"""The fp32 max-abs bar of the image families' parity tests (issue 28)."""
+
+
+def assert_parity(got: Any, want: Any, label: str, *, atol: float | None = PARITY_ATOL) -> None:
+    """Rows of ``got`` against the reference ``want`` (``[rows, dim]``, or one vector; ``got`` an
+    array the Python API gave, float32, or numbers an answer decoded): the same shape, cosine >=
+    :data:`MIN_COSINE` per row and max abs <= ``atol`` (``None``: the cosine alone); prints the
+    deviation (``pytest -s``)."""
+    assert not isinstance(got, np.ndarray) or got.dtype == np.float32, (label, got.dtype)
+    got, want = np.atleast_2d(np.asarray(got, dtype=np.float32)), np.atleast_2d(np.asarray(want))
+    assert got.shape == want.shape, (label, got.shape, want.shape)
+    cosine = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
+    deviation = float(np.abs(got - want).max())
+    print(f"deviation {label}: max abs {deviation:.2e}, min cosine {cosine.min():.8f}")
+    assert cosine.min() >= MIN_COSINE and (atol is None or deviation <= atol), (label, cosine.min(), deviation)

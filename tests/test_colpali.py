@@ -23,7 +23,8 @@ import io
 import numpy as np
 import pytest
 
-MIN_COSINE = 0.9999
+from tests.helpers import assert_parity
+
 ATOL = 1e-4
 QUERIES = ["w1 w2 w3", "w5 w190 w7 w8 w9 w10 w11", "w4"]
 PHOTOS = ("page", "text", "astronaut", "chelsea", "rocket")
@@ -93,16 +94,6 @@ def embeddings(reference, item):
         return model(**batch).embeddings[0]
 
 
-def assert_close(got, want, label: str) -> None:
-    """Per token: cosine >= MIN_COSINE, and max abs <= ATOL over all."""
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape and got.dtype == np.float32, (label, got.shape, want.shape, got.dtype)
-    cosine = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
-    deviation = float(np.abs(got - want).max())
-    print(f"deviation {label}: max abs {deviation:.2e}, min cosine {cosine.min():.8f}")
-    assert cosine.min() >= MIN_COSINE and deviation <= ATOL, (label, cosine.min(), deviation)
-
-
 def png(image) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
@@ -147,8 +138,8 @@ def test_queries_and_pages_in_one_step_equal_embeddings(family, runtime, referen
     assert len(log.steps) == 1 and len(log.steps[0].request_ids) == len(inputs)
     for index, (item, vectors) in enumerate(zip(inputs, got, strict=True)):
         want = embeddings(reference, item) if isinstance(item, str) else page_vectors[photos.index(item)]
-        assert_close(vectors, want.numpy(), f"{family}/input {index}")
-    assert_close(runtime.encode(QUERIES[1], task="token_embed")[0], embeddings(reference, QUERIES[1]).numpy(),
+        assert_parity(vectors, want.numpy(), f"{family}/input {index}")
+    assert_parity(runtime.encode(QUERIES[1], task="token_embed")[0], embeddings(reference, QUERIES[1]).numpy(),
                  f"{family}/one-query")
 
 
@@ -163,7 +154,7 @@ def test_a_page_runs_whole_in_one_step(family, folder, runtime, photos):
     with record_steps(budgeted) as log:
         got = budgeted.encode(inputs)
     for index, (a, b) in enumerate(zip(got, want, strict=True)):
-        assert_close(a, b, f"{family}/budget8 input {index}")
+        assert_parity(a, b, f"{family}/budget8 input {index}")
     assert all(len(log.chunks(request)) == 1 for request in log.admitted)
     assert not log.in_flight
 
@@ -209,7 +200,7 @@ def test_hostile_image_is_refused_naming_it(case, family, runtime, photos, page_
     with pytest.raises(InvalidRequestError) as info:
         runtime.encode([QUERIES[0], item, photos[3]])
     assert str(info.value) == message
-    assert_close(runtime.encode([photos[3]])[0], page_vectors[3].numpy(), f"{family}/after-{case}")
+    assert_parity(runtime.encode([photos[3]])[0], page_vectors[3].numpy(), f"{family}/after-{case}")
 
 
 def test_http_pooling_score_and_rerank_equal_the_python_api(runtime, photos):
@@ -247,7 +238,7 @@ def test_a_page_of_extreme_aspect_ratio(family, runtime, reference):
 
     page = Image.new("RGB", (1, 400), (200, 30, 30))
     if family == "colpali":
-        assert_close(runtime.encode(page)[0], embeddings(reference, page).numpy(), f"{family}/1x400")
+        assert_parity(runtime.encode(page)[0], embeddings(reference, page).numpy(), f"{family}/1x400")
         return
     with pytest.raises(InvalidRequestError) as info:
         runtime.encode([QUERIES[0], page])

@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.helpers import assert_parity
+
 TEXTS = ["w1 w2 w3", "w5 w900 w7 w8 w9 w10 w11 w12 w13", "w4"]
 PHOTOS = ("astronaut", "chelsea", "page")
 
@@ -45,14 +47,6 @@ def photos():
     return [Image.fromarray(getattr(skimage.data, name)()) for name in PHOTOS]
 
 
-def assert_close(got: np.ndarray, want: np.ndarray, label: str) -> None:
-    cosine = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
-    deviation = float(np.abs(got - want).max())
-    print(f"deviation {label}: max abs {deviation:.2e}, min cosine {cosine.min():.8f}")
-    assert got.shape == want.shape and got.dtype == np.float32, (got.shape, want.shape, got.dtype)
-    assert cosine.min() >= 0.9999 and deviation <= 1e-4, (label, cosine, deviation)
-
-
 def test_texts_and_images_equal_sentence_transformers(folder, photos):
     from sentence_transformers import SentenceTransformer
 
@@ -62,8 +56,8 @@ def test_texts_and_images_equal_sentence_transformers(folder, photos):
     runtime = Runtime(str(folder), dtype="float32", load_entrypoints=False)
     normalized = folder.parent.name.startswith("clip-normalize")
     assert (runtime.model_config.architecture, runtime.model_config.normalize) == ("CLIPModel", normalized)
-    assert_close(runtime.embed(TEXTS), reference.encode(TEXTS), f"{folder.parent.name}/texts")
-    assert_close(runtime.embed(photos), reference.encode(photos), f"{folder.parent.name}/images")
+    assert_parity(runtime.embed(TEXTS), reference.encode(TEXTS), f"{folder.parent.name}/texts")
+    assert_parity(runtime.embed(photos), reference.encode(photos), f"{folder.parent.name}/images")
     norms = np.linalg.norm(runtime.embed(TEXTS + photos), axis=1)
     assert np.allclose(norms, 1.0, atol=1e-5) is normalized  # CLIPModel alone does not normalize
 

@@ -22,7 +22,8 @@ import zlib
 import numpy as np
 import pytest
 
-MIN_COSINE = 0.9999
+from tests.helpers import assert_parity
+
 TEXT = "w5 w900 w7 w8"
 MAX_IMAGES = 4
 MAX_BYTES = 1_500_000
@@ -159,13 +160,6 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64," + base64.b64encode(data).decode()
 
 
-def assert_close(got, want, label: str) -> None:
-    got, want = np.atleast_2d(np.asarray(got, dtype=np.float32)), np.atleast_2d(want)
-    cosine = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
-    print(f"{label}: min cosine {cosine.min():.8f}, max abs {np.abs(got - want).max():.2e}")
-    assert cosine.min() >= MIN_COSINE, (label, cosine)
-
-
 def vectors(answer) -> np.ndarray:
     assert answer.status_code == 200, answer.text
     body = answer.json()
@@ -188,9 +182,9 @@ def test_vllm_messages_embed_one_image_or_one_text(client, reference, photos, pa
     """vLLM's chat form for CLIP: an image-only prompt is the image's features, a text-only one
     the text's (with CLIP's special tokens, as ``input`` would give)."""
     image = vectors(client.post(path, json={"messages": chat(image_part(data_url(png(photos[0]))))}))
-    assert_close(image, reference(photos[0]), f"messages-image{path}")
+    assert_parity(image, reference(photos[0]), f"messages-image{path}")
     text = vectors(client.post(path, json={"messages": chat({"type": "text", "text": TEXT})}))
-    assert_close(text, reference(TEXT), f"messages-text{path}")
+    assert_parity(text, reference(TEXT), f"messages-text{path}")
     both = client.post(path, json={"messages": chat({"type": "text", "text": TEXT}, image_part(data_url(b"x")))})
     assert both.status_code == 400 and "embeds a text or an image, not both" in both.json()["error"]["message"]
 
@@ -203,10 +197,10 @@ def test_infinity_modality_image(client, reference, photos):
     from PIL import Image
 
     decoded_jpeg = Image.open(io.BytesIO(jpeg(photos[2])))  # lossy: the reference sees what the server decodes
-    assert_close(vectors(answer), np.stack([reference(photos[0]), reference(decoded_jpeg)]), "infinity")
+    assert_parity(vectors(answer), np.stack([reference(photos[0]), reference(decoded_jpeg)]), "infinity")
     encoded = client.post("/embeddings", json={"input": urls[0], "modality": "image", "encoding_format": "base64"})
     got = np.frombuffer(base64.b64decode(encoded.json()["data"][0]["embedding"]), dtype=np.float32)
-    assert_close(got, reference(photos[0]), "infinity-base64")
+    assert_parity(got, reference(photos[0]), "infinity-base64")
     audio = client.post("/embeddings", json={"input": urls[0], "modality": "audio"})
     assert audio.status_code == 400 and "modality 'audio' is not served" in audio.json()["error"]["message"]
 
@@ -227,14 +221,14 @@ def _check_cohere(sdk, reference, photos, quantize_embeddings) -> None:
     urls = [data_url(png(photo)) for photo in photos[:2]]
     answer = sdk.embed(model="clip", input_type="image", images=urls, embedding_types=["float", "int8", "ubinary"])
     want = np.stack([reference(photo) for photo in photos[:2]])
-    assert_close(answer.embeddings.float_, want, "cohere-images")
+    assert_parity(answer.embeddings.float_, want, "cohere-images")
     floats = np.array(answer.embeddings.float_, dtype=np.float32)
     np.testing.assert_array_equal(answer.embeddings.int8, quantize_embeddings(floats, precision="int8"))
     np.testing.assert_array_equal(answer.embeddings.ubinary, quantize_embeddings(floats, precision="ubinary"))
     assert answer.meta.billed_units.images == 2
     mixed = sdk.embed(model="clip", input_type="search_document", embedding_types=["float"], inputs=[
         {"content": [{"type": "text", "text": TEXT}]}, {"content": [image_part(urls[1])]}])
-    assert_close(mixed.embeddings.float_, np.stack([reference(TEXT), reference(photos[1])]), "cohere-inputs")
+    assert_parity(mixed.embeddings.float_, np.stack([reference(TEXT), reference(photos[1])]), "cohere-inputs")
 
 
 # ---- hostile images: a 4xx naming the input, then the connection serves ----
@@ -320,7 +314,7 @@ def test_other_image_modes_give_their_rgb_first_frame(client, reference, mode):
     decoded.seek(0)
     mime = "image/jpeg" if mode == "png-named-jpeg" else "image/png"
     got = vectors(client.post("/v1/embeddings", json={"input": [data_url(buffer.getvalue(), mime)]}))
-    assert_close(got, reference(decoded.convert("RGB")), mode)
+    assert_parity(got, reference(decoded.convert("RGB")), mode)
 
 
 # ---- remote URLs and limits ----
@@ -334,7 +328,7 @@ def test_allowed_host_is_fetched_others_never(client, reference, photos, image_h
         answer = client.post(path, json=body)
         assert answer.status_code == 200, answer.text
         got = answer.json()["embeddings"]["float"] if path == "/v2/embed" else vectors(answer)
-        assert_close(got, reference(photos[1]), f"fetched{path}")
+        assert_parity(got, reference(photos[1]), f"fetched{path}")
     port = image_host.rsplit(":", 1)[1]
     _Files.requested.clear()
     refused = {
