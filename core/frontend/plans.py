@@ -33,6 +33,7 @@ from poolrunner.core.frontend.requests import (
     ScoreRequest,
     Tokenization,
     TokenizeRequest,
+    as_items,
     is_pair,
 )
 from poolrunner.core.frontend.scoring import cosine, maxsim, pair_up, sigmoid_score, text_labels
@@ -316,8 +317,7 @@ class Frontend:
         :raises InvalidRequestError: for SigLIP, a request mixing (text, image) pairs with pairs of
             one kind (their scores would be on two scales).
         """
-        sides = [[side] if isinstance(side, str) or is_image(side, data_urls=True) else list(side)
-                 for side in (request.queries, request.documents)]
+        sides = [list(as_items(side)) for side in (request.queries, request.documents)]
         queries, documents = sides
         if not queries or not documents:
             raise InvalidRequestError("scoring needs at least one query and one document")
@@ -376,7 +376,7 @@ class Frontend:
             return self._plan_image_score(request)
         if self.images is not None and self.default_task == "embed" and any(
                 is_image(item, data_urls=True) for side in (request.queries, request.documents)
-                for item in ([side] if isinstance(side, str) or is_image(side) else side)):
+                for item in as_items(side)):
             return self._plan_image_score(request)
         pairs = pair_up(request.queries, request.documents, names=request.sides)
         if request.max_tokens_per_doc is not None:
