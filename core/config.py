@@ -128,7 +128,10 @@ class RuntimeConfig:
         ``--lora-modules``); requests pick one by name (``lora=NAME``). Setting this or
         ``max_loras`` serves adapters: the linear layers then run unpacked (no oneDNN prepacking,
         whose fused activations would come before an adapter's term), and ``dtype="int8"`` is refused.
-    :ivar max_loras: Most adapters loaded at once; ``None``: as many as ``lora_modules`` (at least 1).
+    :ivar max_loras: Most adapters resident in the model at once (vLLM's ``--max-loras``);
+        ``lora_modules`` may name more: past it the least recently used idle one is unloaded and
+        loaded again from its folder when a request names it. ``None``: as many as
+        ``lora_modules`` (at least 1).
     :ivar max_lora_rank: Largest adapter rank served (vLLM's default, 16).
     :ivar max_image_bytes: Most bytes of one encoded image (a file, bytes, a data URL's payload,
         a download); a text-image model refuses a larger one naming it.
@@ -179,9 +182,6 @@ class RuntimeConfig:
         if self.lora_enabled and self.dtype == "int8":
             raise InvalidRequestError("dtype 'int8' does not serve LoRA adapters (lora_modules, max_loras): "
                                       "its calibrated int8 layers have no adapter term")
-        if self.max_loras is not None and len(self.lora_modules) > self.max_loras:
-            raise InvalidRequestError(f"lora_modules names {len(self.lora_modules)} adapters, more than max_loras "
-                             f"{self.max_loras}")
 
     @property
     def lora_enabled(self) -> bool:
@@ -190,7 +190,7 @@ class RuntimeConfig:
 
     @property
     def lora_capacity(self) -> int:
-        """How many adapters may be loaded at once (0: adapters are not served)."""
+        """How many adapters may be resident at once (0: adapters are not served)."""
         if not self.lora_enabled:
             return 0
         return self.max_loras if self.max_loras is not None else max(len(self.lora_modules), 1)

@@ -39,7 +39,7 @@ from poolrunner.core.loading import LoadedModel, load
 from poolrunner.core.manager import PoolrunnerPluginManager
 from poolrunner.core.plugin_api.output import RequestOutput
 from poolrunner.core.similarity import SimilarityFn, check_similarity_fn
-from poolrunner.core.types import ModelConfig, PoolingRequest, PoolingTask, PromptInput, TruncationSide
+from poolrunner.core.types import LoraRequest, ModelConfig, PoolingRequest, PoolingTask, PromptInput, TruncationSide
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,8 @@ class Runtime:
         self.frontend = Frontend(loaded.model_config, loaded.inputs, loaded.hooks, loaded.tasks, loaded.task,
                                  loaded.options, max_embed_len=loaded.config.max_embed_len,
                                  score_template=loaded.score_template, images=loaded.images,
-                                 adapters=LoraAdapters(loaded.config.lora_capacity),
+                                 adapters=LoraAdapters(loaded.config.lora_capacity, self._load_adapter,
+                                                       self._unload_adapter),
                                  image_score=loaded.image_score)
         self._engine = loaded.engine  # private: driven by this runtime alone (or its serving loop)
         self._engine_lock = threading.Lock()
@@ -114,7 +115,7 @@ class Runtime:
 
     @property
     def lora_adapters(self) -> list[str]:
-        """The names of the loaded LoRA adapters, in load order."""
+        """The names of the registered LoRA adapters (resident or not), in registration order."""
         return self.frontend.adapters.names()
 
     def load_lora(self, name: str, path: str | os.PathLike[str]) -> None:
@@ -123,21 +124,19 @@ class Runtime:
 
         Its weights go next to the base model's, which stay shared: requests of every adapter
         and of none share steps. Safe while :meth:`serving`: requests already running are not
-        affected.
+        affected. At most ``max_loras`` adapters are resident at once (vLLM's ``--max-loras``):
+        past it, the least recently used one without requests in flight leaves the model, and
+        is loaded again from its folder when a request names it.
 
-        :raises InvalidRequestError: (param ``lora``) when ``name`` is loaded already, or
-            ``max_loras`` adapters are, or this runtime serves no adapters.
+        :raises InvalidRequestError: (param ``lora``) when ``name`` is loaded already, or this
+            runtime serves no adapters.
+        :raises AdaptersBusyError: when all ``max_loras`` resident adapters have requests in flight.
         :raises ModelLoadError: for a folder refused (naming the file, the field or the tensor):
-            another base model, DoRA, a bias, an embedding layer, a rank above ``max_lora_rank``.
+            another base model, DoRA, a bias, an embedding layer, a rank above ``max_lora_rank``,
+            a sentence-transformers pipeline pooling otherwise than the base model's (the folder's
+            own prompts are followed: :func:`~poolrunner.core.adapters.st_prompts`).
         """
-        adapters = self.frontend.adapters
-        lora = adapters.reserve(name, Path(path))
-        described = self._hooks.load_adapter(model=self._engine.runner.model, model_config=self.model_config,
-                                             lora=lora, max_rank=self.config.max_lora_rank)
-        if described is None:
-            raise ModelLoadError(f"lora {name!r}: no installed plugin loads LoRA adapters (the built-in 'lora' "
-                                 "plugin is disabled?)")
-        adapters.add(lora)
+        _, described = self.frontend.adapters.register(name, Path(path), self.model_config)
         logger.info("loaded LoRA adapter %r from %s: %s", name, path, described)
 
     def unload_lora(self, name: str) -> None:
@@ -146,9 +145,18 @@ class Runtime:
 
         :raises InvalidRequestError: (param ``lora``) when it is not loaded.
         """
-        lora = self.frontend.adapters.remove(name)
-        self.frontend.adapters.wait_idle(lora.lora_id)
-        self._hooks.unload_adapter(model=self._engine.runner.model, lora_id=lora.lora_id)
+        self.frontend.adapters.remove(name)
+
+    def _load_adapter(self, lora: LoraRequest) -> str:
+        described = self._hooks.load_adapter(model=self._engine.runner.model, model_config=self.model_config,
+                                             lora=lora, max_rank=self.config.max_lora_rank)
+        if described is None:
+            raise ModelLoadError(f"lora {lora.name!r}: no installed plugin loads LoRA adapters (the built-in 'lora' "
+                                 "plugin is disabled?)")
+        return described
+
+    def _unload_adapter(self, lora_id: int) -> None:
+        self._hooks.unload_adapter(model=self._engine.runner.model, lora_id=lora_id)
 
     def embed(
         self,

@@ -194,11 +194,60 @@ def test_bad_adapters_are_refused_and_the_runtime_serves_on(bert, tmp_path):
     runtime.load_lora("good", good)  # the next adapter loads and serves
     reference = peft_hidden(base, good, TEXTS[:1])[0].last_hidden_state[0, 0]
     np.testing.assert_allclose(runtime.embed(TEXTS[0], lora="good"), normalized(reference), atol=ATOL)
-    with pytest.raises(InvalidRequestError, match=r"4 adapters are loaded, the limit \(max_loras\)"):
-        runtime.load_lora("fifth", good)
     runtime.unload_lora("good")
     with pytest.raises(InvalidRequestError, match="lora 'good' is not loaded"):
         runtime.embed(TEXTS, lora="good")
+
+
+def _peft_embeddings(base: Path, adapters: dict[str, Path], name: str | None) -> np.ndarray:
+    return np.stack([normalized(out.last_hidden_state[0, 0]) for out in peft_hidden(base, adapters.get(name), TEXTS)])
+
+
+def test_lru_eviction_reloads_adapters_from_their_folders(bert):
+    """vLLM's ``--max-loras``: three adapters registered, two resident; a request naming the
+    third loads it again from its folder in place of the least recently used, under its number."""
+    base, adapters, _ = bert
+    runtime = Runtime(base, dtype="float32", lora_modules=adapters, max_loras=2, max_lora_rank=8)
+    registry = runtime.frontend.adapters
+    assert runtime.lora_adapters == ["names", "regex", "all"]
+    assert registry.resident() == ["regex", "all"]  # all three folders checked at start
+    numbers = {name: registry.get(name).lora_id for name in adapters}
+    expected = {name: _peft_embeddings(base, adapters, name) for name in adapters}
+    for name, resident in [("names", ["all", "names"]), ("regex", ["names", "regex"]), ("all", ["regex", "all"]),
+                           ("regex", ["all", "regex"]), ("names", ["regex", "names"])]:
+        np.testing.assert_allclose(runtime.embed(TEXTS, lora=name), expected[name], atol=ATOL)
+        assert registry.resident() == resident
+    assert {name: registry.get(name).lora_id for name in adapters} == numbers  # reloaded under its number
+    runtime.unload_lora("all")
+    runtime.load_lora("all", adapters["all"])
+    assert registry.get("all").lora_id > max(numbers.values())  # a new registration: a new number
+
+
+def test_eviction_never_drops_an_adapter_in_flight(bert):
+    """An adapter with requests in flight is never the one evicted; when every resident adapter
+    has some, a request needing another is refused (429) naming max_loras, and serving goes on."""
+    from poolrunner.core.adapters import AdaptersBusyError
+
+    base, adapters, _ = bert
+    runtime = Runtime(base, dtype="float32", lora_modules=adapters, max_loras=2, max_lora_rank=8)
+    registry = runtime.frontend.adapters
+    expected = {name: _peft_embeddings(base, adapters, name) for name in adapters}
+    in_flight = runtime.frontend.plan(planned("embed", TEXTS, "names")).requests  # least recently used
+    with registry.using(in_flight):  # what Serving.run and Runtime calls hold while their requests run
+        assert registry.resident() == ["all", "names"]  # made resident for them, in place of 'regex'
+        np.testing.assert_allclose(runtime.embed(TEXTS, lora="regex"), expected["regex"], atol=ATOL)
+        assert registry.resident() == ["names", "regex"]  # 'all' went, 'names' (in flight) stayed
+        with registry.using(runtime.frontend.plan(planned("embed", TEXTS, "regex")).requests):
+            with pytest.raises(AdaptersBusyError, match=re.escape(
+                    "cannot load lora 'all': max_loras 2 (--max-loras) adapters are resident and ['names', "
+                    "'regex'] have requests in flight; retry when they finish")):
+                runtime.embed(TEXTS, lora="all")
+        np.testing.assert_allclose(runtime.embed(TEXTS, lora="all"), expected["all"], atol=ATOL)
+        assert registry.resident() == ["names", "all"]
+    three = [r for name in adapters for r in runtime.frontend.plan(planned("embed", TEXTS, name)).requests]
+    with pytest.raises(InvalidRequestError, match=re.escape("one call names 3 LoRA adapters, more than max_loras 2")):
+        run_together(runtime, three)
+    np.testing.assert_allclose(runtime.embed(TEXTS), _peft_embeddings(base, adapters, None), atol=ATOL)
 
 
 def test_cli_lora_modules_and_lora(bert, tmp_path):
@@ -346,3 +395,84 @@ def test_unload_waits_for_requests_in_flight(tmp_path_factory):
     expected = [normalized(out.last_hidden_state[0, 0]) for out in peft_hidden(base, adapter, TEXTS)]
     np.testing.assert_allclose(np.stack([o.numpy() for o in outputs]), np.stack(expected * 20), atol=ATOL)
     assert runtime.lora_adapters == []
+
+
+def test_serve_lora_modules_16_mixed_clients(bert):
+    """``serve --lora-modules a=... b=...`` as the command line builds it: 16 concurrent clients
+    mixing ``model: a``, ``b`` and the base, each answer PEFT's (transformers' for the base)."""
+    import concurrent.futures
+
+    import httpx
+
+    from poolrunner.core.cli.main import build_parser
+    from poolrunner.core.cli.model_specs import load_served_models, model_specs
+    from poolrunner.core.testing.server import ServerThread
+
+    base, adapters, _ = bert
+    args = build_parser().parse_args(["serve", "--model", str(base), "--served-model-name", "base", "--dtype",
+                                      "float32", "--max-lora-rank", "8", "--lora-modules",
+                                      f"a={adapters['names']}", f"b={adapters['regex']}"])
+    expected = {"a": _peft_embeddings(base, adapters, "names"), "b": _peft_embeddings(base, adapters, "regex"),
+                "base": _peft_embeddings(base, adapters, None)}
+    with ServerThread(load_served_models(args, model_specs(args))) as server, httpx.Client(timeout=60) as client:
+        def embed(model):
+            answer = client.post(server.url + "/v1/embeddings", json={"model": model, "input": TEXTS})
+            assert answer.status_code == 200, answer.text
+            return model, np.array([item["embedding"] for item in answer.json()["data"]], dtype=np.float32)
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(embed, ["a", "b", "base", "b"] * 4))
+    assert len(answers) == 16
+    for model, vectors in answers:
+        np.testing.assert_allclose(vectors, expected[model], atol=ATOL, err_msg=model)
+
+
+def _st_files(folder: Path, *, pooling: str, prompts: dict[str, str], default: str | None = None) -> Path:
+    """sentence-transformers' files (Transformer at the root, Pooling, Normalize) in ``folder``."""
+    modules = [{"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+               for i, (path, kind) in enumerate([("", "Transformer"), ("1_Pooling", "Pooling"),
+                                                 ("2_Normalize", "Normalize")])]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    for sub in ("1_Pooling", "2_Normalize"):
+        (folder / sub).mkdir(exist_ok=True)
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64,
+                                                                  "pooling_mode": pooling}))
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 32, "do_lower_case": False}))
+    (folder / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": prompts, "default_prompt_name": default, "similarity_fn_name": "cosine"}))
+    return folder
+
+
+def test_adapter_folder_prompts_follow_sentence_transformers(tmp_path_factory):
+    """An adapter saved as a sentence-transformers folder (its modules.json and prompts beside the
+    PEFT files): requests naming it use its prompts, as ``SentenceTransformer(folder)`` does; a
+    folder pooling otherwise than the base model is refused naming the file."""
+    from sentence_transformers import SentenceTransformer
+
+    root = tmp_path_factory.mktemp("lora-st")
+    base = _st_files(tiny_model_folder(root / "base", "bert", "model"), pooling="mean", prompts={"q": "search: "})
+
+    def st_adapter(name: str, pooling: str) -> Path:
+        folder = make_adapter(base, root / name, LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"]))
+        AutoTokenizer.from_pretrained(base).save_pretrained(folder)  # as ST's save_pretrained leaves it
+        return _st_files(folder, pooling=pooling, prompts={"query": "query: ", "passage": "passage: "},
+                         default="query")
+
+    adapter = st_adapter("st", "mean")
+    runtime = Runtime(base, dtype="float32", lora_modules={"st": adapter})
+    reference = SentenceTransformer(str(adapter), device="cpu")
+    np.testing.assert_allclose(runtime.embed(TEXTS, lora="st"), reference.encode(TEXTS), atol=ATOL)  # "query: "
+    np.testing.assert_allclose(runtime.embed(TEXTS, lora="st", prompt_name="passage"),
+                               reference.encode(TEXTS, prompt_name="passage"), atol=ATOL)
+    with pytest.raises(InvalidRequestError, match=re.escape(
+            f"prompt_name 'q' is not defined by LoRA adapter 'st' ({adapter / 'config_sentence_transformers.json'}); "
+            "defined: ['passage', 'query']")):
+        runtime.embed(TEXTS, lora="st", prompt_name="q")
+    with pytest.raises(ModelLoadError, match=re.escape(
+            f"{root / 'cls' / '1_Pooling/config.json'}: the adapter's pooling 'CLS' differs from the base model's "
+            "'MEAN'")):
+        runtime.load_lora("cls", st_adapter("cls", "cls"))
+    assert runtime.lora_adapters == ["st"]
+    base_reference = SentenceTransformer(str(base), device="cpu")  # the base keeps its own prompts
+    np.testing.assert_allclose(runtime.embed(TEXTS, prompt_name="q"), base_reference.encode(TEXTS, prompt_name="q"),
+                               atol=ATOL)

@@ -285,7 +285,8 @@ def add_model_options(parser: argparse.ArgumentParser, *, several: str | None = 
                             "form '{\"name\": NAME, \"path\": PATH}'; repeatable; requests pick one by name "
                             "(--lora, or the HTTP body's model)")
     model.add_argument("--max-loras", metavar="N", type=positive_int, default=None,
-                       help="most LoRA adapters loaded at once (default: as many as --lora-modules)")
+                       help="most LoRA adapters resident at once (default: as many as --lora-modules); more are "
+                            "loaded again from their folders as requests name them, least recently used out")
     model.add_argument("--max-lora-rank", metavar="R", type=positive_int, default=16,
                        help="largest LoRA rank served; an adapter of a larger rank is refused")
     add_image_options(parser)
