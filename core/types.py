@@ -193,11 +193,34 @@ class LoraRequest:
     :ivar lora_id: Its number, unique in the runtime, at least 1 (vLLM's ``lora_int_id``):
         what engine requests carry (:attr:`PoolingParams.lora_id`).
     :ivar path: The PEFT folder (``adapter_config.json``, ``adapter_model.safetensors``).
+    :ivar prompts: The folder's own sentence-transformers prompts
+        (``config_sentence_transformers.json``), which requests naming the adapter use instead of
+        the base model's; ``None``: the folder has no ``modules.json``, the base model's apply.
+    :ivar default_prompt_name: The folder's ``default_prompt_name`` (with :attr:`prompts`).
     """
 
     name: str = field(validator=validators.min_len(1))
     lora_id: int = field(validator=positive_int)
     path: Path
+    prompts: dict[str, str] | None = field(default=None, hash=False)
+    default_prompt_name: str | None = None
+
+    def prompt(self, prompt_name: str | None) -> str | None:
+        """The literal prompt of ``prompt_name`` (else of :attr:`default_prompt_name`) from the
+        adapter's own prompts; ``None`` when the adapter has none of its own.
+
+        :raises InvalidRequestError: (param ``prompt_name``) for a name the adapter does not define.
+        """
+        if self.prompts is None:
+            return None
+        name = prompt_name or self.default_prompt_name
+        if name is None:
+            return ""
+        if name not in self.prompts:
+            raise InvalidRequestError(f"prompt_name {name!r} is not defined by LoRA adapter {self.name!r} "
+                                      f"({self.path / 'config_sentence_transformers.json'}); defined: "
+                                      f"{sorted(self.prompts)}", param="prompt_name")
+        return self.prompts[name]
 
 
 @frozen(kw_only=True)

@@ -214,14 +214,19 @@ class Frontend:
         ``model_config.image_positions`` placeholder tokens carrying its pixel values, decoded
         and preprocessed here (the server plans in worker threads).
 
-        A ``tokenization.lora`` name sets ``params.lora_id`` to that adapter's number. A
+        A ``tokenization.lora`` name sets ``params.lora_id`` to that adapter's number, and the
+        adapter's own sentence-transformers prompts, when its folder has them, replace the base
+        model's (:meth:`~poolrunner.core.types.LoraRequest.prompt`). A
         page-retrieval model's inputs are its processor's (:meth:`_prepare_pages`).
 
         :raises InvalidRequestError: for bad input, naming its index and the limit it breaks; for
             a ``lora`` that is not loaded.
         """
         if tokenization.lora is not None:
-            params = attrs.evolve(params, lora_id=self.adapters.get(tokenization.lora).lora_id)
+            lora = self.adapters.get(tokenization.lora)
+            params = attrs.evolve(params, lora_id=lora.lora_id)
+            if tokenization.prompt is None and (prompt := lora.prompt(tokenization.prompt_name)) is not None:
+                tokenization = attrs.evolve(tokenization, prompt=prompt, prompt_name=None)  # the adapter's own
         if isinstance(self.images, PageInputs):
             return self._prepare_pages(self.images, inputs, params, tokenization)
         image_at = [i for i, item in enumerate(inputs) if is_image(item, data_urls=self.images is not None)]
