@@ -392,3 +392,30 @@ def test_a_failure_of_ray_itself_is_one_line(tmp_path, monkeypatch, capsys) -> N
     assert (code, capsys.readouterr().err) == (2, "poolrunner: error: the Ray job failed: OSError: the node died\n"
                                                   "poolrunner: hint: Ray's own logs are in "
                                                   "/tmp/ray/session_latest/logs on each node\n")
+
+
+# PEFT 0.21 reads transformers' deprecated is_gradient_checkpointing: the reference's warning, not ours.
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_lora_job_rows_equal_peft(ray_cluster, tmp_path) -> None:
+    """``run_job(lora_modules=, lora=)`` and ``embed --ray --lora-modules --lora``: every row is
+    PEFT's embedding with the adapter active."""
+    pytest.importorskip("peft")  # the test extra installs it; a missing reference is not a pass
+    from peft import LoraConfig
+
+    from poolrunner.core.testing.tiny_models import tiny_model_folder
+    from tests.test_lora import make_adapter, normalized, peft_hidden
+
+    base = tiny_model_folder(tmp_path / "base", "bert", "model")
+    adapter = make_adapter(base, tmp_path / "a", LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"]))
+    texts = ["w1 w2 w3", "w7 w8", "w10 w11 w12 w13"]
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    (inputs / "t.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    expected = np.stack([normalized(out.last_hidden_state[0, 0]) for out in peft_hidden(base, adapter, texts)])
+    run_job(str(inputs), str(tmp_path / "api"), model=str(base), runtime_options={"dtype": "float32"},
+            lora_modules={"a": str(adapter)}, lora="a")
+    assert main(["embed", "--ray", "--model", str(base), "--dtype", "float32", "--lora-modules", f"a={adapter}",
+                 "--lora", "a", "--input", str(inputs), "--output", str(tmp_path / "cli")]) == 0
+    for out in ("api", "cli"):
+        [table] = read_outputs(tmp_path / out).values()
+        np.testing.assert_allclose(embeddings(table), expected, atol=1e-4, err_msg=out)

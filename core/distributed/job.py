@@ -84,6 +84,8 @@ def run_job(
     batch_size: int = 256,
     runtime_options: Mapping[str, Any] | None = None,
     request_options: Mapping[str, Any] | None = None,
+    lora_modules: Mapping[str, str] | None = None,
+    lora: str | None = None,
     address: str | None = None,
 ) -> JobResult:
     """Run ``task`` over every row of ``inputs`` on Ray and write one Parquet file per input file.
@@ -135,6 +137,9 @@ def run_job(
         :class:`~poolrunner.core.config.RuntimeConfig` option (``dtype``, ``max_num_batched_tokens``...).
     :param request_options: :meth:`Runtime.encode` arguments (``dimensions``, ``normalize``,
         ``truncate_prompt_tokens``, ``prompt_name``...).
+    :param lora_modules: LoRA adapters each runtime loads, name -> PEFT folder readable on every
+        node (the runtime option ``lora_modules``, vLLM's ``--lora-modules``).
+    :param lora: The adapter every row runs with (the request option ``lora``); ``None``: the base model.
     :param address: Ray cluster to connect to (``auto``, ``ray://host:10001``...); ``None``: the
         one Ray is already initialized with, else ``ray.init()``'s default (``$RAY_ADDRESS``, a
         running local cluster, or a new one).
@@ -147,8 +152,10 @@ def run_job(
     require_ray()
 
     start = time.perf_counter()
+    runtime_options = _with_option(runtime_options, "lora_modules", lora_modules, "runtime_options")
     config, plugins = runtime_config(task, model, runtime_options)
-    request_options = _request_options(request_options, config, plugins)
+    request_options = _request_options(_with_option(request_options, "lora", lora, "request_options"), config,
+                                       plugins)
     for name, value in (("num_actors", num_actors), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
@@ -233,6 +240,15 @@ def runtime_config(
         return RuntimeConfig.from_options(model, task=task, **options), plugins
     except TypeError as exc:
         raise InvalidRequestError(f"runtime_options: {exc}") from None
+
+
+def _with_option(options: Mapping[str, Any] | None, name: str, value: Any, where: str) -> Mapping[str, Any] | None:
+    """``options`` with the argument ``name`` added, when given."""
+    if value is None:
+        return options
+    if name in (options or {}):
+        raise InvalidRequestError(f"{name} is given both as an argument and in {where}: pass it once")
+    return {**(options or {}), name: value}
 
 
 def _request_options(options: Mapping[str, Any] | None, config: RuntimeConfig,
