@@ -47,6 +47,7 @@ from tests.models.architectures import (
     EXACT,
     FAMILIES,
     HEADS,
+    LORA_REFUSED,
     PAGE_RETRIEVAL,
     REFUSED,
     REMOTE_CODE_MARKER,
@@ -57,6 +58,7 @@ from tests.models.architectures import (
     build_folder,
     inputs_for,
     load_reference,
+    lora_status,
     reference_output,
     rows,
     support_table,
@@ -334,3 +336,44 @@ def test_matches_transformers(row, mode, matrix):
     if row.head == "model":
         assert deviation.min_cosine >= MIN_COSINE, f"{row.architecture} {mode}: {deviation}"
     assert deviation.max_abs <= ATOL, f"{row.architecture} {mode}: {deviation}"
+
+
+# --------------------------------------------------------------------------- LoRA column
+
+
+LORA_ROWS = [pytest.param(row, id=row.id) for row in ROWS if row.head == "model" and lora_status(row.family) != "—"]
+
+
+# PEFT 0.21 reads transformers' deprecated is_gradient_checkpointing: the reference's warning, not ours.
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out is set to False but the target module is `Conv1D`:UserWarning")
+@pytest.mark.parametrize("row", LORA_ROWS)
+def test_lora_with_peft_default_targets_matches_peft(row, matrix, tmp_path):
+    """README's LoRA column: an adapter on PEFT's default ``target_modules`` for the family
+    (``LoraConfig`` naming none; GPT-2's Conv1D: PEFT sets ``fan_in_fan_out``), every input of
+    a mixed-length call against ``PeftModel``'s forward of it alone; or refused naming the layer."""
+    import transformers
+    from peft import LoraConfig, PeftModel
+
+    from poolrunner import ModelLoadError, Runtime
+    from tests.test_lora import make_adapter
+
+    folder = matrix.folder(row)
+    adapter = make_adapter(folder, tmp_path / "adapter", LoraConfig(r=4, lora_alpha=8),
+                           auto=getattr(transformers, row.architecture))
+    if lora_status(row.family) == REFUSED:
+        with pytest.raises(ModelLoadError, match=f"{LORA_REFUSED[row.family.id]}'.* also runs this layer on its "
+                                                 "relative position embeddings"):
+            Runtime(str(folder), task=row.task, dtype="float32", load_entrypoints=False,
+                    lora_modules={"a": str(adapter)})
+        return
+    reference = PeftModel.from_pretrained(load_reference(row, folder), adapter).eval()
+    rt = Runtime(str(folder), task=row.task, dtype="float32", load_entrypoints=False,
+                 lora_modules={"a": str(adapter)})
+    inputs = matrix.inputs(row).mixed
+    deviation = Deviation()
+    for i, (ids, got) in enumerate(zip(inputs, _encode(rt, row, list(inputs), lora="a"), strict=True)):
+        deviation.add(f"input {i} ({len(ids)} tokens)", got, reference_output(reference, ids))
+    print(f"deviation {row.id}/lora: {deviation}")
+    assert deviation.min_cosine >= MIN_COSINE and deviation.max_abs <= ATOL, str(deviation)
+    assert not np.allclose(_encode(rt, row, [inputs[-1]])[0], reference_output(reference, inputs[-1]), atol=1e-3)

@@ -78,8 +78,14 @@ class LoraModel:
         modules = dict(self.model.named_modules())
         device = next(self.model.parameters()).device
         pairs = {}
+        shared = _shared_row_layers(self.model.config)
         for peft_path, pair in folder.pairs.items():
             path = self._resolve(peft_path, modules, folder)
+            if path.rsplit(".", 1)[-1] in shared:
+                raise ModelLoadError(
+                    f"{folder.path / WEIGHTS_FILE}: module {peft_path!r}: {type(self.model).__name__} also runs this "
+                    "layer on its relative position embeddings, shared by every request of a step, so an adapter "
+                    "there cannot apply to its own requests only (LoRA on its other layers is served)")
             module = modules[path]
             in_features, out_features = _linear_shape(module, f"{folder.path / WEIGHTS_FILE}: module {peft_path!r}")
             if pair.a.shape[1] != in_features or pair.b.shape[0] != out_features:
@@ -195,6 +201,19 @@ def _groups(ids: torch.Tensor) -> Groups:
     """``(adapter number, row indices)`` for each adapter present in ``ids`` (0 left out)."""
     present = [int(i) for i in torch.unique(ids).tolist() if i]
     return [(i, (ids == i).nonzero().squeeze(1)) for i in present]
+
+
+def _shared_row_layers(config: Any) -> frozenset[str]:
+    """Names of the layers a model also runs on rows every request of a step shares: DeBERTa's
+    disentangled attention projects its relative position embeddings with ``query_proj`` and
+    ``key_proj`` (``share_att_key``) or with its ``pos_*`` layers (transformers'
+    ``DisentangledSelfAttention``). PEFT adds its one adapter's term there too."""
+    deberta = getattr(config, "model_type", None) in ("deberta", "deberta-v2")
+    if not deberta or not getattr(config, "relative_attention", False):
+        return frozenset()
+    if getattr(config, "share_att_key", False):
+        return frozenset({"query_proj", "key_proj"})
+    return frozenset({"pos_key_proj", "pos_query_proj", "pos_proj", "pos_q_proj"})
 
 
 def _linear_shape(module: nn.Module, where: str) -> tuple[int, int]:

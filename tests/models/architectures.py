@@ -511,18 +511,46 @@ _HEAD_COLUMNS = {
     "token": "`*ForTokenClassification`: `token_classify`",
 }
 NO_HEAD = "—"
+LORA_COLUMN = "LoRA (PEFT's default `target_modules`)"
+
+
+def lora_targets(family: Family) -> list[str] | None:
+    """PEFT's default LoRA ``target_modules`` for the family's ``model_type``
+    (``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``), for families whose ``*Model`` row
+    is exact; ``None`` when PEFT has none (a ``LoraConfig`` must then name them)."""
+    import transformers
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    if family.status.get("model") != EXACT:
+        return None
+    model_type = getattr(transformers, family.config_class).model_type
+    return TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type)
+
+
+LORA_REFUSED = {"deberta-v2": "query_proj"}
+"""Families whose default LoRA targets poolrunner refuses, and the layer it names: DeBERTa also
+runs ``query_proj`` on its relative position embeddings, shared by a step's requests."""
+
+
+def lora_status(family: Family) -> str:
+    """The LoRA column's cell: ``refused`` (:data:`LORA_REFUSED`), ``exact``, or ``—`` (PEFT has
+    no default targets: :func:`lora_targets`)."""
+    if not lora_targets(family):
+        return NO_HEAD
+    return REFUSED if family.id in LORA_REFUSED else EXACT
 
 
 def support_table(families: Sequence[Family] = FAMILIES) -> str:
     """The README's ``## Supported architectures`` table: one row per family layout (with its
     classes' prefix, as ``architectures`` in ``config.json`` names them), one column per head;
-    cells ``exact``, ``refused`` or ``—`` (transformers has no such head)."""
+    cells ``exact``, ``refused`` or ``—`` (transformers has no such head); the LoRA column
+    as :func:`lora_status` says."""
     lines = [
-        "| architecture | classes | " + " | ".join(_HEAD_COLUMNS[head] for head in HEADS) + " |",
-        "|---|---|" + "---|" * len(HEADS),
+        "| architecture | classes | " + " | ".join(_HEAD_COLUMNS[head] for head in HEADS) + f" | {LORA_COLUMN} |",
+        "|---|---|" + "---|" * (len(HEADS) + 1),
     ]
     for family in families:
-        cells = [family.status.get(head, NO_HEAD) for head in HEADS]
+        cells = [family.status.get(head, NO_HEAD) for head in HEADS] + [lora_status(family)]
         classes = ", ".join(f"`{name}`" for name in family.classes.values()) or f"`{family.prefix}*`"
         lines.append(f"| {family.label} | {classes} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
