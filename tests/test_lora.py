@@ -476,3 +476,31 @@ def test_adapter_folder_prompts_follow_sentence_transformers(tmp_path_factory):
     base_reference = SentenceTransformer(str(base), device="cpu")  # the base keeps its own prompts
     np.testing.assert_allclose(runtime.embed(TEXTS, prompt_name="q"), base_reference.encode(TEXTS, prompt_name="q"),
                                atol=ATOL)
+
+
+def test_bfloat16_adapter_equals_peft(model_path, tmp_path, lee_sentences):
+    """bfloat16, all-MiniLM-L6-v2 with a rank-16 adapter on every linear layer (B drawn at a trained
+    adapter's scale, 0.02): cosine >= 0.9999 to PEFT's bfloat16 (which, as poolrunner, runs the
+    adapter's term in float32: ``autocast_adapter_dtype``). Random adapters 10x larger on
+    hidden-64 models amplify both sides' bfloat16 rounding past that (PEFT's own bfloat16 is
+    then 0.9995 from its float32)."""
+    from tests.helpers import MIN_COSINE, cosine_rows
+
+    config = LoraConfig(r=16, lora_alpha=32, target_modules=["query", "key", "value", "dense"])
+    model = get_peft_model(AutoModel.from_pretrained(model_path), config)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
+    model.save_pretrained(tmp_path / "a")
+    texts = lee_sentences[:16]
+    reference = PeftModel.from_pretrained(AutoModel.from_pretrained(model_path, dtype=torch.bfloat16),
+                                          tmp_path / "a").eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    with torch.inference_mode():
+        expected = [reference(**tokenizer(text, return_tensors="pt")).last_hidden_state[0].float().mean(0)
+                    for text in texts]  # the model's MEAN pooling, normalized below
+    runtime = Runtime(model_path, dtype="bfloat16", lora_modules={"a": tmp_path / "a"})
+    cosines = cosine_rows(runtime.embed(texts, lora="a"), np.stack([normalized(v) for v in expected]))
+    assert cosines.min() >= MIN_COSINE, cosines.min()
