@@ -10,7 +10,10 @@
 * ``smollm2``: the first 500 paragraphs, embedded by SmolLM2-135M with LAST pooling;
 * ``images``: scikit-image's 26 photographs and scans (``skimage/data/*.png``, ``*.jpg``: 102 x
   102 to 1411 x 1411 pixels; RGB, grayscale and RGBA; about 200 KB each), cycled to 104 files,
-  embedded from their files by a CLIP of ViT-B/32's shape (``clip_folder.py``): 50 positions each.
+  embedded from their files by a CLIP of ViT-B/32's shape (``clip_folder.py``): 50 positions each;
+* ``lora``: the first 512 paragraphs, all-MiniLM-L6-v2 with 8 PEFT LoRA adapters of rank 16 on
+  every linear layer (``lora.py``): the base model alone, the base on a runtime serving the
+  adapters, the texts spread over the 8 adapters (mixed steps) and one adapter merged.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'])")
 @dataclass(frozen=True)
 class Profile:
     name: str
-    model: str  # "minilm", "smollm2" or "clip"
+    model: str  # "minilm", "smollm2", "clip" or "minilm-lora"
     default_texts: int
     description: str
 
@@ -40,6 +43,7 @@ PROFILES = {
         Profile("docs", "minilm", 300, "lee_background.cor news documents, cut at the model maximum"),
         Profile("smollm2", "smollm2", 500, "paragraphs, SmolLM2-135M LAST pooling"),
         Profile("images", "clip", 104, "scikit-image's photographs and scans, PNG and JPEG files"),
+        Profile("lora", "minilm-lora", 512, "paragraphs; 8 rank-16 LoRA adapters mixed, the base, merged weights"),
     )
 }
 

@@ -51,14 +51,19 @@ SHORT = {"float32": "fp32", "bfloat16": "bf16", "auto": "auto", "int8": "int8"}
 ONLY_FOR = {"auto": ("poolrunner", "poolrunner-eager"), "int8": ("poolrunner",)}
 LABELS = {"sentence-transformers": "sentence-transformers", "transformers": "transformers padded",
           "openvino": "ST OpenVINO", "vllm": "vLLM", "poolrunner": "poolrunner",
-          "poolrunner-eager": "poolrunner eager"}
+          "poolrunner-eager": "poolrunner eager", "poolrunner-lora-base": "poolrunner base, adapters served",
+          "poolrunner-lora-mixed": "poolrunner 8 adapters mixed", "poolrunner-merged": "poolrunner 1 adapter merged"}
+# The lora profile's systems: the base model alone (its reference) and the adapters' three cases.
+LORA_FAMILIES = ("poolrunner", "poolrunner-lora-base", "poolrunner-lora-mixed", "poolrunner-merged")
+LORA_ADAPTERS, LORA_RANK = 8, 16
 # The fp32 reference every other system's vectors are compared with, per model.
 REFERENCE = {"minilm": ("sentence-transformers", "float32"), "smollm2": ("transformers", "float32"),
-             "clip": ("sentence-transformers", "float32")}
+             "clip": ("sentence-transformers", "float32"), "minilm-lora": ("poolrunner", "float32")}
 # Systems with no image path here: OpenVINO's sentence-transformers backend exports text models,
 # and the padded-transformers baseline is a text loop.
 TEXT_ONLY = ("openvino", "transformers")
-TEXT_PROFILES = tuple(name for name, profile in PROFILES.items() if profile.model != "clip")  # the default
+# The default: the text profiles of the peers' comparison (lora compares poolrunner with itself).
+TEXT_PROFILES = tuple(name for name, profile in PROFILES.items() if profile.model not in ("clip", "minilm-lora"))
 RESULTS = BENCH / ".results"
 
 
@@ -77,6 +82,9 @@ def variants(model: str, families: list[str], dtypes: list[str]) -> list[Variant
     """The reference first (always run: every cosine needs it), then the selected systems."""
     reference = Variant(*REFERENCE[model])
     found = [reference]
+    if model == "minilm-lora":  # poolrunner alone, in fp32 and bf16 when selected
+        return found + [variant for dtype in dtypes if dtype in ("float32", "bfloat16") for family in LORA_FAMILIES
+                        if (variant := Variant(family, dtype)) != reference]
     for family in families:
         if family == "sentence-transformers" or (model == "smollm2" and family == "openvino"):
             continue  # the reference is its only dtype; OpenVINO here serves MiniLM only
@@ -105,6 +113,8 @@ def resolve_models(needed: set[str]) -> dict[str, dict | str]:
         models["clip"] = {"model": str(clip_folder()), "st_model": str(sentence_transformers_folder()),
                           "pooling": "CLS", "max_length": 77, "inputs": "images",
                           "name": "CLIP of ViT-B/32's shape (seeded weights)"}
+    if "minilm-lora" in needed:
+        models["minilm-lora"] = lora_model(models["minilm"])
     if "smollm2" not in needed:
         return models
     try:
@@ -115,6 +125,24 @@ def resolve_models(needed: set[str]) -> dict[str, dict | str]:
     except Exception as exc:  # noqa: BLE001 - any failure makes the profile unavailable, with the reason
         models["smollm2"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
     return models
+
+
+def lora_model(minilm: dict) -> dict:
+    """The lora profile's worker fields: MiniLM's, with 8 seeded PEFT adapters (``lora.py``) and
+    one of them merged, made once under ``bench/.results/lora`` and reused; ``adapter_mib`` is
+    one adapter's float32 A and B."""
+    import lora
+    from safetensors.torch import load_file
+
+    root = RESULTS / "lora"
+    if not (root / "merged" / "config.json").exists():
+        lora.make_adapters(minilm["model"], root, LORA_ADAPTERS, LORA_RANK)
+        lora.merged_folder(minilm["model"], root / "a0", root / "merged")
+    modules = {f"a{i}": str(root / f"a{i}") for i in range(LORA_ADAPTERS)}
+    tensors = load_file(root / "a0" / "adapter_model.safetensors")
+    return {**minilm, "lora_modules": modules, "lora_rank": LORA_RANK, "merged": str(root / "merged"),
+            "adapter_mib": sum(t.numel() * 4 for t in tensors.values()) / 2**20,
+            "name": f"all-MiniLM-L6-v2, {LORA_ADAPTERS} LoRA adapters of rank {LORA_RANK}"}
 
 
 def token_lengths(model: dict, texts: list[str]) -> list[int]:
@@ -351,7 +379,7 @@ def run_profile(profile: Profile, model: dict, args: argparse.Namespace, missing
     per_token = ceiling.flops_per_token(model["model"], lengths)
     ceilings = {d: g * 1e9 / per_token for d, g in gflops.items()}
     return {"model": model["name"], "description": profile.description, "texts": len(texts),
-            "inputs": model.get("inputs", "texts"),
+            "inputs": model.get("inputs", "texts"), "adapter_mib": model.get("adapter_mib"),
             "tokens": sum(lengths), "mflop_per_token": per_token / 1e6, "ceiling_tokens_per_s": ceilings,
             "rows": summarize(results, found[0], len(texts), sum(lengths), ceilings)}
 
@@ -464,6 +492,10 @@ def print_profile(name: str, p: dict, markdown: bool) -> None:
           f"({p['tokens'] / p['texts']:.1f} per {unit[:-1]}), {p['model']}, {p['mflop_per_token']:.1f} MFLOP/{token}"
           + (f"; ceiling {token}s/s: {limits}" if limits else ""))
     print(profile_table(p["rows"], markdown, unit), flush=True)
+    if p.get("adapter_mib"):
+        print(f"Memory per adapter: {p['adapter_mib']:.2f} MiB of float32 A and B (rank {LORA_RANK}, every linear "
+              "layer); peak RSS of 'adapters served' minus 'poolrunner' is the runtime's whole cost of 8. Cosine: "
+              "to the base model (mixed and merged rows differ from it by design).")
     if unit == "images":
         print("% decode, % preprocess: one pass of the system's own file decoding (PIL, to RGB) and of its "
               "preprocessing (the folder's AutoImageProcessor), timed apart after the passes, as a share of the "

@@ -159,9 +159,44 @@ def _vllm_images(spec: dict) -> Embed:
     return _with_pil_stages(embed, spec)
 
 
+def poolrunner_lora_system(spec: dict, *, mixed: bool) -> Embed:
+    """poolrunner serving the ``lora`` profile's adapters (``spec["lora_modules"]``): the base
+    model's requests (``mixed=False``), or the texts dealt over the adapters in turn, one caller
+    per adapter on one serving loop, so that steps mix them (vLLM's ``lora_request`` per prompt)."""
+    import contextlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    from poolrunner import Runtime, RuntimeConfig
+
+    modules = spec["lora_modules"]
+    runtime = Runtime.from_config(RuntimeConfig(model=spec["model"], dtype=spec["dtype"], load_entrypoints=False,
+                                                lora_modules=modules, max_lora_rank=spec["lora_rank"]))
+    if not mixed:
+        return lambda texts: runtime.embed(texts, truncate_prompt_tokens=-1)
+    stack = contextlib.ExitStack()
+    stack.enter_context(runtime.serving())  # held for the worker's life: each call below joins its steps
+    names = list(modules)
+    pool = ThreadPoolExecutor(len(names))
+
+    def embed(texts: list[str]) -> np.ndarray:
+        dealt = [list(range(k, len(texts), len(names))) for k in range(len(names))]
+        parts = pool.map(lambda k: runtime.embed([texts[i] for i in dealt[k]], lora=names[k],
+                                                 truncate_prompt_tokens=-1) if dealt[k] else None, range(len(names)))
+        vectors = np.empty((len(texts), runtime.model_config.embedding_size), dtype=np.float32)
+        for rows, part in zip(dealt, parts, strict=True):
+            if rows:
+                vectors[rows] = part
+        return vectors
+
+    return embed
+
+
 SYSTEMS: dict[str, Callable[[dict], Embed]] = {
     "poolrunner": poolrunner_system,
     "poolrunner-eager": poolrunner_eager_system,
+    "poolrunner-lora-base": lambda spec: poolrunner_lora_system(spec, mixed=False),
+    "poolrunner-lora-mixed": lambda spec: poolrunner_lora_system(spec, mixed=True),
+    "poolrunner-merged": lambda spec: poolrunner_system({**spec, "model": spec["merged"]}),
     "sentence-transformers": sentence_transformers_system,
     "transformers": transformers_system,
     "openvino": openvino_system,
