@@ -123,7 +123,7 @@ class LoraAdapters:
         :raises InvalidRequestError: (param ``lora``) for an adapter unloaded since the request
             was planned, or more adapters than ``capacity`` in one call.
         :raises AdaptersBusyError: when an adapter must be loaded and every resident one is busy.
-        :raises ModelLoadError: when an evicted adapter's folder no longer loads.
+            An evicted adapter whose folder no longer loads raises the ``InvalidRequestError`` too.
         """
         ids = [request.params.lora_id for request in requests if request.params.lora_id is not None]
         if not ids:
@@ -151,7 +151,12 @@ class LoraAdapters:
             raise InvalidRequestError(f"one call names {len(adapters)} LoRA adapters, more than max_loras "
                                       f"{self.capacity} (--max-loras) resident at once: "
                                       f"{[lora.name for lora in adapters]}", param="lora")
-        self._make_resident(adapters)
+        try:
+            self._make_resident(adapters)
+        except ModelLoadError as exc:  # its folder changed since it was checked: the request cannot run
+            raise InvalidRequestError(f"a LoRA adapter of this request was unloaded for room (max_loras "
+                                      f"{self.capacity}) and no longer loads from its folder: {exc}",
+                                      param="lora") from None
 
     def _make_resident(self, adapters: list[LoraRequest]) -> list[str]:
         """Load the adapters that are not resident, evicting idle ones least recently used first,

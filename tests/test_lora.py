@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -223,7 +224,7 @@ def test_lru_eviction_reloads_adapters_from_their_folders(bert):
     assert registry.get("all").lora_id > max(numbers.values())  # a new registration: a new number
 
 
-def test_eviction_never_drops_an_adapter_in_flight(bert):
+def test_eviction_never_drops_an_adapter_in_flight(bert, tmp_path):
     """An adapter with requests in flight is never the one evicted; when every resident adapter
     has some, a request needing another is refused (429) naming max_loras, and serving goes on."""
     from poolrunner.core.adapters import AdaptersBusyError
@@ -244,6 +245,17 @@ def test_eviction_never_drops_an_adapter_in_flight(bert):
                 runtime.embed(TEXTS, lora="all")
         np.testing.assert_allclose(runtime.embed(TEXTS, lora="all"), expected["all"], atol=ATOL)
         assert registry.resident() == ["names", "all"]
+    gone = tmp_path / "gone"
+    shutil.copytree(adapters["all"], gone)
+    runtime.load_lora("gone", gone)  # in place of 'names'
+    runtime.embed(TEXTS, lora="regex")  # of 'all'
+    runtime.embed(TEXTS, lora="names")  # of 'gone'
+    assert registry.resident() == ["regex", "names"]
+    shutil.rmtree(gone)
+    with pytest.raises(InvalidRequestError, match=re.escape(
+            "a LoRA adapter of this request was unloaded for room (max_loras 2) and no longer loads from its "
+            f"folder: {gone / 'adapter_config.json'} is missing")):
+        runtime.embed(TEXTS, lora="gone")
     three = [r for name in adapters for r in runtime.frontend.plan(planned("embed", TEXTS, name)).requests]
     with pytest.raises(InvalidRequestError, match=re.escape("one call names 3 LoRA adapters, more than max_loras 2")):
         run_together(runtime, three)
@@ -494,7 +506,7 @@ def test_bfloat16_adapter_equals_peft(model_path, tmp_path, lee_sentences):
             if "lora_" in name:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
     model.save_pretrained(tmp_path / "a")
-    texts = lee_sentences[:16]
+    texts = lee_sentences[:6]
     reference = PeftModel.from_pretrained(AutoModel.from_pretrained(model_path, dtype=torch.bfloat16),
                                           tmp_path / "a").eval()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
