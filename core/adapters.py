@@ -117,24 +117,34 @@ class LoraAdapters:
 
     @contextlib.contextmanager
     def using(self, requests: Sequence[PoolingRequest]) -> Iterator[None]:
-        """Make ``requests``' adapters resident and count them in use while the block runs: they
-        are neither evicted nor unloaded meanwhile (:meth:`remove` waits).
+        """:meth:`hold` ``requests``' adapters while the block runs, then :meth:`release` them."""
+        held = self.hold(requests)
+        try:
+            yield
+        finally:
+            self.release(held)
 
+    def hold(self, requests: Sequence[PoolingRequest]) -> list[int]:
+        """Make ``requests``' adapters resident and count them in use until :meth:`release`: they
+        are neither evicted nor unloaded meanwhile (:meth:`remove` waits). Loading an evicted
+        adapter reads its folder: callers on an event loop run this in a thread.
+
+        :returns: The adapter numbers held, for :meth:`release`.
         :raises InvalidRequestError: (param ``lora``) for an adapter unloaded since the request
             was planned, or more adapters than ``capacity`` in one call.
         :raises AdaptersBusyError: when an adapter must be loaded and every resident one is busy.
             An evicted adapter whose folder no longer loads raises the ``InvalidRequestError`` too.
         """
         ids = [request.params.lora_id for request in requests if request.params.lora_id is not None]
-        if not ids:
-            yield
-            return
-        with self._lock:
-            self._admit(sorted(set(ids)))
-            self._in_flight.update(ids)
-        try:
-            yield
-        finally:
+        if ids:
+            with self._lock:
+                self._admit(sorted(set(ids)))
+                self._in_flight.update(ids)
+        return ids
+
+    def release(self, ids: list[int]) -> None:
+        """Stop counting the adapters :meth:`hold` returned as in use."""
+        if ids:
             with self._lock:
                 self._in_flight.subtract(ids)
                 self._lock.notify_all()

@@ -516,7 +516,8 @@ class Serving:
         A long ``embed`` input (:class:`~poolrunner.core.frontend.chunking.WindowedRequest`) runs as its
         windows (each counts towards ``max_pending``) and is answered by their combination.
         """
-        with self._adapters.using(requests):  # an adapter's unloading waits for these
+        held = await self._hold_adapters(requests)  # an adapter's unloading waits for these
+        try:
             requests, combine = chunking.expand(requests)
             submission = self._loop.submit(requests, priority=priority)
             try:
@@ -524,3 +525,22 @@ class Serving:
             finally:
                 if not submission.future.done():
                     self._loop.abort(submission)
+        finally:
+            self._adapters.release(held)
+
+    async def _hold_adapters(self, requests: list[PoolingRequest]) -> list[int]:
+        """:meth:`LoraAdapters.hold` in a worker thread (reloading an evicted adapter reads its
+        folder, which must not stall the event loop); a caller cancelled meanwhile releases what
+        the thread took."""
+        if all(request.params.lora_id is None for request in requests):
+            return []
+        hold = asyncio.ensure_future(asyncio.to_thread(self._adapters.hold, requests))
+        try:
+            return await asyncio.shield(hold)
+        except asyncio.CancelledError:
+            def release_late(done: asyncio.Future[list[int]]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    self._adapters.release(done.result())
+
+            hold.add_done_callback(release_late)
+            raise
