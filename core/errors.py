@@ -53,6 +53,10 @@ class PromptTooLongError(InvalidRequestError):
     """An input has more tokens than the model takes, and no truncation was asked for."""
 
 
+class TokenOutOfVocabularyError(InvalidRequestError):
+    """A token-id input holds an id outside the model's vocabulary (often another tokenizer's ids)."""
+
+
 class DimensionsNotSupportedError(InvalidRequestError):
     """Matryoshka ``dimensions`` were asked of a model not marked Matryoshka."""
 

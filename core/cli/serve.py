@@ -132,6 +132,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--any-model-name", action="store_true",
                         help="a single-model server answers any 'model' in a request (TEI's behaviour), so clients' "
                              "default names reach it; default: an unknown name is a 404 (vLLM's)")
+    server.add_argument("--token-id-inputs", metavar="tiktoken:NAME",
+                        help="read /v1/embeddings token ids as this tiktoken encoding's (cl100k_base: OpenAI's "
+                             "embedding models', which LangChain's OpenAIEmbeddings sends by default), decoded to "
+                             "text for the model's tokenizer; read from tiktoken's cache (TIKTOKEN_CACHE_DIR), never "
+                             "downloaded (default: ids are the model's own)")
+    server.add_argument("--token-id-chunk-length", metavar="N", type=positive_int,
+                        help="with --token-id-inputs: a list of exactly N ids is continued by the next (LangChain "
+                             "cuts a long text so, N=8191): embedded as one text, each list answered with its vector "
+                             "(default: each list its own text)")
     server.add_argument("--allowed-hosts", metavar="HOST", nargs="+",
                         help="Host header values answered (names or addresses, '*.example.com', '*' for any); "
                              "another is a 400, against DNS rebinding (default: localhost, 127.0.0.1 and ::1 when "
@@ -187,6 +196,7 @@ def _serve(args: argparse.Namespace) -> None:
             allow_runtime_lora=args.allow_runtime_lora,
             scheduling_policy=args.scheduling_policy, allowed_hosts=_allowed_hosts(args),
             any_model_name=args.any_model_name, truncate_prompt_tokens=args.truncate_prompt_tokens,
+            token_id_inputs=args.token_id_inputs, token_id_chunk_length=args.token_id_chunk_length,
         )
     except ValueError as exc:
         hint = "raise --max-waiting-requests or lower --max-inputs-per-request" if "max_inputs" in str(exc) else None

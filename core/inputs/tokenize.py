@@ -15,7 +15,7 @@ from tokenizers import normalizers
 from transformers import PreTrainedTokenizerBase
 
 from poolrunner.core.config import default_max_input_chars
-from poolrunner.core.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
+from poolrunner.core.errors import InvalidRequestError, ModelLoadError, PromptTooLongError, TokenOutOfVocabularyError
 from poolrunner.core.inputs import cutting
 from poolrunner.core.memory import TRIM_AFTER_CHARS, release_memory
 from poolrunner.core.types import ModelConfig, PromptInput, TruncationSide
@@ -348,7 +348,7 @@ class InputProcessor:
             raise InvalidRequestError(f"input {index}: expected a string or a list of token ids, got {item!r:.80}")
         bad = [t for t in item if not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidRequestError(
+            raise TokenOutOfVocabularyError(
                 f"input {index}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
         ids = tuple(int(t) for t in item)

@@ -18,6 +18,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
 
+import attrs
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi_offline import FastAPIOffline
@@ -43,9 +44,11 @@ def create_app(models: Runtime | Sequence[ServedModel], settings: ServerSettings
     ``serving`` is the runtime's serving loop while the app runs; ``app.state.metrics`` the
     :class:`ServerMetrics`; ``app.state.created`` the app's creation time (Unix seconds).
 
-    :raises ValueError: as :func:`served_models` says (no model, a name two models share...).
+    :raises ValueError: as :func:`served_models` says (no model, a name two models share...), or as
+        ``settings``' checks (its ``token_id_inputs`` encoding not in this machine's tiktoken cache).
     """
     settings = settings or ServerSettings()
+    attrs.validate(settings)  # unpickled (a Ray replica's), they skipped it: the tiktoken file must be here too
     metrics = ServerMetrics()
     state = ServerState()
     served = served_models(models, settings.served_model_name)

@@ -59,6 +59,15 @@ def non_negative_seconds(_instance: object, attribute: Attribute, value: float) 
         raise ValueError(f"{attribute.name} must be a finite number of seconds >= 0, got {value!r}")
 
 
+def check_token_id_inputs(_instance: object, _attribute: object, spec: str | None) -> None:
+    """:raises ValueError: unless ``spec`` is ``None`` or names a tiktoken encoding in tiktoken's
+    cache (:func:`~poolrunner.core.server.tiktoken_inputs.load_encoding`, which loads it once)."""
+    if spec is not None:
+        from poolrunner.core.server.tiktoken_inputs import load_encoding  # FastAPI's: the CLI reads this module
+
+        load_encoding(spec)
+
+
 def check_api_key(_instance: object, _attribute: object, key: str | None) -> None:
     """A key that is set must be usable: an empty one would leave the server open, one with
     surrounding whitespace (a newline read from a file) would lock every client out. The key
@@ -127,6 +136,16 @@ class ServerSettings:
         Cohere body that sets none (-1: the model maximum; ``None``, the default as in vLLM: an
         over-long input is a 400), for clients that cannot send the field (Chroma's and
         Haystack's OpenAI embedders). TEI's routes follow ``auto_truncate`` instead.
+    :ivar token_id_inputs: ``tiktoken:NAME`` (``cl100k_base``: OpenAI's embedding models'): the
+        token-id lists of ``/v1/embeddings`` are that tiktoken encoding's ids (OpenAI clients', e.g.
+        LangChain's ``OpenAIEmbeddings`` at its defaults), decoded to their text, which the model's
+        tokenizer tokenizes (:mod:`~poolrunner.core.server.tiktoken_inputs`); the encoding must be in
+        tiktoken's cache (``TIKTOKEN_CACHE_DIR``), checked here. ``None`` (default): they are the
+        model's ids, and lists that look like tiktoken's are a 400 naming this setting.
+    :ivar token_id_chunk_length: With :attr:`token_id_inputs`, a list of exactly this many ids is
+        continued by the next list (LangChain cuts a text into lists of ``embedding_ctx_length``,
+        8191): the lists are embedded as one text and each answered with its vector. ``None``
+        (default): each list is its own text, as OpenAI's API reads them.
     :ivar protect_metrics: ``/metrics`` needs the API key too; by default it is open, as TEI and
         vLLM leave it to the network.
     """
@@ -147,6 +166,8 @@ class ServerSettings:
     any_model_name: bool = False
     truncate_prompt_tokens: int | None = field(default=None, validator=optional_truncation)
     allowed_hosts: tuple[str, ...] | None = field(default=None, converter=host_names)
+    token_id_inputs: str | None = field(default=None, validator=check_token_id_inputs)
+    token_id_chunk_length: int | None = field(default=None, validator=positive_int)
 
     def __attrs_post_init__(self) -> None:
         if self.max_inputs_per_request > self.max_waiting_requests:
@@ -154,4 +175,6 @@ class ServerSettings:
                 f"max_inputs_per_request ({self.max_inputs_per_request}) is larger than "
                 f"max_waiting_requests ({self.max_waiting_requests}): such a request could never be queued"
             )
+        if self.token_id_chunk_length is not None and self.token_id_inputs is None:
+            raise ValueError("token_id_chunk_length joins lists of tiktoken ids: it needs token_id_inputs")
 

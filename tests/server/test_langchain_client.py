@@ -1,9 +1,10 @@
 """LangChain's ``OpenAIEmbeddings`` (langchain-openai) against a real server.
 
-With ``check_embedding_ctx_length=False`` (the documented setting) LangChain sends the texts
-and gets the Python API's vectors. Its default instead tokenizes with OpenAI's tiktoken and
-sends those ids: ids beyond the model's vocabulary are refused with a 400, while ids that
-happen to fall inside it cannot be told from the model's own ids (README, "Clients").
+With ``check_embedding_ctx_length=False`` LangChain sends the texts and gets the Python API's
+vectors. Its default instead tokenizes with OpenAI's tiktoken and sends those ids: the server
+reads them with ``--token-id-inputs`` (:mod:`.test_tiktoken_inputs`); without it ids beyond the
+model's vocabulary are refused with a 400 naming the setting, while ids that happen to fall
+inside it cannot be told from the model's own ids (README, "Clients").
 """
 
 from __future__ import annotations
@@ -56,5 +57,6 @@ def test_foreign_token_ids_beyond_the_vocabulary_are_a_400(keyed_server, runtime
     with pytest.raises(openai.BadRequestError) as caught:
         client.embeddings.create(model=MODEL, input=[[791, 45892, 99081, 13]])
     assert "30522" in caught.value.message and "45892" in caught.value.message
+    assert "--token-id-inputs tiktoken:cl100k_base" in caught.value.message
     vectors = client.embeddings.create(model=MODEL, input=TEXTS[:1], encoding_format="float")  # still serves
     np.testing.assert_allclose(vectors.data[0].embedding, runtime.embed(TEXTS[0]), rtol=0, atol=1e-6)

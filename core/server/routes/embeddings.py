@@ -11,12 +11,14 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from poolrunner.core.errors import TokenOutOfVocabularyError
 from poolrunner.core.server import protocol as p
 from poolrunner.core.server.errors import ApiError
 from poolrunner.core.server.payload import bytes_response, encode_array
 from poolrunner.core.server.routes.answers import answer_id, usage
 from poolrunner.core.server.routes.dependencies import OptionBodies, Served, with_body
 from poolrunner.core.server.service import PoolingService
+from poolrunner.core.server.tiktoken_inputs import FOREIGN_IDS_HINT, read_inputs
 
 router = APIRouter()
 
@@ -25,10 +27,18 @@ router = APIRouter()
 @router.post("/v1/embeddings", response_model=p.EmbeddingResponse)
 async def embeddings(body: p.EmbeddingRequest, request: Request, served: Served) -> p.EmbeddingResponse | Response:
     """OpenAI's embeddings with vLLM's fields: one vector per input (or one for ``messages``),
-    in input order; ``bytes`` answers vLLM's octet-stream body with its ``metadata`` header."""
+    in input order; ``bytes`` answers vLLM's octet-stream body with its ``metadata`` header.
+    Token-id inputs are tiktoken's under ``--token-id-inputs`` (:func:`read_inputs`)."""
     service = served.pick(body.model, "embed")
     _check_encoding(body)
-    vectors, num_tokens = await service.answer_prompts(request, body)
+    items, add_special_tokens = await service.prompts(body)
+    decoded = read_inputs(service.settings, body.model, items)
+    try:
+        vectors, num_tokens = await service.answer(request, body.to_request(decoded.inputs, add_special_tokens),
+                                                   priority=body.priority)
+    except TokenOutOfVocabularyError as exc:  # only without --token-id-inputs: then ids are texts already
+        raise ApiError(400, f"{exc}: {FOREIGN_IDS_HINT}", param="input") from None
+    vectors = decoded.answers(vectors)
     if body.encoding_format in ("bytes", "bytes_only"):
         return _bytes(body, service, vectors, "embd", num_tokens)
     data = [p.EmbeddingData(index=i, embedding=e) for i, e in enumerate(_encoded(body, vectors))]
