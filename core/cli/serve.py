@@ -47,8 +47,9 @@ endpoints:
   GET  /metrics         Prometheus metrics (no API key needed unless --protect-metrics)
   GET  /docs, /redoc    the OpenAPI pages (assets served locally)
 
-SIGTERM (or Ctrl-C) drains: requests in flight finish, new ones get 503, then the
-process exits with status 0; a second signal stops at once.
+SIGTERM (or Ctrl-C) drains: requests in flight finish, new ones get a JSON 503 (and
+their connection closed after it), then the listener closes and the process exits with
+status 0; a second signal stops at once.
 
 Every flag can also come from the environment as POOLRUNNER_<FLAG> (shown in [env: ...]);
 a flag on the command line wins over its variable, which wins over the default. Switches

@@ -65,7 +65,8 @@ class BodyTooLargeError(HTTPException):
 class ServerState:
     """Mutable state shared by the middleware, the routes and the signal handler.
 
-    :ivar draining: Set on SIGTERM: new requests get 503 while those in flight finish.
+    :ivar draining: Set on SIGTERM: new requests get a JSON 503 (and their connection closed after
+        it) while those in flight finish.
     :ivar in_flight: HTTP requests being answered now.
     """
 
@@ -205,5 +206,11 @@ def _log_access(request_id: str, method: str, endpoint: str, status: int, stats:
     )
 
 
+_REFUSAL_HEADERS = {401: [(b"www-authenticate", b"Bearer")],
+                    # draining: the client's kept-alive connection ends with this answer, rather than
+                    # under a request it sends as the server's shutdown closes its idle connections
+                    503: [(b"connection", b"close")]}
+
+
 async def _send_error(send: Any, status: int, message: str) -> None:
-    await send_error(send, status, message, [(b"www-authenticate", b"Bearer")] if status == 401 else [])
+    await send_error(send, status, message, _REFUSAL_HEADERS.get(status, []))

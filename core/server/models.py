@@ -22,6 +22,9 @@ from poolrunner.core.server.service import ADAPTER, PoolingService
 from poolrunner.core.server.settings import ServerSettings, served_names
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+UNSPECIFIED_MODEL = "default/not-specified"
+"""infinity's ``model`` when its user names none (its bodies' default, which ``infinity_client``
+always sends): answered as a request without ``model``, unless a served model has that name."""
 
 logger = logging.getLogger("poolrunner.core.server")
 
@@ -94,7 +97,8 @@ class ModelRouter:
     def pick(self, model: str | None, task: str | None = None) -> PoolingService:
         """The service answering a request for ``model`` on a route of ``task``.
 
-        With ``model``, the model of that name. Without, the first model whose default task is
+        With ``model``, the model of that name. Without (or :data:`UNSPECIFIED_MODEL`, infinity's
+        "none named", unless a model is served under it), the first model whose default task is
         ``task`` (for ``score``: the first cross-encoder, then the first that scores at all; for
         ``classify``: a classifier before a cross-encoder), else the first that serves ``task``,
         else the first model (whose answer says what it does not serve). One model is always it.
@@ -116,6 +120,8 @@ class ModelRouter:
                 if name not in self._by_name]
 
     def _choose(self, model: str | None, task: str | None) -> PoolingService:
+        if model == UNSPECIFIED_MODEL and model not in self._by_name:
+            model = None
         if model is not None:
             service = self._by_name.get(model) or dict(self.adapters()).get(model)
             if service is None:

@@ -252,10 +252,13 @@ Inputs = StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
 
 class EmbeddingRequest(_Request, _Chat, _Encoding, _Quantize):
     """OpenAI's embeddings request with vLLM's fields: ``input`` (a text, texts, token ids or
-    token-id lists) or ``messages`` (vLLM's chat form); infinity's ``modality``."""
+    token-id lists) or ``messages`` (vLLM's chat form); or infinity's, which sends ``modality``
+    (its client always does) and ``dimensions: 0`` for the full size."""
 
     input: Inputs | None = None
-    dimensions: StrictInt | None = None
+    dimensions: StrictInt | None = Field(
+        default=None, description="Matryoshka size (Matryoshka models only); in infinity's body (with modality) "
+                                  "0 is the full size, as infinity reads it.")
     normalize: StrictBool | None = None
     use_activation: StrictBool | None = Field(default=None, description="vLLM: normalize (normalize wins).")
     modality: Literal["text", "image", "audio"] | None = Field(
@@ -270,7 +273,9 @@ class EmbeddingRequest(_Request, _Chat, _Encoding, _Quantize):
         :raises ApiError: 400 for ``modality`` with ``messages``, ``audio``, or token ids as images.
         """
         inputs = self.modal_inputs(inputs)
-        return fr.EncodeRequest(inputs=inputs, task="embed", dimensions=self.dimensions, normalize=self.normalize,
+        full_size = self.modality is not None and self.dimensions == 0  # infinity's default; OpenAI refuses 0
+        return fr.EncodeRequest(inputs=inputs, task="embed", dimensions=None if full_size else self.dimensions,
+                                normalize=self.normalize,
                                 use_activation=self.use_activation, precision=self.precision, ranges=self.ranges,
                                 tokenization=self.tokenization(add_special_tokens))
 
@@ -338,14 +343,31 @@ def with_plugin_options(base: type[BodyT], options: RequestOptions) -> type[Body
 
 class ClassificationRequest(_Request, _Chat):
     """vLLM's ``/classify``: texts, token ids, ``[text, text_pair]`` pairs (cross-encoders, pair
-    classifiers; a list may mix pairs and texts), or a chat as ``messages``."""
+    classifiers; a list may mix pairs and texts), or a chat as ``messages``; or infinity's body,
+    which sends ``raw_scores`` (its client always does) and gets infinity's answer."""
 
     input: Inputs | list[StrictStr | Pair] | None = None
     use_activation: StrictBool | None = None
+    raw_scores: StrictBool | None = Field(
+        default=None, description="infinity's: true answers the raw logits (use_activation false); its body "
+                                  "gets infinity's answer (every label's score per input, best first).")
+
+    def api(self) -> Literal["infinity", "vllm"]:
+        """``"infinity"`` for infinity's body (``raw_scores``), else ``"vllm"``.
+
+        :raises ApiError: 400 for ``raw_scores`` with ``use_activation`` (one switch, two names).
+        """
+        if self.raw_scores is None:
+            return "vllm"
+        if self.use_activation is not None:
+            raise ApiError(400, "raw_scores (infinity's) and use_activation (vLLM's) set the same thing: send one",
+                           param="raw_scores")
+        return "infinity"
 
     def to_request(self, inputs: list[fr.Input], add_special_tokens: bool) -> fr.ClassifyRequest:
-        """As :meth:`EmbeddingRequest.to_request`."""
-        return fr.ClassifyRequest(inputs=inputs, use_activation=self.use_activation,
+        """As :meth:`EmbeddingRequest.to_request`; ``raw_scores`` skips the activation."""
+        use_activation = False if self.raw_scores else self.use_activation
+        return fr.ClassifyRequest(inputs=inputs, use_activation=use_activation,
                                   tokenization=self.tokenization(add_special_tokens))
 
 
@@ -408,12 +430,14 @@ class RerankDocumentInput(BaseModel):
 
 
 class RerankRequest(_Request):
-    """vLLM's, Jina's and Cohere's (v1 and v2) rerank body; or TEI's (``texts``) on ``/rerank``.
+    """vLLM's, Jina's and Cohere's (v1 and v2) rerank body; TEI's (``texts``); or infinity's
+    (``documents`` with ``raw_scores``, which its client always sends).
 
     ``documents`` is a list of texts or ``{"text": ...}`` objects, or one text (one document, as
     vLLM takes it). ``max_tokens_per_doc`` keeps each document's first tokens (special tokens
-    not counted); the query is never cut. TEI's body has ``texts`` and its own fields instead:
-    :meth:`api` tells which one a body is.
+    not counted); the query is never cut. TEI's body has ``texts`` and its own fields instead;
+    ``raw_scores`` (TEI's and infinity's) skips the cross-encoder's activation. :meth:`api` tells
+    which body it is, and so the answer's shape.
     """
 
     query: StrictStr
@@ -424,27 +448,38 @@ class RerankRequest(_Request):
         default=None, description="Keep each document's first tokens (Cohere, vLLM); special tokens not counted.")
     priority: StrictInt | None = Field(default=None, description="Cohere v2's, vLLM's: lower runs first (default 0).")
     texts: list[StrictStr] | None = Field(default=None, description="TEI's documents; the answer is then TEI's.")
-    raw_scores: StrictBool | None = Field(default=None, description="TEI: scores without the activation.")
+    raw_scores: StrictBool | None = Field(
+        default=None, description="TEI, infinity: scores without the activation; with documents, the body and the "
+                                  "answer are infinity's.")
     return_text: StrictBool | None = Field(default=None, description="TEI: each result carries its text.")
     truncate: StrictBool | None = Field(default=None, description="TEI: cut over-long pairs to the model maximum.")
     truncation_direction: Literal["Left", "Right", "left", "right"] | None = Field(
         default=None, description="TEI: which end truncate keeps (default Right).")
 
-    def api(self) -> Literal["tei", "rerank"]:
-        """``"tei"`` for TEI's body (``texts``), else ``"rerank"`` (vLLM, Jina, Cohere).
+    def api(self) -> Literal["tei", "infinity", "rerank"]:
+        """``"tei"`` for TEI's body (``texts``), ``"infinity"`` for infinity's (``documents`` and
+        ``raw_scores``), else ``"rerank"`` (vLLM, Jina, Cohere).
 
-        :raises ApiError: 400 for a body that mixes the two, or that has neither list.
+        :raises ApiError: 400 for a body that mixes TEI's fields with the others, that has neither
+            list, or infinity's body with document objects (infinity's documents are texts).
         """
         tei = [name for name in _TEI_RERANK_FIELDS if name in self.model_fields_set]
         rerank = [name for name in _RERANK_FIELDS if name in self.model_fields_set]
         if tei and rerank:
             raise ApiError(400, f"{', '.join(rerank)} cannot be combined with TEI's fields ({', '.join(tei)}): send "
-                                "documents (vLLM, Jina, Cohere) or texts (TEI)", param=rerank[0])
+                                "documents (vLLM, Jina, Cohere, infinity) or texts (TEI)", param=rerank[0])
         if self.texts is None and self.documents is None:
-            raise ApiError(400, "send documents (vLLM, Jina, Cohere) or texts (TEI)", param="documents")
+            raise ApiError(400, "send documents (vLLM, Jina, Cohere, infinity) or texts (TEI)", param="documents")
         if self.texts is None and tei:
             raise ApiError(400, f"{', '.join(tei)} belong to TEI's body, which sends texts", param=tei[0])
-        return "tei" if self.texts is not None else "rerank"
+        if self.texts is not None:
+            return "tei"
+        if self.raw_scores is None:
+            return "rerank"
+        if not all(isinstance(document, str) for document in self.document_list()):
+            raise ApiError(400, "infinity's body (raw_scores) takes documents as texts, not objects",
+                           param="documents")
+        return "infinity"
 
     def document_list(self) -> list[StrictStr | RerankDocumentInput]:
         """``documents`` as a list (one text is one document).
@@ -473,14 +508,16 @@ class RerankRequest(_Request):
                                 tokenization=tei_tokenization(self.truncate, self.truncation_direction, auto_truncate))
 
     def to_request(self, documents: list[StrictStr | RerankDocumentInput]) -> fr.RerankRequest:
-        """The ranking of :meth:`document_list`'s ``documents`` (vLLM's, Jina's, Cohere's body)."""
+        """The ranking of :meth:`document_list`'s ``documents`` (vLLM's, Jina's, Cohere's,
+        infinity's body); ``raw_scores`` skips the activation."""
         return fr.RerankRequest(
             query=self.query, documents=[d if isinstance(d, str) else d.text for d in documents], top_n=self.top_n,
             return_documents=bool(self.return_documents), max_tokens_per_doc=self.max_tokens_per_doc,
-            options=self.plugin_options(), tokenization=self.tokenization())
+            use_activation=False if self.raw_scores else None, options=self.plugin_options(),
+            tokenization=self.tokenization())
 
 
-_TEI_RERANK_FIELDS = ("texts", "raw_scores", "return_text", "truncate", "truncation_direction")
+_TEI_RERANK_FIELDS = ("texts", "return_text", "truncate", "truncation_direction")  # raw_scores: infinity's too
 _RERANK_FIELDS = ("documents", "top_n", "return_documents", "max_tokens_per_doc", "truncate_prompt_tokens")
 
 

@@ -22,7 +22,8 @@ requests of the clients closed at the drain deadline ending)."""
 class DrainingServer(uvicorn.Server):
     """A uvicorn server whose first SIGTERM/SIGINT starts draining instead of stopping at once.
 
-    While draining, the app answers new requests 503 (``app.state.server.draining``). Once no
+    While draining, the app answers new requests a JSON 503 that closes their connection
+    (``app.state.server.draining``); the listener stays open until the drain ends. Once no
     request is in flight, or ``drain_timeout`` seconds after the signal, uvicorn's own shutdown
     runs with what is left of ``drain_timeout`` (at least :data:`SHUTDOWN_GRACE`); at the deadline
     the connections of unfinished requests are closed first, so that their requests end (a

@@ -148,7 +148,8 @@ def test_tokenize_and_models(server, hf_tokenizer):
 def test_openapi_lists_every_route(server):
     assert httpx.get(f"{server.url}/openapi.json").json()["paths"].keys() == {
         "/v1/embeddings", "/embeddings", "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank",
-        "/v2/rerank", "/v2/embed", "/v1/models", "/v1/models/{model_id}", "/tokenize", "/detokenize", "/health",
+        "/v2/rerank", "/v2/embed", "/v1/models", "/v1/models/{model_id}", "/models", "/tokenize", "/detokenize",
+        "/health",
         "/metrics",
         "/embed", "/embed_all", "/embed_sparse", "/predict", "/similarity", "/decode", "/info", "/", "/invocations",
     }

@@ -103,6 +103,7 @@ SEEDS: dict[str, list[dict[str, Any]]] = {
         {"input": [IDS], "encoding_format": "base64", "embed_dtype": "float16", "endianness": "big"},
         {"input": GOOD_TEXT, "precision": "int8", "normalize": False, "truncate_prompt_tokens": 8},
         {"input": TEXTS, "encoding_format": "bytes", "dimensions": 384},
+        {"input": TEXTS, "model": "default/not-specified", "dimensions": 0, "modality": "text"},  # infinity's
         {"messages": [{"role": "user", "content": [{"type": "text", "text": GOOD_TEXT}]}],
          "add_generation_prompt": True, "chat_template_kwargs": {"x": 1}},
     ],
@@ -110,7 +111,8 @@ SEEDS: dict[str, list[dict[str, Any]]] = {
         {"input": GOOD_TEXT, "task": "token_embed", "request_id": "r2"},
         {"input": TEXTS, "task": "embed", "encoding_format": "bytes_only"},
     ],
-    "ClassificationRequest": [{"input": [TEXTS, GOOD_TEXT], "use_activation": False, "request_id": "r3"}],
+    "ClassificationRequest": [{"input": [TEXTS, GOOD_TEXT], "use_activation": False, "request_id": "r3"},
+                              {"input": TEXTS, "raw_scores": True, "model": "default/not-specified"}],  # infinity's
     "ScoreRequest": [
         {"queries": GOOD_TEXT, "documents": TEXTS, "request_id": "r4"},
         {"text_1": TEXTS, "text_2": TEXTS[::-1], "truncate_prompt_tokens": 10, "use_activation": True},
@@ -121,6 +123,8 @@ SEEDS: dict[str, list[dict[str, Any]]] = {
          "max_tokens_per_doc": 4},
         {"query": GOOD_TEXT, "texts": TEXTS, "return_text": True, "truncate": True, "truncation_direction": "left",
          "raw_scores": True},
+        {"query": GOOD_TEXT, "documents": TEXTS, "raw_scores": False, "return_documents": True, "top_n": 1,
+         "model": "default/not-specified"},  # infinity's
     ],
     "TokenizeRequest": [
         {"prompt": GOOD_TEXT, "return_token_strs": True, "add_special_tokens": False},

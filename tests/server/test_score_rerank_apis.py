@@ -209,7 +209,7 @@ def test_max_tokens_per_doc_keeps_a_long_document_within_the_model(server, runti
                                                                   "got 0", "max_tokens_per_doc"),
     ({"query": "q", "documents": ["d"], "max_tokens_per_doc": 1.5},
      "max_tokens_per_doc: Input should be a valid integer", "max_tokens_per_doc"),
-    ({"query": "q"}, "send documents (vLLM, Jina, Cohere) or texts (TEI)", "documents"),
+    ({"query": "q"}, "send documents (vLLM, Jina, Cohere, infinity) or texts (TEI)", "documents"),
     ({"query": "q", "documents": [{"title": "no text"}]},
      "documents.str: Input should be a valid string; documents.list[union[str,RerankDocumentInput]].0.str: Input "
      "should be a valid string; documents.list[union[str,RerankDocumentInput]].0.RerankDocumentInput.text: Field "
@@ -217,11 +217,11 @@ def test_max_tokens_per_doc_keeps_a_long_document_within_the_model(server, runti
     ({"query": "q", "documents": ["d"], "rank_fields": ["text"]}, "rank_fields: Extra inputs are not permitted",
      "rank_fields"),
     ({"query": "q", "documents": ["d"], "texts": ["d"]}, "documents cannot be combined with TEI's fields (texts): "
-                                                         "send documents (vLLM, Jina, Cohere) or texts (TEI)",
+                                                         "send documents (vLLM, Jina, Cohere, infinity) or texts (TEI)",
      "documents"),
     ({"query": "q", "documents": ["d"], "return_text": True}, "documents cannot be combined with TEI's fields "
-                                                              "(return_text): send documents (vLLM, Jina, Cohere) or "
-                                                              "texts (TEI)", "documents"),
+                                                              "(return_text): send documents (vLLM, Jina, Cohere, "
+                                                              "infinity) or texts (TEI)", "documents"),
     ({"query": "q", "documents": []}, "documents is empty: scoring needs at least one of each", "documents"),
 ])
 def test_bad_rerank_bodies(server, runtime, body, message, param):

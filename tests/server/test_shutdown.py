@@ -27,6 +27,20 @@ def _in_flight(url: str, headers: dict[str, str]) -> float:
     return float(re.search(r"^poolrunner_http_requests_in_flight (\S+)$", text, re.MULTILINE).group(1))
 
 
+def _request(connection: socket.socket, method: str, path: str, body: bytes = b"") -> tuple[bytes, bytes]:
+    """One request on ``connection``; the answer's head and body (``Content-Length`` bytes)."""
+    connection.sendall(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer k\r\n"
+                       f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        answer += connection.recv(65536)
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))
+    while len(payload) < length:
+        payload += connection.recv(65536)
+    return head, payload
+
+
 def test_sigterm_finishes_requests_in_flight_refuses_new_ones_and_exits(sanity_reference):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -43,7 +57,9 @@ def test_sigterm_finishes_requests_in_flight_refuses_new_ones_and_exits(sanity_r
         assert httpx.get(f"{url}/health", headers={"host": "rebound.example:80"}).status_code == 400
         # A request in flight for as long as the test likes: its body arrives in two parts.
         body = json.dumps({"input": [SANITY_TEXT], "encoding_format": "float"}).encode()
-        with socket.create_connection(("127.0.0.1", port)) as slow:
+        kept = socket.create_connection(("127.0.0.1", port), timeout=10)  # a client's kept-alive connection
+        assert _request(kept, "GET", "/v1/models")[0].startswith(b"HTTP/1.1 200")
+        with socket.create_connection(("127.0.0.1", port)) as slow, kept:
             slow.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer k\r\n"
                          b"Content-Type: application/json\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode()
                          + body[:10])
@@ -57,6 +73,13 @@ def test_sigterm_finishes_requests_in_flight_refuses_new_ones_and_exits(sanity_r
             assert refused.status_code == 503
             assert refused.json()["error"]["message"] == "the server is shutting down and takes no new requests"
             assert httpx.get(f"{url}/health").status_code == 503
+            # on a connection opened before the signal: the same JSON 503, then the connection ends with it
+            # (not later, under a request the client sends as the shutdown closes idle connections)
+            head, payload = _request(kept, "POST", "/v1/embeddings", b'{"input": "late"}')
+            assert head.startswith(b"HTTP/1.1 503") and b"\r\nconnection: close" in head.lower(), head
+            assert json.loads(payload)["error"]["message"] == "the server is shutting down and takes no new requests"
+            kept.settimeout(2)
+            assert kept.recv(1) == b""  # closed by the server
             assert process.poll() is None  # still draining
             slow.sendall(body[10:])
             answer = slow.makefile("rb").read()  # the server closes the connection once it exits

@@ -2,7 +2,8 @@
 module's ``APIRouter``: :mod:`.embeddings` (OpenAI's and vLLM's embeddings, ``/pooling``,
 ``/classify``), :mod:`.scoring` (score and rerank: vLLM, Jina, Cohere), :mod:`.cohere`
 (Cohere's v2 embed, texts and images), :mod:`.tei` (Text
-Embeddings Inference's), :mod:`.admin` (health, metrics, models, tokenize), :mod:`.adapters`
+Embeddings Inference's), :mod:`.infinity` (infinity's ``/models``, and its answers on the routes it
+shares), :mod:`.admin` (health, metrics, models, tokenize), :mod:`.adapters`
 (vLLM's run-time LoRA loading) and
 :mod:`.invocations` (SageMaker). What a route needs of its app comes from ``app.state``
 through FastAPI dependencies (:mod:`.dependencies`, which also says why the routes whose bodies
@@ -18,7 +19,7 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
 from poolrunner.core.server.models import ModelRouter
-from poolrunner.core.server.routes import adapters, admin, cohere, embeddings, invocations, scoring, tei
+from poolrunner.core.server.routes import adapters, admin, cohere, embeddings, infinity, invocations, scoring, tei
 from poolrunner.core.server.routes.dependencies import OptionBodies
 
 
@@ -27,7 +28,7 @@ def include_routes(app: FastAPI, served: ModelRouter) -> None:
     sets ``app.state.invocations`` (``/invocations``' table)."""
     bodies = OptionBodies.of(served)
     for router in (embeddings.router, embeddings.option_routes(bodies), scoring.option_routes(bodies),
-                   cohere.router, admin.router, tei.router, invocations.router):
+                   cohere.router, admin.router, tei.router, infinity.router, invocations.router):
         app.include_router(router)
     if served.settings.allow_runtime_lora:  # vLLM too serves them only when allowed
         app.include_router(adapters.router)

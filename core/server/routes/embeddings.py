@@ -1,6 +1,7 @@
 """OpenAI's and vLLM's embedding routes: ``POST /v1/embeddings`` and ``/embeddings`` (OpenAI's
-body with vLLM's fields), vLLM's ``/pooling`` (any served task, plugin request options as body
-fields; added per app, see :mod:`.dependencies`) and ``/classify``."""
+body with vLLM's fields, and infinity's ``modality``), vLLM's ``/pooling`` (any served task, plugin
+request options as body fields; added per app, see :mod:`.dependencies`) and ``/classify``
+(vLLM's body, or infinity's)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from poolrunner.core.errors import TokenOutOfVocabularyError
+from poolrunner.core.server import infinity_protocol as i
 from poolrunner.core.server import protocol as p
 from poolrunner.core.server.errors import ApiError
 from poolrunner.core.server.payload import bytes_response, encode_array
+from poolrunner.core.server.routes import infinity
 from poolrunner.core.server.routes.answers import answer_id, usage
 from poolrunner.core.server.routes.dependencies import OptionBodies, Served, with_body
 from poolrunner.core.server.service import PoolingService
@@ -46,10 +49,14 @@ async def embeddings(body: p.EmbeddingRequest, request: Request, served: Served)
                                model=service.answered_name, usage=usage(num_tokens))
 
 
-@router.post("/classify", response_model=p.ClassificationResponse)
-async def classify(body: p.ClassificationRequest, request: Request, served: Served) -> p.ClassificationResponse:
-    """vLLM's classify: texts, token ids, ``[text, text_pair]`` pairs or a chat (``messages``)."""
+@router.post("/classify", response_model=p.ClassificationResponse | i.InfinityClassifyResponse)
+async def classify(body: p.ClassificationRequest, request: Request,
+                   served: Served) -> p.ClassificationResponse | Response:
+    """vLLM's classify: texts, token ids, ``[text, text_pair]`` pairs or a chat (``messages``);
+    infinity's body (``raw_scores``) gets infinity's answer."""
     service = served.pick(body.model, "classify")
+    if body.api() == "infinity":  # a Response: written as it is
+        return JSONResponse((await infinity.classify(service, body, request)).model_dump())
     results, num_tokens = await service.answer_prompts(request, body)
     data = [p.ClassificationData(index=i, label=r.label, probs=r.probs.tolist(), num_classes=len(r.probs))
             for i, r in enumerate(results)]

@@ -1,6 +1,6 @@
 """Scoring and reranking: vLLM's ``POST /score`` and ``/v1/score`` (its four body forms), and
-``/rerank``, ``/v1/rerank``, ``/v2/rerank`` (vLLM's, Jina's and Cohere's v1/v2 bodies; TEI's on
-``/rerank``). Every body carries the plugins' request options as fields (BGE-M3's weights), so
+``/rerank``, ``/v1/rerank``, ``/v2/rerank`` (vLLM's, Jina's, Cohere's v1/v2, TEI's and infinity's
+bodies). Every body carries the plugins' request options as fields (BGE-M3's weights), so
 these routes are added per app (:mod:`.dependencies`)."""
 
 from __future__ import annotations
@@ -9,10 +9,12 @@ import math
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
+from poolrunner.core.server import infinity_protocol as i
 from poolrunner.core.server import protocol as p
 from poolrunner.core.server.errors import in_tei_shape
+from poolrunner.core.server.routes import infinity
 from poolrunner.core.server.routes.answers import answer_id, usage
 from poolrunner.core.server.routes.dependencies import OptionBodies, Served, with_body
 from poolrunner.core.server.service import PoolingService
@@ -36,11 +38,15 @@ async def score(body: p.ScoreRequest, request: Request, served: Served) -> p.Sco
 async def rerank(body: p.RerankRequest, request: Request, served: Served,
                  version: str | None) -> p.RerankResponse | list[p.TeiRank] | Response:
     """Documents best first by relevance to ``query`` (ties keep input order), as vLLM, Jina
-    and Cohere answer; TEI's body (``query``, ``texts``) gets TEI's list of ``{index, score, text?}``.
-    The plugins' request options (BGE-M3's weights) are body fields."""
+    and Cohere answer; TEI's body (``query``, ``texts``) gets TEI's list of ``{index, score, text?}``,
+    infinity's (``documents`` with ``raw_scores``) infinity's answer. The plugins' request options
+    (BGE-M3's weights) are body fields."""
     service = served.pick(body.model, "score")
-    if body.api() == "tei":
+    api = body.api()
+    if api == "tei":
         return await in_tei_shape(request, tei_rerank(service, body, request))  # TEI's errors too
+    if api == "infinity":  # a Response: no other union member may take its fields
+        return JSONResponse((await infinity.rerank(service, body, request)).model_dump(exclude_none=True))
     return await _rerank(service, body, request, version)
 
 
@@ -51,7 +57,8 @@ def option_routes(bodies: OptionBodies) -> APIRouter:
         router.add_api_route(path, with_body(score, bodies.score), methods=["POST"], response_model=p.ScoreResponse)
     for path, version in RERANK_PATHS:
         router.add_api_route(path, with_body(rerank, bodies.rerank, version=version), methods=["POST"],
-                             response_model=p.RerankResponse | list[p.TeiRank], response_model_exclude_none=True)
+                             response_model=p.RerankResponse | list[p.TeiRank] | i.InfinityRerankResponse,
+                             response_model_exclude_none=True)
     return router
 
 
