@@ -91,8 +91,9 @@ class RuntimeConfig:
         ``float16``, ``bf16-mixed`` (float32 weights and activations, bfloat16 matrix products;
         the CPU with ``compile="auto"`` only) or ``int8`` (linear layers as dynamic int8
         products calibrated at load, the rest bfloat16: :mod:`poolrunner.core.kernels.int8`; the
-        CPU with ``compile="auto"`` and native bf16 only; refused at load for a model whose probe
-        outputs fall under cosine 0.999 of float32's).
+        CPU with ``compile="auto"`` and native bf16 only; the layers whose int8 error the model
+        cannot afford stay in bfloat16, chosen at load so that the probe outputs stay within
+        cosine 0.999 of float32's; refused when even all of them in bfloat16 miss it).
     :ivar device: ``auto`` (CUDA when present, else CPU) or a torch device string.
     :ivar compile: ``auto``: on the CPU, linear layers run with weights prepacked for oneDNN once at
         load, bias and known activations fused into the matmul (:mod:`poolrunner.core.kernels.onednn`),

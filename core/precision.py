@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 import torch
 from attrs import frozen
@@ -94,6 +95,10 @@ PROBE_TEXTS = (
 NUM_PROBE_WORDS = 128
 """Single-word probes: with 3.5% of words under the bar, 128 of them miss a failing model with
 probability about 1%."""
+
+SENSITIVITY_TEXTS = 40
+"""Calibration texts each layer's sensitivity is measured on: the first, the probe sentences and
+short words (:func:`probe_texts`), so that one run per layer stays cheap."""
 
 LONG_PROBE_TOKENS = 512
 """The long probe's length cap, in tokens (the model maximum when smaller): bounded load time."""
@@ -159,10 +164,17 @@ def choose_cpu_precision(
 def quantize_checked(
     build: Callable[[Precision], Engine], calibration: Sequence[PoolingRequest], probes: Sequence[PoolingRequest],
 ) -> Engine:
-    """Build the engine in :data:`INT8`, calibrate it on ``calibration``, and keep it only if its
-    outputs on ``probes`` stay within :data:`MAX_INT8_RELATIVE_ERROR` of float32's.
+    """Build the engine in :data:`INT8`, calibrate it on ``calibration``, and keep in bfloat16 the
+    fewest of its linear layers, most sensitive first, with which its outputs on ``probes`` stay
+    within :data:`MAX_INT8_RELATIVE_ERROR` of float32's.
 
-    :raises ModelLoadError: naming the probe error and the bar, when the model misses it.
+    A layer's sensitivity is the error it alone in int8 causes in the model's outputs
+    (:func:`_sensitivities`). How many of the most sensitive stay in bfloat16 is searched on the
+    probe: none, then 1, 2, 4, ... until it passes, then bisected; a layer is kept whole
+    (:meth:`~poolrunner.core.kernels.int8.Int8Linear.keep`). The load log names the layers kept.
+
+    :raises ModelLoadError: naming the probe error and the bar, when even every layer in
+        bfloat16 misses it.
     """
     engine = build(FLOAT32)
     probes = _served(probes, engine)
@@ -170,19 +182,97 @@ def quantize_checked(
     del engine
     engine = build(INT8)
     calibration = _served(calibration, engine)
-    int8.calibrate(engine.runner.backbone, lambda: _run(engine, calibration))
-    outputs = _run(engine, probes)
-    error = _relative_error(reference, outputs)
-    if _excess(reference, outputs, MAX_INT8_RELATIVE_ERROR) > 1:
-        detail = ("its outputs differ from float32's in shape or in integer values" if math.isinf(error)
-                  else f"its outputs are up to {error:.4f} away from float32's (relative error; for unit "
-                       f"vectors cosine {1 - error**2 / 2:.4f})")
-        raise ModelLoadError(
-            f"dtype 'int8' is refused for this model: on the probe texts {detail}; the bar is "
-            f"{MAX_INT8_RELATIVE_ERROR:.4f} (cosine 0.999); use dtype 'bfloat16' or 'auto'"
-        )
-    logger.info("dtype int8: probe error %.2e <= %.2e against float32", error, MAX_INT8_RELATIVE_ERROR)
+    backbone = engine.runner.backbone
+    int8.calibrate(backbone, lambda: _run(engine, calibration))
+    layers = {name: layer for name, layer in backbone.named_modules()
+              if isinstance(layer, int8.Int8Linear) and layer.quantized}
+    errors = _sensitivities(engine, layers, calibration[:SENSITIVITY_TEXTS])
+    order = sorted(errors, key=errors.__getitem__, reverse=True)
+    tried: dict[int, tuple[float, float]] = {}
+
+    def probe_with(kept: int) -> bool:
+        """Whether the probe passes with the ``kept`` most sensitive layers in bfloat16."""
+        for rank, name in enumerate(order):
+            layers[name].keep(rank < kept)
+        if kept not in tried:
+            outputs = _run(engine, probes)
+            tried[kept] = (_excess(reference, outputs, MAX_INT8_RELATIVE_ERROR), _relative_error(reference, outputs))
+        return tried[kept][0] <= 1
+
+    kept = _fewest_passing(probe_with, len(order))
+    if kept is None:
+        _refuse_int8(tried[len(order)][1], len(order))
+    probe_with(kept)
+    _log_int8(order[:kept], errors, len(order), tried)
     return engine
+
+
+def _sensitivities(engine: Engine, layers: dict[str, int8.Int8Linear],
+                   texts: Sequence[PoolingRequest]) -> dict[str, float]:
+    """Each layer's sensitivity: the mean squared relative error of the outputs on ``texts`` with
+    that layer alone in int8, against every layer in bfloat16. One run per layer, which is why
+    ``texts`` are few and short; the errors of several layers roughly add up, as squares.
+
+    :returns: Layer name -> sensitivity; every layer is left kept in bfloat16.
+    """
+    for layer in layers.values():
+        layer.keep()
+    reference = _run(engine, texts)
+    errors = {}
+    for name, layer in layers.items():
+        layer.keep(False)
+        outputs = _run(engine, texts)
+        layer.keep()
+        errors[name] = sum(_relative_error(ref, out) ** 2 for ref, out in zip(reference, outputs, strict=True))
+        errors[name] /= max(1, len(texts))
+    return errors
+
+
+def _fewest_passing(passes: Callable[[int], bool], most: int) -> int | None:
+    """The smallest ``k`` in ``[0, most]`` for which ``passes(k)``, assuming that more never hurts:
+    doubling from 1, then bisecting; ``None`` when ``passes(most)`` fails."""
+    if passes(0):
+        return 0
+    failed, k = 0, 1
+    while k <= most and not passes(k):
+        if k == most:
+            return None
+        failed, k = k, min(2 * k, most)
+    if k > most:  # most == 0
+        return None
+    while k - failed > 1:
+        middle = (failed + k) // 2
+        failed, k = (failed, middle) if passes(middle) else (middle, k)
+    return k
+
+
+def _refuse_int8(error: float, layers: int) -> NoReturn:
+    detail = ("its outputs differ from float32's in shape or in integer values" if math.isinf(error)
+              else f"its outputs are up to {error:.4f} away from float32's (relative error; for unit "
+                   f"vectors cosine {1 - error**2 / 2:.4f})")
+    raise ModelLoadError(
+        f"dtype 'int8' is refused for this model: on the probe texts, even with all {layers} linear layers in "
+        f"bfloat16, {detail}; the bar is {MAX_INT8_RELATIVE_ERROR:.4f} "
+        f"(cosine {1 - MAX_INT8_RELATIVE_ERROR**2 / 2:.4g}); "
+        "use dtype 'bfloat16' "
+        "or 'auto'"
+    )
+
+
+def _log_int8(kept: Sequence[str], errors: dict[str, float], layers: int,
+              tried: dict[int, tuple[float, float]]) -> None:
+    all_int8 = tried[0][1]
+    if not kept:
+        logger.info("dtype int8: all %d linear layers in int8, probe error %.4f <= %.4f against float32",
+                    layers, all_int8, MAX_INT8_RELATIVE_ERROR)
+        return
+    logger.info(
+        "dtype int8: %d of %d linear layers stay in bfloat16, those whose int8 error alone moves the "
+        "outputs most (%s: mean squared relative error on %d calibration texts); with them the probe error "
+        "against float32 is %.4f <= %.4f, all in int8 it was %.4f (%d probe runs)",
+        len(kept), layers, ", ".join(f"{name} {errors[name]:.1e}" for name in kept), SENSITIVITY_TEXTS,
+        tried[len(kept)][1], MAX_INT8_RELATIVE_ERROR, all_int8, len(tried),
+    )
 
 
 def _served(requests: Sequence[PoolingRequest], engine: Engine) -> list[PoolingRequest]:

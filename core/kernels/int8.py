@@ -8,11 +8,14 @@ per-input-channel factor moves the activations' outlier channels into the weight
 Xiao et al. 2023, ``alpha`` 0.5): ``x @ W.T == (x / s) @ (W * s).T``, with
 ``s = max|x|**0.5 / max|W|**0.5`` per channel, measured on calibration texts at load.
 
-What it costs in accuracy is a property of the model, so it is measured at load
-(:func:`poolrunner.core.precision.quantize_checked`) and the model refused if it misses
-the bar. all-MiniLM-L6-v2 against float32 sentence-transformers: min cosine 0.9976 on single
-words and 0.9990 on paragraphs; without smoothing 0.9951 / 0.9978, with a symmetric input
-quantization 0.9858 / 0.9924.
+What it costs in accuracy is a property of the model and of each layer, so it is measured at
+load (:func:`poolrunner.core.precision.quantize_checked`): the error each layer alone in int8
+causes in the model's outputs ranks the layers, and the fewest most sensitive ones that bring the
+probe within cosine 0.999 of float32 stay in bfloat16 (:meth:`Int8Linear.keep`).
+all-MiniLM-L6-v2 with every layer in int8, against float32 sentence-transformers: min cosine
+0.9976 on single words and 0.9990 on paragraphs; without smoothing 0.9951 / 0.9978, with a
+symmetric input quantization 0.9858 / 0.9924. Its most sensitive layers are the six whose
+input is the GELU output (the MLPs' second products).
 
 Everything but the linear layers (embeddings, LayerNorm, attention, pooling) runs in bfloat16.
 """
@@ -36,6 +39,8 @@ accuracy on single words)."""
 UNSEEN_CHANNEL_FLOOR = 0.01
 """A channel calibration saw (almost) no activation in is treated as reaching this fraction of
 the layer's largest channel, so that its smoothing factor stays bounded."""
+PACK_BATCH_HINT = 2048
+"""Rows a kept layer's weight layout is tuned for (:data:`poolrunner.core.kernels.onednn.BATCH_HINT`)."""
 WIDE_ROW_BLOCK = 256
 """Rows per product where the output is wider than the input (the MLP's first layer): each
 block's int32 product is converted while it is still in cache. ``[2048, 384] x [384, 1536]`` on
@@ -74,15 +79,32 @@ class Int8Linear(nn.Module):
         self.register_buffer("input_absmax", torch.zeros(self.in_features), persistent=False)
         self.recording = True
         self._quantized: tuple[torch.Tensor, ...] | None = None
+        self._kept: torch.Tensor | None = None  # the weight prepacked for oneDNN, while kept in float
+
+    @property
+    def quantized(self) -> bool:
+        """Whether its products run in int8: calibrated and not kept (:meth:`keep`)."""
+        return self._quantized is not None and self._kept is None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features]`` -> ``[..., out_features]``, in ``x``'s dtype."""
+        if self._kept is not None:
+            name, algorithm = self.activation
+            return torch.ops.mkldnn._linear_pointwise(x, self._kept, self.bias, name, [], algorithm)
         if self._quantized is not None:
             return self._function(self._int8_forward(x))
         rows = x.reshape(-1, self.in_features)
         if self.recording and len(rows):
             torch.maximum(self.input_absmax, rows.abs().amax(0).float(), out=self.input_absmax)
         return self._function(F.linear(x, self.weight, self.bias))
+
+    def keep(self, kept: bool = True) -> None:
+        """Run the product in the weight's dtype (``kept``: oneDNN-prepacked, the activation fused,
+        as :class:`~poolrunner.core.kernels.onednn.PackedLinear`) or, after :meth:`calibrate`, in int8 again."""
+        if kept != (self._kept is not None):
+            weight = self.weight.detach()
+            self._kept = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT) if kept else None
+
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``(x @ weight.T + bias) * other`` (:class:`~poolrunner.core.kernels.onednn.GatedMLP`'s call)."""
@@ -130,7 +152,7 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, activation={self.activation}, "
-                f"calibrated={self._quantized is not None}")
+                f"calibrated={self._quantized is not None}, kept={self._kept is not None}")
 
 
 def calibrate(module: nn.Module, run: Callable[[], object]) -> int:
@@ -148,3 +170,4 @@ def calibrate(module: nn.Module, run: Callable[[], object]) -> int:
         logger.info("int8: %d of %d linear layers saw no calibration input and stay in %s",
                     len(layers) - quantized, len(layers), layers[0].matmul_dtype)
     return quantized
+
