@@ -306,8 +306,8 @@ def _kept_line(logged: list[str], kept: int, layers: int) -> str:
         return logged[0]
     found = re.fullmatch(rf"dtype int8: {kept} of {layers} linear layers stay in bfloat16, those whose int8 error "
                          r"alone moves the outputs most \((.+): mean squared relative error on 40 calibration "
-                         r"texts\); with them the probe error against float32 is (\d\.\d{4}) <= 0\.0447, all in int8 it was "
-                         r"(\d\.\d{4}) \(\d+ probe runs\)", logged[0])
+                         r"texts\); with them the probe error against float32 is (\d\.\d{4}) <= 0\.0447, all in "
+                         r"int8 it was (\d\.\d{4}) \(\d+ probe runs\)", logged[0])
     assert found, logged[0]
     names = [item.rsplit(" ", 1) for item in found.group(1).split(", ")]
     assert len(names) == kept and float(found.group(3)) > 0.0447 >= float(found.group(2))
