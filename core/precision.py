@@ -186,9 +186,15 @@ def quantize_checked(
     int8.calibrate(backbone, lambda: _run(engine, calibration))
     layers = {name: layer for name, layer in backbone.named_modules()
               if isinstance(layer, int8.Int8Linear) and layer.quantized}
+    tried: dict[int, tuple[float, float]] = {}
+    for layer in layers.values():  # first every layer in bfloat16: the one run that can refuse the model at once
+        layer.keep()
+    outputs = _run(engine, probes)
+    tried[len(layers)] = (_excess(reference, outputs, MAX_INT8_RELATIVE_ERROR), _relative_error(reference, outputs))
+    if tried[len(layers)][0] > 1:
+        _refuse_int8(tried[len(layers)][1], len(layers))
     errors = _sensitivities(engine, layers, calibration[:SENSITIVITY_TEXTS])
     order = sorted(errors, key=errors.__getitem__, reverse=True)
-    tried: dict[int, tuple[float, float]] = {}
 
     def probe_with(kept: int) -> bool:
         """Whether the probe passes with the ``kept`` most sensitive layers in bfloat16."""
@@ -200,10 +206,8 @@ def quantize_checked(
         return tried[kept][0] <= 1
 
     kept = _fewest_passing(probe_with, len(order))
-    if kept is None:
-        _refuse_int8(tried[len(order)][1], len(order))
-    probe_with(kept)
-    _log_int8(order[:kept], errors, len(order), tried)
+    probe_with(len(order) if kept is None else kept)  # never None: all in bfloat16 passed
+    _log_int8(order[:len(order) if kept is None else kept], errors, len(order), tried)
     return engine
 
 
