@@ -208,8 +208,8 @@ def drive(server: Server, texts: list[str], clients: int, processes: int) -> dic
 def profiler(pid: int, out: Path) -> tuple[subprocess.Popen, Path]:
     """``py-spy record`` of the server's Python threads (collapsed stacks, GIL-holding or not,
     idle ones left out) until :func:`spy_summary` stops it."""
-    command = [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid), "--rate", "250",
-               "--format", "raw", "--output", str(out), "--subprocesses"]
+    command = [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid), "--rate", "1000",
+               "--nonblocking", "--format", "raw", "--output", str(out), "--subprocesses"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     time.sleep(1.0)  # py-spy attaches
     return process, out
