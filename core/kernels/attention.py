@@ -61,6 +61,13 @@ LAYOUT_KWARG = "poolrunner_layout"
 
 # Length of the probe prompt run at load: long enough to show any attention to a later token.
 PROBE_TOKENS = 8
+LONG_ROWS = 1024
+"""Requests longer than this never get a whole ``[length, length]`` mask: their mask kind is read
+tile by tile, and a mask that is neither full nor causal (a sliding window) is attended in tiles
+of :data:`TILE_ROWS` query rows, each over the keys its rows see. Memory then grows with
+``length * TILE_ROWS``, not ``length ** 2`` (at 8,192 tokens a whole mask is 64 MiB of bools, and
+SDPA's scores for it 3 GiB in float32 over 12 heads)."""
+TILE_ROWS = 256
 
 # Forward arguments with no attention semantics of their own.
 _INERT_KWARGS = frozenset({
@@ -80,18 +87,39 @@ class MaskRule:
     mask_function: Callable[..., Any]
     use_vmap: bool
     _blocks: dict[tuple[int, int, int, str], _Block] = field(factory=dict, init=False)
+    _kinds: dict[int, str] = field(factory=dict, init=False)
+
+    def rows(self, q_offset: int, q_length: int, kv_length: int) -> torch.Tensor:
+        """The ``[q_length, kv_length]`` bool mask (CPU) of queries ``q_offset ..`` of one request."""
+        mask = sdpa_mask(
+            batch_size=1, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=0,
+            mask_function=self.mask_function, attention_mask=None, allow_is_causal_skip=False,
+            allow_is_bidirectional_skip=False, use_vmap=self.use_vmap, device="cpu",
+        )
+        return mask[0, 0].expand(q_length, kv_length)
+
+    def kind(self, length: int, device: torch.device) -> str:
+        """``full``, ``causal`` or ``custom``: :attr:`_Block.kind` of a request of ``length``
+        tokens, read in tiles of :data:`TILE_ROWS` rows past :data:`LONG_ROWS` tokens."""
+        if length <= LONG_ROWS:
+            return self.block(0, length, length, device).kind
+        if length not in self._kinds:
+            full = causal = True
+            for start in range(0, length, TILE_ROWS):
+                tile = self.rows(start, min(TILE_ROWS, length - start), length)
+                full = full and bool(tile.all())
+                causal = causal and torch.equal(tile, torch.ones_like(tile).tril(diagonal=start))
+                if not (full or causal):
+                    break
+            self._kinds[length] = "full" if full else "causal" if causal else "custom"
+        return self._kinds[length]
 
     def block(self, q_offset: int, q_length: int, kv_length: int, device: torch.device) -> _Block:
         """The ``[q_length, kv_length]`` mask of one request whose queries start at ``q_offset``."""
         key = (q_offset, q_length, kv_length, str(device))
         if key not in self._blocks:
             # Built and classified on the CPU, so a GPU step never waits on a mask.
-            mask = sdpa_mask(
-                batch_size=1, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=0,
-                mask_function=self.mask_function, attention_mask=None, allow_is_causal_skip=False,
-                allow_is_bidirectional_skip=False, use_vmap=self.use_vmap, device="cpu",
-            )
-            self._blocks[key] = _Block.of(mask[0, 0].expand(q_length, kv_length), q_offset, device)
+            self._blocks[key] = _Block.of(self.rows(q_offset, q_length, kv_length), q_offset, device)
         return self._blocks[key]
 
 
@@ -241,6 +269,9 @@ def packed_attention(
     if layout.native and softcap is None and s_aux is None and layout.probe is None:
         runs = _attend_native(attention_mask, layout, q, k, v, output, scaling)
     for run in runs:
+        if run.length > LONG_ROWS and layout.probe is None:
+            _attend_long(attention_mask, run, q, k, v, output, scaling, softcap, s_aux)
+            continue
         block = attention_mask.block(0, run.length, run.length, q.device)
         if layout.probe is not None:
             layout.probe.append(block.attends_future)
@@ -282,7 +313,7 @@ def _attend_native(
     kinds: dict[str, list[_Run]] = {"full": [], "causal": []}
     rest = []
     for run in layout.runs:
-        kinds.get(rule.block(0, run.length, run.length, q.device).kind, rest).append(run)
+        kinds.get(rule.kind(run.length, q.device), rest).append(run)
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
     q, k, v = (_kernel_layout(t) for t in (q, k, v))
     for kind, members in kinds.items():
@@ -299,6 +330,37 @@ def _kernel_layout(tokens: torch.Tensor) -> torch.Tensor:
     if strides[-1] == 1 and (tokens.dtype != torch.bfloat16 or all(stride % 2 == 0 for stride in strides[:-1])):
         return tokens
     return tokens.contiguous()
+
+
+def _attend_long(
+    rule: MaskRule, run: _Run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor,
+    scaling: float | None, softcap: float | None, sinks: torch.Tensor | None,
+) -> None:
+    """A run of requests longer than :data:`LONG_ROWS` into ``output``, never with a whole mask:
+    a full or causal one through SDPA's own paths, any other in tiles of :data:`TILE_ROWS` query
+    rows, each over the span of keys its rows see (for a sliding window, the window around the
+    tile), with that part of the mask. Each query row's softmax is over the same keys as in one
+    call, so the result is the same."""
+    kind = rule.kind(run.length, q.device)
+    queries, keys, values = (_rows(t, run) for t in (q, k, v))
+    target = output[run.start : run.end].view(run.count, run.length, *q.shape[1:])
+    if kind != "custom" and softcap is None and sinks is None:
+        attended = F.scaled_dot_product_attention(queries, keys, values, is_causal=kind == "causal", scale=scaling,
+                                                  enable_gqa=keys.shape[1] != queries.shape[1])
+        target.copy_(attended.transpose(1, 2))
+        return
+    for start in range(0, run.length, TILE_ROWS):
+        end = min(start + TILE_ROWS, run.length)
+        mask = rule.rows(start, end - start, run.length)
+        seen = mask.any(0).nonzero()
+        if len(seen) == 0:
+            raise UnsupportedAttentionError(f"queries {start}..{end} of a {run.length}-token request see no key")
+        first, last = int(seen[0]), int(seen[-1]) + 1
+        mask = mask[:, first:last]
+        block = _Block(mask.contiguous().to(q.device), "full" if bool(mask.all()) else "custom", False)
+        attended = _attend(queries[:, :, start:end], keys[:, :, first:last], values[:, :, first:last], block,
+                           scaling, softcap, sinks)
+        target[:, start:end] = attended.transpose(1, 2)
 
 
 def _attend(

@@ -140,8 +140,9 @@ class PoolingService:
 
     async def answer(self, request: Request, frontend_request: FrontendRequest, *, priority: int | None = None,
                      ) -> tuple[Any, int]:
-        """Check ``frontend_request`` against the request limits, plan it (in a worker thread: it
-        tokenizes) and :meth:`execute` the plan; the answer and its token count.
+        """Check ``frontend_request`` against the request limits, plan it (it tokenizes: in a
+        worker thread, or for a short one on the event loop, :meth:`plans_inline`) and
+        :meth:`execute` the plan; the answer and its token count.
 
         :raises ApiError: 400 for more items than ``max_inputs_per_request``; as :meth:`execute`.
         :raises InvalidRequestError: from the plan, for bad input.
@@ -151,11 +152,35 @@ class PoolingService:
         """
         self.check_count(*_size(frontend_request))
         frontend_request = with_adapter(frontend_request, ADAPTER.get())
-        plan = await run_in_threadpool(self.frontend.plan, frontend_request)
+        if self.plans_inline(frontend_request):
+            plan = self.frontend.plan(frontend_request)
+        else:
+            plan = await run_in_threadpool(self.frontend.plan, frontend_request)
         answer = await self.execute(request, plan, priority=priority)
         if frontend_request.tokenization.lora is not None:
             self.metrics.lora_requests.labels(lora=frontend_request.tokenization.lora).inc()
         return answer
+
+    def plans_inline(self, request: FrontendRequest) -> bool:
+        """Whether :meth:`answer` plans ``request`` on the event loop: an embed or classify request
+        of texts (or text pairs) of at most :data:`INLINE_PLAN_CHARS` characters in all, for a
+        model without image inputs (whose strings may be image URLs, fetched while planning).
+        Tokenizing those takes tens of microseconds; handing them to a worker thread and back
+        cost more, in the event loop's own time, than the tokenizing (``bench/serve.py``'s
+        profile of 16 clients). Anything larger is planned in a worker thread, so one big body
+        never holds up the other clients."""
+        inputs = getattr(request, "inputs", None)
+        if inputs is None or self.frontend.images is not None:
+            return False
+        chars = 0
+        for item in inputs:
+            texts = item if is_pair(item) else (item,)
+            if not all(isinstance(text, str) for text in texts):
+                return False
+            chars += sum(len(text) for text in texts)
+            if chars > INLINE_PLAN_CHARS:
+                return False
+        return True
 
     async def execute(self, request: Request, plan: Plan[Any], *, priority: int | None = None) -> tuple[Any, int]:
         """Run ``plan``'s engine requests through the loop, batched with other clients' (``priority``
@@ -225,6 +250,10 @@ class PoolingService:
                            param="priority")
         return priority
 
+
+INLINE_PLAN_CHARS = 2048
+"""Characters of text a request may hold in all to be planned on the event loop
+(:meth:`PoolingService.plans_inline`): tokenized in well under a millisecond."""
 
 PER_TOKEN_TASKS = frozenset({"token_embed", "token_classify", "embed&token_classify"})
 """Tasks whose output has a row per token (the others: one row per input)."""

@@ -10,6 +10,7 @@ import httpx
 import numpy as np
 import pytest
 
+from poolrunner.core.frontend.requests import EncodeRequest, TokenizeRequest
 from poolrunner.core.server import ServerSettings
 from poolrunner.core.testing.server import ServerThread
 from tests.conftest import SANITY_TEXT
@@ -82,3 +83,26 @@ def test_per_token_outputs_over_the_limit_are_a_413_before_any_work(runtime):
         np.testing.assert_allclose(one.json()["data"][0]["data"], runtime.encode(texts[:1], task="token_embed")[0],
                                    atol=2e-6)
         assert client.post("/v1/embeddings", json={"input": texts * 100}).status_code == 200  # one row per input
+
+
+def test_short_texts_are_planned_on_the_event_loop_and_answer_as_sentence_transformers(big_server, st_model):
+    """Embed and classify requests of texts up to INLINE_PLAN_CHARS in all are planned on the event
+    loop, others in a worker thread; both answer sentence-transformers' vectors, and a bad short
+    input is the same 400 as ever, after which the server serves."""
+    service = big_server.app.state.router.default
+    short, long = ["a short text", "another one"], ["word " * 250, "word " * 200]
+    assert service.plans_inline(EncodeRequest(inputs=short, task="embed"))
+    assert service.plans_inline(EncodeRequest(inputs=[("a question", "an answer")], task="embed"))
+    assert not service.plans_inline(EncodeRequest(inputs=long, task="embed"))  # 2,250 characters
+    assert not service.plans_inline(EncodeRequest(inputs=[[101, 2023, 102]], task="embed"))
+    assert not service.plans_inline(TokenizeRequest(texts=short))
+    with httpx.Client(base_url=big_server.url) as client:
+        for texts in (short, long):
+            answer = client.post("/v1/embeddings", json={"input": texts})
+            assert answer.status_code == 200, answer.text
+            vectors = np.array([item["embedding"] for item in answer.json()["data"]])
+            np.testing.assert_allclose(vectors, st_model.encode(texts), atol=1e-5)
+        answer = client.post("/v1/embeddings", json={"input": ["fine", ""]})
+        assert answer.status_code == 400
+        assert answer.json()["error"]["message"] == "input[1] is an empty string"
+        assert client.post("/v1/embeddings", json={"input": SANITY_TEXT}).status_code == 200
