@@ -104,6 +104,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--max-output-values", metavar="N", type=positive_int, default=1 << 24,
                         help="most values (tokens x hidden size) of one request's per-token outputs (token_embed, "
                              "token_classify); more is a 413")
+    server.add_argument("--max-output-values-in-flight", metavar="N", type=positive_int,
+                        help="most per-token output values held by all requests at once, until sent; a request "
+                             "that would pass it waits its turn (default: a quarter of the memory at 48 bytes a "
+                             "value, at least --max-output-values)")
     server.add_argument("--drain-timeout", metavar="SECONDS", default=30.0,
                         type=functools.partial(_seconds, allow_zero=True),
                         help="how long requests in flight may take to finish after SIGTERM; then their "
@@ -191,7 +195,7 @@ def _serve(args: argparse.Namespace) -> None:
             api_key=args.api_key,
             max_inputs_per_request=args.max_inputs_per_request, max_request_bytes=args.max_request_bytes,
             max_waiting_requests=args.max_waiting_requests, drain_timeout=args.drain_timeout,
-            max_output_values=args.max_output_values,
+            max_output_values=args.max_output_values, max_output_values_in_flight=args.max_output_values_in_flight,
             auto_truncate=args.auto_truncate, allow_extra_fields=args.allow_extra_fields,
             allowed_origins=args.allowed_origins, protect_metrics=args.protect_metrics,
             allow_runtime_lora=args.allow_runtime_lora,
@@ -200,7 +204,9 @@ def _serve(args: argparse.Namespace) -> None:
             token_id_inputs=args.token_id_inputs, token_id_chunk_length=args.token_id_chunk_length,
         )
     except ValueError as exc:
-        hint = "raise --max-waiting-requests or lower --max-inputs-per-request" if "max_inputs" in str(exc) else None
+        hint = ("raise --max-waiting-requests or lower --max-inputs-per-request" if "max_inputs" in str(exc)
+                else "raise --max-output-values-in-flight or lower --max-output-values" if "in_flight" in str(exc)
+                else None)
         raise CliError(str(exc), hint=hint) from exc
     specs = model_specs(args)
     if args.any_model_name and len(specs) > 1:  # before any model loads

@@ -24,6 +24,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi_offline import FastAPIOffline
 
 from poolrunner.core.runtime import Runtime
+from poolrunner.core.server.admission import OutputBudget
 from poolrunner.core.server.errors import install_handlers
 from poolrunner.core.server.metrics import ServerMetrics
 from poolrunner.core.server.middleware import OPEN_PATHS, GuardMiddleware, ServerState
@@ -42,7 +43,8 @@ def create_app(models: Runtime | Sequence[ServedModel], settings: ServerSettings
     ``app.state.server`` is the :class:`ServerState` (set ``draining`` to refuse new requests
     with 503); ``app.state.router`` the :class:`ModelRouter` of the models' services, whose
     ``serving`` is the runtime's serving loop while the app runs; ``app.state.metrics`` the
-    :class:`ServerMetrics`; ``app.state.created`` the app's creation time (Unix seconds).
+    :class:`ServerMetrics`; ``app.state.budget`` the :class:`OutputBudget` of per-token values in
+    flight, shared by the models; ``app.state.created`` the app's creation time (Unix seconds).
 
     :raises ValueError: as :func:`served_models` says (no model, a name two models share...), or as
         ``settings``' checks (its ``token_id_inputs`` encoding not in this machine's tiktoken cache).
@@ -52,8 +54,11 @@ def create_app(models: Runtime | Sequence[ServedModel], settings: ServerSettings
     metrics = ServerMetrics()
     state = ServerState()
     served = served_models(models, settings.served_model_name)
-    router = ModelRouter([PoolingService(model.runtime, settings, metrics, model.names) for model in served],
+    budget = OutputBudget(settings.output_budget)  # per-token values in flight, over all models
+    router = ModelRouter([PoolingService(model.runtime, settings, metrics, model.names, budget) for model in served],
                          settings)
+    metrics.output_values.set_function(lambda: budget.held)
+    metrics.output_waiting.set_function(lambda: budget.waiting)
     metrics.pending.set_function(lambda: router.pending)
     metrics.waiting.set_function(lambda: router.waiting)
     metrics.running.set_function(lambda: max(0, router.pending - router.waiting))
@@ -74,6 +79,7 @@ def create_app(models: Runtime | Sequence[ServedModel], settings: ServerSettings
     app.state.server = state
     app.state.router = router
     app.state.metrics = metrics
+    app.state.budget = budget
     app.state.created = int(time.time())
     install_handlers(app)
     include_routes(app, router)

@@ -14,7 +14,8 @@ class ServerMetrics:
     """Requests by endpoint and status and their end-to-end duration; requests per LoRA adapter;
     per-input queue and
     inference time; tokens per request; requests per engine step (batch size); inputs running
-    and waiting. Implements the engine loop's observer."""
+    and waiting; per-token output values in flight and requests waiting for room for theirs.
+    Implements the engine loop's observer."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -47,6 +48,12 @@ class ServerMetrics:
                              registry=self.registry)
         self.waiting = Gauge("poolrunner_num_requests_waiting", "Inputs no engine step has started yet",
                              registry=self.registry)
+        self.output_values = Gauge("poolrunner_output_values_in_flight",
+                                   "Per-token output values held by requests, from admission until sent",
+                                   registry=self.registry)
+        self.output_waiting = Gauge("poolrunner_output_budget_waiting",
+                                    "Requests with per-token outputs waiting for room in the output budget",
+                                    registry=self.registry)
 
     def on_step(self, num_reqs: int, num_tokens: int) -> None:
         self.batch_size.observe(num_reqs)

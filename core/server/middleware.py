@@ -16,12 +16,13 @@ import uuid
 from contextvars import ContextVar
 from typing import Any
 
-from attrs import define
+from attrs import Factory, define
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from poolrunner.core.memory import TRIM_AFTER_CHARS, release_memory
+from poolrunner.core.server.admission import Lease
 from poolrunner.core.server.errors import send_error
 from poolrunner.core.server.metrics import ServerMetrics
 from poolrunner.core.server.protocol import BODY_SETTINGS
@@ -43,11 +44,13 @@ access_logger = logging.getLogger("poolrunner.access")
 @define
 class RequestStats:
     """What one HTTP request ran, for its access log line (and its body's size, ``body_bytes``):
-    counts only, never its text."""
+    counts only, never its text; and the output budget's ``leases`` it holds, released once its
+    answer has been sent (:mod:`~poolrunner.core.server.admission`)."""
 
     inputs: int = 0
     tokens: int = 0
     body_bytes: int = 0
+    leases: list[Lease] = Factory(list)
 
 
 REQUEST_STATS: ContextVar[RequestStats | None] = ContextVar("poolrunner_request_stats", default=None)
@@ -131,6 +134,8 @@ class GuardMiddleware:
             logger.exception("unexpected error %s answering %s %s", request_id, scope.get("method"), endpoint)
             await _send_error(counted_send, 500, f"internal server error (id {request_id}); the server logged it")
         finally:
+            for lease in stats.leases:
+                lease.release()
             BODY_SETTINGS.reset(body_settings)
             REQUEST_STATS.reset(stats_token)
             self.state.in_flight -= 1

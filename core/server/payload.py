@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 _FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -35,12 +36,42 @@ def array_bytes(array: np.ndarray, embed_dtype: str = "float32", endianness: str
 
 
 def encode_array(array: np.ndarray, encoding_format: str, embed_dtype: str = "float32",
-                 endianness: str = "native") -> Any:
+                 endianness: str = "native", *, lists: bool = True) -> Any:
     """Nested lists (integer arrays as ints, floats as float32 values whatever ``embed_dtype``),
-    or the base64 of :func:`array_bytes`."""
+    or the base64 of :func:`array_bytes`; with ``lists=False`` the array itself instead of lists,
+    for :func:`json_body` to write."""
     if encoding_format == "base64":
         return base64.b64encode(array_bytes(array, embed_dtype, endianness)).decode("ascii")
-    return array.tolist()
+    return array.tolist() if lists else array
+
+
+def json_body(content: Any) -> bytes:
+    """``content`` as JSON bytes, written as Starlette's ``JSONResponse`` writes them (compact,
+    UTF-8, NaN refused with ``ValueError``), its numpy arrays as nested lists (:func:`_rows`).
+
+    An array becomes Python lists one row at a time, each freed once written: a big per-token
+    answer never exists as lists of Python floats (about 32 bytes a value) all at once, and the
+    interpreter may switch threads between rows, so the event loop keeps answering while a
+    worker thread writes (:func:`json_response`).
+    """
+    return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"), default=_rows).encode()
+
+
+def _rows(value: Any) -> Any:
+    """``json.dumps``'s ``default``: a 1-d (or 0-d) array as a list of Python numbers, a deeper one
+    as the list of its rows (each written by a further call).
+
+    :raises TypeError: for anything else, as ``json.dumps`` does.
+    """
+    if isinstance(value, np.ndarray):
+        return value.tolist() if value.ndim <= 1 else list(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+async def json_response(content: Any) -> Response:
+    """A JSON answer of ``content`` (:func:`json_body`), written in a worker thread: a big
+    answer does not hold the event loop (``/health``, other clients) while it is written."""
+    return Response(await run_in_threadpool(json_body, content), media_type="application/json")
 
 
 def payload_dtype(array: np.ndarray, embed_dtype: str, precision: str = "float32") -> str:

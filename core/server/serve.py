@@ -11,6 +11,7 @@ from fastapi import FastAPI
 
 from poolrunner.core.server.connections import MAX_HEAD_BYTES, ConnectionLimits, ensure_open_files
 from poolrunner.core.server.logs import log_config
+from poolrunner.core.server.memory_trace import start_from_environment
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +87,10 @@ def serve(
 ) -> None:
     """Serve ``app`` until SIGTERM/SIGINT (drained as :class:`DrainingServer` says), with the
     connection ``limits`` (default :class:`~.connections.ConnectionLimits`), the open-file limit
-    raised to fit them, logging as :func:`server_config` says."""
+    raised to fit them, logging as :func:`server_config` says; memory traced when
+    ``POOLRUNNER_TRACEMALLOC_DIR`` is set (:mod:`.memory_trace`, for debugging)."""
     limits = limits or ConnectionLimits()
+    start_from_environment()
     ensure_open_files(limits.max_connections)
     config = server_config(app, host=host, port=port, drain_timeout=drain_timeout, limits=limits,
                            log_level=log_level, log_format=log_format)

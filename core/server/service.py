@@ -9,9 +9,9 @@ path, so an answer equals what ``Runtime.embed`` / ``classify`` / ``score`` / ``
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 from starlette.concurrency import run_in_threadpool
@@ -22,6 +22,7 @@ from poolrunner.core.frontend.plans import Plan
 from poolrunner.core.frontend.requests import Input, RerankRequest, ScoreRequest, as_items, is_pair
 from poolrunner.core.frontend.requests import Request as FrontendRequest
 from poolrunner.core.runtime import Runtime, Serving
+from poolrunner.core.server.admission import NO_LEASE, Lease, OutputBudget
 from poolrunner.core.server.errors import ApiError
 from poolrunner.core.server.metrics import ServerMetrics
 from poolrunner.core.server.middleware import REQUEST_STATS
@@ -29,6 +30,7 @@ from poolrunner.core.server.protocol import text_image_prompt
 from poolrunner.core.server.settings import MAX_PRIORITY, ServerSettings
 from poolrunner.core.types import PoolingRequest
 
+T = TypeVar("T")
 CLIENT_CLOSED = 499
 """Status recorded for a request whose client went away (nginx's convention); never sent."""
 
@@ -37,11 +39,13 @@ class PoolingService:
     """The runtime, its serving loop (while the app runs) and the limits, shared by all routes."""
 
     def __init__(self, runtime: Runtime, settings: ServerSettings, metrics: ServerMetrics,
-                 model_name: str | Sequence[str]) -> None:
+                 model_name: str | Sequence[str], budget: OutputBudget | None = None) -> None:
         self.runtime = runtime
         self.frontend = runtime.frontend
         self.settings = settings
         self.metrics = metrics
+        # the server's budget of per-token values in flight, shared by all its models
+        self.budget = budget if budget is not None else OutputBudget(settings.output_budget)
         self.model_names: tuple[str, ...] = (model_name,) if isinstance(model_name, str) else tuple(model_name)
         self.model_name = self.model_names[0]  # the name answers report (vLLM: the first served name)
         self.serving: Serving | None = None  # set by the app's lifespan
@@ -189,8 +193,12 @@ class PoolingService:
         :raises ApiError: 503 when not serving; 413 when the engine requests (one per request, one
             per window of a long input) are more than ``max_waiting_requests``, which they could
             never fit (a queue merely busy now is
-            :class:`~poolrunner.core.errors.QueueFullError`'s 429); 499 when the
-            client disconnected (its requests are aborted then).
+            :class:`~poolrunner.core.errors.QueueFullError`'s 429), or their per-token outputs
+            more than ``max_output_values``; 499 when the client disconnected (its requests are
+            aborted then, or it stops waiting for room in the output budget).
+
+        Per-token work first waits for room in the server's :class:`OutputBudget` (its values
+        are held until the answer is sent: :meth:`_lease`).
         """
         requests = plan.requests
         if not requests:  # tokenize: answered by the plan alone
@@ -205,27 +213,27 @@ class PoolingService:
                                 f"more than the limit of {limit} waiting or running at once (max_waiting_requests, "
                                 "the --max-waiting-requests flag): it could never be queued; send fewer inputs")
         num_tokens = sum(r.num_tokens for r in requests)
-        self._check_output_size(requests)
+        values = self._output_values(requests)
         self.metrics.request_tokens.observe(num_tokens)
         stats = REQUEST_STATS.get()
         if stats is not None:
             stats.inputs += len(requests)
             stats.tokens += num_tokens
-        result = asyncio.ensure_future(self.serving.run(requests, priority=priority))
-        gone = asyncio.ensure_future(_disconnected(request))
+        lease = await self._lease(request, values)
+        if stats is not None:  # released once the answer is sent
+            stats.leases.append(lease)
         try:
-            await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not result.done():
-                raise ApiError(CLIENT_CLOSED, "the client closed the connection")
-            outputs = result.result()
+            outputs = await _unless_gone(request, self.serving.run(requests, priority=priority))
+            return (await run_in_threadpool(plan.finish, outputs) if plan.offload else plan.finish(outputs)), num_tokens
         finally:
-            gone.cancel()
-            result.cancel()  # a no-op once done; else its requests leave the engine
-        answer = await run_in_threadpool(plan.finish, outputs) if plan.offload else plan.finish(outputs)
-        return answer, num_tokens
+            if stats is None:
+                lease.release()
 
-    def _check_output_size(self, requests: Sequence[PoolingRequest]) -> None:
-        """:raises ApiError: 413 when the per-token outputs would pass ``max_output_values``."""
+    def _output_values(self, requests: Sequence[PoolingRequest]) -> int:
+        """The values (tokens x hidden size) of the per-token outputs of ``requests``.
+
+        :raises ApiError: 413 when they would pass ``max_output_values``.
+        """
         tokens = sum(r.num_tokens for r in requests if r.params.task in PER_TOKEN_TASKS)
         values, limit = tokens * self.frontend.model_config.hidden_size, self.settings.max_output_values
         if values > limit:
@@ -233,6 +241,17 @@ class PoolingService:
                                 f"{self.frontend.model_config.hidden_size}), more than the limit of {limit} per "
                                 "request (max_output_values, the --max-output-values flag); send fewer or shorter "
                                 "inputs per request")
+        return values
+
+    async def _lease(self, request: Request, values: int) -> Lease:
+        """``values`` of the output budget, once they fit (:meth:`OutputBudget.acquire`); nothing
+        waits for a request without per-token outputs.
+
+        :raises ApiError: 499 when the client went away while waiting.
+        """
+        if not values:
+            return NO_LEASE
+        return await _unless_gone(request, self.budget.acquire(values))
 
     def _priority(self, priority: int | None) -> int:
         """A request's ``priority`` as the scheduling policy allows it (vLLM's rule).
@@ -268,6 +287,24 @@ def _size(request: FrontendRequest) -> tuple[int, str]:
         sides = [1 if isinstance(side, str) else len(side) for side in (request.queries, request.documents)]
         return (sides[1] if sides[0] == 1 else max(sides)), "pairs"
     return len(getattr(request, "inputs", None) or getattr(request, "texts", ())), "input"
+
+
+async def _unless_gone(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """``work``'s result, unless the client goes away first: then ``work`` is cancelled (the
+    engine requests it runs are aborted, a wait for room ends).
+
+    :raises ApiError: 499 (:data:`CLIENT_CLOSED`, never sent) when the client went away.
+    """
+    result = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not result.done():
+            raise ApiError(CLIENT_CLOSED, "the client closed the connection")
+        return result.result()
+    finally:
+        gone.cancel()
+        result.cancel()  # a no-op once done
 
 
 async def _disconnected(request: Request) -> None:

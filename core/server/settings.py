@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from attrs import Attribute, field, frozen
 
+from poolrunner.core.server.admission import default_budget
 from poolrunner.core.validators import one_of, positive_int
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -108,6 +109,12 @@ class ServerSettings:
     :ivar max_output_values: Most values (tokens x hidden size) the per-token outputs of one
         request may hold (``token_embed``, ``token_classify``); more is a 413, before any work: a
         request of 2,048 long inputs would otherwise make the server build gigabytes of JSON.
+    :ivar max_output_values_in_flight: Most per-token output values held by all requests at once,
+        over every model of the server, from admission until the answer is sent
+        (:class:`~poolrunner.core.server.admission.OutputBudget`); a request that would pass it
+        waits, first come first served. ``None`` (the default): a quarter of the machine's
+        memory at 48 bytes a value (:func:`~poolrunner.core.server.admission.default_budget`),
+        at least ``max_output_values``; set, it must be at least ``max_output_values``.
     :ivar drain_timeout: Seconds that requests in flight get to finish after SIGTERM (finite, >= 0).
     :ivar scheduling_policy: One of :data:`SCHEDULING_POLICIES`, vLLM's ``--scheduling-policy``:
         under ``fcfs`` (the default) a request asking for a ``priority`` other than 0 is a 400, so
@@ -156,6 +163,7 @@ class ServerSettings:
     max_request_bytes: int = field(default=2_000_000, validator=positive_int)
     max_waiting_requests: int = field(default=8192, validator=positive_int)
     max_output_values: int = field(default=1 << 24, validator=positive_int)
+    max_output_values_in_flight: int | None = field(default=None, validator=positive_int)
     drain_timeout: float = field(default=30.0, validator=non_negative_seconds)
     scheduling_policy: str = field(default="fcfs", validator=one_of(SCHEDULING_POLICIES))
     auto_truncate: bool = True
@@ -177,4 +185,16 @@ class ServerSettings:
             )
         if self.token_id_chunk_length is not None and self.token_id_inputs is None:
             raise ValueError("token_id_chunk_length joins lists of tiktoken ids: it needs token_id_inputs")
+        if self.max_output_values_in_flight is not None and self.max_output_values_in_flight < self.max_output_values:
+            raise ValueError(
+                f"max_output_values_in_flight ({self.max_output_values_in_flight}) is smaller than max_output_values "
+                f"({self.max_output_values}): a request within the one could never fit the other"
+            )
+
+    @property
+    def output_budget(self) -> int:
+        """``max_output_values_in_flight``, or its default for this machine."""
+        if self.max_output_values_in_flight is not None:
+            return self.max_output_values_in_flight
+        return default_budget(self.max_output_values)
 

@@ -16,7 +16,7 @@ from poolrunner.core.errors import TokenOutOfVocabularyError
 from poolrunner.core.server import infinity_protocol as i
 from poolrunner.core.server import protocol as p
 from poolrunner.core.server.errors import ApiError
-from poolrunner.core.server.payload import bytes_response, encode_array
+from poolrunner.core.server.payload import bytes_response, encode_array, json_response
 from poolrunner.core.server.routes import infinity
 from poolrunner.core.server.routes.answers import answer_id, usage
 from poolrunner.core.server.routes.dependencies import OptionBodies, Served, with_body
@@ -64,7 +64,7 @@ async def classify(body: p.ClassificationRequest, request: Request,
                                     model=service.answered_name, data=data, usage=usage(num_tokens))
 
 
-async def pooling(body: p.PoolingHttpRequest, request: Request, served: Served) -> p.PoolingResponse | Response:
+async def pooling(body: p.PoolingHttpRequest, request: Request, served: Served) -> Response:
     """Any task the model serves; per-token tasks answer one ``[num_tokens, d]`` list each.
     Each output keeps its dtype: integer outputs (SPLADE's ``token_ids``) are ints, or int64 in base64.
     The plugins' request options are body fields of their own."""
@@ -73,9 +73,14 @@ async def pooling(body: p.PoolingHttpRequest, request: Request, served: Served) 
     outputs, num_tokens = await service.answer_prompts(request, body)
     if body.encoding_format in ("bytes", "bytes_only"):
         return _bytes(body, service, outputs, "pool", num_tokens)
-    data = [p.PoolingData(index=i, data=d) for i, d in enumerate(_encoded(body, outputs))]
-    return p.PoolingResponse(id=answer_id("pool", body.request_id), created=int(time.time()),
-                             model=service.answered_name, data=data, usage=usage(num_tokens))
+    # PoolingResponse's fields, its data written from the arrays in a worker thread (json_response):
+    # per-token answers are megabytes, never Python lists, pydantic models and JSON all at once
+    answer = p.PoolingResponse(id=answer_id("pool", body.request_id), created=int(time.time()),
+                               model=service.answered_name, data=[], usage=usage(num_tokens)).model_dump(mode="json")
+    answer["data"] = [{"object": "pooling", "index": i, "data": d}
+                      for i, d in enumerate(_encoded(body, outputs, lists=False))]
+    del outputs
+    return await json_response(answer)
 
 
 def option_routes(bodies: OptionBodies) -> APIRouter:
@@ -86,13 +91,14 @@ def option_routes(bodies: OptionBodies) -> APIRouter:
     return router
 
 
-def _encoded(body: Any, arrays: list[np.ndarray] | list[Any]) -> list[Any]:
-    """Each array as ``body.encoding_format`` asks (float or base64; ``embed_dtype``, ``endianness``)."""
+def _encoded(body: Any, arrays: list[np.ndarray] | list[Any], *, lists: bool = True) -> list[Any]:
+    """Each array as ``body.encoding_format`` asks (float or base64; ``embed_dtype``, ``endianness``);
+    float arrays stay arrays unless ``lists`` (:func:`~poolrunner.core.server.payload.encode_array`)."""
     def encode(output: np.ndarray | dict[str, np.ndarray]) -> object:
         if isinstance(output, dict):
-            return {name: encode_array(array, body.encoding_format, body.embed_dtype, body.endianness)
+            return {name: encode_array(array, body.encoding_format, body.embed_dtype, body.endianness, lists=lists)
                     for name, array in output.items()}
-        return encode_array(output, body.encoding_format, body.embed_dtype, body.endianness)
+        return encode_array(output, body.encoding_format, body.embed_dtype, body.endianness, lists=lists)
 
     return [encode(array) for array in arrays]
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import numpy as np
-from fastapi import APIRouter, Body, Request
+from fastapi import APIRouter, Body, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from poolrunner.core.frontend.scoring import cosine
 from poolrunner.core.server import tei
 from poolrunner.core.server import tei_protocol as t
 from poolrunner.core.server.errors import TeiError, TeiRoute
+from poolrunner.core.server.payload import json_response
 from poolrunner.core.server.routes.dependencies import Served
 
 router = APIRouter(route_class=TeiRoute, tags=["Text Embeddings Inference"])
@@ -34,13 +35,14 @@ async def embed(body: t.EmbedRequest, request: Request, served: Served) -> list[
 
 
 @router.post("/embed_all", response_model=list[list[list[float]]])
-async def embed_all(body: t.TokenRequest, request: Request, served: Served) -> list[list[list[float]]]:
+async def embed_all(body: t.TokenRequest, request: Request, served: Served) -> Response:
     """Every token's hidden state, unpooled and unnormalized: ``[num_tokens, hidden]`` per
-    input (task ``token_embed``), special tokens included, as TEI's ``/embed_all``."""
+    input (task ``token_embed``), special tokens included, as TEI's ``/embed_all``; written
+    from the arrays in a worker thread (:func:`~poolrunner.core.server.payload.json_response`)."""
     items = tei.batch(served.settings, body.inputs)
     service = tei.answering(served, "token_embed", "/embed_all")
     results = await tei.answer(service, request, body.to_request(items, served.settings.auto_truncate, "token_embed"))
-    return [result.tolist() for result in results]
+    return await json_response(results)
 
 
 @router.post("/embed_sparse", response_model=list[list[t.SparseValue]])
