@@ -115,3 +115,36 @@ def test_a_burst_of_per_token_requests_waits_its_turn_while_health_answers(runti
     assert budget.held == 0 and budget.waiting == 0
     assert max(health) < 1.0, f"/health took {max(health):.2f} s"
     assert rss_growth < 48 * 12 * one, rss_growth  # well under all twelve answers' peak at once
+
+
+def test_health_answers_while_a_big_per_token_answer_is_written(server, runtime, hf_hidden, lee_docs):
+    """One ``/embed_all`` of 48 news paragraphs of about 100 tokens (1.8 M values, about 35 MB of
+    JSON): ``/health`` answers within a second while it runs and is written (on today's main the
+    answer was validated and written in the event loop, holding every other request), and its
+    rows are transformers' hidden states."""
+    texts = [" ".join(doc.split()[:100]) for doc in lee_docs[:48]]
+    body = {"inputs": texts}
+    health, answers, done = [], [], threading.Event()
+
+    def big() -> None:
+        try:
+            answers.append(httpx.post(f"{server.url}/embed_all", json=body, timeout=300))
+        finally:
+            done.set()
+
+    sender = threading.Thread(target=big)
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        sender.start()
+        while not done.is_set():
+            began = time.perf_counter()
+            assert client.get("/health").status_code == 200
+            health.append(time.perf_counter() - began)
+            time.sleep(0.02)
+    sender.join()
+    assert answers[0].status_code == 200, answers[0].text
+    rows = answers[0].json()
+    assert sum(len(r) for r in rows) * 384 > 1_500_000
+    ids = runtime.tokenize(texts[:4])
+    for got, want, i in zip(rows[:4], hf_hidden(ids)[0].numpy(), ids, strict=True):
+        np.testing.assert_allclose(np.asarray(got), want[: len(i)], atol=2e-5)
+    assert len(health) > 5 and max(health) < 1.0, f"/health took {max(health):.2f} s"
