@@ -119,9 +119,9 @@ def test_a_burst_of_per_token_requests_waits_its_turn_while_health_answers(runti
 
 def test_health_answers_while_a_big_per_token_answer_is_written(server, runtime, hf_hidden, lee_docs):
     """One ``/embed_all`` of 48 news paragraphs of about 100 tokens (1.8 M values, about 35 MB of
-    JSON): ``/health`` answers within a second while it runs and is written (on today's main the
-    answer was validated and written in the event loop, holding every other request), and its
-    rows are transformers' hidden states."""
+    JSON): ``/health`` answers within a second (or 10x its pace alone on a busy machine) while it
+    runs and is written (on today's main the answer was validated and written in the event loop,
+    holding every other request: 2.97 s), and its rows are transformers' hidden states."""
     texts = [" ".join(doc.split()[:100]) for doc in lee_docs[:48]]
     body = {"inputs": texts}
     health, answers, done = [], [], threading.Event()
@@ -134,6 +134,11 @@ def test_health_answers_while_a_big_per_token_answer_is_written(server, runtime,
 
     sender = threading.Thread(target=big)
     with httpx.Client(base_url=server.url, timeout=30) as client:
+        alone = []
+        for _ in range(10):  # the machine's own pace, shared and busy as it may be
+            began = time.perf_counter()
+            assert client.get("/health").status_code == 200
+            alone.append(time.perf_counter() - began)
         sender.start()
         while not done.is_set():
             began = time.perf_counter()
@@ -147,4 +152,4 @@ def test_health_answers_while_a_big_per_token_answer_is_written(server, runtime,
     ids = runtime.tokenize(texts[:4])
     for got, want, i in zip(rows[:4], hf_hidden(ids)[0].numpy(), ids, strict=True):
         np.testing.assert_allclose(np.asarray(got), want[: len(i)], atol=2e-5)
-    assert len(health) > 5 and max(health) < 1.0, f"/health took {max(health):.2f} s"
+    assert len(health) > 5 and max(health) < max(1.0, 10 * max(alone)), (max(alone), max(health))
