@@ -360,6 +360,11 @@ def test_http_model_selects_the_adapter(bert, tmp_path):
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             for name, vectors in pool.map(embed, [None, "names", "regex", "names"] * 4):
                 np.testing.assert_allclose(vectors, expected[name], atol=ATOL)
+        for route, field in (("/v1/embeddings", "embedding"), ("/pooling", "data")):  # two texts stay two inputs
+            two = httpx.post(server.url + route, json={"model": "names", "input": TEXTS[:2]}, headers=headers)
+            assert two.status_code == 200, two.text
+            np.testing.assert_allclose([item[field] for item in two.json()["data"]], expected["names"][:2],
+                                       atol=ATOL)
         cards = httpx.get(server.url + "/v1/models", headers=headers).json()["data"]
         assert [(card["id"], card["parent"]) for card in cards] == [("base", None), ("names", "base"),
                                                                      ("regex", "base")]
@@ -376,7 +381,7 @@ def test_http_model_selects_the_adapter(bert, tmp_path):
         assert gone.status_code == 404 and "'all' does not exist" in gone.text, gone.text
         np.testing.assert_allclose(embed("names")[1], expected["names"], atol=ATOL)  # still serving
         metrics = httpx.get(server.url + "/metrics").text
-        assert 'poolrunner_lora_requests_total{lora="names"} 9.0' in metrics
+        assert 'poolrunner_lora_requests_total{lora="names"} 11.0' in metrics
         assert 'poolrunner_lora_requests_total{lora="all"} 1.0' in metrics
     with ServerThread(runtime) as plain:  # without allow_runtime_lora the routes are not there
         assert httpx.post(plain.url + "/v1/load_lora_adapter", json=load).status_code == 404

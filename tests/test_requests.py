@@ -51,6 +51,17 @@ def test_of_sorts_flat_keywords_into_fields_tokenization_and_plugin_options():
     assert "inputs" not in EncodeRequest.field_names() and "truncate_prompt_tokens" in EncodeRequest.field_names()
 
 
+def test_a_changed_request_keeps_its_inputs():
+    """``attrs.evolve`` (a server's ``model: ADAPTER`` sets ``tokenization.lora`` so) converts the
+    inputs again: two texts must stay two inputs, not become one (text, text_pair)."""
+    import attrs
+
+    two = EncodeRequest.of(inputs=["a", "b"], task="embed")
+    changed = attrs.evolve(two, tokenization=attrs.evolve(two.tokenization, lora="x"))
+    assert list(changed.inputs) == ["a", "b"]
+    assert EncodeRequest.of(inputs=("a", "b")).inputs == (("a", "b"),)  # a tuple given is still one pair
+
+
 def test_no_plugin_option_may_take_a_request_fields_name():
     assert {"top_n", "max_tokens_per_doc", "truncate_prompt_tokens", "precision", "queries"} <= REQUEST_FIELDS
     for name in ("top_n", "max_tokens_per_doc", "with_tokens"):

@@ -164,9 +164,19 @@ def is_single(inputs: object) -> bool:
     return isinstance(inputs, str) or is_pair(inputs) or is_token_ids(inputs) or is_image(inputs)
 
 
+class Items(tuple):  # type: ignore[type-arg]
+    """A request's inputs once :func:`as_items` has read them. Marked, so that reading them again
+    (``attrs.evolve`` runs converters anew) keeps them: two texts would otherwise read as one
+    ``(text, text_pair)`` input."""
+
+    __slots__ = ()
+
+
 def as_items(inputs: Input | Sequence[Input]) -> tuple[Input, ...]:
-    """``inputs`` as a tuple of inputs (see :func:`is_single`)."""
-    return (inputs,) if is_single(inputs) else tuple(inputs)  # type: ignore[arg-type]
+    """``inputs`` as a tuple of inputs (see :func:`is_single`); inputs already read are kept."""
+    if isinstance(inputs, Items):
+        return inputs
+    return Items((inputs,) if is_single(inputs) else inputs)  # type: ignore[arg-type]
 
 
 # ---- one object per operation ----
