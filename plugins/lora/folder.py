@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from attrs import frozen
+from attrs import field, frozen
 
 from poolrunner.core import ModelLoadError
 
@@ -50,6 +50,18 @@ class LoraPair:
     a: torch.Tensor
     b: torch.Tensor
     scale: float
+    at: torch.Tensor = field(init=False)
+    """``a.T`` contiguous, ``[in_features, r]``: the first product's right operand."""
+    bt: torch.Tensor = field(init=False)
+    """``scale * b.T`` contiguous, ``[r, out_features]``: the second product's, scale folded in once."""
+
+    @at.default
+    def _at(self) -> torch.Tensor:
+        return self.a.T.contiguous()
+
+    @bt.default
+    def _bt(self) -> torch.Tensor:
+        return (self.b * self.scale).T.contiguous()
 
 
 @frozen(kw_only=True, eq=False)
@@ -123,9 +135,9 @@ def _read_config(file: Path) -> dict[str, Any]:
         raise _refused(file, f"bias {config['bias']!r} is not served (only 'none')")
     if config.get("fan_in_fan_out") not in (None, False, True):
         raise _refused(file, f"fan_in_fan_out must be true or false, got {config['fan_in_fan_out']!r}")
-    for field, value in config.items():
-        if field not in _INERT and field not in _SERVED and value not in (None, False, {}, []):
-            raise _refused(file, f"{field} {value!r:.80} is not served (DoRA, LoRA biases, per-module ranks and "
+    for key, value in config.items():
+        if key not in _INERT and key not in _SERVED and value not in (None, False, {}, []):
+            raise _refused(file, f"{key} {value!r:.80} is not served (DoRA, LoRA biases, per-module ranks and "
                                  "other variants compute differently)")
     if "r" not in config:
         raise _refused(file, "has no r")

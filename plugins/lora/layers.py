@@ -34,7 +34,18 @@ POOLED: contextvars.ContextVar[tuple[tuple[int, ...], tuple[int, ...]] | None] =
     "poolrunner_lora_pooled", default=None)
 """While poolers run: each request's adapter number (0: none) and prompt length, in metadata order."""
 
-Groups = list[tuple[int, torch.Tensor]]
+
+
+@frozen(eq=False)
+class RowPlan:
+    """A module output's adapted rows, ordered by adapter once for all the layers that use it.
+
+    :ivar rows: ``[num_adapted]`` int64: the rows of requests with an adapter, adapter by adapter.
+    :ivar segments: ``(adapter number, start, end)``: ``rows[start:end]`` are that adapter's.
+    """
+
+    rows: torch.Tensor
+    segments: list[tuple[int, int, int]]
 
 
 @frozen(kw_only=True, eq=False)
@@ -55,7 +66,7 @@ class LoraModel:
     model: nn.Module
     adapters: dict[int, Adapter] = field(factory=dict)
     hooked: set[str] = field(factory=set)
-    token_groups: Groups | None = None
+    token_plan: RowPlan | None = None
     token_rows: int = 0
 
     @classmethod
@@ -138,69 +149,86 @@ class LoraModel:
     def _begin_step(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ids = kwargs.pop(MODEL_INPUT, None)
         if ids is None:
-            self.token_groups = None
+            self.token_plan = None
             return None
         flat = ids.reshape(-1)
         self.token_rows = flat.numel()
-        self.token_groups = _groups(flat)
+        self.token_plan = _plan(flat)
         return args, kwargs
 
     def _end_step(self, *_: Any) -> None:
-        self.token_groups = None
+        self.token_plan = None
 
-    def _rows(self, num_rows: int, pooled_only: bool) -> Groups | None:
+    def _rows(self, num_rows: int, pooled_only: bool) -> RowPlan | None:
         """The adapters' row groups for a module output of ``num_rows`` rows, or ``None``."""
         pooled = POOLED.get()
         if pooled is not None:
             ids, lengths = pooled
             if num_rows == len(ids):
-                return _groups(torch.tensor(ids))
+                return _plan(torch.tensor(ids))
             if num_rows == sum(lengths):
-                return _groups(torch.repeat_interleave(torch.tensor(ids), torch.tensor(lengths)))
+                return _plan(torch.repeat_interleave(torch.tensor(ids), torch.tensor(lengths)))
             raise RuntimeError(f"LoRA: a head ran on {num_rows} rows, neither the {len(ids)} requests nor their "
                                f"{sum(lengths)} tokens")
-        if pooled_only or self.token_groups is None:
+        if pooled_only or self.token_plan is None:
             return None
         # A backbone's own pooler (BERT's) runs on one row inside the forward; the runner drops
         # its output, and the classify head runs it again on the pooled rows (above).
-        return self.token_groups if num_rows == self.token_rows else None
+        return self.token_plan if num_rows == self.token_rows else None
 
     def _hook(self, path: str, *, pooled_only: bool) -> Any:
         def apply(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor | None:
             if not self.adapters:
                 return None
             x = args[0]
-            groups = self._rows(x.reshape(-1, x.shape[-1]).shape[0], pooled_only)
-            if not groups:
+            plan = self._rows(x.reshape(-1, x.shape[-1]).shape[0], pooled_only)
+            if plan is None:
                 return None
-            return self._apply(path, x, output, groups)
+            return self._apply(path, x, output, plan)
         return apply
 
-    def _apply(self, path: str, x: torch.Tensor, output: torch.Tensor, groups: Groups) -> torch.Tensor:
+    def _apply(self, path: str, x: torch.Tensor, output: torch.Tensor, plan: RowPlan) -> torch.Tensor:
+        """``output`` with each adapter's term added to its rows (its own head's output there, for
+        a head it trained), in place: one gather of the adapted rows, two products per adapter on
+        a contiguous slice of them, one add back."""
         x_rows = x.reshape(-1, x.shape[-1])
-        out = output.reshape(-1, output.shape[-1]).clone()
-        for lora_id, rows in groups:
+        out = output.reshape(-1, output.shape[-1])
+        selected = x_rows.index_select(0, plan.rows)
+        delta = None
+        for lora_id, start, end in plan.segments:
             adapter = self.adapters.get(lora_id)
             if adapter is None:
                 raise RuntimeError(f"LoRA adapter number {lora_id} is not loaded")
             head = adapter.heads.get(path)
             if head is not None:  # PEFT's ModulesToSaveWrapper: the adapter's own copy answers
-                out.index_copy_(0, rows, head(x_rows.index_select(0, rows)).reshape(len(rows), -1).to(out.dtype))
+                rows = plan.rows[start:end]
+                out.index_copy_(0, rows, head(selected[start:end]).reshape(len(rows), -1).to(out.dtype))
                 continue
             pair = adapter.pairs.get(path)
             if pair is None:
                 continue
+            if delta is None:
+                delta = torch.zeros(len(plan.rows), out.shape[-1], dtype=torch.float32, device=out.device)
             # PEFT runs the adapter in its weights' float32 and adds in float32 (autocast_adapter_dtype).
-            selected = x_rows.index_select(0, rows).float()
-            delta = (selected @ pair.a.T) @ pair.b.T * pair.scale
-            out.index_copy_(0, rows, (out.index_select(0, rows).float() + delta).to(out.dtype))
-        return out.view(output.shape)
+            torch.mm(selected[start:end].float() @ pair.at, pair.bt, out=delta[start:end])
+        if delta is not None:
+            if out.dtype == torch.float32:
+                out.index_add_(0, plan.rows, delta)
+            else:  # rows without a term add 0: unchanged, heads' rows included
+                out.index_copy_(0, plan.rows, (out.index_select(0, plan.rows).float() + delta).to(out.dtype))
+        return out.view(output.shape)  # ``output`` itself, unless reshaping it had to copy
 
 
-def _groups(ids: torch.Tensor) -> Groups:
-    """``(adapter number, row indices)`` for each adapter present in ``ids`` (0 left out)."""
-    present = [int(i) for i in torch.unique(ids).tolist() if i]
-    return [(i, (ids == i).nonzero().squeeze(1)) for i in present]
+def _plan(ids: torch.Tensor) -> RowPlan | None:
+    """The :class:`RowPlan` of per-row adapter numbers ``ids`` (0: none); ``None`` without any."""
+    adapted = ids.nonzero().squeeze(1)
+    if len(adapted) == 0:
+        return None
+    numbers, order = torch.sort(ids.index_select(0, adapted), stable=True)
+    present, counts = torch.unique_consecutive(numbers, return_counts=True)
+    ends = counts.cumsum(0).tolist()
+    starts = [0, *ends[:-1]]
+    return RowPlan(adapted.index_select(0, order), list(zip(present.tolist(), starts, ends, strict=True)))
 
 
 def _shared_row_layers(config: Any) -> frozenset[str]:
