@@ -127,8 +127,8 @@ class RuntimeConfig:
         (:mod:`poolrunner.core.inputs.score_template`).
     :ivar lora_modules: LoRA adapters to load at start, name -> PEFT folder (vLLM's
         ``--lora-modules``); requests pick one by name (``lora=NAME``). Setting this or
-        ``max_loras`` serves adapters: the linear layers then run unpacked (no oneDNN prepacking,
-        whose fused activations would come before an adapter's term), and ``dtype="int8"`` is refused.
+        ``max_loras`` serves adapters: the linear layers are then prepacked without fused activations
+        (an adapter's term comes before the activation), and ``dtype="int8"`` is refused.
     :ivar max_loras: Most adapters resident in the model at once (vLLM's ``--max-loras``);
         ``lora_modules`` may name more: past it the least recently used idle one is unloaded and
         loaded again from its folder when a request names it. ``None``: as many as

@@ -107,7 +107,7 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
     inputs = InputProcessor(tokenizer, model_config, max_input_chars=max_input_chars)
     images = _image_inputs(path, hf_config, model_config, config.image_limits())
     build = functools.partial(_build_engine, config, path, hf_config, hooks, model_config, wanted, device)
-    fast_path = _prepacks(config) and onednn.supported(device, torch.float32)
+    fast_path = config.compile == "auto" and onednn.supported(device, torch.float32)
     mixed_path = fast_path and onednn.supported(device, torch.bfloat16)  # bf16 products, as bf16-mixed's
     if config.dtype == "auto" and precision.native_bf16(device):
         candidates = precision.AUTO_CANDIDATES if mixed_path else (precision.BFLOAT16,)
@@ -248,8 +248,9 @@ def _build_engine(
     # Built here, at load, so that no request waits for a compile.
     kernels = cpu_kernels.supported_dtypes() if config.compile == "auto" and device.type == "cpu" else frozenset()
     products = chosen.weights if chosen.matmul == torch.int8 else chosen.matmul
-    if _prepacks(config) and onednn.supported(device, chosen.weights) and onednn.supported(device, products):
-        onednn.prepack(model.base_model, chosen.matmul)
+    if config.compile == "auto" and onednn.supported(device, chosen.weights) and onednn.supported(device, products):
+        # Served adapters add their term to a layer's output, before its activation: none fused.
+        onednn.prepack(model.base_model, chosen.matmul, fuse=not config.lora_enabled)
     if chosen.weights == torch.bfloat16 and torch.bfloat16 in kernels:
         fused_norms.fuse_rms_norms(model.base_model)
     poolers = {}
@@ -268,12 +269,6 @@ def _build_engine(
                           max_num_seqs=config.max_num_seqs, chunked_prefill=runner.causal)
     async_scheduling = device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
     return Engine(runner, scheduler, hooks, model_config, device, async_scheduling=async_scheduling)
-
-
-def _prepacks(config: RuntimeConfig) -> bool:
-    """Whether linear layers may be prepacked for oneDNN: not when adapters are served, since
-    prepacking fuses a layer's activation into it, before an adapter's term could be added."""
-    return config.compile == "auto" and not config.lora_enabled
 
 
 def _probe_requests(inputs: InputProcessor, tasks: Sequence[PoolingTask],

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from tqdm.auto import tqdm
 from poolrunner.core import similarity
 from poolrunner.core.adapters import LoraAdapters
 from poolrunner.core.config import RuntimeConfig
+from poolrunner.core.engine import compute
 from poolrunner.core.engine.loop import EngineLoop, LoopObserver
 from poolrunner.core.errors import ModelLoadError
 from poolrunner.core.frontend import chunking
@@ -82,13 +84,13 @@ class Runtime:
     def __init__(
         self, model: str | os.PathLike[str] | None = None, *, plugins: Sequence[object] = (), **options: Any,
     ) -> None:
-        self._serve(load(RuntimeConfig.from_options(model, **options), plugins))
+        self._serve(compute.call(load, RuntimeConfig.from_options(model, **options), plugins))
 
     @classmethod
     def from_config(cls, config: RuntimeConfig, *, plugins: Sequence[object] = ()) -> Runtime:
         """Load the model ``config`` describes; the path every caller's options end up on."""
         runtime = cls.__new__(cls)
-        runtime._serve(load(config, plugins))
+        runtime._serve(compute.call(load, config, plugins))  # where its steps will run: see compute
         return runtime
 
     def _serve(self, loaded: LoadedModel) -> None:
@@ -105,7 +107,7 @@ class Runtime:
                                  score_template=loaded.score_template, images=loaded.images,
                                  adapters=LoraAdapters(loaded.config.lora_capacity, self._load_adapter,
                                                        self._unload_adapter),
-                                 image_score=loaded.image_score)
+                                 image_score=loaded.image_score, task_pinned=loaded.config.task is not None)
         self._engine = loaded.engine  # private: driven by this runtime alone (or its serving loop)
         self._engine_lock = threading.Lock()
         self._loop: EngineLoop | None = None
@@ -460,12 +462,14 @@ class Runtime:
         position = {request.request_id: i for i, request in enumerate(requests)}
         results: list[Any] = [None] * len(requests)
         with tqdm(total=len(requests), disable=not show_progress_bar, unit="input") as bar:
+            def deliver(request_id: str, output: RequestOutput) -> None:
+                results[position[request_id]] = output
+                bar.update()
+
             with self._engine_lock:
                 loop = self._loop
                 if loop is None:  # one caller drives the engine at a time: a step hands its results to whoever runs it
-                    for request_id, output in self._engine.run(requests):
-                        results[position[request_id]] = output
-                        bar.update()
+                    self._drive(requests, deliver)
                     return combine(results)
             # Attached: the loop batches these with other callers' requests in shared steps.
             submission = loop.submit(requests, on_output=bar.update)
@@ -474,6 +478,27 @@ class Runtime:
             finally:
                 if not submission.future.done():  # interrupted: free the engine of these requests
                     loop.abort(submission)
+
+    def _drive(self, requests: list[PoolingRequest], deliver: Callable[[str, RequestOutput], object]) -> None:
+        """Run ``requests`` on the compute thread (:mod:`~poolrunner.core.engine.compute`), handing
+        each output to ``deliver`` as it finishes. Interrupted (``KeyboardInterrupt``), the caller
+        stops the run after its current step, its requests leave the engine, then the error rises."""
+        stop = threading.Event()
+
+        def drive() -> None:
+            with contextlib.closing(self._engine.run(requests)) as outputs:  # closed early, it aborts the rest
+                for request_id, output in outputs:
+                    deliver(request_id, output)
+                    if stop.is_set():
+                        return
+
+        running = compute.submit(drive)
+        try:
+            running.result()
+        except BaseException:
+            stop.set()
+            concurrent.futures.wait([running])  # the engine is free again before the caller goes on
+            raise
 
 
 def _empty(side: str | Sequence[str]) -> bool:

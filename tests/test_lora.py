@@ -368,6 +368,8 @@ def test_http_model_selects_the_adapter(bert, tmp_path):
         cards = httpx.get(server.url + "/v1/models", headers=headers).json()["data"]
         assert [(card["id"], card["parent"]) for card in cards] == [("base", None), ("names", "base"),
                                                                      ("regex", "base")]
+        card = httpx.get(server.url + "/v1/models/names", headers=headers).json()
+        assert (card["id"], card["root"], card["parent"]) == ("names", "names", "base")  # no folder path shown
         load = {"lora_name": "all", "lora_path": str(adapters["all"])}
         assert httpx.post(server.url + "/v1/load_lora_adapter", json=load).status_code == 401
         assert httpx.post(server.url + "/v1/load_lora_adapter", json=load, headers=headers).status_code == 200
@@ -379,6 +381,7 @@ def test_http_model_selects_the_adapter(bert, tmp_path):
                           headers=headers).status_code == 200
         gone = httpx.post(server.url + "/v1/embeddings", json={"model": "all", "input": TEXTS}, headers=headers)
         assert gone.status_code == 404 and "'all' does not exist" in gone.text, gone.text
+        assert "LoRA adapters 'names', 'regex'" in gone.text, gone.text  # what is served instead
         np.testing.assert_allclose(embed("names")[1], expected["names"], atol=ATOL)  # still serving
         metrics = httpx.get(server.url + "/metrics").text
         assert 'poolrunner_lora_requests_total{lora="names"} 11.0' in metrics

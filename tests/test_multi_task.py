@@ -60,8 +60,9 @@ def test_the_api_takes_the_task_per_call(multi, alone):
 
 def test_a_task_named_at_load_is_the_only_one_served(alone):
     with pytest.raises(InvalidRequestError, match=(
-            r"^this runtime serves tasks \['embed'\], not 'token_embed'; if the model supports 'token_embed', "
-            r"load it without a task or with that task \(Runtime\(\.\.\., task=\.\.\.\), --task\)$")):
+            r"^this runtime serves tasks \['embed'\], not 'token_embed': it was loaded for 'embed' alone; load it "
+            r"without a task to serve every task the model supports, or with task='token_embed' "
+            r"\(Runtime\(\.\.\., task=\.\.\.\), --task\)$")):
         alone["embed"].encode(TEXTS, task="token_embed")
     assert alone["embed"].embed(TEXTS).shape == (4, 384)  # still serving
 

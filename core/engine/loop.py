@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from typing import Protocol
 
+from poolrunner.core.engine import compute
 from poolrunner.core.engine.engine import Engine
 from poolrunner.core.errors import LoopClosedError, QueueFullError, StepFailedError
 from poolrunner.core.plugin_api.output import RequestOutput
@@ -239,7 +240,7 @@ class EngineLoop:
         computed = [state.num_computed_tokens for state in states]
         began = time.monotonic()
         try:
-            finished = self.engine.step()
+            finished = compute.call(self.engine.step)  # every model's steps on one thread: see compute
         except Exception as exc:
             self._fail_step(exc)
             return

@@ -113,9 +113,9 @@ class ModelRunner:
     def forward(self, batch: InputBatch, finishing: list[bool]) -> torch.Tensor:
         """The backbone's last hidden states of the scheduled tokens, ``[num_tokens, hidden_size]``.
 
-        On the packed path the requests run sorted by length (prefill chunks last), so requests of
-        equal length sit side by side and attend in one call (:class:`PackedLayout`); the rows are
-        put back in packing order after the backbone.
+        On the packed path the requests run sorted by LoRA adapter, then length (prefill chunks
+        last), so requests of equal length sit side by side and attend in one call
+        (:class:`PackedLayout`); the rows are put back in packing order after the backbone.
         """
         extra = self.hooks.prepare_inputs(batch=batch, model_config=self.model_config)
         if not self.packed:
@@ -125,7 +125,10 @@ class ModelRunner:
             else (self.kv_caches.setdefault(state.request_id, KVCache()), not done)
             for state, done in zip(batch.requests, finishing, strict=True)
         ]
-        order = sorted(range(batch.num_reqs), key=lambda i: (caches[i] is not None, batch.num_scheduled_tokens[i]))
+        # A LoRA adapter's requests side by side make its rows one slice of every layer's input.
+        adapters = [state.request.params.lora_id or 0 for state in batch.requests]
+        order = sorted(range(batch.num_reqs),
+                       key=lambda i: (caches[i] is not None, adapters[i], batch.num_scheduled_tokens[i]))
         layout = PackedLayout.build([batch.num_scheduled_tokens[i] for i in order], caches=[caches[i] for i in order],
                                     native=self.native_attention)
         inputs = {"input_ids": batch.input_ids, "position_ids": batch.positions + self.position_offset, **extra}

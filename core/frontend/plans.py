@@ -85,6 +85,8 @@ class Frontend:
     :param hooks: The plugins' hooks (``score_outputs``).
     :param tasks: Every task the runtime serves.
     :param default_task: The task of a request that names none.
+    :param task_pinned: The runtime was loaded for ``default_task`` alone (``task=``); else
+        ``tasks`` is everything the plugins serve for the model.
     :param options: The request options the plugins declare.
     :param max_embed_len: Embed inputs longer than ``max_model_len``, up to this many tokens, in
         windows (:mod:`poolrunner.core.frontend.chunking`); ``None``: such inputs are refused.
@@ -101,11 +103,12 @@ class Frontend:
                  default_task: PoolingTask, options: RequestOptions, *, max_embed_len: int | None = None,
                  score_template: ScoreTemplate | None = None, images: ImageInputs | None = None,
                  image_score: tuple[float, float] | None = None,
-                 adapters: LoraAdapters | None = None) -> None:
+                 adapters: LoraAdapters | None = None, task_pinned: bool = False) -> None:
         self.model_config = model_config
         self.inputs = inputs
         self.tasks = tasks
         self.default_task = default_task
+        self.task_pinned = task_pinned
         self.options = options
         self._hooks = hooks
         self._request_ids = itertools.count()
@@ -190,12 +193,16 @@ class Frontend:
             or an option the task does not take (naming the option and its plugin).
         """
         params = PoolingParams(task=task or self.default_task, **core)  # a malformed value fails first
+        if params.task not in self.tasks and self.task_pinned:
+            raise InvalidRequestError(
+                f"this runtime serves tasks {sorted(self.tasks)}, not {params.task!r}: it was loaded for "
+                f"{self.default_task!r} alone; load it without a task to serve every task the model supports, "
+                f"or with task={params.task!r} (Runtime(..., task=...), --task)", param="task")
         if params.task not in self.tasks:
             raise InvalidRequestError(
-                f"this runtime serves tasks {sorted(self.tasks)}, not {params.task!r}; if the model supports "
-                f"{params.task!r}, load it without a task or with that task (Runtime(..., task=...), --task)",
-                param="task",
-            )
+                f"this model serves tasks {sorted(self.tasks)}, not {params.task!r}: no installed plugin serves "
+                f"{params.task!r} for {self.model_config.architecture} with this folder's files "
+                "(`poolrunner plugins --all` lists what each plugin serves)", param="task")
         extra_kwargs = self.options.resolve(params.task, options or {})
         return attrs.evolve(params, extra_kwargs=extra_kwargs) if extra_kwargs else params
 

@@ -127,17 +127,22 @@ def supported(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def prepack(module: nn.Module, matmul_dtype: torch.dtype | None = None) -> int:
+def prepack(module: nn.Module, matmul_dtype: torch.dtype | None = None, *, fuse: bool = True) -> int:
     """Replace every ``nn.Linear`` inside ``module`` by a :func:`packed_linear`, in place, fusing
     the activation into the linear layer where the module's forward code is known (:data:`_FUSABLE`)
     and replacing SiLU-gated MLPs by :class:`GatedMLP`.
 
     :param matmul_dtype: See :class:`PackedLinear`; ``None``: each weight's own dtype;
         ``torch.int8``: :class:`~poolrunner.core.kernels.int8.Int8Linear` layers, to be calibrated.
+    :param fuse: Fuse activations and multiplies; ``False`` keeps every layer's output what
+        ``nn.Linear`` returns (and each layer called as a module), for hooks that add to it (LoRA).
     :returns: The number of linear layers replaced.
     """
-    gated = replace_modules(module, lambda child: GatedMLP(child, matmul_dtype) if _is_silu_gated_mlp(child) else None)
-    fused = _fuse_activations(module, matmul_dtype)
+    gated = fused = 0
+    if fuse:
+        gated = replace_modules(module, lambda child: GatedMLP(child, matmul_dtype) if _is_silu_gated_mlp(child)
+                                else None)
+        fused = _fuse_activations(module, matmul_dtype)
     plain = replace_modules(module, lambda child: packed_linear(child, matmul_dtype=matmul_dtype)
                      if type(child) is nn.Linear else None)
     logger.debug("prepacked %d linear layers (%d with a fused activation, %d with a fused multiply)",

@@ -165,11 +165,14 @@ class ModelRouter:
         return sum(service.waiting for service in self.services)
 
     def _listing(self) -> str:
-        return "; ".join(
+        """The served names, and the LoRA adapters loaded now, for a 404's text."""
+        listing = "; ".join(
             repr(service.model_name) + (f" (aliases: {', '.join(map(repr, service.model_names[1:]))})"
                                         if len(service.model_names) > 1 else "")
             for service in self.services
         )
+        adapters = [name for name, _ in self.adapters()]
+        return listing + (f"; LoRA adapters {', '.join(map(repr, adapters))}" if adapters else "")
 
 
 def _fit(service: PoolingService, task: str) -> int | None:

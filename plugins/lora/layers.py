@@ -25,6 +25,7 @@ from attrs import define, field, frozen
 from torch import nn
 
 from poolrunner.core import ModelLoadError
+from poolrunner.core.kernels.onednn import PackedLinear
 from poolrunner.plugins.lora.folder import WEIGHTS_FILE, LoraPair, PeftFolder
 
 MODEL_INPUT = "lora_ids"
@@ -42,10 +43,13 @@ class RowPlan:
 
     :ivar rows: ``[num_adapted]`` int64: the rows of requests with an adapter, adapter by adapter.
     :ivar segments: ``(adapter number, start, end)``: ``rows[start:end]`` are that adapter's.
+    :ivar first: When ``rows`` is ``first, first + 1, ...`` (one adapter's requests side by side,
+        as when a step has one adapter): its rows are a slice, nothing to gather; else ``None``.
     """
 
     rows: torch.Tensor
     segments: list[tuple[int, int, int]]
+    first: int | None
 
 
 @frozen(kw_only=True, eq=False)
@@ -68,6 +72,9 @@ class LoraModel:
     hooked: set[str] = field(factory=set)
     token_plan: RowPlan | None = None
     token_rows: int = 0
+    gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The last layer input whose adapted rows were gathered, and those rows in float32: the
+    query, key and value layers read one input."""
 
     @classmethod
     def of(cls, model: nn.Module) -> LoraModel:
@@ -158,6 +165,7 @@ class LoraModel:
 
     def _end_step(self, *_: Any) -> None:
         self.token_plan = None
+        self.gathered = None
 
     def _rows(self, num_rows: int, pooled_only: bool) -> RowPlan | None:
         """The adapters' row groups for a module output of ``num_rows`` rows, or ``None``."""
@@ -189,11 +197,11 @@ class LoraModel:
 
     def _apply(self, path: str, x: torch.Tensor, output: torch.Tensor, plan: RowPlan) -> torch.Tensor:
         """``output`` with each adapter's term added to its rows (its own head's output there, for
-        a head it trained), in place: one gather of the adapted rows, two products per adapter on
-        a contiguous slice of them, one add back."""
-        x_rows = x.reshape(-1, x.shape[-1])
+        a head it trained), in place: the adapted rows gathered once per layer input, two products
+        per adapter on a contiguous slice of them, one add back; when the rows are side by side
+        (:attr:`RowPlan.first`), neither gather nor scatter."""
         out = output.reshape(-1, output.shape[-1])
-        selected = x_rows.index_select(0, plan.rows)
+        selected = self._gather(x, plan)
         delta = None
         for lora_id, start, end in plan.segments:
             adapter = self.adapters.get(lora_id)
@@ -202,21 +210,48 @@ class LoraModel:
             head = adapter.heads.get(path)
             if head is not None:  # PEFT's ModulesToSaveWrapper: the adapter's own copy answers
                 rows = plan.rows[start:end]
-                out.index_copy_(0, rows, head(selected[start:end]).reshape(len(rows), -1).to(out.dtype))
+                out.index_copy_(0, rows, head(selected[start:end].to(x.dtype)).reshape(len(rows), -1).to(out.dtype))
                 continue
             pair = adapter.pairs.get(path)
             if pair is None:
                 continue
             if delta is None:
-                delta = torch.zeros(len(plan.rows), out.shape[-1], dtype=torch.float32, device=out.device)
+                delta = self._delta(out, plan)
             # PEFT runs the adapter in its weights' float32 and adds in float32 (autocast_adapter_dtype).
-            torch.mm(selected[start:end].float() @ pair.at, pair.bt, out=delta[start:end])
-        if delta is not None:
-            if out.dtype == torch.float32:
+            if delta is out:  # float32 rows side by side: added in place
+                out[plan.first + start:plan.first + end].addmm_(selected[start:end] @ pair.at, pair.bt)
+            else:
+                torch.mm(selected[start:end] @ pair.at, pair.bt, out=delta[start:end])
+        if delta is not None and delta is not out:
+            if plan.first is not None:
+                rows = out[plan.first:plan.first + len(plan.rows)]
+                rows.copy_(rows.float() + delta)
+            elif out.dtype == torch.float32:
                 out.index_add_(0, plan.rows, delta)
             else:  # rows without a term add 0: unchanged, heads' rows included
                 out.index_copy_(0, plan.rows, (out.index_select(0, plan.rows).float() + delta).to(out.dtype))
         return out.view(output.shape)  # ``output`` itself, unless reshaping it had to copy
+
+    @staticmethod
+    def _delta(out: torch.Tensor, plan: RowPlan) -> torch.Tensor:
+        """Where the adapters' terms go: ``out`` itself when it is float32 and the rows are a
+        slice of it, else a zeroed ``[num_adapted, out_features]`` float32 buffer."""
+        if out.dtype == torch.float32 and plan.first is not None:
+            return out
+        return torch.zeros(len(plan.rows), out.shape[-1], dtype=torch.float32, device=out.device)
+
+    def _gather(self, x: torch.Tensor, plan: RowPlan) -> torch.Tensor:
+        """``[num_adapted, in_features]`` float32: ``x``'s adapted rows in ``plan``'s order."""
+        if self.gathered is not None and self.gathered[0] is x and plan is self.token_plan:
+            return self.gathered[1]
+        x_rows = x.reshape(-1, x.shape[-1])
+        if plan.first is not None:
+            selected = x_rows[plan.first:plan.first + len(plan.rows)].float()
+        else:
+            selected = x_rows.index_select(0, plan.rows).float()
+        if plan is self.token_plan:
+            self.gathered = (x, selected)
+        return selected
 
 
 def _plan(ids: torch.Tensor) -> RowPlan | None:
@@ -228,7 +263,10 @@ def _plan(ids: torch.Tensor) -> RowPlan | None:
     present, counts = torch.unique_consecutive(numbers, return_counts=True)
     ends = counts.cumsum(0).tolist()
     starts = [0, *ends[:-1]]
-    return RowPlan(adapted.index_select(0, order), list(zip(present.tolist(), starts, ends, strict=True)))
+    rows = adapted.index_select(0, order)
+    first = int(rows[0])
+    side_by_side = int(rows[-1]) - first == len(rows) - 1 and bool((rows.diff() == 1).all())
+    return RowPlan(rows, list(zip(present.tolist(), starts, ends, strict=True)), first if side_by_side else None)
 
 
 def _shared_row_layers(config: Any) -> frozenset[str]:
@@ -245,9 +283,10 @@ def _shared_row_layers(config: Any) -> frozenset[str]:
 
 
 def _linear_shape(module: nn.Module, where: str) -> tuple[int, int]:
-    """``(in_features, out_features)`` of ``nn.Linear`` or transformers' ``Conv1D`` (GPT-2's,
-    ``weight`` ``[in, out]``: PEFT's ``fan_in_fan_out``)."""
-    if isinstance(module, nn.Linear):
+    """``(in_features, out_features)`` of ``nn.Linear`` (or its prepacked
+    :class:`~poolrunner.core.kernels.onednn.PackedLinear`, loaded unfused when adapters are served)
+    or transformers' ``Conv1D`` (GPT-2's, ``weight`` ``[in, out]``: PEFT's ``fan_in_fan_out``)."""
+    if isinstance(module, nn.Linear | PackedLinear):
         return module.in_features, module.out_features
     if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
         return module.weight.shape[0], module.nf

@@ -172,9 +172,10 @@ BAD_REQUESTS = [
     ("empty input", "/classify", {"input": []}, "input is empty"),
     ("unknown task", "/pooling", {"input": "a", "task": "Not a task!"}, "task must be one of"),
     ("plugin task not served", "/pooling", {"input": "a", "task": "nope"},
-     "this runtime serves tasks ['embed', 'token_embed'], not 'nope'"),
+     "this model serves tasks ['embed', 'token_embed'], not 'nope'"),
     ("task not served", "/pooling", {"input": "a", "task": "classify"},
-     "this runtime serves tasks ['embed', 'token_embed'], not 'classify'"),
+     "this model serves tasks ['embed', 'token_embed'], not 'classify': no installed plugin serves 'classify' "
+     "for BertModel"),
     ("unsupported dimensions", "/v1/embeddings", {"input": "a", "dimensions": 8},
      "does not support Matryoshka dimensions"),
     ("zero dimensions", "/v1/embeddings", {"input": "a", "dimensions": 0}, "dimensions must be a positive integer"),

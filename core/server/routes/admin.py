@@ -23,16 +23,17 @@ async def models(served: Served, created: Created) -> p.ModelList:
     """Every served name of every model (vLLM lists each alias), each model's reported one first,
     then each LoRA adapter with its ``parent`` (vLLM's listing)."""
     cards = [_card(service, name, created) for service in served.services for name in service.model_names]
-    cards += [p.ModelCard(id=name, created=created, task=service.runtime.task, root=name, parent=service.model_name,
-                          max_model_len=service.runtime.model_config.max_model_len)
-              for name, service in served.adapters()]
+    cards += [_adapter_card(service, name, created) for name, service in served.adapters()]
     return p.ModelList(data=cards)
 
 
 @router.get("/v1/models/{model_id:path}", response_model=p.ModelCard)
 async def model(model_id: str, served: Served, created: Created) -> p.ModelCard:
-    """OpenAI's retrieve: the card of a served name; 404 for any other id."""
-    return _card(served.pick(model_id), model_id, created)
+    """OpenAI's retrieve: the card of a served name or a loaded LoRA adapter; 404 for any other id."""
+    service = served.pick(model_id)
+    if model_id in dict(served.adapters()):
+        return _adapter_card(service, model_id, created)
+    return _card(service, model_id, created)
 
 
 @router.post("/tokenize", response_model=p.TokenizeResponse | list[list[p.TeiToken]])
@@ -71,6 +72,12 @@ async def prometheus(metrics: Metrics) -> Response:
 def _card(service: PoolingService, name: str, created: int) -> p.ModelCard:
     runtime = service.runtime
     return p.ModelCard(id=name, created=created, task=runtime.task, max_model_len=runtime.model_config.max_model_len)
+
+
+def _adapter_card(service: PoolingService, name: str, created: int) -> p.ModelCard:
+    """vLLM's card of a LoRA adapter, with its base model as ``parent``; ``root`` is its name, not
+    vLLM's folder path: no answer shows the server's paths."""
+    return _card(service, name, created).model_copy(update={"root": name, "parent": service.model_name})
 
 
 async def _vllm_tokens(service: PoolingService, body: p.TokenizeRequest, request: Request) -> p.TokenizeResponse:
