@@ -90,8 +90,9 @@ def server_for(system: str, model: str, max_length: int, dtype: str, port: int) 
                    "--pooler-config", json.dumps({"pooling_type": "MEAN"}), "--seed", "0",
                    "--uvicorn-log-level", "warning"]
         return Server(system, command, peer.env(), f"{url}/v1", truncate)
-    # infinity: sentence-transformers under its own batching; it truncates at the model maximum.
-    command = [str(peer.venv / "bin" / "infinity_emb"), "v2", "--model-id", model, "--served-model-name",
+    # infinity: sentence-transformers under its own batching; it truncates at the model maximum. The
+    # module, not the `infinity_emb` script, whose first line names the folder the venv was built in.
+    command = [str(peer.python), "-m", "infinity_emb.cli", "v2", "--model-id", model, "--served-model-name",
                SERVED_NAME, "--port", str(port), "--engine", "torch", "--device", "cpu", "--dtype", dtype,
                "--url-prefix", "/v1", "--no-bettertransformer", "--log-level", "warning"]
     return Server(system, command, {"INFINITY_ANONYMOUS_USAGE_STATS": "0", "DO_NOT_TRACK": "1"}, f"{url}/v1", {})

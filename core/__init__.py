@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from poolrunner.core.config import ModelOverrides, RuntimeConfig
 from poolrunner.core.errors import (
     DimensionsNotSupportedError,
+    InputTooLongError,
     InvalidRequestError,
     ModelLoadError,
     PluginConflictError,
@@ -103,6 +104,7 @@ __all__ = [
     "PoolingTask",
     "PoolingType",
     "PoolrunnerError",
+    "InputTooLongError",
     "PromptTooLongError",
     "RequestOption",
     "RequestState",

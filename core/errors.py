@@ -53,6 +53,10 @@ class PromptTooLongError(InvalidRequestError):
     """An input has more tokens than the model takes, and no truncation was asked for."""
 
 
+class InputTooLongError(InvalidRequestError):
+    """A text input has more characters than ``max_input_chars``, checked before it is tokenized."""
+
+
 class TokenOutOfVocabularyError(InvalidRequestError):
     """A token-id input holds an id outside the model's vocabulary (often another tokenizer's ids)."""
 

@@ -17,9 +17,9 @@ def check_dimensions(model_config: ModelConfig, dimensions: int | None, size: in
     name = model_config.name
     if not model_config.is_matryoshka:
         raise DimensionsNotSupportedError(
-            f"model {name} does not support Matryoshka dimensions (got dimensions={dimensions}): "
-            "its config declares neither is_matryoshka nor matryoshka_dimensions; load it "
-            "with is_matryoshka=True (--is-matryoshka on the command line and the server) to allow it",
+            f"model {name} does not support Matryoshka dimensions (got dimensions={dimensions}): it answers all "
+            f"{size} dimensions; its config declares neither is_matryoshka nor matryoshka_dimensions; load it "
+            f"with is_matryoshka=True (--is-matryoshka on the command line and the server) to allow 1..{size}",
             param="dimensions",
         )
     if not 1 <= dimensions <= size:

@@ -167,9 +167,10 @@ def test_token_embed_dimension_errors(make_decoder_folder, task_runtime, poolrun
     plain_log = poolrunner_step_recorder(plain)
     prompt = [[1, 5, 6, 7]]
     expected = plain.encode(prompt)
-    message = (f"model {folder} does not support Matryoshka dimensions (got dimensions=8): its config declares "
-               "neither is_matryoshka nor matryoshka_dimensions; load it with is_matryoshka=True "
-               "(--is-matryoshka on the command line and the server) to allow it")
+    size = plain.model_config.hidden_size
+    message = (f"model {folder} does not support Matryoshka dimensions (got dimensions=8): it answers all {size} "
+               "dimensions; its config declares neither is_matryoshka nor matryoshka_dimensions; load it with "
+               f"is_matryoshka=True (--is-matryoshka on the command line and the server) to allow 1..{size}")
     with pytest.raises(InvalidRequestError, match=f"^{re.escape(message)}$"):
         plain.encode(prompt, dimensions=8)
     assert_still_serves(plain, plain_log, prompt, expected)

@@ -203,6 +203,12 @@ def test_numpy_token_ids_are_accepted(runtime, hf_model):
 def test_non_sequence_input(runtime, assert_serves):
     with pytest.raises(InvalidRequestError, match=r"^input 2: expected a string or a list of token ids, got 42$"):
         runtime.embed(["a", "b", 42])
+    for value, kind in ((123, "int"), (None, "NoneType"), ({"a": 1}, "dict")):
+        with pytest.raises(InvalidRequestError, match=(
+                r"^inputs must be a text, a token-id list, a \(text, text_pair\) pair, an image, or a list of "
+                rf"them; got {kind}$")) as caught:
+            runtime.embed(value)
+        assert caught.value.param == "input"
     assert_serves(runtime)
 
 

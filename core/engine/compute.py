@@ -12,7 +12,9 @@ loading on the caller's thread ran its steps 15-20% slower, with 13 times the co
 
 So every runtime of a process runs its model work here, on one long-lived thread: their steps
 then share one team, whatever thread asks for them. Callers wait on a future; a call made on
-this thread runs inline.
+this thread runs inline. Work queues in order: a runtime loading holds up the steps of the
+process's other runtimes until it is loaded (they would share the same cores anyway). A program
+that runs torch work of its own on another thread beside a runtime pays the price above for it.
 """
 
 from __future__ import annotations

@@ -50,6 +50,12 @@ from poolrunner.core.validators import check_text
 
 A = TypeVar("A")
 
+TASK_NEEDS: dict[str, str] = {
+    "classify": "a classification head: a *ForSequenceClassification folder",
+    "token_classify": "a token classification head: a *ForTokenClassification folder",
+}
+"""What a folder lacks when no plugin serves these tasks for it, for the refusal's text."""
+
 
 @frozen(eq=False)
 class Plan(Generic[A]):
@@ -199,10 +205,12 @@ class Frontend:
                 f"{self.default_task!r} alone; load it without a task to serve every task the model supports, "
                 f"or with task={params.task!r} (Runtime(..., task=...), --task)", param="task")
         if params.task not in self.tasks:
+            needs = TASK_NEEDS.get(params.task)
             raise InvalidRequestError(
                 f"this model serves tasks {sorted(self.tasks)}, not {params.task!r}: no installed plugin serves "
-                f"{params.task!r} for {self.model_config.architecture} with this folder's files "
-                "(`poolrunner plugins --all` lists what each plugin serves)", param="task")
+                f"{params.task!r} for {self.model_config.architecture} with this folder's files"
+                + (f" (it needs {needs})" if needs else "")
+                + "; `poolrunner plugins --all` lists what each plugin serves", param="task")
         extra_kwargs = self.options.resolve(params.task, options or {})
         return attrs.evolve(params, extra_kwargs=extra_kwargs) if extra_kwargs else params
 

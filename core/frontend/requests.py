@@ -13,7 +13,7 @@ there, when the plan builds the params; everything else is checked here, when th
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import attrs
@@ -173,10 +173,18 @@ class Items(tuple):  # type: ignore[type-arg]
 
 
 def as_items(inputs: Input | Sequence[Input]) -> tuple[Input, ...]:
-    """``inputs`` as a tuple of inputs (see :func:`is_single`); inputs already read are kept."""
+    """``inputs`` as a tuple of inputs (see :func:`is_single`); inputs already read are kept.
+
+    :raises InvalidRequestError: for a value that is neither one input nor a sequence (a number, ``None``).
+    """
     if isinstance(inputs, Items):
         return inputs
-    return Items((inputs,) if is_single(inputs) else inputs)  # type: ignore[arg-type]
+    if is_single(inputs):
+        return Items((inputs,))
+    if not isinstance(inputs, Iterable) or isinstance(inputs, bytes | Mapping):
+        raise InvalidRequestError(f"inputs must be a text, a token-id list, a (text, text_pair) pair, an image, "
+                                  f"or a list of them; got {type(inputs).__name__}", param="input")
+    return Items(inputs)
 
 
 # ---- one object per operation ----

@@ -15,7 +15,13 @@ from tokenizers import normalizers
 from transformers import PreTrainedTokenizerBase
 
 from poolrunner.core.config import default_max_input_chars
-from poolrunner.core.errors import InvalidRequestError, ModelLoadError, PromptTooLongError, TokenOutOfVocabularyError
+from poolrunner.core.errors import (
+    InputTooLongError,
+    InvalidRequestError,
+    ModelLoadError,
+    PromptTooLongError,
+    TokenOutOfVocabularyError,
+)
 from poolrunner.core.inputs import cutting
 from poolrunner.core.memory import TRIM_AFTER_CHARS, release_memory
 from poolrunner.core.types import ModelConfig, PromptInput, TruncationSide
@@ -217,10 +223,9 @@ class InputProcessor:
         """:raises InvalidRequestError: for ``text`` over ``max_input_chars`` characters, naming
         ``where``, its length, the limit, its flag and ``advice``."""
         if len(text) > self.max_input_chars:
-            raise InvalidRequestError(
+            raise InputTooLongError(
                 f"{where} has {len(text)} characters, more than the limit of {self.max_input_chars} per input "
-                f"(max_input_chars, the --max-input-chars flag); {advice}"
-            )
+                f"(max_input_chars, the --max-input-chars flag); {advice}", param="input")
 
     def render_chat(
         self,
@@ -364,7 +369,7 @@ class InputProcessor:
         """
         limit = self.model_config.max_model_len
         if not ids:
-            raise InvalidRequestError(f"input {index} is empty: it has no tokens to pool")
+            raise InvalidRequestError(f"input {index} is empty: it has no tokens to pool", param="input")
         if keep is not None and len(ids) > keep:
             raise InvalidRequestError(
                 f"input {index} still has {len(ids)} tokens after truncation to {keep} (the tokenizer of "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
 import os
 import time
@@ -116,8 +117,11 @@ def _load() -> frozenset[torch.dtype]:
         return frozenset()
     bf16 = torch.cpu._is_avx512_bf16_supported()
     # One build per instruction set and torch release: a cached build never meets another's headers.
+    # And per installed copy: ninja rebuilds when the sources' paths change, so two checkouts (or
+    # virtual environments) sharing one build folder would rebuild each other's at every start.
     torch_release = torch.__version__.replace(".", "_").replace("+", "_")
-    name = f"poolrunner_cpu_kernels_avx512{'_bf16' if bf16 else ''}_torch{torch_release}"
+    copy = hashlib.sha256(str(SOURCES[0].parent.resolve()).encode()).hexdigest()[:8]
+    name = f"poolrunner_cpu_kernels_avx512{'_bf16' if bf16 else ''}_torch{torch_release}_{copy}"
     flags = _X86_FLAGS + (["-mavx512bf16"] if bf16 else [])
     started = time.perf_counter()
     try:

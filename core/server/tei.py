@@ -21,7 +21,7 @@ import numpy as np
 from fastapi import Request
 
 from poolrunner.core.config import default_token_budget
-from poolrunner.core.errors import PromptTooLongError
+from poolrunner.core.errors import InputTooLongError, PromptTooLongError
 from poolrunner.core.frontend import requests as fr
 from poolrunner.core.server import protocol as p
 from poolrunner.core.server import tei_protocol as t
@@ -104,8 +104,10 @@ async def answer(service: PoolingService, request: Request, frontend_request: fr
     """
     try:
         result, _ = await service.answer(request, frontend_request)
-    except PromptTooLongError as exc:  # the core message names truncate_prompt_tokens, not TEI's field
-        reason = str(exc).partition(";")[0]
+    except (PromptTooLongError, InputTooLongError) as exc:
+        if getattr(frontend_request, "truncate_prompt_tokens", None) is not None:
+            raise TeiError("Validation", str(exc)) from exc  # truncating already: the core's advice stands
+        reason = str(exc).partition(";")[0]  # the core's advice names truncate_prompt_tokens, not TEI's field
         raise TeiError("Validation", f'{reason}; shorten it or send "truncate": true') from exc
     return result
 

@@ -43,8 +43,9 @@ class RowPlan:
 
     :ivar rows: ``[num_adapted]`` int64: the rows of requests with an adapter, adapter by adapter.
     :ivar segments: ``(adapter number, start, end)``: ``rows[start:end]`` are that adapter's.
-    :ivar first: When ``rows`` is ``first, first + 1, ...`` (one adapter's requests side by side,
-        as when a step has one adapter): its rows are a slice, nothing to gather; else ``None``.
+    :ivar first: When ``rows`` is ``first, first + 1, ...``: the adapted rows are one slice, nothing
+        to gather (the runner packs a step's requests adapter by adapter, so they usually are);
+        else ``None``.
     """
 
     rows: torch.Tensor

@@ -175,7 +175,8 @@ BAD_REQUESTS = [
      "this model serves tasks ['embed', 'token_embed'], not 'nope'"),
     ("task not served", "/pooling", {"input": "a", "task": "classify"},
      "this model serves tasks ['embed', 'token_embed'], not 'classify': no installed plugin serves 'classify' "
-     "for BertModel"),
+     "for BertModel with this folder's files (it needs a classification head: a *ForSequenceClassification "
+     "folder); `poolrunner plugins --all` lists what each plugin serves"),
     ("unsupported dimensions", "/v1/embeddings", {"input": "a", "dimensions": 8},
      "does not support Matryoshka dimensions"),
     ("zero dimensions", "/v1/embeddings", {"input": "a", "dimensions": 0}, "dimensions must be a positive integer"),

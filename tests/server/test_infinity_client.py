@@ -97,9 +97,9 @@ def test_models_in_infinity_shape(served):
     ("/classify", {"input": TEXTS, "raw_scores": True, "use_activation": True},
      "raw_scores (infinity's) and use_activation (vLLM's) set the same thing: send one", "raw_scores"),
     ("/embeddings", {"input": TEXTS, "modality": "text", "dimensions": 3},
-     "model all-MiniLM-L6-v2 does not support Matryoshka dimensions (got dimensions=3): its config declares neither "
-     "is_matryoshka nor matryoshka_dimensions; load it with is_matryoshka=True (--is-matryoshka on the command line "
-     "and the server) to allow it", "dimensions"),
+     "model all-MiniLM-L6-v2 does not support Matryoshka dimensions (got dimensions=3): it answers all 384 "
+     "dimensions; its config declares neither is_matryoshka nor matryoshka_dimensions; load it with "
+     "is_matryoshka=True (--is-matryoshka on the command line and the server) to allow 1..384", "dimensions"),
     # OpenAI's body keeps OpenAI's rule: 0 is no size (only infinity's body reads it as the full size)
     ("/embeddings", {"input": TEXTS, "dimensions": 0}, "dimensions must be a positive integer, got 0", "dimensions"),
 ])

@@ -228,6 +228,14 @@ def test_errors_that_name_the_model(server, runtime, still_serves, lee_long_docs
     assert _tei_error(too_long, 422, "Validation") == (
         f"input 1 has {tokens} tokens, more than the maximum of 256 (max_model_len of {name}); shorten it or "
         'send "truncate": true')
+    limit = runtime.frontend.inputs.max_input_chars
+    huge = "word " * (limit // 5 + 1)  # over the characters read before tokenizing
+    too_many_chars = httpx.post(f"{server.url}/embed", json={"inputs": huge, "truncate": False})
+    assert _tei_error(too_many_chars, 422, "Validation") == (
+        f"input 0 has {len(huge)} characters, more than the limit of {limit} per input (max_input_chars, the "
+        '--max-input-chars flag); shorten it or send "truncate": true')
+    truncated = httpx.post(f"{server.url}/embed", json={"inputs": huge, "truncate": True})  # what it advises
+    assert truncated.status_code == 200, truncated.text
     prompt = httpx.post(f"{server.url}/embed", json={"inputs": "a", "prompt_name": "query"})
     assert _tei_error(prompt, 422, "Validation") == f"prompt_name 'query' is not defined by model {name}; defined: []"
     dimensions = httpx.post(f"{server.url}/embed", json={"inputs": "a", "dimensions": 8})
