@@ -17,7 +17,7 @@ import attrs
 import pytest
 
 import poolrunner
-from poolrunner import InvalidRequestError
+from poolrunner import InputTooLongError, InvalidRequestError
 from poolrunner.core import memory
 from poolrunner.core.config import RuntimeConfig, default_max_input_chars
 from poolrunner.core.inputs.tokenize import InputProcessor
@@ -59,6 +59,7 @@ def test_truncated_text_without_spaces_over_the_limit_is_refused(runtime, assert
         runtime.embed("x" * 9000, truncate_prompt_tokens=-1)
     assert str(error.value) == _message(
         0, 9000, "shorten it (its 256 kept tokens were not found in its first 8192 characters)")
+    assert isinstance(error.value, InputTooLongError) and error.value.param == "input"
     assert_serves(runtime)
 
 
