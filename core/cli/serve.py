@@ -29,10 +29,10 @@ from poolrunner.core.server.settings import LOOPBACK_HOSTS, MAX_PRIORITY, SCHEDU
 __all__ = ["API_KEY_ENV", "add_parser", "run"]
 
 API_KEY_ENV = "POOLRUNNER_API_KEY"
+"""The API key when --api-key is not given."""
 SERVER_SPIN_COUNT = "10000"
 """libgomp's ``GOMP_SPINCOUNT`` for ``serve`` unless set (its own default: 300,000): short enough
 to leave the CPU to the event loop between steps, long enough to bridge one step's operations."""
-"""The API key when --api-key is not given."""
 
 DESCRIPTION = """\
 Serve a model (or several: --model repeated) over HTTP until SIGTERM or Ctrl-C; requests from
