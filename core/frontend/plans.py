@@ -306,7 +306,7 @@ class Frontend:
             if is_image(item, data_urls=True):
                 prepared = pages.page(item, index)
             elif isinstance(item, str):
-                check_text(item, f"input {index}")
+                check_text(item, f"input {index}", param="input")
                 self.inputs.check_chars(item, f"input {index}")
                 prepared = pages.query(item)
             elif is_pair(item):
@@ -503,7 +503,7 @@ class Frontend:
         :raises InvalidRequestError: for text that is not valid Unicode or over ``max_input_chars``.
         """
         for index, text in enumerate(texts):
-            check_text(text, f"input {index}")
+            check_text(text, f"input {index}", param="input")
             self.inputs.check_chars(text, f"input {index}")
         encoded = self._span_tokenizer(list(texts), add_special_tokens=add_special_tokens, return_offsets_mapping=True,
                                        return_special_tokens_mask=True, return_attention_mask=False,

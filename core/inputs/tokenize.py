@@ -165,7 +165,7 @@ class InputProcessor:
         """
         texts = {i: item for i, item in enumerate(inputs) if isinstance(item, str)}
         for index, text in texts.items():
-            check_text(text, f"input {index}")
+            check_text(text, f"input {index}", param="input")
         keep = self.check_truncation(truncate_prompt_tokens, pair=False if texts and add_special_tokens else None)
         prefix = self.resolve_prompt(prompt, prompt_name)
         by_index = self._tokenize(texts, prefix, keep, truncation_side, add_special_tokens)
@@ -203,7 +203,7 @@ class InputProcessor:
             if not (isinstance(pair, tuple | list) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
                 raise InvalidRequestError(f"pair {index}: expected two texts (query, document), got {pair!r:.80}")
             for side, text in enumerate(pair):
-                check_text(text, f"pair {index}, text {side + 1}")
+                check_text(text, f"pair {index}, text {side + 1}", param="input")
                 self.check_chars(text, f"pair {index}, text {side + 1}",
                                  "shorten it (a pair is read whole, even to truncate it)")
         results = []

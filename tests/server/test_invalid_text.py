@@ -22,7 +22,7 @@ MESSAGE = ("is not valid Unicode text: character 5 is U+D83D, a lone surrogate (
 def test_the_python_api_refuses_it_and_still_serves(runtime):
     with pytest.raises(InvalidRequestError) as caught:
         runtime.embed(["fine", BROKEN])
-    assert str(caught.value) == f"input 1 {MESSAGE}"
+    assert (str(caught.value), caught.value.param) == (f"input 1 {MESSAGE}", "input")
     with pytest.raises(InvalidRequestError) as caught:  # named as sent, though scoring pools texts sorted
         runtime.score(["fine", "also fine"], ["fine", BROKEN])
     assert (str(caught.value), caught.value.param) == (f"documents[1] {MESSAGE}", "documents")
@@ -56,6 +56,8 @@ def test_every_route_answers_400_and_the_connection_survives(server, runtime, pa
             assert (refused.status_code, refused.json()) == (422, {"error": answer["tei"], "error_type": "Validation"})
         else:
             assert refused.status_code == 400 and refused.json()["error"]["message"] == answer["error"]
+            if path in ("/v1/embeddings", "/pooling") and "request_id" not in body:
+                assert refused.json()["error"]["param"] == "input"
         again = client.post("/v1/embeddings", json={"input": "fine", "encoding_format": "float"})
         np.testing.assert_allclose(again.json()["data"][0]["embedding"], runtime.embed("fine"), rtol=0, atol=1e-6)
 
