@@ -105,7 +105,7 @@ async def answer(service: PoolingService, request: Request, frontend_request: fr
     try:
         result, _ = await service.answer(request, frontend_request)
     except (PromptTooLongError, InputTooLongError) as exc:
-        if getattr(frontend_request, "truncate_prompt_tokens", None) is not None:
+        if frontend_request.tokenization.truncate_prompt_tokens is not None:
             raise TeiError("Validation", str(exc)) from exc  # truncating already: the core's advice stands
         reason = str(exc).partition(";")[0]  # the core's advice names truncate_prompt_tokens, not TEI's field
         raise TeiError("Validation", f'{reason}; shorten it or send "truncate": true') from exc
