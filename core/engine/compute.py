@@ -50,9 +50,7 @@ def submit(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T
 
 def call(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
     """``fn(*args, **kwargs)`` run on the compute thread: its result, or its exception raised here."""
-    if on_compute_thread():
-        return fn(*args, **kwargs)
-    return _pool().submit(fn, *args, **kwargs).result()
+    return submit(fn, *args, **kwargs).result()
 
 
 def on_compute_thread() -> bool:

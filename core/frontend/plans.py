@@ -199,12 +199,12 @@ class Frontend:
             or an option the task does not take (naming the option and its plugin).
         """
         params = PoolingParams(task=task or self.default_task, **core)  # a malformed value fails first
-        if params.task not in self.tasks and self.task_pinned:
-            raise InvalidRequestError(
-                f"this runtime serves tasks {sorted(self.tasks)}, not {params.task!r}: it was loaded for "
-                f"{self.default_task!r} alone; load it without a task to serve every task the model supports, "
-                f"or with task={params.task!r} (Runtime(..., task=...), --task)", param="task")
         if params.task not in self.tasks:
+            if self.task_pinned:
+                raise InvalidRequestError(
+                    f"this runtime serves tasks {sorted(self.tasks)}, not {params.task!r}: it was loaded for "
+                    f"{self.default_task!r} alone; load it without a task to serve every task the model supports, "
+                    f"or with task={params.task!r} (Runtime(..., task=...), --task)", param="task")
             needs = TASK_NEEDS.get(params.task)
             raise InvalidRequestError(
                 f"this model serves tasks {sorted(self.tasks)}, not {params.task!r}: no installed plugin serves "
