@@ -1,7 +1,7 @@
 """One int8 linear layer four ways, at all-MiniLM-L6-v2's shapes (2,048 rows): oneDNN's bf16
 product with its activation fused (what ``dtype="bfloat16"`` runs), poolrunner's
 :class:`~poolrunner.core.kernels.int8.Int8Linear` (per-token quantization, ``torch._int_mm``,
-conversion back, torch's activation), and oneDNN's fused int8 product
+conversion back with the activation in it), and oneDNN's fused int8 product
 ``torch.ops.onednn.qlinear_pointwise`` (bias, activation and the conversion to bf16 in the
 product, but one activation scale per tensor) with and without its quantization pass.
 

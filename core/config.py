@@ -90,10 +90,11 @@ class RuntimeConfig:
         :mod:`poolrunner.core.precision`, else float32), ``float32``, ``bfloat16``,
         ``float16``, ``bf16-mixed`` (float32 weights and activations, bfloat16 matrix products;
         the CPU with ``compile="auto"`` only) or ``int8`` (linear layers as dynamic int8
-        products calibrated at load, the rest bfloat16: :mod:`poolrunner.core.kernels.int8`; the
-        CPU with ``compile="auto"`` and native bf16 only; the layers whose int8 error the model
-        cannot afford stay in bfloat16, chosen at load so that the probe outputs stay within
-        cosine 0.999 of float32's; refused when even all of them in bfloat16 miss it).
+        products calibrated at load, the rest bfloat16, or float32 where bfloat16 activations
+        alone miss the bar: :mod:`poolrunner.core.kernels.int8`; the CPU with ``compile="auto"``
+        and native bf16 only; the layers whose int8 error the model cannot afford stay in
+        bfloat16, chosen at load so that the probe outputs stay within cosine 0.999 of float32's;
+        refused when even all of them in bfloat16 over float32 activations miss it).
     :ivar device: ``auto`` (CUDA when present, else CPU) or a torch device string.
     :ivar compile: ``auto``: on the CPU, linear layers run with weights prepacked for oneDNN once at
         load, bias and known activations fused into the matmul (:mod:`poolrunner.core.kernels.onednn`),

@@ -114,9 +114,8 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
         engine, chosen = precision.choose_cpu_precision(build, _probe_requests(inputs, wanted, options), candidates)
     elif config.dtype == precision.INT8.name:
         _check_int8(config, device, mixed_path)
-        chosen = precision.INT8
-        engine = precision.quantize_checked(build, _probe_requests(inputs, wanted, options, words_from=1),
-                                            _probe_requests(inputs, wanted, options))
+        engine, chosen = precision.quantize_checked(build, _probe_requests(inputs, wanted, options, words_from=1),
+                                                    _probe_requests(inputs, wanted, options))
     else:
         chosen = _explicit_precision(config, hf_config, device, mixed_path)
         engine = build(chosen)

@@ -63,6 +63,10 @@ FLOAT16 = Precision("float16", torch.float16, torch.float16)
 BF16_MIXED = Precision("bf16-mixed", torch.float32, torch.bfloat16)
 INT8 = Precision("int8", torch.bfloat16, torch.int8)
 """bfloat16 model, linear layers as dynamic int8 products (:mod:`poolrunner.core.kernels.int8`)."""
+INT8_OVER_FLOAT32 = Precision("int8", torch.float32, torch.int8)
+"""float32 model (weights and activations, as ``bf16-mixed``), linear layers as int8 products."""
+INT8_ACTIVATIONS = (INT8, INT8_OVER_FLOAT32)
+"""What ``dtype="int8"`` tries, fastest first: the first whose activations hold the int8 bar."""
 PRECISIONS = {p.name: p for p in (FLOAT32, BFLOAT16, FLOAT16, BF16_MIXED, INT8)}
 AUTO_CANDIDATES = (BFLOAT16, BF16_MIXED)
 """What ``auto`` tries on a CPU with native bf16, fastest first."""
@@ -163,37 +167,30 @@ def choose_cpu_precision(
 
 def quantize_checked(
     build: Callable[[Precision], Engine], calibration: Sequence[PoolingRequest], probes: Sequence[PoolingRequest],
-) -> Engine:
-    """Build the engine in :data:`INT8`, calibrate it on ``calibration``, and keep in bfloat16 the
+) -> tuple[Engine, Precision]:
+    """Build the engine in int8 (:data:`INT8_ACTIVATIONS`: over bfloat16 activations where they
+    hold the bar, else over float32's), calibrate it on ``calibration``, and keep in bfloat16 the
     fewest of its linear layers, most sensitive first, with which its outputs on ``probes`` stay
     within :data:`MAX_INT8_RELATIVE_ERROR` of float32's.
 
+    The activations are chosen by the probe with every layer kept in bfloat16: the error that
+    remains then is the activations' own, which no choice of int8 layers lowers.
     A layer's sensitivity is the error it alone in int8 causes in the model's outputs
     (:func:`_sensitivities`). How many of the most sensitive stay in bfloat16 is searched on the
     probe: none, then 1, 2, 4, ... until it passes, then bisected; a layer is kept whole
     (:meth:`~poolrunner.core.kernels.int8.Int8Linear.keep`). The load log names the layers kept.
 
+    :returns: The engine and its precision (one of :data:`INT8_ACTIVATIONS`).
     :raises ModelLoadError: naming the probe error and the bar, when even every layer in
-        bfloat16 misses it.
+        bfloat16 over float32 activations misses it.
     """
     engine = build(FLOAT32)
     probes = _served(probes, engine)
     reference = _run(engine, probes)
     del engine
-    engine = build(INT8)
-    calibration = _served(calibration, engine)
-    backbone = engine.runner.backbone
-    int8.calibrate(backbone, lambda: _run(engine, calibration))
-    layers = {name: layer for name, layer in backbone.named_modules()
-              if isinstance(layer, int8.Int8Linear) and layer.quantized}
-    tried: dict[int, tuple[float, float]] = {}
-    for layer in layers.values():  # first every layer in bfloat16: the one run that can refuse the model at once
-        layer.keep()
-    outputs = _run(engine, probes)
-    tried[len(layers)] = (_excess(reference, outputs, MAX_INT8_RELATIVE_ERROR), _relative_error(reference, outputs))
-    if tried[len(layers)][0] > 1:
-        _refuse_int8(tried[len(layers)][1], len(layers))
-    errors = _sensitivities(engine, layers, calibration[:SENSITIVITY_TEXTS])
+    engine, chosen, layers, all_kept = _int8_activations(build, calibration, probes, reference)
+    tried = {len(layers): all_kept}
+    errors = _sensitivities(engine, layers, _served(calibration, engine)[:SENSITIVITY_TEXTS])
     order = sorted(errors, key=errors.__getitem__, reverse=True)
 
     def probe_with(kept: int) -> bool:
@@ -207,8 +204,46 @@ def quantize_checked(
 
     kept = _fewest_passing(probe_with, len(order))
     probe_with(len(order) if kept is None else kept)  # never None: all in bfloat16 passed
-    _log_int8(order[:len(order) if kept is None else kept], errors, len(order), tried)
-    return engine
+    _log_int8(chosen, order[:len(order) if kept is None else kept], errors, len(order), tried)
+    return engine, chosen
+
+
+def _int8_activations(
+    build: Callable[[Precision], Engine], calibration: Sequence[PoolingRequest], probes: Sequence[PoolingRequest],
+    reference: list[RequestOutput],
+) -> tuple[Engine, Precision, dict[str, int8.Int8Linear], tuple[float, float]]:
+    """The first of :data:`INT8_ACTIVATIONS` whose probe outputs hold the bar with every layer in
+    bfloat16, built and calibrated (:func:`_calibrated`).
+
+    :returns: The engine, its precision, its calibrated layers and that probe's ``(excess, error)``.
+    :raises ModelLoadError: when none does.
+    """
+    for chosen in INT8_ACTIVATIONS:
+        engine, layers = _calibrated(build(chosen), calibration)
+        outputs = _run(engine, probes)
+        measured = (_excess(reference, outputs, MAX_INT8_RELATIVE_ERROR), _relative_error(reference, outputs))
+        if measured[0] <= 1:
+            return engine, chosen, layers, measured
+        logger.info("dtype int8: not over %s activations (probe error %.4f with every linear layer in bfloat16)",
+                    str(chosen.weights).removeprefix("torch."), measured[1])
+        count = len(layers)
+        del engine, layers  # freed before the next is built
+    _refuse_int8(measured[1], count)
+
+
+def _calibrated(engine: Engine, calibration: Sequence[PoolingRequest]) -> tuple[Engine, dict[str, int8.Int8Linear]]:
+    """``engine`` with its int8 layers calibrated on ``calibration`` (those of a task it serves).
+
+    :returns: The engine and its calibrated layers by name, every one kept in bfloat16.
+    """
+    served = _served(calibration, engine)
+    backbone = engine.runner.backbone
+    int8.calibrate(backbone, lambda: _run(engine, served))
+    layers = {name: layer for name, layer in backbone.named_modules()
+              if isinstance(layer, int8.Int8Linear) and layer.quantized}
+    for layer in layers.values():
+        layer.keep()
+    return engine, layers
 
 
 def _sensitivities(engine: Engine, layers: dict[str, int8.Int8Linear],
@@ -256,25 +291,26 @@ def _refuse_int8(error: float, layers: int) -> NoReturn:
                    f"vectors cosine {1 - error**2 / 2:.4f})")
     raise ModelLoadError(
         f"dtype 'int8' is refused for this model: on the probe texts, even with all {layers} linear layers in "
-        f"bfloat16, {detail}; the bar is {MAX_INT8_RELATIVE_ERROR:.4f} "
+        f"bfloat16 over float32 activations, {detail}; the bar is {MAX_INT8_RELATIVE_ERROR:.4f} "
         f"(cosine {1 - MAX_INT8_RELATIVE_ERROR**2 / 2:.4g}); "
         "use dtype 'bfloat16' "
         "or 'auto'"
     )
 
 
-def _log_int8(kept: Sequence[str], errors: dict[str, float], layers: int,
+def _log_int8(chosen: Precision, kept: Sequence[str], errors: dict[str, float], layers: int,
               tried: dict[int, tuple[float, float]]) -> None:
+    activations = str(chosen.weights).removeprefix("torch.")
     all_int8 = tried[0][1]
     if not kept:
-        logger.info("dtype int8: all %d linear layers in int8, probe error %.4f <= %.4f against float32",
-                    layers, all_int8, MAX_INT8_RELATIVE_ERROR)
+        logger.info("dtype int8: all %d linear layers in int8 over %s activations, probe error %.4f <= %.4f "
+                    "against float32", layers, activations, all_int8, MAX_INT8_RELATIVE_ERROR)
         return
     logger.info(
-        "dtype int8: %d of %d linear layers stay in bfloat16, those whose int8 error alone moves the "
-        "outputs most (%s: mean squared relative error on %d calibration texts); with them the probe error "
-        "against float32 is %.4f <= %.4f, all in int8 it was %.4f (%d probe runs)",
-        len(kept), layers, ", ".join(f"{name} {errors[name]:.1e}" for name in kept), SENSITIVITY_TEXTS,
+        "dtype int8: %d of %d linear layers stay in bfloat16 over %s activations, those whose int8 error alone "
+        "moves the outputs most (%s: mean squared relative error on %d calibration texts); with them the probe "
+        "error against float32 is %.4f <= %.4f, all in int8 it was %.4f (%d probe runs)",
+        len(kept), layers, activations, ", ".join(f"{name} {errors[name]:.1e}" for name in kept), SENSITIVITY_TEXTS,
         tried[len(kept)][1], MAX_INT8_RELATIVE_ERROR, all_int8, len(tried),
     )
 

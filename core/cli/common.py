@@ -245,7 +245,8 @@ def add_model_options(parser: argparse.ArgumentParser, *, several: str | None = 
                        help="precision; bf16-mixed: float32 weights, bfloat16 matrix products (CPU); auto: half "
                             "precision on CUDA; on the CPU bfloat16 or else bf16-mixed where bf16 is native and "
                             "accurate for this model (checked at load), else float32; int8: int8 linear layers "
-                            "(CPU with native bf16), refused at load for a model that falls under cosine 0.999")
+                            "(CPU with native bf16), the most sensitive kept in bf16 so that the model stays within "
+                            "cosine 0.999 of float32, refused at load where it cannot")
     model.add_argument("--device", default="auto",
                        help="torch device, e.g. cpu, cuda, cuda:1; auto picks CUDA when present")
     model.add_argument("--compile", choices=COMPILE_MODES, default="auto",

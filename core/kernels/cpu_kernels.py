@@ -97,8 +97,10 @@ def quantize_rows(x: torch.Tensor, inv_smooth: torch.Tensor, q: torch.Tensor, sc
 
 
 def dequantize_rows(acc: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, col_scale: torch.Tensor,
-                    col_sum: torch.Tensor, bias: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = (acc + offset * col_sum) * scale * col_scale + bias``, row by row, the sum exact in int32.
+                    col_sum: torch.Tensor, bias: torch.Tensor, out: torch.Tensor, activation: int = 0,
+                    other: torch.Tensor | None = None) -> None:
+    """``out = act((acc + offset * col_sum) * scale * col_scale + bias) * other``, row by row, the sum
+    exact in int32, the rest in float32.
 
     :param acc: int32 ``[rows, out]``, the int8 product of :func:`quantize_rows`'s ``q`` and the weight.
     :param scale: float32 ``[rows]`` and ``offset`` int32 ``[rows]``, from :func:`quantize_rows`.
@@ -106,8 +108,16 @@ def dequantize_rows(acc: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
     :param col_sum: int32 ``[out]``, each output channel's sum of int8 weights.
     :param bias: float32 ``[out]``, or empty for none.
     :param out: float32 or bfloat16 ``[rows, out]``, contiguous.
+    :param activation: :data:`ACTIVATIONS`' code of the activation (0: none), within a few float32
+        units in the last place of torch's (the approximations are in ``int8_linear.cpp``).
+    :param other: ``None``, or a factor shaped and typed like ``out``, contiguous.
     """
-    torch.ops.poolrunner_cpu.dequantize_rows(acc, scale, offset, col_scale, col_sum, bias, out)
+    other = torch.empty(0, dtype=out.dtype) if other is None else other
+    torch.ops.poolrunner_cpu.dequantize_rows(acc, scale, offset, col_scale, col_sum, bias, activation, other, out)
+
+
+ACTIVATIONS = {("none", ""): 0, ("gelu", "none"): 1, ("gelu", "tanh"): 2, ("relu", ""): 3, ("swish", ""): 4}
+"""oneDNN's post-op names (:func:`poolrunner.core.kernels.onednn._post_op`) -> :func:`dequantize_rows`' codes."""
 
 
 @functools.cache

@@ -3,7 +3,8 @@
 Each linear layer's weight is quantized once, per output channel (symmetric, 127 levels), and
 its input at every call per row (per token, asymmetric, 256 levels); the product runs on int8
 (``torch._int_mm``: oneDNN's VNNI or AMX-INT8 kernel) with int32 accumulation, and the two
-passes around it are poolrunner's kernels (``int8_linear.cpp``). Before either is quantized, a
+passes around it are poolrunner's kernels (``int8_linear.cpp``); the second also applies the
+bias, the layer's activation and a gated MLP's multiply, so none is a pass of its own. Before either is quantized, a
 per-input-channel factor moves the activations' outlier channels into the weight (SmoothQuant,
 Xiao et al. 2023, ``alpha`` 0.5): ``x @ W.T == (x / s) @ (W * s).T``, with
 ``s = max|x|**0.5 / max|W|**0.5`` per channel, measured on calibration texts at load.
@@ -17,7 +18,10 @@ all-MiniLM-L6-v2 with every layer in int8, against float32 sentence-transformers
 symmetric input quantization 0.9858 / 0.9924. Its most sensitive layers are the six whose
 input is the GELU output (the MLPs' second products).
 
-Everything but the linear layers (embeddings, LayerNorm, attention, pooling) runs in bfloat16.
+Everything but the linear layers (embeddings, LayerNorm, attention, pooling) runs in the
+model's dtype: bfloat16, or float32 for a model whose bfloat16 activations alone miss the bar
+(:data:`poolrunner.core.precision.INT8_OVER_FLOAT32`; SmolLM2-135M). The products kept out of
+int8 run in bfloat16 either way.
 """
 
 from __future__ import annotations
@@ -39,12 +43,11 @@ accuracy on single words)."""
 UNSEEN_CHANNEL_FLOOR = 0.01
 """A channel calibration saw (almost) no activation in is treated as reaching this fraction of
 the layer's largest channel, so that its smoothing factor stays bounded."""
+KEPT_DTYPE = torch.bfloat16
+"""The products of the layers kept out of int8 (:meth:`Int8Linear.keep`): native on every CPU
+``dtype="int8"`` runs on."""
 PACK_BATCH_HINT = 2048
 """Rows a kept layer's weight layout is tuned for (:data:`poolrunner.core.kernels.onednn.BATCH_HINT`)."""
-WIDE_ROW_BLOCK = 256
-"""Rows per product where the output is wider than the input (the MLP's first layer): each
-block's int32 product is converted while it is still in cache. ``[2048, 384] x [384, 1536]`` on
-2 Zen 4 cores: 1.63 ms in blocks of 256 rows against 2.21 ms in one."""
 
 _TORCH_ACTIVATIONS = {
     ("none", ""): lambda x: x,
@@ -53,7 +56,8 @@ _TORCH_ACTIVATIONS = {
     ("relu", ""): F.relu,
     ("swish", ""): F.silu,
 }
-"""oneDNN post-op names (:func:`poolrunner.core.kernels.onednn._post_op`) -> torch's function."""
+"""oneDNN post-op names (:func:`poolrunner.core.kernels.onednn._post_op`) -> torch's function, for
+the float calls before calibration (the int8 ones apply it in the conversion back)."""
 
 
 class Int8Linear(nn.Module):
@@ -63,13 +67,13 @@ class Int8Linear(nn.Module):
     each input channel's largest magnitude. A layer no calibration input reached stays so, without
     recording: nothing says how to quantize its inputs.
 
-    :ivar matmul_dtype: The dtype its inputs arrive in and its outputs leave in (the weight's);
-        the int8 rounding happens inside.
+    :ivar matmul_dtype: The dtype its inputs arrive in and its outputs leave in (the weight's:
+        bfloat16, or float32 over float32 activations); the int8 rounding happens inside.
     """
 
     def __init__(self, linear: nn.Linear, activation: tuple[str, str] = ("none", "")) -> None:
-        """:param activation: A oneDNN post-op name of :data:`_TORCH_ACTIVATIONS`, applied in the
-            output's dtype by torch."""
+        """:param activation: A oneDNN post-op name of :data:`_TORCH_ACTIVATIONS`: in int8, applied in
+            float32 by the conversion back (:func:`~poolrunner.core.kernels.cpu_kernels.dequantize_rows`)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
@@ -79,7 +83,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("input_absmax", torch.zeros(self.in_features), persistent=False)
         self.recording = True
         self._quantized: tuple[torch.Tensor, ...] | None = None
-        self._kept: torch.Tensor | None = None  # the weight prepacked for oneDNN, while kept in float
+        self._kept: torch.Tensor | None = None  # the bf16 weight prepacked for oneDNN, while kept
 
     @property
     def quantized(self) -> bool:
@@ -90,24 +94,28 @@ class Int8Linear(nn.Module):
         """``[..., in_features]`` -> ``[..., out_features]``, in ``x``'s dtype."""
         if self._kept is not None:
             name, algorithm = self.activation
-            return torch.ops.mkldnn._linear_pointwise(x, self._kept, self.bias, name, [], algorithm)
+            out = torch.ops.mkldnn._linear_pointwise(x.to(KEPT_DTYPE), self._kept, self.bias, name, [], algorithm)
+            return out.to(x.dtype)
         if self._quantized is not None:
-            return self._function(self._int8_forward(x))
+            return self._int8_forward(x)
         rows = x.reshape(-1, self.in_features)
         if self.recording and len(rows):
             torch.maximum(self.input_absmax, rows.abs().amax(0).float(), out=self.input_absmax)
         return self._function(F.linear(x, self.weight, self.bias))
 
     def keep(self, kept: bool = True) -> None:
-        """Run the product in the weight's dtype (``kept``: oneDNN-prepacked, the activation fused,
-        as :class:`~poolrunner.core.kernels.onednn.PackedLinear`) or, after :meth:`calibrate`, in int8 again."""
+        """Run the product in bfloat16 (``kept``: oneDNN-prepacked, the activation fused, as
+        :class:`~poolrunner.core.kernels.onednn.PackedLinear`; over float32 activations, as
+        ``bf16-mixed`` runs it) or, after :meth:`calibrate`, in int8 again."""
         if kept != (self._kept is not None):
-            weight = self.weight.detach()
+            weight = self.weight.detach().to(KEPT_DTYPE)
             self._kept = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT) if kept else None
 
-
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        """``(x @ weight.T + bias) * other`` (:class:`~poolrunner.core.kernels.onednn.GatedMLP`'s call)."""
+        """``activation(x @ weight.T + bias) * other`` (:class:`~poolrunner.core.kernels.onednn.GatedMLP`'s
+        call): ``other`` ``[..., out_features]`` in ``x``'s dtype."""
+        if self.quantized:
+            return self._int8_forward(x, other)
         return self(x) * other
 
     def calibrate(self, alpha: float = SMOOTHING_ALPHA) -> bool:
@@ -132,7 +140,8 @@ class Int8Linear(nn.Module):
                            qweight.sum(1, dtype=torch.int32), bias.contiguous())
         return True
 
-    def _int8_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _int8_forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
+        """The int8 product, its activation and the factor ``other`` in the conversion back."""
         inv_smooth, qweight, col_scale, col_sum, bias = self._quantized  # type: ignore[misc]
         rows = x.reshape(-1, self.in_features).contiguous()
         if not len(rows):
@@ -142,12 +151,13 @@ class Int8Linear(nn.Module):
         offset = torch.empty(len(rows), dtype=torch.int32)
         cpu_kernels.quantize_rows(rows, inv_smooth, q, scale, offset)
         out = torch.empty(len(rows), self.out_features, dtype=x.dtype)
-        block = len(rows) if self.out_features <= self.in_features else WIDE_ROW_BLOCK
-        for start in range(0, len(rows), block):
-            stop = start + block
-            acc = torch._int_mm(q[start:stop], qweight.t())
-            cpu_kernels.dequantize_rows(acc, scale[start:stop], offset[start:stop], col_scale, col_sum, bias,
-                                        out[start:stop])
+        # One product per call: in row blocks (each block's int32 converted while in cache)
+        # oneDNN reorders the weight per block, [2048, 384] x [384, 1536] 4.96 ms in blocks of
+        # 256 against 3.37 ms in one (2 Zen 4 cores)
+        if other is not None:
+            other = other.to(x.dtype).reshape(len(rows), self.out_features).contiguous()
+        cpu_kernels.dequantize_rows(torch._int_mm(q, qweight.t()), scale, offset, col_scale, col_sum, bias, out,
+                                    cpu_kernels.ACTIVATIONS[self.activation], other)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -1,9 +1,9 @@
 // The two passes around a dynamic int8 linear layer's integer product, for x86 CPUs with AVX-512:
 // quantizing the activations, one scale and zero point per row (per token), and turning the
-// int32 product back into floats with the row's and the output channel's scales and the bias.
-// The product itself is torch._int_mm (oneDNN's VNNI / AMX-INT8 kernel). A layer's activation
-// stays torch's: ATen's vectorized GELU inside this pass (erf with a division and a Sleef exp)
-// made it 2.5x slower than the pass plus torch's GELU (oneDNN's) after it.
+// int32 product back into floats with the row's and the output channel's scales and the bias,
+// then the layer's activation and an optional elementwise factor (a gated MLP's gate), so that
+// neither is a pass of its own over the [rows, out] output. The product itself is torch._int_mm
+// (oneDNN's VNNI / AMX-INT8 kernel).
 //
 // Quantization is asymmetric per row, after a per-input-channel smoothing factor (SmoothQuant):
 //   y = x * inv_smooth; lo = min(min(y), 0); hi = max(max(y), 0)
@@ -13,11 +13,20 @@
 // Every rounding is to nearest even, as torch.round; the division is a multiply by 1 / scale.
 // Then sum_k (q + 128 - zero) * w = acc + offset * col_sum with offset = 128 - zero and
 // col_sum[n] = sum_k w[n, k], exactly, in int32, so:
-//   out = (acc + offset * col_sum) * (scale * col_scale) + bias
+//   out = act((acc + offset * col_sum) * (scale * col_scale) + bias) * other
+// in float32, rounded once to out's dtype. The activations (kActivation*) in float32, each within
+// 1e-6 (relative) of its float64 value (torch's float32 GELU: 4e-4, where 1 + erf cancels):
+//   exp(x) = 2^n * e^r with n = round(x / ln 2), |r| <= ln(2) / 2, e^r by its Taylor polynomial
+//   of degree 6 (relative error below 1.2e-7)
+//   silu(x) = x / (1 + exp(-x)); gelu_tanh(x) = x / (1 + exp(-2u)), u = sqrt(2 / pi) (x + 0.044715 x^3)
+//   gelu(x) = x - x/2 erfc(|x| / sqrt 2) for x >= 0, x/2 erfc(|x| / sqrt 2) below, with erfc(z) =
+//   t exp(-z^2 + P(t)), t = 1 / (1 + z/2), P the Chebyshev fit of degree 9 of Press et al.,
+//   Numerical Recipes, section 6.2 (relative error below 1.2e-7 for every z >= 0)
 //
 // Layout: x [rows, in] contiguous (float32 or bfloat16); q [rows, in] int8; scale [rows] float32;
 // offset [rows] int32; acc [rows, out] int32 contiguous; col_scale [out] float32; col_sum [out]
-// int32; bias [out] float32 or empty; result [rows, out] contiguous, float32 or bfloat16.
+// int32; bias [out] float32 or empty; other empty or [rows, out] like out; result [rows, out]
+// contiguous, float32 or bfloat16.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -30,6 +39,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
@@ -91,9 +101,54 @@ void quantize_row(const T* x, const float* inv_smooth, int8_t* q, float* scale, 
   *offset = 128 - static_cast<int32_t>(zero);
 }
 
+// The activations a layer's conversion applies; the numbers are the Python side's.
+enum Activation : int64_t { kActivationNone = 0, kActivationGelu = 1, kActivationGeluTanh = 2, kActivationRelu = 3,
+                            kActivationSilu = 4 };
+
+inline __m512 exp_ps(__m512 x) {
+  // Past these e^x is 0 or infinite in float32; the clamp keeps n within scalef's exact range.
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), kNearest);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln 2 in two parts: r exact
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 sigmoid_times(__m512 x, __m512 u) {  // x / (1 + exp(-u))
+  return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), u))));
+}
+
+inline __m512 gelu_erf(__m512 x) {
+  const __m512 z = _mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(0.707106781186547524f));
+  const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(z, _mm512_set1_ps(0.5f), _mm512_set1_ps(1.0f)));
+  __m512 p = _mm512_set1_ps(0.17087277f);
+  for (const float c : {-0.82215223f, 1.48851587f, -1.13520398f, 0.27886807f, -0.18628806f, 0.09678418f, 0.37409196f,
+                        1.00002368f, -1.26551223f})
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(c));
+  const __m512 erfc = _mm512_mul_ps(t, exp_ps(_mm512_fnmadd_ps(z, z, p)));  // t exp(-z^2 + p(t))
+  const __m512 half_tail = _mm512_mul_ps(_mm512_mul_ps(x, _mm512_set1_ps(0.5f)), erfc);  // x/2 erfc(|x| / sqrt 2)
+  return _mm512_mask_sub_ps(half_tail, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), x, half_tail);
+}
+
+inline __m512 activate(__m512 v, Activation activation) {
+  switch (activation) {
+    case kActivationGelu: return gelu_erf(v);
+    case kActivationGeluTanh: {
+      const __m512 inner = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_mul_ps(v, v), v), _mm512_set1_ps(0.044715f), v);
+      return sigmoid_times(v, _mm512_mul_ps(inner, _mm512_set1_ps(2 * 0.797884560802865356f)));
+    }
+    case kActivationRelu: return _mm512_max_ps(_mm512_setzero_ps(), v);  // vmaxps returns its second operand for a NaN
+    case kActivationSilu: return sigmoid_times(v, v);
+    default: return v;
+  }
+}
+
 template <typename T>
 void dequantize_row(const int32_t* acc, float row_scale, int32_t row_offset, const float* col_scale,
-                    const int32_t* col_sum, const float* bias, T* out, int64_t width) {
+                    const int32_t* col_sum, const float* bias, Activation activation, const T* other, T* out,
+                    int64_t width) {
   const __m512i voffset = _mm512_set1_epi32(row_offset);
   const __m512 vscale = _mm512_set1_ps(row_scale);
   for (int64_t n = 0; n < width; n += kLanes) {
@@ -102,6 +157,8 @@ void dequantize_row(const int32_t* acc, float row_scale, int32_t row_offset, con
                                            _mm512_mullo_epi32(voffset, _mm512_maskz_loadu_epi32(m, col_sum + n)));
     __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(vscale, load(col_scale + n, m)));
     if (bias != nullptr) v = _mm512_add_ps(v, load(bias + n, m));
+    if (activation != kActivationNone) v = activate(v, activation);
+    if (other != nullptr) v = _mm512_mul_ps(v, load(other + n, m));
     store(out + n, m, v);
   }
 }
@@ -137,9 +194,9 @@ void quantize_rows(const at::Tensor& x, const at::Tensor& inv_smooth, const at::
 
 void dequantize_rows(const at::Tensor& acc, const at::Tensor& scale, const at::Tensor& offset,
                      const at::Tensor& col_scale, const at::Tensor& col_sum, const at::Tensor& bias,
-                     const at::Tensor& out) {
+                     int64_t activation, const at::Tensor& other, const at::Tensor& out) {
   for (const auto& [t, name] : {std::pair{acc, "acc"}, {scale, "scale"}, {offset, "offset"}, {col_scale, "col_scale"},
-                                {col_sum, "col_sum"}, {bias, "bias"}, {out, "out"}})
+                                {col_sum, "col_sum"}, {bias, "bias"}, {other, "other"}, {out, "out"}})
     check_cpu(t, name);
   TORCH_CHECK(acc.dim() == 2 && acc.scalar_type() == at::kInt, "acc must be int32 [rows, out]");
   const int64_t rows = acc.size(0), width = acc.size(1);
@@ -151,16 +208,24 @@ void dequantize_rows(const at::Tensor& acc, const at::Tensor& scale, const at::T
   TORCH_CHECK(col_sum.scalar_type() == at::kInt && col_sum.numel() == width, "col_sum must be int32 [out]");
   TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == width),
               "bias must be float32 [out] or empty");
+  TORCH_CHECK(activation >= kActivationNone && activation <= kActivationSilu, "activation must be 0..4, not ",
+              activation);
+  TORCH_CHECK(other.numel() == 0 || (other.sizes() == out.sizes() && other.scalar_type() == out.scalar_type()),
+              "other must be empty or shaped and typed like out");
   const int32_t* ap = acc.data_ptr<int32_t>();
   const float* sp = scale.data_ptr<float>();
   const int32_t* op = offset.data_ptr<int32_t>();
   const float* cs = col_scale.data_ptr<float>();
   const int32_t* csum = col_sum.data_ptr<int32_t>();
   const float* bp = bias.numel() == 0 ? nullptr : bias.data_ptr<float>();
+  const auto act = static_cast<Activation>(activation);
   auto run = [&](auto* outp) {
+    using T = std::remove_pointer_t<decltype(outp)>;
+    const T* otherp = other.numel() == 0 ? nullptr : other.data_ptr<T>();
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
-        dequantize_row(ap + r * width, sp[r], op[r], cs, csum, bp, outp + r * width, width);
+        dequantize_row(ap + r * width, sp[r], op[r], cs, csum, bp, act, otherp == nullptr ? nullptr : otherp + r * width,
+                       outp + r * width, width);
     });
   };
   if (out.scalar_type() == at::kFloat) run(out.data_ptr<float>());
@@ -172,7 +237,7 @@ void dequantize_rows(const at::Tensor& acc, const at::Tensor& scale, const at::T
 TORCH_LIBRARY_FRAGMENT(poolrunner_cpu, m) {
   m.def("quantize_rows(Tensor x, Tensor inv_smooth, Tensor(a!) q, Tensor(b!) scale, Tensor(c!) offset) -> ()");
   m.def("dequantize_rows(Tensor acc, Tensor scale, Tensor offset, Tensor col_scale, Tensor col_sum, Tensor bias, "
-        "Tensor(a!) out) -> ()");
+        "int activation, Tensor other, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(poolrunner_cpu, CPU, m) {
