@@ -108,8 +108,8 @@ def dequantize_rows(acc: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
     :param col_sum: int32 ``[out]``, each output channel's sum of int8 weights.
     :param bias: float32 ``[out]``, or empty for none.
     :param out: float32 or bfloat16 ``[rows, out]``, contiguous.
-    :param activation: :data:`ACTIVATIONS`' code of the activation (0: none), within a few float32
-        units in the last place of torch's (the approximations are in ``int8_linear.cpp``).
+    :param activation: :data:`ACTIVATIONS`' code of the activation (0: none), computed within 1e-6
+        (relative) of its float64 value (the approximations are in ``int8_linear.cpp``).
     :param other: ``None``, or a factor shaped and typed like ``out``, contiguous.
     """
     other = torch.empty(0, dtype=out.dtype) if other is None else other

@@ -4,9 +4,9 @@ Each linear layer's weight is quantized once, per output channel (symmetric, 127
 its input at every call per row (per token, asymmetric, 256 levels); the product runs on int8
 (``torch._int_mm``: oneDNN's VNNI or AMX-INT8 kernel) with int32 accumulation, and the two
 passes around it are poolrunner's kernels (``int8_linear.cpp``); the second also applies the
-bias, the layer's activation and a gated MLP's multiply, so none is a pass of its own. Before either is quantized, a
-per-input-channel factor moves the activations' outlier channels into the weight (SmoothQuant,
-Xiao et al. 2023, ``alpha`` 0.5): ``x @ W.T == (x / s) @ (W * s).T``, with
+bias, the layer's activation and a gated MLP's multiply, so none is a pass of its own. Before
+either is quantized, a per-input-channel factor moves the activations' outlier channels into the
+weight (SmoothQuant, Xiao et al. 2023, ``alpha`` 0.5): ``x @ W.T == (x / s) @ (W * s).T``, with
 ``s = max|x|**0.5 / max|W|**0.5`` per channel, measured on calibration texts at load.
 
 What it costs in accuracy is a property of the model and of each layer, so it is measured at
@@ -151,9 +151,9 @@ class Int8Linear(nn.Module):
         offset = torch.empty(len(rows), dtype=torch.int32)
         cpu_kernels.quantize_rows(rows, inv_smooth, q, scale, offset)
         out = torch.empty(len(rows), self.out_features, dtype=x.dtype)
-        # One product per call: in row blocks (each block's int32 converted while in cache)
-        # oneDNN reorders the weight per block, [2048, 384] x [384, 1536] 4.96 ms in blocks of
-        # 256 against 3.37 ms in one (2 Zen 4 cores)
+        # One product per call: in row blocks (each block's int32 converted while in cache),
+        # oneDNN reorders the weight for every block: [2048, 384] x [384, 1536] took 4.96 ms in
+        # blocks of 256 rows against 3.37 ms in one (2 Zen 4 cores)
         if other is not None:
             other = other.to(x.dtype).reshape(len(rows), self.out_features).contiguous()
         cpu_kernels.dequantize_rows(torch._int_mm(q, qweight.t()), scale, offset, col_scale, col_sum, bias, out,
