@@ -185,12 +185,12 @@ def quantize_checked(
         bfloat16 over float32 activations misses it.
     """
     engine = build(FLOAT32)
-    probes = _served(probes, engine)
+    probes, calibration = _served(probes, engine), _served(calibration, engine)
     reference = _run(engine, probes)
     del engine
     engine, chosen, layers, all_kept = _int8_activations(build, calibration, probes, reference)
     tried = {len(layers): all_kept}
-    errors = _sensitivities(engine, layers, _served(calibration, engine)[:SENSITIVITY_TEXTS])
+    errors = _sensitivities(engine, layers, calibration[:SENSITIVITY_TEXTS])
     order = sorted(errors, key=errors.__getitem__, reverse=True)
 
     def probe_with(kept: int) -> bool:
@@ -219,31 +219,31 @@ def _int8_activations(
     :raises ModelLoadError: when none does.
     """
     for chosen in INT8_ACTIVATIONS:
-        engine, layers = _calibrated(build(chosen), calibration)
+        engine = build(chosen)
+        layers = _calibrated(engine, calibration)
         outputs = _run(engine, probes)
         measured = (_excess(reference, outputs, MAX_INT8_RELATIVE_ERROR), _relative_error(reference, outputs))
         if measured[0] <= 1:
             return engine, chosen, layers, measured
         logger.info("dtype int8: not over %s activations (probe error %.4f with every linear layer in bfloat16)",
-                    str(chosen.weights).removeprefix("torch."), measured[1])
+                    _dtype_name(chosen.weights), measured[1])
         count = len(layers)
         del engine, layers  # freed before the next is built
     _refuse_int8(measured[1], count)
 
 
-def _calibrated(engine: Engine, calibration: Sequence[PoolingRequest]) -> tuple[Engine, dict[str, int8.Int8Linear]]:
-    """``engine`` with its int8 layers calibrated on ``calibration`` (those of a task it serves).
+def _calibrated(engine: Engine, calibration: Sequence[PoolingRequest]) -> dict[str, int8.Int8Linear]:
+    """Calibrate ``engine``'s int8 layers on ``calibration`` (requests of tasks it serves).
 
-    :returns: The engine and its calibrated layers by name, every one kept in bfloat16.
+    :returns: Its calibrated layers by name, every one kept in bfloat16.
     """
-    served = _served(calibration, engine)
     backbone = engine.runner.backbone
-    int8.calibrate(backbone, lambda: _run(engine, served))
+    int8.calibrate(backbone, lambda: _run(engine, calibration))
     layers = {name: layer for name, layer in backbone.named_modules()
               if isinstance(layer, int8.Int8Linear) and layer.quantized}
     for layer in layers.values():
         layer.keep()
-    return engine, layers
+    return layers
 
 
 def _sensitivities(engine: Engine, layers: dict[str, int8.Int8Linear],
@@ -300,7 +300,7 @@ def _refuse_int8(error: float, layers: int) -> NoReturn:
 
 def _log_int8(chosen: Precision, kept: Sequence[str], errors: dict[str, float], layers: int,
               tried: dict[int, tuple[float, float]]) -> None:
-    activations = str(chosen.weights).removeprefix("torch.")
+    activations = _dtype_name(chosen.weights)
     all_int8 = tried[0][1]
     if not kept:
         logger.info("dtype int8: all %d linear layers in int8 over %s activations, probe error %.4f <= %.4f "
@@ -313,6 +313,11 @@ def _log_int8(chosen: Precision, kept: Sequence[str], errors: dict[str, float], 
         len(kept), layers, activations, ", ".join(f"{name} {errors[name]:.1e}" for name in kept), SENSITIVITY_TEXTS,
         tried[len(kept)][1], MAX_INT8_RELATIVE_ERROR, all_int8, len(tried),
     )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``bfloat16`` for ``torch.bfloat16``: the name the ``dtype`` option uses."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _served(requests: Sequence[PoolingRequest], engine: Engine) -> list[PoolingRequest]:

@@ -80,6 +80,7 @@ class Int8Linear(nn.Module):
         self.activation = activation
         self.matmul_dtype = linear.weight.dtype
         self._function = _TORCH_ACTIVATIONS[activation]
+        self._activation_code = cpu_kernels.ACTIVATIONS[activation]
         self.register_buffer("input_absmax", torch.zeros(self.in_features), persistent=False)
         self.recording = True
         self._quantized: tuple[torch.Tensor, ...] | None = None
@@ -157,7 +158,7 @@ class Int8Linear(nn.Module):
         if other is not None:
             other = other.to(x.dtype).reshape(len(rows), self.out_features).contiguous()
         cpu_kernels.dequantize_rows(torch._int_mm(q, qweight.t()), scale, offset, col_scale, col_sum, bias, out,
-                                    cpu_kernels.ACTIVATIONS[self.activation], other)
+                                    self._activation_code, other)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
