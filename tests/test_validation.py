@@ -183,10 +183,33 @@ def test_token_id_out_of_vocabulary(runtime, assert_serves, bad_id):
     assert_serves(runtime)
 
 
-@pytest.mark.parametrize("bad_token", ["a", 1.0, True, None])
-def test_non_int_token(runtime, assert_serves, bad_token):
-    with pytest.raises(InvalidRequestError, match=r"^input 0: expected a string or a list of token ids, got \[101, "):
-        runtime.embed([[101, bad_token, 102]])
+@pytest.mark.parametrize(("bad_token", "shown"), [(1.0, "1.0"), (True, "True"), (None, "None")])
+def test_non_int_token(runtime, assert_serves, bad_token, shown):
+    message = f"input 1: the token id at position 1 is {shown}, not an integer"
+    for inputs in ([[101, 102], [101, bad_token, 102]], ["a", (101, bad_token, 102)]):
+        with pytest.raises(InvalidRequestError, match=f"^{re.escape(message)}$") as caught:
+            runtime.embed(inputs)
+        assert caught.value.param == "input"
+    assert_serves(runtime)
+
+
+def test_a_flat_list_of_numbers_is_one_token_id_list_and_its_bad_id_is_named(runtime, assert_serves):
+    """Not three inputs, the first of them ``101``."""
+    with pytest.raises(InvalidRequestError, match=r"^input 0: the token id at position 1 is 1\.5, not an integer$"):
+        runtime.embed([101, 1.5, 102])
+    assert_serves(runtime)
+
+
+@pytest.mark.parametrize(("bad", "shown"), [
+    ([101, "a", 102], "[101, 'a', 102]"),
+    (["only one"], "['only one']"),
+    ([[[[[[1]]]]]], "[[[[...]]]]"),
+    (["x" * 1000], "['xxxxxxxxxxxxxxxxx...xxxxxxxxxxxxxxxxxx']"),
+])
+def test_an_item_of_another_shape_is_named_and_shown_short(runtime, assert_serves, bad, shown):
+    message = f"input 1: expected a text, a list of token ids or a (text, text_pair) pair, got {shown}"
+    with pytest.raises(InvalidRequestError, match=f"^{re.escape(message)}$"):
+        runtime.embed(["a", bad])
     assert_serves(runtime)
 
 
@@ -201,7 +224,8 @@ def test_numpy_token_ids_are_accepted(runtime, hf_model):
 
 
 def test_non_sequence_input(runtime, assert_serves):
-    with pytest.raises(InvalidRequestError, match=r"^input 2: expected a string or a list of token ids, got 42$"):
+    with pytest.raises(InvalidRequestError, match=(
+            r"^input 2: expected a text, a list of token ids or a \(text, text_pair\) pair, got 42$")):
         runtime.embed(["a", "b", 42])
     for value, kind in ((123, "int"), (None, "NoneType"), ({"a": 1}, "dict")):
         with pytest.raises(InvalidRequestError, match=(

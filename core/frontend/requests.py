@@ -14,6 +14,7 @@ there, when the plan builds the params; everything else is checked here, when th
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from numbers import Number
 from typing import Any, ClassVar, TypeVar
 
 import attrs
@@ -164,6 +165,12 @@ def is_single(inputs: object) -> bool:
     return isinstance(inputs, str) or is_pair(inputs) or is_token_ids(inputs) or is_image(inputs)
 
 
+def _is_numbers(value: object) -> bool:
+    """A non-empty list or tuple of numbers only: meant as one token-id list even when some are not
+    integers, so that tokenizing names the bad id rather than taking each number for an input."""
+    return isinstance(value, list | tuple) and len(value) > 0 and all(isinstance(item, Number) for item in value)
+
+
 class Items(tuple):  # type: ignore[type-arg]
     """A request's inputs once :func:`as_items` has read them. Marked, so that reading them again
     (``attrs.evolve`` runs converters anew) keeps them: two texts would otherwise read as one
@@ -179,7 +186,7 @@ def as_items(inputs: Input | Sequence[Input]) -> tuple[Input, ...]:
     """
     if isinstance(inputs, Items):
         return inputs
-    if is_single(inputs):
+    if is_single(inputs) or _is_numbers(inputs):  # a list of numbers is one token-id list, bad ids and all
         return Items((inputs,))
     if not isinstance(inputs, Iterable) or isinstance(inputs, bytes | Mapping):
         raise InvalidRequestError(f"inputs must be a text, a token-id list, a (text, text_pair) pair, an image, "

@@ -32,6 +32,7 @@ from poolrunner.core.frontend import requests as fr
 from poolrunner.core.frontend.quantize import Precision
 from poolrunner.core.plugin_api.options import RequestOptions
 from poolrunner.core.server.errors import ApiError
+from poolrunner.core.server.json_inputs import json_inputs, json_inputs_with_pairs
 from poolrunner.core.server.settings import ServerSettings
 from poolrunner.core.server.tei_protocol import tei_tokenization
 from poolrunner.core.validators import unencodable_at
@@ -247,7 +248,10 @@ class _Quantize(_Body):
                                   "this request's embeddings).")
 
 
-Inputs = StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+Inputs = json_inputs(StrictStr | list[StrictStr] | TokenIds | list[TokenIds])
+"""A text, texts, one token-id list or token-id lists."""
+PairInputs = json_inputs_with_pairs(StrictStr | list[StrictStr] | TokenIds | list[TokenIds] | list[StrictStr | Pair])
+""":data:`Inputs`, or a list mixing texts and ``[text, text_pair]`` pairs."""
 
 
 class EmbeddingRequest(_Request, _Chat, _Encoding, _Quantize):
@@ -255,7 +259,7 @@ class EmbeddingRequest(_Request, _Chat, _Encoding, _Quantize):
     token-id lists) or ``messages`` (vLLM's chat form); or infinity's, which sends ``modality``
     (its client always does) and ``dimensions: 0`` for the full size."""
 
-    input: Inputs | None = None
+    input: Inputs = None
     dimensions: StrictInt | None = Field(
         default=None, description="Matryoshka size (Matryoshka models only); in infinity's body (with modality) "
                                   "0 is the full size, as infinity reads it.")
@@ -302,7 +306,7 @@ class EmbeddingRequest(_Request, _Chat, _Encoding, _Quantize):
 class PoolingHttpRequest(_Request, _Chat, _Encoding, _Quantize):
     """vLLM's ``/pooling``: any task this server's runtime serves, per-token outputs included."""
 
-    input: Inputs | None = None
+    input: Inputs = None
     task: StrictStr | None = Field(default=None, description="Defaults to the served task.")
     dimensions: StrictInt | None = None
     normalize: StrictBool | None = None
@@ -346,7 +350,7 @@ class ClassificationRequest(_Request, _Chat):
     classifiers; a list may mix pairs and texts), or a chat as ``messages``; or infinity's body,
     which sends ``raw_scores`` (its client always does) and gets infinity's answer."""
 
-    input: Inputs | list[StrictStr | Pair] | None = None
+    input: PairInputs = None
     use_activation: StrictBool | None = None
     raw_scores: StrictBool | None = Field(
         default=None, description="infinity's: true answers the raw logits (use_activation false); its body "

@@ -92,7 +92,8 @@ def check_items(settings: ServerSettings, items: list[Any], what: str = "inputs"
         raise TeiError("Validation", f"{what} has {len(items)} items, more than the limit of {limit} per "
                                      "request (max_client_batch_size; poolrunner serve --max-inputs-per-request)")
     for index, item in enumerate(items):
-        if any(len(part) == 0 for part in (item if isinstance(item, tuple) else (item,))):
+        parts = item if isinstance(item, tuple) else (item,)
+        if any(isinstance(part, str | list) and not part for part in parts):  # other kinds: the core's check
             raise TeiError("Empty", f"{what}[{index}] is empty" if len(items) > 1 else f"{what} is empty")
 
 

@@ -13,9 +13,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from poolrunner.core.frontend import requests as fr
+from poolrunner.core.server.json_inputs import json_inputs
 
 TokenIds = list[StrictInt]
-EmbedInputs = StrictStr | TokenIds | list[StrictStr | TokenIds]
+EmbedInputs = json_inputs(StrictStr | TokenIds | list[StrictStr | TokenIds])
 """TEI's ``Input``: a text or token ids (one input), or a list mixing both (a batch)."""
 TruncationDirection = Literal["Left", "Right", "left", "right"]
 PredictInputs = StrictStr | list[StrictStr] | list[list[StrictStr]]

@@ -166,8 +166,14 @@ BAD_REQUESTS = [
      "the request body is not valid JSON: 'utf-8' codec can't decode byte 0xff in position 11: invalid start byte"),
     ("nested too deeply", "/v1/embeddings", b"[" * 100_000,
      "the request body is not valid JSON: maximum recursion depth exceeded while decoding a JSON array"),
-    ("wrong type", "/v1/embeddings", {"input": 5}, "input.str: Input should be a valid string"),
-    ("float token id", "/v1/embeddings", {"input": [101, 1.5, 102]}, "input.list[int].1: Input should be a valid "),
+    ("wrong type", "/v1/embeddings", {"input": 5},
+     "inputs must be a text, a token-id list, a (text, text_pair) pair, an image, or a list of them; got int"),
+    ("float token id", "/v1/embeddings", {"input": [101, 1.5, 102]},
+     "input 0: the token id at position 1 is 1.5, not an integer"),
+    ("null item", "/pooling", {"input": ["a", None]},
+     "input 1: expected a text, a list of token ids or a (text, text_pair) pair, got None"),
+    ("pair to embeddings", "/v1/embeddings", {"input": ["a", ["b", "c", "d"]]},
+     "input 1: expected a text, a list of token ids or a (text, text_pair) pair, got ['b', 'c', 'd']"),
     ("unknown field", "/v1/embeddings", {"input": "a", "colour": "red"}, "colour: Extra inputs are not permitted"),
     ("empty input", "/classify", {"input": []}, "input is empty"),
     ("unknown task", "/pooling", {"input": "a", "task": "Not a task!"}, "task must be one of"),
@@ -212,6 +218,8 @@ def test_bad_requests_are_400_and_the_server_still_serves(server, runtime, sanit
     ({"input": "a", "truncate_prompt_tokens": 1000}, "truncate_prompt_tokens"),
     ({"input": ""}, "input"),
     ({"input": ["a", ""]}, "input"),
+    ({"input": ["a", None]}, "input"),
+    ({"input": [[101, 40000]]}, "input"),
 ])
 def test_an_error_in_a_field_names_it_in_param(server, payload, param):
     answer = httpx.post(f"{server.url}/v1/embeddings", json=payload)

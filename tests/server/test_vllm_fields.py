@@ -389,7 +389,8 @@ def test_classify_takes_text_pairs(chat_classifier, classifier_reference):
     np.testing.assert_allclose(probs, [result.probs for result in offline], atol=2e-6)
     assert [item["label"] for item in body["data"]] == [result.label for result in offline]
     for bad, message in [
-        ({"input": [["only one"]]}, "input.str: Input should be a valid string"),
+        ({"input": [["only one"]]},
+         "input 0: expected a text, a list of token ids or a (text, text_pair) pair, got ['only one']"),
         ({"input": [["a", ""]]}, "input[0][1] is an empty string"),
     ]:
         assert _error(httpx.post(f"{running.url}/classify", json=bad)).startswith(message)
@@ -476,5 +477,5 @@ def test_allow_extra_fields_accepts_and_logs_unknown_fields(runtime, server, cap
         assert len(scored["data"]) == 1
         # known fields are still checked
         assert _error(httpx.post(f"{running.url}/v1/embeddings", json={"input": 5, "colour": "red"})).startswith(
-            "input.str: Input should be a valid string")
+            "inputs must be a text, a token-id list, a (text, text_pair) pair, an image, or a list of them; got int")
         _still_serves(running.url, runtime)
