@@ -8,7 +8,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence, Sized
 from pathlib import Path
 from typing import Any
 
@@ -502,7 +502,8 @@ class Runtime:
 
 
 def _empty(side: str | Sequence[str]) -> bool:
-    return not isinstance(side, str) and not is_image(side) and len(side) == 0
+    """An empty sequence of texts; any other value is checked, and named, by the request."""
+    return isinstance(side, Sized) and not isinstance(side, str) and not is_image(side) and len(side) == 0
 
 
 class Serving:

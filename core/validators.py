@@ -7,12 +7,23 @@ from __future__ import annotations
 
 import json
 import re
+import reprlib
 from collections.abc import Collection
 from typing import Any
 
 from attrs import Attribute
 
 from poolrunner.core.errors import InvalidRequestError
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxtuple, _SHOWN.maxdict = 3, 8, 8, 4
+_SHOWN.maxstring, _SHOWN.maxlong, _SHOWN.maxother = 40, 40, 40
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` cut short (a few levels, items and characters) for an error message: a
+    client's value, however large or deeply nested, cannot make the message large or deep."""
+    return _SHOWN.repr(value)
 
 
 def one_of(choices: Collection[Any], *, optional: bool = False):

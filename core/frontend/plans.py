@@ -46,7 +46,7 @@ from poolrunner.core.model.families import PAGE_RETRIEVAL_FAMILIES, TEXT_IMAGE_F
 from poolrunner.core.plugin_api.options import RequestOptions
 from poolrunner.core.plugin_api.output import RequestOutput
 from poolrunner.core.types import ModelConfig, PoolingParams, PoolingRequest, PoolingTask
-from poolrunner.core.validators import check_text
+from poolrunner.core.validators import check_text, shown
 
 A = TypeVar("A")
 
@@ -171,9 +171,9 @@ class Frontend:
         for index, document in enumerate(request.documents):  # named as the caller sent them
             if not isinstance(document, str) and not (images and is_image(document)):
                 kinds = "a string or an image" if images else "a string"
-                raise InvalidRequestError(f"{name}[{index}] must be {kinds}, got {document!r:.80}", param=name)
+                raise InvalidRequestError(f"{name}[{index}] must be {kinds}, got {shown(document)}", param=name)
         if not isinstance(request.query, str) and not images:
-            raise InvalidRequestError(f"query must be a string, got {request.query!r:.80}", param="query")
+            raise InvalidRequestError(f"query must be a string, got {shown(request.query)}", param="query")
         scoring = self._plan_score(request.score_request())
         documents = list(request.documents)
         return Plan(scoring.requests, lambda done: outputs.rank(

@@ -26,6 +26,7 @@ from poolrunner.core.frontend.quantize import Precision, check_precision, check_
 from poolrunner.core.inputs.images import ImageURL as ImageURL  # re-exported: surfaces reach images through here
 from poolrunner.core.inputs.images import is_image
 from poolrunner.core.types import PoolingTask, PromptInput, TruncationSide
+from poolrunner.core.validators import shown
 
 Input = PromptInput | tuple[str, str] | Any
 """One input: a text, token ids (``prompt_token_ids``), a ``(text, text_pair)`` pair, or an image
@@ -48,7 +49,7 @@ def _side(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
 
 def _optional_text(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None and not isinstance(value, str):
-        raise InvalidRequestError(f"{attribute.name} must be a string, got {value!r:.80}", param=attribute.name)
+        raise InvalidRequestError(f"{attribute.name} must be a string, got {shown(value)}", param=attribute.name)
 
 
 def _flag(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
@@ -165,6 +166,11 @@ def is_single(inputs: object) -> bool:
     return isinstance(inputs, str) or is_pair(inputs) or is_token_ids(inputs) or is_image(inputs)
 
 
+def _is_sequence(value: Any) -> bool:
+    """Iterable as a list of inputs: not bytes (one value) nor a mapping (a body's object)."""
+    return isinstance(value, Iterable) and not isinstance(value, bytes | Mapping)
+
+
 def _is_numbers(value: object) -> bool:
     """A non-empty list or tuple of numbers only: meant as one token-id list even when some are not
     integers, so that tokenizing names the bad id rather than taking each number for an input."""
@@ -188,7 +194,7 @@ def as_items(inputs: Input | Sequence[Input]) -> tuple[Input, ...]:
         return inputs
     if is_single(inputs) or _is_numbers(inputs):  # a list of numbers is one token-id list, bad ids and all
         return Items((inputs,))
-    if not isinstance(inputs, Iterable) or isinstance(inputs, bytes | Mapping):
+    if not _is_sequence(inputs):
         raise InvalidRequestError(f"inputs must be a text, a token-id list, a (text, text_pair) pair, an image, "
                                   f"or a list of them; got {type(inputs).__name__}", param="input")
     return Items(inputs)
@@ -263,6 +269,21 @@ class ClassifyRequest(_Request):
     tokenization: Tokenization = field(factory=Tokenization)
 
 
+def _side_items(value: Any) -> Any:
+    """A score side as given when it is one item (a text, an image) or a list or tuple; any other
+    iterable (a numpy array, a generator) as a list; anything else as given, for the check."""
+    if isinstance(value, str | list | tuple) or is_image(value) or not _is_sequence(value):
+        return value
+    return list(value)
+
+
+def _score_side(instance: ScoreRequest, attribute: attrs.Attribute, value: Any) -> None:
+    """A text, an image, or a sequence of them (each item is checked when paired)."""
+    if not isinstance(value, str) and not is_image(value) and not _is_sequence(value):
+        name = instance.sides[0 if attribute.name == "queries" else 1]
+        raise InvalidRequestError(f"{name} must be a string or a list of strings, got {shown(value)}", param=name)
+
+
 @frozen(kw_only=True)
 class ScoreRequest(_Request):
     """The relevance of each (query, document) pair: 1:1, 1:N or N:N (``Runtime.score``).
@@ -279,8 +300,8 @@ class ScoreRequest(_Request):
     takes_plugin_options: ClassVar[bool] = True
     input_fields: ClassVar[tuple[str, ...]] = ("queries", "documents")
 
-    queries: str | Sequence[str]
-    documents: str | Sequence[str]
+    queries: str | Sequence[str] = field(converter=_side_items, validator=_score_side)
+    documents: str | Sequence[str] = field(converter=_side_items, validator=_score_side)
     sides: tuple[str, str] = ("queries", "documents")
     use_activation: bool | None = None
     max_tokens_per_doc: int | None = field(default=None, validator=_optional_positive)
@@ -321,12 +342,15 @@ class RerankRequest(_Request):
     @query.validator
     def _query(self, _attribute: attrs.Attribute, value: Any) -> None:
         if not isinstance(value, str) and not is_image(value):  # an image for a text-only model: the plan's error
-            raise InvalidRequestError(f"query must be a string, got {value!r:.80}", param="query")
+            raise InvalidRequestError(f"query must be a string, got {shown(value)}", param="query")
 
     @documents.validator
     def _documents(self, _attribute: attrs.Attribute, value: Any) -> None:
+        name = self.sides[1]
         if isinstance(value, str):
-            raise InvalidRequestError("documents must be a list of strings, not one string", param="documents")
+            raise InvalidRequestError(f"{name} must be a list of strings, not one string", param=name)
+        if not _is_sequence(value):
+            raise InvalidRequestError(f"{name} must be a list of strings, got {shown(value)}", param=name)
 
     def score_request(self) -> ScoreRequest:
         """The scoring this ranking orders: the query against each document."""

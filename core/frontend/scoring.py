@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from poolrunner.core.errors import InvalidRequestError
-from poolrunner.core.validators import check_text
+from poolrunner.core.validators import check_text, shown
 
 
 def pair_up(queries: str | Sequence[str], documents: str | Sequence[str], *,
@@ -63,7 +63,7 @@ def check_side(texts: str | Sequence[str], name: str) -> list[str]:
     for index, item in enumerate(items):
         where = name if isinstance(texts, str) else f"{name}[{index}]"
         if not isinstance(item, str):
-            raise InvalidRequestError(f"{where} must be a string, got {item!r:.80}", param=name)
+            raise InvalidRequestError(f"{where} must be a string, got {shown(item)}", param=name)
         check_text(item, where, param=name)
     return items
 

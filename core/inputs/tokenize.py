@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import reprlib
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -26,12 +25,8 @@ from poolrunner.core.errors import (
 from poolrunner.core.inputs import cutting
 from poolrunner.core.memory import TRIM_AFTER_CHARS, release_memory
 from poolrunner.core.types import ModelConfig, PromptInput, TruncationSide
-from poolrunner.core.validators import check_text
+from poolrunner.core.validators import check_text, shown
 
-SHOWN = reprlib.Repr()
-"""How an error shows a client's value: a few levels, items and characters of it (a request body's
-nesting and size cannot make the message large or deep)."""
-SHOWN.maxlevel, SHOWN.maxlist, SHOWN.maxtuple, SHOWN.maxstring, SHOWN.maxlong, SHOWN.maxother = 3, 8, 8, 40, 40, 40
 LOCK_CHARS = 65_536
 """Most characters tokenized under one hold of the tokenizer lock (about 20-60 ms on one CPU
 core): a request with megabytes of text lets other requests tokenize between its pieces."""
@@ -206,7 +201,7 @@ class InputProcessor:
         keep = self.check_truncation(truncate_prompt_tokens, pair=True if add_special_tokens else None)
         for index, pair in enumerate(pairs):
             if not (isinstance(pair, tuple | list) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
-                raise InvalidRequestError(f"pair {index}: expected two texts (query, document), got {SHOWN.repr(pair)}")
+                raise InvalidRequestError(f"pair {index}: expected two texts (query, document), got {shown(pair)}")
             for side, text in enumerate(pair):
                 check_text(text, f"pair {index}, text {side + 1}", param="input")
                 self.check_chars(text, f"pair {index}, text {side + 1}",
@@ -354,15 +349,15 @@ class InputProcessor:
             item = item.tolist()
         if not isinstance(item, list | tuple) or not all(t is None or isinstance(t, Number) for t in item):
             raise InvalidRequestError(f"input {index}: expected a text, a list of token ids or a (text, text_pair) "
-                                      f"pair, got {SHOWN.repr(item)}", param="input")
+                                      f"pair, got {shown(item)}", param="input")
         position = next((p for p, t in enumerate(item) if not isinstance(t, Integral) or isinstance(t, bool)), None)
         if position is not None:
             raise InvalidRequestError(f"input {index}: the token id at position {position} is "
-                                      f"{SHOWN.repr(item[position])}, not an integer", param="input")
+                                      f"{shown(item[position])}, not an integer", param="input")
         bad = [t for t in item if not 0 <= t < self.vocab_size]
         if bad:
             raise TokenOutOfVocabularyError(
-                f"input {index}: token id {SHOWN.repr(bad[0])} is outside the vocabulary [0, {self.vocab_size})",
+                f"input {index}: token id {shown(bad[0])} is outside the vocabulary [0, {self.vocab_size})",
                 param="input")
         ids = tuple(int(t) for t in item)
         if keep is not None and len(ids) > keep:

@@ -375,8 +375,8 @@ class ClassificationRequest(_Request, _Chat):
                                   tokenization=self.tokenization(add_special_tokens))
 
 
-ScoreSide = StrictStr | list[StrictStr]
-"""One side of a score request: a text, or a list of texts."""
+ScoreSide = json_inputs(StrictStr | list[StrictStr])
+"""One side of a score request: a text, or a list of texts (checked by the core)."""
 
 SCORE_FORMS: tuple[tuple[str, str], ...] = (
     ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"),
@@ -389,13 +389,13 @@ class ScoreRequest(_Request):
     :data:`SCORE_FORMS` (``queries``/``documents`` today; ``items``, ``data_1``/``data_2`` and
     ``text_1``/``text_2`` from older clients). Text only: vLLM's multimodal items are refused."""
 
-    queries: ScoreSide | None = None
-    documents: ScoreSide | None = None
-    items: ScoreSide | None = None
-    data_1: ScoreSide | None = None
-    data_2: ScoreSide | None = None
-    text_1: ScoreSide | None = None
-    text_2: ScoreSide | None = None
+    queries: ScoreSide = None
+    documents: ScoreSide = None
+    items: ScoreSide = None
+    data_1: ScoreSide = None
+    data_2: ScoreSide = None
+    text_1: ScoreSide = None
+    text_2: ScoreSide = None
     use_activation: StrictBool | None = None
 
     def sides(self) -> tuple[tuple[str, str], ScoreSide, ScoreSide]:
@@ -433,6 +433,28 @@ class RerankDocumentInput(BaseModel):
     text: StrictStr
 
 
+def _document_objects(documents: Any) -> Any:
+    """``documents`` with each ``{"text": ...}`` object read as a :class:`RerankDocumentInput`;
+    items of other kinds are left for the core to name.
+
+    :raises PydanticCustomError: for an object without a string ``text``, naming its index.
+    """
+    if not isinstance(documents, list):
+        return documents
+    objects = {index: item for index, item in enumerate(documents) if isinstance(item, dict)}
+    for index, item in objects.items():
+        if not isinstance(item.get("text"), str):
+            raise PydanticCustomError("document_object", 'item {index} is an object without a "text" string; send '
+                                      'a text or {"text": ...}', {"index": index})
+    return [RerankDocumentInput.model_validate(objects[index]) if index in objects else item
+            for index, item in enumerate(documents)]
+
+
+RerankDocuments = Annotated[json_inputs(StrictStr | list[StrictStr | RerankDocumentInput]),
+                            AfterValidator(_document_objects)]
+"""Rerank's ``documents``: a text, or a list of texts and ``{"text": ...}`` objects."""
+
+
 class RerankRequest(_Request):
     """vLLM's, Jina's and Cohere's (v1 and v2) rerank body; TEI's (``texts``); or infinity's
     (``documents`` with ``raw_scores``, which its client always sends).
@@ -445,7 +467,7 @@ class RerankRequest(_Request):
     """
 
     query: StrictStr
-    documents: StrictStr | list[StrictStr | RerankDocumentInput] | None = None
+    documents: RerankDocuments = None
     top_n: StrictInt | None = None
     return_documents: StrictBool | None = Field(default=None, description="Default false (Cohere v1's default).")
     max_tokens_per_doc: StrictInt | None = Field(
@@ -480,18 +502,21 @@ class RerankRequest(_Request):
             return "tei"
         if self.raw_scores is None:
             return "rerank"
-        if not all(isinstance(document, str) for document in self.document_list()):
+        if isinstance(self.documents, list) and any(isinstance(d, RerankDocumentInput) for d in self.documents):
             raise ApiError(400, "infinity's body (raw_scores) takes documents as texts, not objects",
                            param="documents")
         return "infinity"
 
-    def document_list(self) -> list[StrictStr | RerankDocumentInput]:
-        """``documents`` as a list (one text is one document).
+    def document_list(self) -> Any:
+        """``documents`` as a list (one text is one document); a value of another kind as it is,
+        for the core to name.
 
         :raises ApiError: 400 for a document object's other field holding text that is not valid
             Unicode (a lone surrogate): results send those fields back, and could not be written.
         """
-        documents = [self.documents] if isinstance(self.documents, str) else list(self.documents or [])
+        if not isinstance(self.documents, list):  # one text is one document; anything else: the core's error
+            return [self.documents] if isinstance(self.documents, str) else self.documents
+        documents = list(self.documents)
         for index, document in enumerate(documents):
             extra = document.model_extra if isinstance(document, RerankDocumentInput) else None
             for name, value in (extra or {}).items():
@@ -511,11 +536,13 @@ class RerankRequest(_Request):
                                 return_documents=bool(self.return_text),
                                 tokenization=tei_tokenization(self.truncate, self.truncation_direction, auto_truncate))
 
-    def to_request(self, documents: list[StrictStr | RerankDocumentInput]) -> fr.RerankRequest:
+    def to_request(self, documents: Any) -> fr.RerankRequest:
         """The ranking of :meth:`document_list`'s ``documents`` (vLLM's, Jina's, Cohere's,
         infinity's body); ``raw_scores`` skips the activation."""
+        if isinstance(documents, list):
+            documents = [d.text if isinstance(d, RerankDocumentInput) else d for d in documents]
         return fr.RerankRequest(
-            query=self.query, documents=[d if isinstance(d, str) else d.text for d in documents], top_n=self.top_n,
+            query=self.query, documents=documents, top_n=self.top_n,
             return_documents=bool(self.return_documents), max_tokens_per_doc=self.max_tokens_per_doc,
             use_activation=False if self.raw_scores else None, options=self.plugin_options(),
             tokenization=self.tokenization())
