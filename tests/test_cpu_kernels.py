@@ -15,7 +15,14 @@ import torch.nn.functional as F
 
 from poolrunner import Runtime
 from poolrunner.core.kernels import cpu_kernels
-from poolrunner.core.kernels.attention import LAYOUT_KWARG, LONG_ROWS, MaskRule, PackedLayout, packed_attention
+from poolrunner.core.kernels.attention import (
+    FLOAT32_KERNEL_ROWS,
+    LAYOUT_KWARG,
+    LONG_ROWS,
+    MaskRule,
+    PackedLayout,
+    packed_attention,
+)
 from tests.helpers import ModelSpy
 
 SUPPORTED = cpu_kernels.supported_dtypes()
@@ -163,6 +170,46 @@ def test_long_requests_attend_in_tiles_without_a_whole_mask(native):
         expected = F.scaled_dot_product_attention(*alone, attn_mask=dense).transpose(0, 1)
         torch.testing.assert_close(out[0, :length].double(), expected, rtol=1e-5, atol=1e-5)  # fp32 sums of 1,324 keys
         assert all(key[1] <= LONG_ROWS for key in rule._blocks), "a whole mask of the long request was built"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_float32_requests_go_to_sdpa_and_equal_it(dtype, monkeypatch):
+    """In float32 the kernel keeps full requests up to FLOAT32_KERNEL_ROWS["full"] tokens and
+    causal ones up to ["causal"]; longer ones go to SDPA (faster there); bfloat16 keeps them all.
+    Either way the output equals SDPA over each request alone (float64)."""
+    full, causal = FLOAT32_KERNEL_ROWS["full"], FLOAT32_KERNEL_ROWS["causal"]
+    lengths = [causal + 40, full + 40, full, 9]
+    q, k, v = _packed(lengths, 2, 1, 16, dtype)
+    kernel_lengths: list[int] = []
+    attend = cpu_kernels.attend
+
+    def recording(*args):
+        kernel_lengths.extend(args[5].tolist())
+        attend(*args)
+
+    monkeypatch.setattr(cpu_kernels, "attend", recording)
+
+    def everything(_b, _h, q_idx, kv_idx):
+        return q_idx >= 0
+
+    def earlier(_b, _h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    as_transformers = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+    for function, is_causal, kept in ((everything, False, [full, 9]), (earlier, True, [full + 40, full, 9])):
+        kernel_lengths.clear()
+        with torch.inference_mode():
+            out, _ = packed_attention(torch.nn.Identity(), *as_transformers, MaskRule(function, False),
+                                      **{LAYOUT_KWARG: PackedLayout.build(lengths, native=True)})
+        expected_kernel = kept if dtype == torch.float32 else lengths
+        assert sorted(kernel_lengths) == sorted(expected_kernel)
+        start = 0
+        for length in lengths:
+            alone = [t[start : start + length].transpose(0, 1).double() for t in (q, k, v)]
+            expected = F.scaled_dot_product_attention(*alone, is_causal=is_causal, enable_gqa=True).transpose(0, 1)
+            tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+            torch.testing.assert_close(out[0, start : start + length].double(), expected, **tolerance)
+            start += length
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
