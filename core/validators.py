@@ -15,7 +15,16 @@ from attrs import Attribute
 
 from poolrunner.core.errors import InvalidRequestError
 
-_SHOWN = reprlib.Repr()
+
+class _Shown(reprlib.Repr):
+    def repr_int(self, x: int, level: int) -> str:
+        # Python refuses to write an integer of more than sys.get_int_max_str_digits() digits.
+        if x.bit_length() > 3 * self.maxlong:
+            return f"<an integer of about {int(x.bit_length() * 0.30103) + 1:,} digits>"
+        return super().repr_int(x, level)
+
+
+_SHOWN = _Shown()
 _SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxtuple, _SHOWN.maxdict = 3, 8, 8, 4
 _SHOWN.maxstring, _SHOWN.maxlong, _SHOWN.maxother = 40, 40, 40
 

@@ -200,6 +200,18 @@ def test_a_flat_list_of_numbers_is_one_token_id_list_and_its_bad_id_is_named(run
     assert_serves(runtime)
 
 
+def test_a_token_id_too_long_to_write_is_named_by_its_size(runtime, assert_serves):
+    """Python refuses to write an integer of more than 4,300 digits; the error must not need to."""
+    for inputs in ([10**5000], [[101, 10**5000, 102]]):
+        with pytest.raises(InvalidRequestError, match=r"^input 0: token id <an integer of about 5,001 digits> is "
+                                                      r"outside the vocabulary \[0, 30522\)$"):
+            runtime.embed(inputs)
+    with pytest.raises(InvalidRequestError, match=r"^documents\[0\] must be a string, got <an integer of about "
+                                                  r"5,001 digits>$"):
+        runtime.score("q", [10**5000])
+    assert_serves(runtime)
+
+
 @pytest.mark.parametrize(("bad", "shown"), [
     ([101, "a", 102], "[101, 'a', 102]"),
     (["only one"], "['only one']"),

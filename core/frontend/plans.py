@@ -524,7 +524,7 @@ class Frontend:
         vocab_size = self.inputs.vocab_size
         bad = next((i for i, token in enumerate(ids) if not 0 <= token < vocab_size), None)
         if bad is not None:
-            raise InvalidRequestError(f"tokens[{bad}] = {ids[bad]} is outside the vocabulary [0, {vocab_size})",
+            raise InvalidRequestError(f"tokens[{bad}] = {shown(ids[bad])} is outside the vocabulary [0, {vocab_size})",
                                       param="tokens")
         return self._span_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Literal
 
@@ -124,8 +125,12 @@ def _http_detail(exc: HTTPException) -> str:
     """An HTTP error's text. FastAPI answers a body that Python's JSON parser refuses for other than
     its syntax (not UTF-8, nested too deeply, an integer of too many digits) with a 400 that does not
     say why: say it, as for malformed JSON."""
-    if exc.status_code == 400 and isinstance(exc.__cause__, ValueError | RecursionError):
-        return f"the request body is not valid JSON: {exc.__cause__}"
+    cause = exc.__cause__
+    if exc.status_code == 400 and isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        return (f"the request body holds an integer of more than {sys.get_int_max_str_digits():,} digits, more than "
+                "its JSON can be read with")
+    if exc.status_code == 400 and isinstance(cause, ValueError | RecursionError):
+        return f"the request body is not valid JSON: {cause}"
     return str(exc.detail)
 
 

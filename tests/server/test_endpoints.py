@@ -166,6 +166,8 @@ BAD_REQUESTS = [
      "the request body is not valid JSON: 'utf-8' codec can't decode byte 0xff in position 11: invalid start byte"),
     ("nested too deeply", "/v1/embeddings", b"[" * 100_000,
      "the request body is not valid JSON: maximum recursion depth exceeded while decoding a JSON array"),
+    ("integer of too many digits", "/v1/embeddings", b'{"input": [' + b"9" * 5000 + b"]}",
+     "the request body holds an integer of more than 4,300 digits, more than its JSON can be read with"),
     ("wrong type", "/v1/embeddings", {"input": 5},
      "inputs must be a text, a token-id list, a (text, text_pair) pair, an image, or a list of them; got int"),
     ("float token id", "/v1/embeddings", {"input": [101, 1.5, 102]},

@@ -20,6 +20,7 @@ from poolrunner.core.server import tei_protocol as t
 from poolrunner.core.server.errors import TeiError, TeiRoute
 from poolrunner.core.server.payload import json_response
 from poolrunner.core.server.routes.dependencies import Served
+from poolrunner.core.validators import shown
 
 router = APIRouter(route_class=TeiRoute, tags=["Text Embeddings Inference"])
 
@@ -93,7 +94,7 @@ async def decode(body: t.DecodeRequest, served: Served) -> list[str]:
     for index, ids in enumerate(batch):
         bad = [token for token in ids if not 0 <= token < len(tokenizer)]  # type: ignore[union-attr]
         if bad:
-            raise TeiError("Tokenizer", f"ids[{index}]: token id {bad[0]} is outside the vocabulary "
+            raise TeiError("Tokenizer", f"ids[{index}]: token id {shown(bad[0])} is outside the vocabulary "
                                         f"[0, {len(tokenizer)})")
     return await run_in_threadpool(tokenizer.batch_decode, batch, skip_special_tokens=body.skip_special_tokens)
 
