@@ -347,10 +347,13 @@ class InputProcessor:
     ) -> tuple[int, ...]:
         if isinstance(item, np.ndarray) and item.ndim == 1:
             item = item.tolist()
-        if not isinstance(item, list | tuple) or not all(t is None or isinstance(t, Number) for t in item):
+        position = None
+        if isinstance(item, list | tuple):  # one pass on the good path; the error path looks again
+            position = next((p for p, t in enumerate(item) if not isinstance(t, Integral) or isinstance(t, bool)), None)
+        if not isinstance(item, list | tuple) or (
+                position is not None and not all(t is None or isinstance(t, Number) for t in item)):
             raise InvalidRequestError(f"input {index}: expected a text, a list of token ids or a (text, text_pair) "
                                       f"pair, got {shown(item)}", param="input")
-        position = next((p for p, t in enumerate(item) if not isinstance(t, Integral) or isinstance(t, bool)), None)
         if position is not None:
             raise InvalidRequestError(f"input {index}: the token id at position {position} is "
                                       f"{shown(item[position])}, not an integer", param="input")
