@@ -18,12 +18,15 @@ of each length, ``<s>`` + seeded ids + ``</s>``.
 
 Each (model, length, system) runs in a process of its own (``--worker``), so its peak resident
 memory (``VmHWM``) is its own: load, one warm-up input of 128 tokens, then ``--repeats`` timed
-passes over the inputs, one input per call. Systems: ``poolrunner`` (``Runtime.embed`` of token-id lists) and
-``sentence-transformers`` (the model's ``forward`` on ``input_ids`` and ``attention_mask``, its
-own transformers modules with SDPA attention, then its pooling: what ``encode`` runs after the
-tokenizer). Printed per row: tokens/s (median pass), GFLOP/s by the FLOP model below, peak MiB,
-*work MiB* (peak minus resident memory after the load: what the passes added), and the cosine
-of poolrunner's vectors to sentence-transformers' fp32 ones.
+passes over the inputs, one input per call. Systems: ``poolrunner`` (``Runtime.embed`` of
+token-id lists), ``sentence-transformers`` (the model's ``forward`` on ``input_ids`` and
+``attention_mask``, its own transformers modules with SDPA attention, then its pooling: what
+``encode`` runs after the tokenizer) and ``vllm`` (its offline ``LLM.embed`` of
+``prompt_token_ids``, MEAN pooling, its engine in the worker's process so that the memory is all
+of it, in its own environment under ``bench/.peers/``, built on first use). Printed per row:
+tokens/s (median pass), GFLOP/s by the FLOP model below, peak MiB, *work MiB* (peak minus
+resident memory after the load: what the passes added), and the cosine of each system's vectors
+to sentence-transformers' in the same run.
 
 FLOP model per token of an ``L``-token input: ``2 * in * out`` per linear layer, plus ``4 *
 hidden * K`` per layer for attention (``q.k`` and ``p.v``), ``K = L`` for a global layer and ``K
@@ -132,6 +135,13 @@ def embedder(system: str, folder: str, dtype: str):
 
         runtime = Runtime.from_config(RuntimeConfig(model=folder, dtype=dtype, load_entrypoints=False))
         return lambda ids: np.asarray(runtime.embed([ids]))[0]
+    if system == "vllm":  # its offline LLM, in its own environment (bench/peers.py), fed the same ids
+        from vllm import LLM
+        from vllm.config import PoolerConfig
+
+        llm = LLM(model=vllm_folder(folder), runner="pooling", dtype=dtype, max_model_len=8192, seed=0,
+                  pooler_config=PoolerConfig(pooling_type="MEAN"))
+        return lambda ids: np.asarray(llm.embed([{"prompt_token_ids": ids}], use_tqdm=False)[0].outputs.embedding)
     from sentence_transformers import SentenceTransformer
 
     model = SentenceTransformer(folder, device="cpu", model_kwargs={"dtype": getattr(torch, dtype),
@@ -143,6 +153,31 @@ def embedder(system: str, folder: str, dtype: str):
         return model.forward(features)["sentence_embedding"][0].float().numpy()
 
     return embed
+
+
+NOMIC_ORIGINAL_FIELDS = {
+    "activation_function": "swiglu", "qkv_proj_bias": False, "mlp_fc1_bias": False, "mlp_fc2_bias": False,
+    "rotary_emb_scale_base": None, "rotary_emb_interleaved": False,
+}
+"""What nomic's own config.json (``trust_remote_code``) has and transformers' NomicBertConfig
+lacks; vLLM's NomicBertModel reads these (and ``n_embd``, ``n_layer``, ``n_inner``, ``layer_norm_epsilon``)."""
+
+
+def vllm_folder(folder: str) -> str:
+    """``folder`` as vLLM reads it: for the NomicBERT model, a view of it (links to its files)
+    whose config.json also has nomic's original fields; the weights already use nomic's names."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    if config["model_type"] != "nomic_bert":
+        return folder
+    view = Path(tempfile.mkdtemp(prefix="vllm-nomic-"))
+    for item in Path(folder).iterdir():
+        if item.name != "config.json":
+            (view / item.name).symlink_to(item)
+    config |= NOMIC_ORIGINAL_FIELDS | {"n_embd": config["hidden_size"], "n_layer": config["num_hidden_layers"],
+                                       "n_inner": config["intermediate_size"],
+                                       "layer_norm_epsilon": config["layer_norm_eps"]}
+    (view / "config.json").write_text(json.dumps(config))
+    return str(view)
 
 
 def worker(job: dict) -> dict:
@@ -166,11 +201,21 @@ def worker(job: dict) -> dict:
 
 
 def run_job(job: dict, timeout: float) -> dict:
+    """``job`` in a worker process: this interpreter's, or a peer's own (bench/peers.py)."""
+    from peers import PEERS, setup
+
+    python, extra = sys.executable, {}
+    if job["system"] in PEERS:
+        peer = PEERS[job["system"]]
+        if (problem := setup(peer)) is not None:
+            return {"error": problem}
+        # vLLM's engine in this process (not its own): the peak memory measured is then all of it
+        python, extra = str(peer.python), {**peer.env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     with tempfile.TemporaryDirectory() as scratch:
-        job = {**job, "vectors": f"{scratch}/vectors.npy"}
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        job = {**job, "vectors": f"{scratch}/vectors.npy", "result": f"{scratch}/result.json"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **extra}
         try:
-            done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True,
+            done = subprocess.run([python, __file__, "--worker", json.dumps(job)], capture_output=True,
                                   text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
             return {"error": f"over {timeout:g} s"}
@@ -179,7 +224,7 @@ def run_job(job: dict, timeout: float) -> dict:
             return {"error": f"exit {done.returncode}: {(lines or ['no output'])[-1][:200]}"}
         import numpy as np
 
-        result = json.loads(done.stdout.strip().splitlines()[-1])
+        result = json.loads(Path(job["result"]).read_text())  # a file: vLLM writes its own lines to stdout
         result["vectors"] = np.load(job["vectors"])
         return result
 
@@ -195,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="modernbert,nomic")
     parser.add_argument("--lengths", default="512,2048,8192")
-    parser.add_argument("--systems", default="poolrunner,sentence-transformers")
+    parser.add_argument("--systems", default="poolrunner,sentence-transformers",
+                        help="poolrunner, sentence-transformers, vllm (its environment is built on first use)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--texts", type=int, default=2, help="inputs of each length (one per call)")
     parser.add_argument("--repeats", type=int, default=2, help="timed passes; the median is shown")
@@ -203,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(json.loads(args.worker))))
+        job = json.loads(args.worker)
+        Path(job["result"]).write_text(json.dumps(worker(job)))
         return 0
 
     sys.path.insert(0, str(BENCH))

@@ -37,6 +37,7 @@ import torch
 from attrs import frozen
 from transformers import PreTrainedTokenizerBase
 
+from poolrunner.core.block_replay import BlockReplay, block_of
 from poolrunner.core.engine.engine import Engine
 from poolrunner.core.errors import ModelLoadError
 from poolrunner.core.kernels import int8
@@ -250,17 +251,24 @@ def _sensitivities(engine: Engine, layers: dict[str, int8.Int8Linear],
                    texts: Sequence[PoolingRequest]) -> dict[str, float]:
     """Each layer's sensitivity: the mean squared relative error of the outputs on ``texts`` with
     that layer alone in int8, against every layer in bfloat16. One run per layer, which is why
-    ``texts`` are few and short; the errors of several layers roughly add up, as squares.
+    ``texts`` are few and short, and why the blocks before the layer's own replay the reference
+    run's outputs (:mod:`~poolrunner.core.block_replay`: the same values, half the work); the
+    errors of several layers roughly add up, as squares.
 
     :returns: Layer name -> sensitivity; every layer is left kept in bfloat16.
     """
     for layer in layers.values():
         layer.keep()
-    reference = _run(engine, texts)
+    backbone = engine.runner.backbone
+    blocks = {name: block_of(backbone, name) for name in layers}
+    replay = BlockReplay(backbone)
+    with replay.recording({block[0] for block in blocks.values() if block is not None}):
+        reference = _run(engine, texts)
     errors = {}
     for name, layer in layers.items():
         layer.keep(False)
-        outputs = _run(engine, texts)
+        with replay.replaying(blocks[name]):
+            outputs = _run(engine, texts)
         layer.keep()
         errors[name] = sum(_relative_error(ref, out) ** 2 for ref, out in zip(reference, outputs, strict=True))
         errors[name] /= max(1, len(texts))

@@ -11,6 +11,7 @@ model that misses the bar even so.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
@@ -22,6 +23,7 @@ from torch import nn
 
 import poolrunner
 from poolrunner.core import precision
+from poolrunner.core.block_replay import BlockReplay, block_of
 from poolrunner.core.errors import ModelLoadError
 from poolrunner.core.kernels import cpu_kernels, int8, onednn
 from tests.helpers import ModelSpy, cosine_rows
@@ -301,6 +303,38 @@ def test_a_model_that_misses_the_bar_even_all_in_bfloat16_is_refused_naming_its_
     )
     served = poolrunner.Runtime(str(tiny_bert[0]), dtype="float32", pooling_type="MEAN", load_entrypoints=False)
     assert served.embed(["next"]).shape == (1, 64)
+
+
+@pytest.mark.parametrize(("row_id", "pooling_type"), [("bert/model", "MEAN"), ("llama/model", "LAST")])
+def test_sensitivities_measured_with_the_leading_blocks_replayed_equal_full_runs(row_id, pooling_type, tmp_path,
+                                                                                 monkeypatch):
+    """Each layer's run replays the blocks before its own from the reference run: the same
+    sensitivities, bit for bit, as computing every block (on a seeded encoder and decoder)."""
+    row = next(r for r in architectures.rows() if r.id == row_id)
+    folder = architectures.build_folder(row, tmp_path / "model")
+    measured, replayed_calls, skipped = [], [], []
+    replay = BlockReplay._replay
+
+    def counted(self, path, index):
+        forward = replay(self, path, index)
+        return lambda *args, **kwargs: (replayed_calls.append(index), forward(*args, **kwargs))[1]
+
+    def with_and_without_replay(engine, layers, texts):
+        blocks = [block_of(engine.runner.backbone, name) for name in layers]
+        skipped.append(sum(block[1] for block in blocks if block is not None))  # blocks before each layer's
+        monkeypatch.setattr(BlockReplay, "_replay", counted)
+        measured.append(sensitivities(engine, layers, texts))
+        monkeypatch.setattr(BlockReplay, "replaying", lambda _self, _block: contextlib.nullcontext())
+        measured.append(sensitivities(engine, layers, texts))
+        return measured[0]
+
+    sensitivities = precision._sensitivities
+    monkeypatch.setattr(precision, "_sensitivities", with_and_without_replay)
+    poolrunner.Runtime(str(folder), dtype="int8", pooling_type=pooling_type, load_entrypoints=False)
+    replayed, full = measured
+    assert replayed == full and len(full) >= 13
+    # every block before a layer's own was replayed, not computed, in that layer's run (once per step)
+    assert skipped[0] > 0 and len(replayed_calls) > 0 and len(replayed_calls) % skipped[0] == 0
 
 
 @pytest.fixture(scope="module")

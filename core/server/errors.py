@@ -55,7 +55,23 @@ class ApiError(Exception):
         self.param = param
 
 
+class ErrorDetail(pydantic.BaseModel):
+    """What went wrong, in OpenAI's fields (:class:`ErrorAnswer`)."""
+
+    message: str
+    type: str = pydantic.Field(description="OpenAI's class of error: invalid_request_error, not_found_error, ...")
+    param: str | None = pydantic.Field(description="The request field at fault, when one is")
+    code: int = pydantic.Field(description="The HTTP status, as vLLM sends it")
+
+
+class ErrorAnswer(pydantic.BaseModel):
+    """OpenAI's error body (:func:`error_body`), documented as every non-TEI route's 4xx and 5xx."""
+
+    error: ErrorDetail
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """:class:`ErrorAnswer`'s fields, as a dict: ``type`` from :data:`ERROR_TYPES`."""
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
                       "code": status}}
 
@@ -161,6 +177,21 @@ TEI_STATUS: dict[str, int] = {
     "Validation": 422, "Tokenizer": 422, "Backend": 424, "Overloaded": 429, "Empty": 400, "Unhealthy": 503,
 }
 """TEI's status for each ``error_type`` (its ``ErrorType`` -> ``StatusCode`` map)."""
+
+
+class TeiErrorAnswer(pydantic.BaseModel):
+    """TEI's error body (:func:`tei_error_response`), documented as TEI's routes' 4xx and 5xx."""
+
+    error: str
+    error_type: TeiErrorType
+
+
+def documented_errors(answer: type[pydantic.BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` naming ``answer`` as a route's error body. A ``4XX`` entry also keeps
+    FastAPI from listing its own 422 ``HTTPValidationError``, which this server never answers."""
+    shape = "TEI's" if answer is TeiErrorAnswer else "OpenAI's"
+    return {"4XX": {"model": answer, "description": f"The request is refused: {shape} error body"},
+            "5XX": {"model": answer, "description": f"The server cannot answer now: {shape} error body"}}
 
 
 class TeiError(Exception):

@@ -248,10 +248,10 @@ class _Quantize(_Body):
                                   "this request's embeddings).")
 
 
-Inputs = json_inputs(StrictStr | list[StrictStr] | TokenIds | list[TokenIds])
-"""A text, texts, one token-id list or token-id lists."""
-PairInputs = json_inputs_with_pairs(StrictStr | list[StrictStr] | TokenIds | list[TokenIds] | list[StrictStr | Pair])
-""":data:`Inputs`, or a list mixing texts and ``[text, text_pair]`` pairs."""
+Inputs = json_inputs(StrictStr | TokenIds | list[StrictStr | TokenIds])
+"""A text, one token-id list, or a list of texts and token-id lists in any order."""
+PairInputs = json_inputs_with_pairs(StrictStr | TokenIds | list[StrictStr | TokenIds | Pair])
+""":data:`Inputs`, the list's items ``[text, text_pair]`` pairs too."""
 
 
 class EmbeddingRequest(_Request, _Chat, _Encoding, _Quantize):
@@ -466,14 +466,15 @@ class RerankRequest(_Request):
     which body it is, and so the answer's shape.
     """
 
-    query: StrictStr
+    query: json_inputs(StrictStr)  # the core's check: `query must be a string, got None`
     documents: RerankDocuments = None
     top_n: StrictInt | None = None
     return_documents: StrictBool | None = Field(default=None, description="Default false (Cohere v1's default).")
     max_tokens_per_doc: StrictInt | None = Field(
         default=None, description="Keep each document's first tokens (Cohere, vLLM); special tokens not counted.")
     priority: StrictInt | None = Field(default=None, description="Cohere v2's, vLLM's: lower runs first (default 0).")
-    texts: list[StrictStr] | None = Field(default=None, description="TEI's documents; the answer is then TEI's.")
+    texts: json_inputs(list[StrictStr] | None) = Field(default=None,
+                                                       description="TEI's documents; the answer is then TEI's.")
     raw_scores: StrictBool | None = Field(
         default=None, description="TEI, infinity: scores without the activation; with documents, the body and the "
                                   "answer are infinity's.")

@@ -62,11 +62,14 @@ def test_an_interrupted_call_stops_after_its_step(spied, assert_serves):
     spy, runtime = spied
     spy.threads.clear()
     spy.on_step = lambda: os.kill(os.getpid(), signal.SIGINT)  # delivered to the main thread, which waits
+    # Python's Ctrl-C handler, which a process started in the background by a shell lacks (SIGINT ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
             runtime.embed(TEXTS * 20)  # 60 inputs, 2 a step
     finally:
         spy.on_step = None
+        signal.signal(signal.SIGINT, previous)
     assert len(spy.threads) < 5, f"{len(spy.threads)} steps ran after the interrupt"
     assert_engine_empty(runtime)
     assert_serves(runtime)

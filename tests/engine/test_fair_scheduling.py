@@ -129,8 +129,8 @@ def test_removing_requests_anywhere_leaves_the_queues_consistent():
 
 @pytest.fixture(scope="module")
 def fair_runtime():
-    """The default model in float32: a 2048-token step budget on the CPU."""
-    return poolrunner.Runtime(dtype="float32", load_entrypoints=False)
+    """The default model in float32 with a 512-token step budget: many steps from few tokens."""
+    return poolrunner.Runtime(dtype="float32", load_entrypoints=False, max_num_batched_tokens=512)
 
 
 def token_lists(count: int, length: int, seed: int) -> list[list[int]]:
@@ -170,7 +170,7 @@ def vectors(outputs: Sequence[Any]) -> np.ndarray:
 
 def test_a_short_call_is_answered_within_two_steps_while_a_huge_one_runs(fair_runtime, monkeypatch, capsys):
     runtime = fair_runtime
-    huge_ids, short_ids = token_lists(1024, 64, seed=1), token_lists(1, 16, seed=2)
+    huge_ids, short_ids = token_lists(256, 64, seed=1), token_lists(1, 16, seed=2)
     alone_huge, alone_short = runtime.embed(huge_ids), runtime.embed(short_ids)
     params = runtime.frontend.params("embed")
     huge, short = runtime.frontend.prepare(huge_ids, params), runtime.frontend.prepare(short_ids, params)
@@ -187,14 +187,14 @@ def test_a_short_call_is_answered_within_two_steps_while_a_huge_one_runs(fair_ru
 
     with runtime.serving() as serving:
         (quiet, _), joined_at, (short_latency, short_out), (huge_latency, huge_out) = asyncio.run(main(serving))
-    assert len(log.steps) >= 32  # 65,536 tokens in steps of 2,048
+    assert len(log.steps) >= 32  # 16,384 tokens in steps of 512
     # Its step is the next one, or the one after when it came just after the loop admitted.
     assert log.first(short[0].request_id) <= joined_at + 1, (joined_at, log.first(short[0].request_id))
     assert short_latency < huge_latency / 5
     np.testing.assert_allclose(vectors(short_out), alone_short, atol=ATOL)
     np.testing.assert_allclose(vectors(huge_out), alone_huge, atol=ATOL)
     with capsys.disabled():
-        print(f"\n[fairness] short call alone {quiet * 1000:.0f} ms, during a 1024-input call "
+        print(f"\n[fairness] short call alone {quiet * 1000:.0f} ms, during a 256-input call "
               f"{short_latency * 1000:.0f} ms; the huge call {huge_latency:.2f} s in {len(log.steps)} steps")
 
 

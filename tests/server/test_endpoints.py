@@ -155,6 +155,26 @@ def test_openapi_lists_every_route(server):
     }
 
 
+def test_openapi_documents_the_error_bodies_the_server_answers(server):
+    """Every operation's 4xx / 5xx is OpenAI's error body (TEI's on TEI's routes), as the server
+    answers them; FastAPI's own 422 HTTPValidationError, which it never answers, is not listed."""
+    spec = httpx.get(f"{server.url}/openapi.json").json()
+    tei_paths = {"/embed", "/embed_all", "/embed_sparse", "/predict", "/similarity", "/decode", "/info", "/"}
+    for path, operations in spec["paths"].items():
+        for method, operation in operations.items():
+            named = {status: answer["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+                     for status, answer in operation["responses"].items() if status[0] in "45"}
+            expected = "TeiErrorAnswer" if path in tei_paths else "ErrorAnswer"
+            assert named == {"4XX": expected, "5XX": expected}, (method, path, named)
+    assert "HTTPValidationError" not in spec["components"]["schemas"]
+    refused = httpx.post(f"{server.url}/v1/embeddings", json={"input": 5})
+    assert refused.status_code == 400 and set(refused.json()["error"]) == set(
+        spec["components"]["schemas"]["ErrorDetail"]["properties"])
+    refused = httpx.post(f"{server.url}/embed", json={"inputs": 5})
+    assert refused.status_code == 422 and set(refused.json()) == set(
+        spec["components"]["schemas"]["TeiErrorAnswer"]["properties"])
+
+
 # --------------------------------------------------------------------------- validation and limits
 
 

@@ -23,14 +23,14 @@ from fastapi.routing import APIRoute
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from poolrunner.core.server.errors import ERROR_TYPES, TEI_STATUS, TeiRoute
+from poolrunner.core.server.errors import ERROR_TYPES, TEI_STATUS, ErrorAnswer, TeiErrorAnswer, TeiRoute
 from poolrunner.core.server.models import DEFAULT_MODEL_NAME
 from poolrunner.core.server.routes import every_route
 from tests.helpers import MIN_COSINE, cosine_rows
 
-STRUCTURED_EXAMPLES = 130
-"""Structured bodies per route (19 routes today: about 2500 requests, and as many follow-ups)."""
-GARBAGE_EXAMPLES = 30
+STRUCTURED_EXAMPLES = 80
+"""Structured bodies per route (19 routes today: about 1,500 requests, and as many follow-ups)."""
+GARBAGE_EXAMPLES = 20
 """Garbage bodies per route."""
 FUZZ_SETTINGS = settings(
     derandomize=True, database=None, deadline=None, print_blob=False,
@@ -314,15 +314,13 @@ def _check_error(answer: httpx.Response, route: dict[str, Any], body: Any) -> No
     tei_allowed = route["tei"] or (isinstance(body, dict) and bool(TEI_KEYS & set(body))
                                    and (not route["keys"] or bool(TEI_KEYS & route["keys"])))
     if tei_allowed and set(payload) == {"error", "error_type"}:
-        assert isinstance(payload["error"], str) and payload["error"], payload
-        assert status == 413 or TEI_STATUS[payload["error_type"]] == status, payload
+        tei = TeiErrorAnswer.model_validate(payload, strict=True)  # the body /openapi.json documents
+        assert tei.error and (status == 413 or TEI_STATUS[tei.error_type] == status), payload
         return
     assert not route["tei"] or status == 413, f"a TEI route answered OpenAI's shape: {payload}"
     assert set(payload) == {"error"} and set(payload["error"]) == {"message", "type", "param", "code"}, payload
-    error = payload["error"]
-    assert isinstance(error["message"], str) and error["message"], payload
-    assert error["code"] == status and error["type"] == ERROR_TYPES[status], payload
-    assert error["param"] is None or isinstance(error["param"], str), payload
+    error = ErrorAnswer.model_validate(payload, strict=True).error  # the body /openapi.json documents
+    assert error.message and error.code == status and error.type == ERROR_TYPES[status], payload
 
 
 def _parsed(content: bytes) -> Any:
@@ -374,9 +372,13 @@ def test_structured_bodies_on_every_post_route(client, routes, bodies, expected)
 
         fuzz()
     assert all(seen.total() == STRUCTURED_EXAMPLES for seen in statuses.values()), statuses
-    # valid bodies reach the model too, on vLLM's, OpenAI's and TEI's routes
-    assert all(statuses[path][200] for path in ("/v1/embeddings", "/score", "/rerank", "/tokenize", "/embed", "/")), \
-        statuses
+    # and valid bodies still reach the model, on vLLM's, OpenAI's and TEI's routes: each one's first
+    # seed as it is (how many of the changed ones stayed valid is the draw's luck)
+    for route in routes:
+        if route["path"] in ("/v1/embeddings", "/score", "/rerank", "/tokenize", "/embed"):
+            seed = SEEDS[route["schema"]["$ref"].rsplit("/", 1)[1]][0]
+            answer = client.post(route["path"], json=seed)
+            assert answer.status_code == 200, (route["path"], seed, answer.text)
 
 
 def test_garbage_bodies_on_every_post_route(client, routes, bodies, expected):

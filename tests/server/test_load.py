@@ -25,7 +25,7 @@ from poolrunner.core.server import ServerSettings
 from poolrunner.core.testing.server import ServerThread
 
 CLIENTS = int(os.environ.get("POOLRUNNER_LOAD_CLIENTS", "64"))
-REQUESTS_PER_CLIENT = int(os.environ.get("POOLRUNNER_LOAD_REQUESTS", "20"))
+REQUESTS_PER_CLIENT = int(os.environ.get("POOLRUNNER_LOAD_REQUESTS", "10"))
 ATOL = 1e-5  # batch composition changes float sums in the last bits
 
 

@@ -8,6 +8,7 @@ the server. Every rejected request is followed by one that must still be served.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import cohere
@@ -226,6 +227,9 @@ def test_max_tokens_per_doc_keeps_a_long_document_within_the_model(server, runti
                                                               "(return_text): send documents (vLLM, Jina, Cohere, "
                                                               "infinity) or texts (TEI)", "documents"),
     ({"query": "q", "documents": []}, "documents is empty: scoring needs at least one of each", "documents"),
+    ({"query": None, "documents": ["d"]}, "query must be a string, got None", "query"),
+    ({"query": ["q"], "documents": ["d"]}, "query must be a string, got ['q']", "query"),
+    ({"documents": ["d"]}, "query: Field required", "query"),
 ])
 def test_bad_rerank_bodies(server, runtime, body, message, param):
     for path in ("/rerank", "/v2/rerank"):
@@ -325,6 +329,20 @@ def test_tei_rerank_truncate(cross_encoder, text_with_tokens, direction):
     expected = runtime.score(QUERY, texts, truncate_prompt_tokens=-1, truncation_side=direction.lower())
     by_index = {item["index"]: item["score"] for item in body}
     np.testing.assert_allclose([by_index[0], by_index[1]], expected, atol=1e-6)
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"query": None, "texts": ["d"]}, "query must be a string, got None"),
+    ({"query": "q", "texts": ["d", 7]}, "texts[1] must be a string, got 7"),
+    ({"query": "q", "texts": "d"}, "texts must be a list of strings, not one string"),
+])
+def test_tei_rerank_bad_sides_are_named_as_the_api_names_them(cross_encoder, body, message):
+    running, runtime = cross_encoder
+    with pytest.raises(poolrunner.InvalidRequestError, match=re.escape(message.replace("texts", "documents"))):
+        runtime.rerank(body["query"], body["texts"])  # the Python API's name for TEI's texts
+    answer = httpx.post(f"{running.url}/rerank", json=body)
+    assert (answer.status_code, answer.json()) == (422, {"error": message, "error_type": "Validation"})
+    _still_serves(running.url, runtime)
 
 
 def test_tei_rerank_errors_are_tei_shaped(cross_encoder, text_with_tokens):

@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
+from poolrunner.core.server.errors import ErrorAnswer, TeiErrorAnswer, documented_errors
 from poolrunner.core.server.models import ModelRouter
 from poolrunner.core.server.routes import adapters, admin, cohere, embeddings, infinity, invocations, scoring, tei
 from poolrunner.core.server.routes.dependencies import OptionBodies
@@ -27,11 +28,15 @@ def include_routes(app: FastAPI, served: ModelRouter) -> None:
     """Every route on ``app``, for the ``served`` models (the bodies of :class:`OptionBodies`);
     sets ``app.state.invocations`` (``/invocations``' table)."""
     bodies = OptionBodies.of(served)
-    for router in (embeddings.router, embeddings.option_routes(bodies), scoring.option_routes(bodies),
-                   cohere.router, admin.router, tei.router, infinity.router, invocations.router):
-        app.include_router(router)
+    routers = [embeddings.router, embeddings.option_routes(bodies), scoring.option_routes(bodies), cohere.router,
+               admin.router, infinity.router, invocations.router]
     if served.settings.allow_runtime_lora:  # vLLM too serves them only when allowed
-        app.include_router(adapters.router)
+        routers.append(adapters.router)
+    # Routes TEI shares (/rerank, /tokenize, /invocations) answer TEI's bodies in TEI's shape too;
+    # their schema names OpenAI's, the shape of their own bodies.
+    for router in routers:
+        app.include_router(router, responses=documented_errors(ErrorAnswer))
+    app.include_router(tei.router, responses=documented_errors(TeiErrorAnswer))
     app.state.invocations = invocations.Dispatch.build(
         served, bodies, (route for route in every_route(app.routes) if isinstance(route, APIRoute)))
 
