@@ -12,7 +12,8 @@ pooler) has no block and its run computes everything.
 A replayed block is called as before (its hooks, its attributes), only its ``forward`` returns
 the recorded output, a copy of it: a later block may change its input in place. Every run must
 make the calls the recording saw, in the same order (the same requests, the same steps); a run
-that makes more raises ``RuntimeError`` rather than compute on the wrong outputs.
+that makes more raises ``RuntimeError`` rather than compute on the wrong outputs. Replay only
+ranks layers: the model as served is judged by full runs of the probe.
 """
 
 from __future__ import annotations

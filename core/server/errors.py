@@ -186,12 +186,17 @@ class TeiErrorAnswer(pydantic.BaseModel):
     error_type: TeiErrorType
 
 
-def documented_errors(answer: type[pydantic.BaseModel]) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI ``responses`` naming ``answer`` as a route's error body. A ``4XX`` entry also keeps
+def documented_errors(answer: Any) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` naming ``answer`` (:class:`ErrorAnswer`, :class:`TeiErrorAnswer` or
+    their union, on the routes TEI shares) as a route's error body. A ``4XX`` entry also keeps
     FastAPI from listing its own 422 ``HTTPValidationError``, which this server never answers."""
-    shape = "TEI's" if answer is TeiErrorAnswer else "OpenAI's"
+    shape = {ErrorAnswer: "OpenAI's", TeiErrorAnswer: "TEI's"}.get(answer, "OpenAI's, or TEI's for TEI's body,")
     return {"4XX": {"model": answer, "description": f"The request is refused: {shape} error body"},
             "5XX": {"model": answer, "description": f"The server cannot answer now: {shape} error body"}}
+
+
+SHARED_WITH_TEI = documented_errors(ErrorAnswer | TeiErrorAnswer)
+"""The error bodies of the routes that also take TEI's bodies (``/rerank``, ``/tokenize``, ``/invocations``)."""
 
 
 class TeiError(Exception):

@@ -32,8 +32,7 @@ def include_routes(app: FastAPI, served: ModelRouter) -> None:
                admin.router, infinity.router, invocations.router]
     if served.settings.allow_runtime_lora:  # vLLM too serves them only when allowed
         routers.append(adapters.router)
-    # Routes TEI shares (/rerank, /tokenize, /invocations) answer TEI's bodies in TEI's shape too;
-    # their schema names OpenAI's, the shape of their own bodies.
+    # The routes TEI shares (/rerank, /tokenize, /invocations) name both shapes themselves (SHARED_WITH_TEI).
     for router in routers:
         app.include_router(router, responses=documented_errors(ErrorAnswer))
     app.include_router(tei.router, responses=documented_errors(TeiErrorAnswer))

@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
 from poolrunner.core.server import protocol as p
-from poolrunner.core.server.errors import in_tei_shape
+from poolrunner.core.server.errors import SHARED_WITH_TEI, in_tei_shape
 from poolrunner.core.server.routes.dependencies import Created, Metrics, Served
 from poolrunner.core.server.service import PoolingService
 from poolrunner.core.server.tei import tei_tokens
@@ -36,7 +36,7 @@ async def model(model_id: str, served: Served, created: Created) -> p.ModelCard:
     return _card(service, model_id, created)
 
 
-@router.post("/tokenize", response_model=p.TokenizeResponse | list[list[p.TeiToken]])
+@router.post("/tokenize", response_model=p.TokenizeResponse | list[list[p.TeiToken]], responses=SHARED_WITH_TEI)
 async def tokenize(body: p.TokenizeRequest, request: Request, served: Served) -> JSONResponse | list[list[p.TeiToken]]:
     """vLLM's tokenize (``prompt``: the ``prompt_token_ids``, special tokens included unless
     ``add_special_tokens`` is false), or TEI's (``inputs``: each text's tokens with their spans)."""

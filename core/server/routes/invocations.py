@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from starlette.types import Message, Receive, Scope, Send
 
 from poolrunner.core.server import protocol as p
-from poolrunner.core.server.errors import ApiError
+from poolrunner.core.server.errors import SHARED_WITH_TEI, ApiError
 from poolrunner.core.server.models import ModelRouter
 from poolrunner.core.server.routes.dependencies import OptionBodies
 
@@ -68,7 +68,7 @@ async def _dispatch(request: Request) -> Dispatch:
 router = APIRouter()
 
 
-@router.post("/invocations")
+@router.post("/invocations", responses=SHARED_WITH_TEI)
 async def invocations(request: Request, body: Annotated[dict[str, Any], Body()],
                       dispatch: Annotated[Dispatch, Depends(_dispatch)]) -> Response:
     return _Forwarded(dispatch.route(body), await request.body())

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from poolrunner.core.server import infinity_protocol as i
 from poolrunner.core.server import protocol as p
-from poolrunner.core.server.errors import in_tei_shape
+from poolrunner.core.server.errors import SHARED_WITH_TEI, in_tei_shape
 from poolrunner.core.server.routes import infinity
 from poolrunner.core.server.routes.answers import answer_id, usage
 from poolrunner.core.server.routes.dependencies import OptionBodies, Served, with_body
@@ -58,7 +58,7 @@ def option_routes(bodies: OptionBodies) -> APIRouter:
     for path, version in RERANK_PATHS:
         router.add_api_route(path, with_body(rerank, bodies.rerank, version=version), methods=["POST"],
                              response_model=p.RerankResponse | list[p.TeiRank] | i.InfinityRerankResponse,
-                             response_model_exclude_none=True)
+                             response_model_exclude_none=True, responses=SHARED_WITH_TEI)
     return router
 
 
