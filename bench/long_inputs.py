@@ -126,7 +126,7 @@ def rss_mib() -> tuple[float, float]:
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
 
-def embedder(system: str, folder: str, dtype: str):
+def embedder(system: str, folder: str, dtype: str, scratch: Path):
     import numpy as np
     import torch
 
@@ -139,7 +139,7 @@ def embedder(system: str, folder: str, dtype: str):
         from vllm import LLM
         from vllm.config import PoolerConfig
 
-        llm = LLM(model=vllm_folder(folder), runner="pooling", dtype=dtype, max_model_len=8192, seed=0,
+        llm = LLM(model=vllm_folder(folder, scratch), runner="pooling", dtype=dtype, max_model_len=8192, seed=0,
                   pooler_config=PoolerConfig(pooling_type="MEAN"))
         return lambda ids: np.asarray(llm.embed([{"prompt_token_ids": ids}], use_tqdm=False)[0].outputs.embedding)
     from sentence_transformers import SentenceTransformer
@@ -163,13 +163,14 @@ NOMIC_ORIGINAL_FIELDS = {
 lacks; vLLM's NomicBertModel reads these (and ``n_embd``, ``n_layer``, ``n_inner``, ``layer_norm_epsilon``)."""
 
 
-def vllm_folder(folder: str) -> str:
-    """``folder`` as vLLM reads it: for the NomicBERT model, a view of it (links to its files)
-    whose config.json also has nomic's original fields; the weights already use nomic's names."""
+def vllm_folder(folder: str, scratch: Path) -> str:
+    """``folder`` as vLLM reads it: for the NomicBERT model, a view of it in ``scratch`` (links to
+    its files) whose config.json also has nomic's original fields; the weights already use nomic's names."""
     config = json.loads((Path(folder) / "config.json").read_text())
     if config["model_type"] != "nomic_bert":
         return folder
-    view = Path(tempfile.mkdtemp(prefix="vllm-nomic-"))
+    view = scratch / "vllm-view"
+    view.mkdir()
     for item in Path(folder).iterdir():
         if item.name != "config.json":
             (view / item.name).symlink_to(item)
@@ -184,7 +185,7 @@ def worker(job: dict) -> dict:
     import numpy as np
 
     texts = inputs(job["length"], job["texts"])
-    embed = embedder(job["system"], job["folder"], job["dtype"])
+    embed = embedder(job["system"], job["folder"], job["dtype"], Path(job["result"]).parent)
     loaded = rss_mib()[0]
     embed(texts[0][:128])  # warm-up: kernels; the timed passes' own allocations stay in the peak
     seconds, vectors = [], []

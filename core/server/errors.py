@@ -71,9 +71,9 @@ class ErrorAnswer(pydantic.BaseModel):
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    """:class:`ErrorAnswer`'s fields, as a dict: ``type`` from :data:`ERROR_TYPES`."""
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
-                      "code": status}}
+    """:class:`ErrorAnswer` as a dict: ``type`` from :data:`ERROR_TYPES`."""
+    detail = ErrorDetail(message=message, type=ERROR_TYPES.get(status, "server_error"), param=param, code=status)
+    return ErrorAnswer(error=detail).model_dump()
 
 
 async def send_error(send: Callable[[dict[str, Any]], Awaitable[None]], status: int, message: str,
