@@ -90,6 +90,25 @@ def test_minilm_wordpiece_windows_equal_whole_text_truncation(runtime, hf_tokeni
     assert_equal_to_whole(runtime.inputs, hf_tokenizer, texts, (2, 3, 17, 64, 255, 256), reads)
 
 
+def chinese_texts(count: int, seed: int) -> list[str]:
+    """``count`` texts of 1,000 to 12,000 characters without spaces: CJK ideographs (common and
+    rare blocks), kana, Chinese punctuation, digits and Latin runs, as Chinese and Japanese text is."""
+    rng = random.Random(seed)
+    extras = ("，", "。", "、", "！", "？", "「", "」", "の", "です", "カタカナ", "2024年", "GPU", "３", "\U00020001")
+    texts = []
+    for _ in range(count):
+        size = rng.choice((1000, 4000, 12000))
+        texts.append("".join(rng.choice(extras) if rng.random() < 0.1 else chr(rng.randint(0x4E00, 0x9FFF))
+                             for _ in range(size)))
+    return texts
+
+
+def test_minilm_windows_of_text_without_spaces_are_cut_before_ideographs(runtime, hf_tokenizer, reads):
+    """BERT's normalizer isolates each ideograph, so Chinese text (no spaces) is cut before one."""
+    assert runtime.inputs.cut_at_ideographs
+    assert_equal_to_whole(runtime.inputs, hf_tokenizer, chinese_texts(40, seed=6), (2, 17, 256), reads)
+
+
 def test_windows_equal_whole_text_with_a_prompt_and_without_special_tokens(runtime, hf_tokenizer, words):
     texts = hostile_texts(words, 40, seed=2)
     for side in ("right", "left"):
@@ -116,7 +135,8 @@ def test_a_window_too_short_is_retried_up_to_the_limit_then_refused(runtime, hf_
         small.encode([text], truncate_prompt_tokens=256)
     assert str(error.value) == (
         f"input 0 has {len(text)} characters, more than the limit of 2500 per input (max_input_chars, the "
-        "--max-input-chars flag); shorten it (its 256 kept tokens were not found in its first 2500 characters)")
+        "--max-input-chars flag); shorten it or raise the limit: truncating it reads only its first 2500 characters, "
+        "cut between words, and they have no such cut beyond its 256 kept tokens")
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +238,12 @@ def test_cut_windows_end_at_spaces_after_words():
     assert cutting.cut(text, len(text), "right") is None
     assert cutting.cut("x" * 100, 50, "right") is None  # no space: read whole
     assert cutting.cut("a " + "x" * 100, 50, "left") is None
+    chinese = "今天天气很好，我们去公园散步。"
+    assert cutting.cut(chinese, 10, "right") is None  # ideographs are cuts only where the normalizer isolates them
+    window = cutting.cut(chinese, 10, "right", ideographs=True)
+    assert window.text == "今天天气很好，我们去" and window.bound == len("今天天气很好，我")
+    window = cutting.cut(chinese, 6, "left", ideographs=True)
+    assert window.text == "去公园散步。" and window.bound == len("去公")
 
 
 def test_a_megabyte_text_is_read_in_a_window(runtime, hf_tokenizer, words, reads):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import platform
+import random
 import subprocess
 import sys
 import threading
@@ -54,11 +55,24 @@ def test_truncated_text_over_the_limit_is_read_in_a_window(runtime, lee_docs, as
     assert_serves(runtime)
 
 
+def test_truncated_chinese_text_over_the_limit_is_read_in_a_window(runtime, hf_tokenizer, assert_serves):
+    """No spaces, yet MiniLM's normalizer isolates each ideograph: a cut before one is exact."""
+    rng = random.Random(0)
+    text = "".join("，" if rng.random() < 0.1 else chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(100_000))
+    vector = runtime.embed(text, truncate_prompt_tokens=-1)
+    hf_tokenizer.truncation_side = "right"
+    assert runtime.inputs.encode([text], truncate_prompt_tokens=-1)[0] == tuple(
+        hf_tokenizer(text, truncation=True, max_length=256)["input_ids"])
+    assert (vector == runtime.embed(text[:1000], truncate_prompt_tokens=-1)).all()  # 1000 hold 256 tokens
+    assert_serves(runtime)
+
+
 def test_truncated_text_without_spaces_over_the_limit_is_refused(runtime, assert_serves):
     with pytest.raises(InvalidRequestError) as error:
         runtime.embed("x" * 9000, truncate_prompt_tokens=-1)
     assert str(error.value) == _message(
-        0, 9000, "shorten it (its 256 kept tokens were not found in its first 8192 characters)")
+        0, 9000, "shorten it or raise the limit: truncating it reads only its first 8192 characters, "
+        "cut between words, and they have no such cut beyond its 256 kept tokens")
     assert isinstance(error.value, InputTooLongError) and error.value.param == "input"
     assert_serves(runtime)
 

@@ -11,7 +11,9 @@ pre-tokens), then truncates and adds special tokens. :func:`cuttable` accepts on
 normalizers change characters locally and whose pre-tokenizers split at spaces, so a pre-token
 never reaches across a space that follows a non-space character. Text cut at such a space tokenizes
 as the whole text does, except near the cut; the tokens of the last two words before the cut (of
-the first two words after it, for left truncation) are treated as uncertain. A window is accepted
+the first two words after it, for left truncation) are treated as uncertain. BERT's normalizer puts
+spaces around CJK ideographs, so with it the place before an ideograph is such a space too, and
+Chinese text, which has no spaces, can be cut (:func:`isolates_ideographs`). A window is accepted
 when truncation kept exactly ``k`` tokens and none of its text tokens is uncertain: then the ``k``
 kept tokens are the whole text's ``k`` kept tokens (checked against the whole text in
 ``tests/test_input_cutting.py``).
@@ -57,8 +59,14 @@ _WORD_SPLIT_PATTERNS = frozenset({
 into the next word)."""
 _SPACE_PATTERNS = frozenset({" ", " {2,}", " +", r"\s+", r"\s{2,}"})
 """``Replace`` patterns that rewrite runs of spaces only."""
-_SPACE_AFTER_WORD = re.compile(r"(?<=\S) ")
-_SPACE_BEFORE_WORD = re.compile(r" (?=\S)")
+_IDEOGRAPHS = ("\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df\U0002a700-\U0002ceaf"
+               "\U0002f800-\U0002fa1f")
+"""The CJK ideographs BERT's normalizer puts spaces around (``handle_chinese_chars``: the
+ranges of its ``_is_chinese_char``)."""
+_AFTER_WORD = re.compile(r"(?<=\S) ")
+_BEFORE_WORD = re.compile(r" (?=\S)")
+_AFTER_WORD_OR_IDEOGRAPH = re.compile(rf"(?<=\S)(?: |(?=[{_IDEOGRAPHS}]))")
+_BEFORE_WORD_OR_IDEOGRAPH = re.compile(rf" (?=\S)|(?=[{_IDEOGRAPHS}])")
 
 
 @frozen
@@ -93,18 +101,21 @@ def first_window(keep: int) -> int:
     return CUT_CHARS_PER_TOKEN * keep + CUT_MARGIN_CHARS
 
 
-def cut(text: str, size: int, side: TruncationSide, prefix: str = "") -> Window | None:
+def cut(text: str, size: int, side: TruncationSide, prefix: str = "", *, ideographs: bool = False) -> Window | None:
     """The window of at most ``size`` characters of ``text`` that ``side`` truncation keeps, cut
-    at a space after (right) or before (left) a word, ``prefix`` (a prompt) put before a right
-    window; ``None`` when ``text`` is not longer than ``size`` or has fewer than three such
-    spaces there."""
+    at a space after (right) or before (left) a word, or with ``ideographs`` (a tokenizer that
+    :func:`isolates_ideographs`) also before a CJK ideograph; ``prefix`` (a prompt) put before
+    a right window. ``None`` when ``text`` is not longer than ``size`` or has fewer than three
+    such cuts there."""
     if len(text) <= size:
         return None
     if side == "right":
-        spaces = [match.start() for match in _SPACE_AFTER_WORD.finditer(text, 0, size + 1)]
-        return Window(prefix + text[:spaces[-1]], len(prefix) + spaces[-3], side) if len(spaces) >= 3 else None
-    spaces = [match.start() for match in itertools.islice(_SPACE_BEFORE_WORD.finditer(text, len(text) - size), 3)]
-    return Window(text[spaces[0]:], spaces[2] - spaces[0], side) if len(spaces) == 3 else None
+        points = _AFTER_WORD_OR_IDEOGRAPH if ideographs else _AFTER_WORD
+        cuts = [match.start() for match in points.finditer(text, 0, size + 1)]
+        return Window(prefix + text[:cuts[-1]], len(prefix) + cuts[-3], side) if len(cuts) >= 3 else None
+    points = _BEFORE_WORD_OR_IDEOGRAPH if ideographs else _BEFORE_WORD
+    cuts = [match.start() for match in itertools.islice(points.finditer(text, len(text) - size), 3)]
+    return Window(text[cuts[0]:], cuts[2] - cuts[0], side) if len(cuts) == 3 else None
 
 
 def cuttable(tokenizer: Any) -> bool:
@@ -118,6 +129,16 @@ def cuttable(tokenizer: Any) -> bool:
     model_ok = kind in ("WordPiece", "WordLevel", "Unigram") or (kind == "BPE" and not backend.model.dropout)
     return (model_ok and _normalizer_ok(_spec(backend.normalizer)) and _pre_tokenizer_ok(_spec(backend.pre_tokenizer))
             and all(_added_ok(token.content) for token in backend.get_added_tokens_decoder().values()))
+
+
+def isolates_ideographs(tokenizer: Any) -> bool:
+    """Whether a :func:`cuttable` ``tokenizer``'s normalizer puts spaces around every CJK
+    ideograph (BERT's ``handle_chinese_chars``): each is then a word of its own, and a text
+    without spaces (Chinese, Japanese kanji) can be cut before any of them."""
+    spec = _spec(tokenizer.backend_tokenizer.normalizer)
+    parts = spec.get("normalizers", ()) if spec and spec.get("type") == "Sequence" else (spec,)
+    return any(part and part.get("type") == "BertNormalizer" and part.get("handle_chinese_chars", True)
+               for part in parts)
 
 
 def _spec(component: Any) -> dict[str, Any] | None:

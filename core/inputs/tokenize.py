@@ -77,6 +77,7 @@ class InputProcessor:
         # Special tokens the tokenizer adds to one text, and to a (text, text_pair) pair.
         self.num_special_tokens = {pair: _num_special_tokens(tokenizer, pair) for pair in (False, True)}
         self.cuttable = cutting.cuttable(tokenizer)
+        self.cut_at_ideographs = self.cuttable and cutting.isolates_ideographs(tokenizer)
         self._lock = threading.Lock()
 
     def without_length_limit(self) -> InputProcessor:
@@ -294,8 +295,9 @@ class InputProcessor:
         ``max_input_chars`` characters."""
         found: dict[int, tuple[int, ...]] = {}
         for size in sorted({min(cutting.first_window(keep), self.max_input_chars), self.max_input_chars}):
-            windows = {index: window for index, text in texts.items() if index not in found
-                       and (window := cutting.cut(text, size, side, prefix)) is not None}
+            cuts = {index: cutting.cut(text, size, side, prefix, ideographs=self.cut_at_ideographs)
+                    for index, text in texts.items() if index not in found}
+            windows = {index: window for index, window in cuts.items() if window is not None}
             rows = self._encode([window.text for window in windows.values()], keep, side, add_special_tokens,
                                 spans=True)
             for (index, window), (ids, spans) in zip(windows.items(), rows, strict=True):
@@ -312,7 +314,8 @@ class InputProcessor:
         if not self.cuttable:
             return f"shorten it (the tokenizer of {self.model_config.name} reads whole texts, even to truncate them)"
         part = "first" if side == "right" else "last"
-        return f"shorten it (its {keep} kept tokens were not found in its {part} {self.max_input_chars} characters)"
+        return (f"shorten it or raise the limit: truncating it reads only its {part} {self.max_input_chars} "
+                f"characters, cut between words, and they have no such cut beyond its {keep} kept tokens")
 
     def _encode(self, texts: list[str], keep: int | None, side: TruncationSide, add_special_tokens: bool, *,
                 spans: bool = False) -> list[tuple[tuple[int, ...], dict[str, Any]]]:
