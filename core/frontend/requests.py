@@ -195,8 +195,8 @@ def as_items(inputs: Input | Sequence[Input]) -> tuple[Input, ...]:
     if is_single(inputs) or _is_numbers(inputs):  # a list of numbers is one token-id list, bad ids and all
         return Items((inputs,))
     if not _is_sequence(inputs):
-        raise InvalidRequestError(f"inputs must be a text, a token-id list, a (text, text_pair) pair, an image, "
-                                  f"or a list of them; got {type(inputs).__name__}", param="input")
+        raise InvalidRequestError(f"input must be a text, a token-id list, a (text, text_pair) pair, an image, "
+                                  f"or a list of them; got {shown(inputs)} ({type(inputs).__name__})", param="input")
     return Items(inputs)
 
 

@@ -477,5 +477,5 @@ def test_allow_extra_fields_accepts_and_logs_unknown_fields(runtime, server, cap
         assert len(scored["data"]) == 1
         # known fields are still checked
         assert _error(httpx.post(f"{running.url}/v1/embeddings", json={"input": 5, "colour": "red"})).startswith(
-            "inputs must be a text, a token-id list, a (text, text_pair) pair, an image, or a list of them; got int")
+            "input must be a text, a token-id list, a (text, text_pair) pair, an image, or a list of them; got 5 (int)")
         _still_serves(running.url, runtime)
