@@ -8,6 +8,8 @@ round the output once.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -19,11 +21,13 @@ from poolrunner.core.kernels.attention import (
     FLOAT32_KERNEL_ROWS,
     LAYOUT_KWARG,
     LONG_ROWS,
+    TILE_ROWS,
     MaskRule,
     PackedLayout,
     packed_attention,
 )
 from tests.helpers import ModelSpy
+from tests.models.architectures import FAMILIES, Row, build_folder, load_reference, reference_output
 
 SUPPORTED = cpu_kernels.supported_dtypes()
 pytestmark = pytest.mark.skipif(not SUPPORTED, reason="the kernel needs an x86 CPU with AVX-512 and a C++ compiler")
@@ -170,6 +174,37 @@ def test_long_requests_attend_in_tiles_without_a_whole_mask(native):
         expected = F.scaled_dot_product_attention(*alone, attn_mask=dense).transpose(0, 1)
         torch.testing.assert_close(out[0, :length].double(), expected, rtol=1e-5, atol=1e-5)  # fp32 sums of 1,324 keys
         assert all(key[1] <= LONG_ROWS for key in rule._blocks), "a whole mask of the long request was built"
+
+
+def test_the_tiles_of_a_long_request_are_built_once_per_step(monkeypatch):
+    """Every local layer of a step shares one rule (transformers builds each mask once per
+    forward): the second layer reuses the first's tiles and gets the same answer."""
+    length = LONG_ROWS + 300
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in _packed([length], 2, 2, 32, torch.float32))
+    rule = MaskRule(lambda _b, _h, q_idx, kv_idx: (q_idx - kv_idx).abs() <= 64, False)
+    reads: list[int] = []
+    rows = MaskRule.rows
+    monkeypatch.setattr(MaskRule, "rows", lambda self, *args: reads.append(args[0]) or rows(self, *args))
+    layout = PackedLayout.build([length])
+    with torch.inference_mode():
+        first, _ = packed_attention(torch.nn.Identity(), q, k, v, rule, **{LAYOUT_KWARG: layout})
+        built = len(reads)
+        second, _ = packed_attention(torch.nn.Identity(), q, k, v, rule, **{LAYOUT_KWARG: layout})
+    assert built == 1 + -(-length // TILE_ROWS)  # one tile read to classify the mask, then each tile once
+    assert len(reads) == built and torch.equal(first, second)
+
+
+def test_a_modernbert_request_past_long_rows_equals_transformers(tmp_path):
+    """End to end on a seeded ModernBERT (local layers over a window of 8, every other layer
+    global): a request of LONG_ROWS + 276 tokens, its local layers in tiles, gives transformers'
+    own hidden states (eager attention, the request alone)."""
+    family = next(family for family in FAMILIES if family.id == "modernbert-mean")
+    row = Row(dataclasses.replace(family, config={**family.config, "max_position_embeddings": 1536}), "model")
+    folder = build_folder(row, tmp_path / "modernbert")
+    ids = [1, *torch.randint(5, 200, (LONG_ROWS + 274,), generator=torch.Generator().manual_seed(0)).tolist(), 2]
+    got = Runtime(str(folder), dtype="float32", load_entrypoints=False).encode([ids], task="token_embed")[0]
+    expected = reference_output(load_reference(row, folder), ids)
+    np.testing.assert_allclose(got, expected, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -94,6 +94,7 @@ class MaskRule:
     use_vmap: bool
     _blocks: dict[tuple[int, int, int, str], _Block] = field(factory=dict, init=False)
     _kinds: dict[int, str] = field(factory=dict, init=False)
+    _tiles: dict[tuple[int, str], tuple[_Tile, ...]] = field(factory=dict, init=False)
 
     def rows(self, q_offset: int, q_length: int, kv_length: int) -> torch.Tensor:
         """The ``[q_length, kv_length]`` bool mask (CPU) of queries ``q_offset ..`` of one request."""
@@ -119,6 +120,16 @@ class MaskRule:
                     break
             self._kinds[length] = "full" if full else "causal" if causal else "custom"
         return self._kinds[length]
+
+    def tiles(self, length: int, device: torch.device) -> tuple[_Tile, ...]:
+        """A request of ``length`` tokens in tiles of :data:`TILE_ROWS` query rows, each with the
+        span of keys its rows see and that part of the mask; built once per step, then shared by
+        every layer with this rule (ModernBERT-base: 14 local layers)."""
+        key = (length, str(device))
+        if key not in self._tiles:
+            self._tiles[key] = tuple(_Tile.of(self.rows(start, min(TILE_ROWS, length - start), length), start, device)
+                                     for start in range(0, length, TILE_ROWS))
+        return self._tiles[key]
 
     def block(self, q_offset: int, q_length: int, kv_length: int, device: torch.device) -> _Block:
         """The ``[q_length, kv_length]`` mask of one request whose queries start at ``q_offset``."""
@@ -146,6 +157,30 @@ class _Block:
         square = q_offset == 0 and q_length == kv_length
         kind = "full" if bool(mask.all()) else "causal" if square and torch.equal(mask, causal) else "custom"
         return cls(mask.contiguous().to(device, non_blocking=True), kind, future)
+
+
+@frozen(eq=False)
+class _Tile:
+    """Query rows ``start:end`` of a long request, over keys ``first:last`` (those they see)."""
+
+    start: int
+    end: int
+    first: int
+    last: int
+    block: _Block  # the tile's mask over its keys
+
+    @classmethod
+    def of(cls, mask: torch.Tensor, start: int, device: torch.device) -> _Tile:
+        """:param mask: ``[rows, length]`` bool, the rows' whole mask.
+        :raises UnsupportedAttentionError: when the rows see no key at all."""
+        seen = mask.any(0).nonzero()
+        end = start + mask.shape[0]
+        if len(seen) == 0:
+            raise UnsupportedAttentionError(f"queries {start}..{end} of a {mask.shape[1]}-token request see no key")
+        first, last = int(seen[0]), int(seen[-1]) + 1
+        mask = mask[:, first:last]
+        return cls(start, end, first, last,
+                   _Block(mask.contiguous().to(device), "full" if bool(mask.all()) else "custom", False))
 
 
 @frozen(eq=False)
@@ -358,18 +393,11 @@ def _attend_long(
                                                   enable_gqa=keys.shape[1] != queries.shape[1])
         target.copy_(attended.transpose(1, 2))
         return
-    for start in range(0, run.length, TILE_ROWS):
-        end = min(start + TILE_ROWS, run.length)
-        mask = rule.rows(start, end - start, run.length)
-        seen = mask.any(0).nonzero()
-        if len(seen) == 0:
-            raise UnsupportedAttentionError(f"queries {start}..{end} of a {run.length}-token request see no key")
-        first, last = int(seen[0]), int(seen[-1]) + 1
-        mask = mask[:, first:last]
-        block = _Block(mask.contiguous().to(q.device), "full" if bool(mask.all()) else "custom", False)
-        attended = _attend(queries[:, :, start:end], keys[:, :, first:last], values[:, :, first:last], block,
+    for tile in rule.tiles(run.length, q.device):
+        span = slice(tile.first, tile.last)
+        attended = _attend(queries[:, :, tile.start : tile.end], keys[:, :, span], values[:, :, span], tile.block,
                            scaling, softcap, sinks)
-        target[:, start:end] = attended.transpose(1, 2)
+        target[:, tile.start : tile.end] = attended.transpose(1, 2)
 
 
 def _attend(
