@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from poolrunner import Runtime
 from poolrunner.core.kernels import cpu_kernels
 from poolrunner.core.kernels.attention import (
-    FLOAT32_KERNEL_ROWS,
+    FLOAT32_KERNEL_KEYS,
     LAYOUT_KWARG,
     LONG_ROWS,
     TILE_ROWS,
@@ -50,15 +50,26 @@ def _packed(lengths: list[int], heads: int, kv_heads: int, dim: int, dtype: torc
     return q, k, v
 
 
+def _band(length: int, window: tuple[int, int]) -> torch.Tensor:
+    """The dense ``[length, length]`` mask of a kernel ``window`` (query i sees i - before .. i + after)."""
+    rows = torch.arange(length)
+    offset = rows[None] - rows[:, None]  # key - query
+    before, after = window
+    return ((offset >= -before) | (before < 0)) & ((offset <= after) | (after < 0))
+
+
 def _reference(q, k, v, lengths, causal, dtype):
-    """Each request alone through torch's SDPA, in ``dtype`` and in float64."""
+    """Each request alone through torch's SDPA, in ``dtype`` and in float64; ``causal`` a bool
+    or a kernel window (a dense mask)."""
     outputs = {dtype: [], torch.float64: []}
     start = 0
     for length in lengths:
         alone = [t[start : start + length].transpose(0, 1) for t in (q, k, v)]
         gqa = q.shape[1] != k.shape[1]
+        mask = _band(length, causal) if isinstance(causal, tuple) else None
         for kind in outputs:
-            out = F.scaled_dot_product_attention(*(t.to(kind) for t in alone), is_causal=causal, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(*(t.to(kind) for t in alone), is_causal=causal is True,
+                                                 attn_mask=mask, enable_gqa=gqa)
             outputs[kind].append(out.transpose(0, 1))
         start += length
     return torch.cat(outputs[dtype]), torch.cat(outputs[torch.float64])
@@ -67,7 +78,8 @@ def _reference(q, k, v, lengths, causal, dtype):
 def _run_kernel(q, k, v, lengths, causal, scale):
     out = torch.full_like(q, 7.0)
     starts = torch.tensor([sum(lengths[:i]) for i in range(len(lengths))])
-    cpu_kernels.attend(q, k, v, out, starts, torch.tensor(lengths), causal, scale)
+    window = cpu_kernels.CAUSAL if causal is True else cpu_kernels.FULL if causal is False else causal
+    cpu_kernels.attend(q, k, v, out, starts, torch.tensor(lengths), window, scale)
     return out
 
 
@@ -85,6 +97,14 @@ def test_long_requests_get_what_torch_gives_them_alone(dtype, causal, heads, kv_
     """Requests past 512 tokens (and past a work item's 256 query rows): float32 sums of 1,300
     keys in another order than torch's flash kernel, mean error within 1.2x of its."""
     _assert_as_close_as_torch(LONG_LENGTHS, dtype, causal, heads, kv_heads, dim, float32_mean=1.2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [(64, 64), (3, 3), (15, 0), (0, 0), (100, 5), (-1, 30), (40, -1)])
+def test_sliding_windows_get_what_torch_gives_them_alone(dtype, window):
+    """Query i sees keys i - before .. i + after: ModernBERT's (64, 64), Mistral's (w - 1, 0),
+    a key alone, lopsided windows, and windows bounded on one side only."""
+    _assert_as_close_as_torch(LENGTHS + [1300, 600], dtype, window, 6, 2, 64, float32_mean=1.2)
 
 
 def _assert_as_close_as_torch(lengths, dtype, causal, heads, kv_heads, dim, float32_mean=1.1):
@@ -123,7 +143,7 @@ def test_inputs_it_does_not_take_are_refused_by_name(change, message):
     q, k, v = _packed([5], 4, 4, 32, torch.float32)
     args = change(q, k, v, torch.empty_like(q))
     with pytest.raises(RuntimeError, match=message):
-        cpu_kernels.attend(*args, torch.tensor([0]), torch.tensor([5]), False, 0.1)
+        cpu_kernels.attend(*args, torch.tensor([0]), torch.tensor([5]), cpu_kernels.FULL, 0.1)
     out = _run_kernel(q, k, v, [5], False, 32**-0.5)  # and the next call is served
     torch.testing.assert_close(out.double(), _reference(q, k, v, [5], False, torch.float32)[1], rtol=1e-5, atol=2e-6)
 
@@ -131,33 +151,44 @@ def test_inputs_it_does_not_take_are_refused_by_name(change, message):
 def test_a_request_spanning_tokens_outside_q_is_refused():
     q, k, v = _packed([5], 2, 2, 32, torch.float32)
     with pytest.raises(RuntimeError, match="request 0 spans tokens outside q"):
-        cpu_kernels.attend(q, k, v, torch.empty_like(q), torch.tensor([2]), torch.tensor([5]), False, 0.1)
+        cpu_kernels.attend(q, k, v, torch.empty_like(q), torch.tensor([2]), torch.tensor([5]), cpu_kernels.FULL, 0.1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_packed_attention_function_uses_it_and_keeps_sdpa_for_custom_masks(dtype):
-    """A layer whose mask is neither full nor causal (a sliding window shorter than a request)
-    still attends on torch's SDPA with that mask, in the same step."""
+def test_the_packed_attention_function_sends_windows_to_it_and_other_masks_to_sdpa(dtype, monkeypatch):
+    """A sliding window (Mistral's: a key at most 7 before the query) attends in the kernel with
+    its window (causal for the requests it does not cut); a mask that is no window (keys of even
+    distance) on torch's SDPA with that mask."""
     lengths = [6, 6, 20]
+    windows: list[tuple[int, int]] = []
+    attend = cpu_kernels.attend
+    monkeypatch.setattr(cpu_kernels, "attend", lambda *args: windows.append(args[6]) or attend(*args))
 
-    def window(_b, _h, q_idx, kv_idx):
+    def sliding(_b, _h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (q_idx - kv_idx < 8)
+
+    def even(_b, _h, q_idx, kv_idx):
+        return (q_idx - kv_idx) % 2 == 0
 
     q, k, v = _packed(lengths, 2, 2, 32, dtype)
     as_transformers = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]  # [1, heads, tokens, dim]
-    layout = PackedLayout.build(lengths, native=True)
-    with torch.inference_mode():
-        out, _ = packed_attention(torch.nn.Identity(), *as_transformers, MaskRule(window, False),
-                                  **{LAYOUT_KWARG: layout})
-    start = 0
-    for length in lengths:
-        alone = [t[start : start + length].transpose(0, 1).double() for t in (q, k, v)]
-        rows = torch.arange(length)
-        mask = (rows[None] <= rows[:, None]) & (rows[:, None] - rows[None] < 8)
-        expected = F.scaled_dot_product_attention(*alone, attn_mask=mask).transpose(0, 1)
-        tolerance = {"rtol": 1e-5, "atol": 2e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
-        torch.testing.assert_close(out[0, start : start + length].double(), expected, **tolerance)
-        start += length
+    rows = torch.arange(max(lengths))
+    dense = {sliding: (rows[None] <= rows[:, None]) & (rows[:, None] - rows[None] < 8),
+             even: (rows[:, None] - rows[None]) % 2 == 0}
+    for function, kernel_windows in ((sliding, [cpu_kernels.CAUSAL, (7, 0)]), (even, [])):
+        windows.clear()
+        with torch.inference_mode():
+            out, _ = packed_attention(torch.nn.Identity(), *as_transformers, MaskRule(function, False),
+                                      **{LAYOUT_KWARG: PackedLayout.build(lengths, native=True)})
+        assert windows == kernel_windows
+        start = 0
+        for length in lengths:
+            alone = [t[start : start + length].transpose(0, 1).double() for t in (q, k, v)]
+            mask = dense[function][:length, :length]
+            expected = F.scaled_dot_product_attention(*alone, attn_mask=mask).transpose(0, 1)
+            tolerance = {"rtol": 1e-5, "atol": 2e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+            torch.testing.assert_close(out[0, start : start + length].double(), expected, **tolerance)
+            start += length
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -223,10 +254,10 @@ def test_a_modernbert_request_past_long_rows_equals_transformers(tmp_path):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_long_float32_requests_go_to_sdpa_and_equal_it(dtype, monkeypatch):
-    """In float32 the kernel keeps full requests up to FLOAT32_KERNEL_ROWS["full"] tokens and
-    causal ones up to ["causal"]; longer ones go to SDPA (faster there); bfloat16 keeps them all.
+    """In float32 the kernel keeps full requests up to FLOAT32_KERNEL_KEYS tokens and causal ones
+    up to twice that; longer ones go to SDPA (faster there); bfloat16 keeps them all.
     Either way the output equals SDPA over each request alone (float64)."""
-    full, causal = FLOAT32_KERNEL_ROWS["full"], FLOAT32_KERNEL_ROWS["causal"]
+    full, causal = FLOAT32_KERNEL_KEYS, 2 * FLOAT32_KERNEL_KEYS
     lengths = [causal + 40, full + 40, full, 9]
     q, k, v = _packed(lengths, 2, 1, 16, dtype)
     kernel_lengths: list[int] = []

@@ -30,7 +30,8 @@ about 200 tokens, 1,000 of about 31; bf16 and fp32), its attention 17-38%: the p
 queries cost more than the extra kernel calls. The layout is built once per step and shared by
 every layer.
 
-On an x86 CPU with AVX-512 (``compile="auto"``), the runs whose mask is full or causal attend in
+On an x86 CPU with AVX-512 (``compile="auto"``), the runs whose mask is full, causal or a sliding
+window (:meth:`MaskRule.window`) attend in
 poolrunner's own kernel instead (:mod:`~poolrunner.core.kernels.cpu_kernels`), all of them in one
 call per layer; other masks, soft-capping and sinks stay on the path above.
 
@@ -68,8 +69,9 @@ of :data:`TILE_ROWS` query rows, each over the keys its rows see. Memory then gr
 ``length * TILE_ROWS``, not ``length ** 2`` (at 8,192 tokens a whole mask is 64 MiB of bools, and
 SDPA's scores for it 3 GiB in float32 over 12 heads)."""
 TILE_ROWS = 256
-FLOAT32_KERNEL_ROWS = {"full": LONG_ROWS, "causal": 2 * LONG_ROWS}
-"""The longest request poolrunner's kernel attends in float32, per mask kind; longer ones go to
+FLOAT32_KERNEL_KEYS = 1024
+"""The most keys a query row sees on average (a full request: its length; causal: half of it; a
+sliding window: its width) for poolrunner's kernel to attend a float32 request; more go to
 SDPA's flash kernel, whose key and value blocks stay in cache. Measured on one request of 12
 heads of 64 (2 Zen 4 cores), the kernel's time over SDPA's: full 0.93x at 768 tokens, 1.12x at
 1,024, 1.42x at 2,048, 1.82x at 8,192; causal 0.96x at 2,048, 1.17x at 4,096. In bfloat16 the
@@ -95,6 +97,7 @@ class MaskRule:
     _blocks: dict[tuple[int, int, int, str], _Block] = field(factory=dict, init=False)
     _kinds: dict[int, str] = field(factory=dict, init=False)
     _tiles: dict[tuple[int, str], tuple[_Tile, ...]] = field(factory=dict, init=False)
+    _windows: dict[int, tuple[int, int] | None] = field(factory=dict, init=False)
 
     def rows(self, q_offset: int, q_length: int, kv_length: int) -> torch.Tensor:
         """The ``[q_length, kv_length]`` bool mask (CPU) of queries ``q_offset ..`` of one request."""
@@ -120,6 +123,21 @@ class MaskRule:
                     break
             self._kinds[length] = "full" if full else "causal" if causal else "custom"
         return self._kinds[length]
+
+    def window(self, length: int, device: torch.device) -> tuple[int, int] | None:
+        """``(before, after)`` when each query ``i`` of a request of ``length`` tokens sees exactly
+        its keys ``i - before .. i + after`` (-1: unbounded; :func:`cpu_kernels.attend`'s
+        ``window``): full, causal or a sliding window; ``None`` for any other mask. Past
+        :data:`LONG_ROWS` tokens it is read from the tiles, never a whole mask."""
+        if length <= LONG_ROWS:
+            return self.block(0, length, length, device).window
+        if length not in self._windows:
+            kind = self.kind(length, device)
+            if kind != "custom":
+                self._windows[length] = cpu_kernels.FULL if kind == "full" else cpu_kernels.CAUSAL
+            else:
+                self._windows[length] = _tiles_window(self.tiles(length, device), length)
+        return self._windows[length]
 
     def tiles(self, length: int, device: torch.device) -> tuple[_Tile, ...]:
         """A request of ``length`` tokens in tiles of :data:`TILE_ROWS` query rows, each with the
@@ -147,6 +165,7 @@ class _Block:
     mask: torch.Tensor  # [q_length, kv_length] bool, True where a query sees a key
     kind: str  # "full", "causal" (a square block where query i sees keys 0..i) or "custom"
     attends_future: bool  # some query sees a key at a later position
+    window: tuple[int, int] | None = None  # a whole request's (before, after): see MaskRule.window
 
     @classmethod
     def of(cls, mask: torch.Tensor, q_offset: int, device: torch.device) -> _Block:
@@ -156,7 +175,10 @@ class _Block:
         # SDPA's is_causal aligns the triangle top-left: only right for a square block from 0.
         square = q_offset == 0 and q_length == kv_length
         kind = "full" if bool(mask.all()) else "causal" if square and torch.equal(mask, causal) else "custom"
-        return cls(mask.contiguous().to(device, non_blocking=True), kind, future)
+        window = {"full": cpu_kernels.FULL, "causal": cpu_kernels.CAUSAL}.get(kind)
+        if kind == "custom" and square:
+            window = _band(mask, 0, 0, kv_length)
+        return cls(mask.contiguous().to(device, non_blocking=True), kind, future, window)
 
 
 @frozen(eq=False)
@@ -181,6 +203,49 @@ class _Tile:
         mask = mask[:, first:last]
         return cls(start, end, first, last,
                    _Block(mask.contiguous().to(device), "full" if bool(mask.all()) else "custom", False))
+
+
+def _band(mask: torch.Tensor, q_offset: int, k_offset: int, kv_length: int) -> tuple[int, int] | None:
+    """``(before, after)`` when each row of ``mask`` (``[rows, keys]``: queries from ``q_offset``
+    over keys from ``k_offset`` of a ``kv_length``-key request) sees exactly keys ``i - before ..
+    i + after`` of the request, clipped to it (-1 on a side where no row is clipped); else ``None``."""
+    rows, keys = mask.shape
+    if not bool(mask.any(1).all()):
+        return None
+    index = torch.arange(keys)
+    first = torch.where(mask, index, keys).amin(1) + k_offset
+    last = torch.where(mask, index, -1).amax(1) + k_offset
+    query = torch.arange(rows) + q_offset
+    befores, afters = (query - first)[first > 0].unique(), (last - query)[last < kv_length - 1].unique()
+    if len(befores) > 1 or len(afters) > 1 or bool((befores < 0).any()) or bool((afters < 0).any()):
+        return None
+    window = (int(befores[0]) if len(befores) else -1, int(afters[0]) if len(afters) else -1)
+    return window if _is_band(mask, q_offset, k_offset, kv_length, window) else None
+
+
+def _is_band(mask: torch.Tensor, q_offset: int, k_offset: int, kv_length: int, window: tuple[int, int]) -> bool:
+    """Whether ``mask`` (as for :func:`_band`) is exactly the band ``window``, no key of the rows'
+    band outside its ``keys`` columns."""
+    rows, keys = mask.shape
+    query = torch.arange(rows)[:, None] + q_offset
+    lo = torch.zeros_like(query) if window[0] < 0 else (query - window[0]).clamp(min=0)
+    hi = torch.full_like(query, kv_length) if window[1] < 0 else (query + window[1] + 1).clamp(max=kv_length)
+    if int(lo.min()) < k_offset or int(hi.max()) > k_offset + keys:
+        return False
+    key = torch.arange(keys)[None] + k_offset
+    return torch.equal(mask, (key >= lo) & (key < hi))
+
+
+def _tiles_window(tiles: Sequence[_Tile], length: int) -> tuple[int, int] | None:
+    """:meth:`MaskRule.window` of a long request from its tiles: each tile's band, then all of
+    them checked against one (a tile whose rows are not clipped on a side reads -1 there)."""
+    found = [_band(tile.block.mask, tile.start, tile.first, length) for tile in tiles]
+    if any(window is None for window in found):
+        return None
+    window = (max(w[0] for w in found), max(w[1] for w in found))  # type: ignore[index]
+    if all(_is_band(tile.block.mask, tile.start, tile.first, length, window) for tile in tiles):
+        return window
+    return None
 
 
 @frozen(eq=False)
@@ -241,7 +306,7 @@ class PackedLayout:
 
         Adjacent requests of equal length form one run. A request with an entry
         ``(cache, store)`` in ``caches`` is a prefill chunk and attends on its own. ``native``:
-        runs with a full or causal mask attend in poolrunner's CPU kernel
+        runs with a full, causal or sliding-window mask attend in poolrunner's CPU kernel
         (:mod:`~poolrunner.core.kernels.cpu_kernels`), which the caller has built.
         """
         starts = [0]
@@ -346,25 +411,34 @@ def _attend_native(
     rule: MaskRule, layout: PackedLayout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor,
     scaling: float | None,
 ) -> tuple[_Run, ...]:
-    """Attend the runs whose mask is full or causal in poolrunner's CPU kernel, one call per mask
-    kind, into ``output`` (``[num_tokens, heads, head_dim]``); return the runs left for SDPA (other
-    masks, a dtype or head size the kernel does not take, float32 runs past
-    :data:`FLOAT32_KERNEL_ROWS`)."""
+    """Attend the runs whose mask is full, causal or a sliding window in poolrunner's CPU kernel,
+    one call per window, into ``output`` (``[num_tokens, heads, head_dim]``); return the runs left
+    for SDPA (other masks, a dtype or head size the kernel does not take, float32 runs whose rows
+    see more than :data:`FLOAT32_KERNEL_KEYS` keys)."""
     if q.dtype not in cpu_kernels.supported_dtypes() or q.shape[-1] % cpu_kernels.HEAD_DIM_MULTIPLE:
         return layout.runs
-    kinds: dict[str, list[_Run]] = {"full": [], "causal": []}
+    windows: dict[tuple[int, int], list[_Run]] = {}
     rest = []
     for run in layout.runs:
-        kind = rule.kind(run.length, q.device)
-        too_long = q.dtype == torch.float32 and run.length > FLOAT32_KERNEL_ROWS.get(kind, 0)
-        (rest if too_long else kinds.get(kind, rest)).append(run)
+        window = rule.window(run.length, q.device)
+        if window is None or (q.dtype == torch.float32 and _keys_seen(window, run.length) > FLOAT32_KERNEL_KEYS):
+            rest.append(run)
+        else:
+            windows.setdefault(window, []).append(run)
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
     q, k, v = (_kernel_layout(t) for t in (q, k, v))
-    for kind, members in kinds.items():
-        if members:
-            starts, lengths = layout.request_spans(tuple(members))
-            cpu_kernels.attend(q, k, v, output, starts, lengths, kind == "causal", scale)
+    for window, members in windows.items():
+        starts, lengths = layout.request_spans(tuple(members))
+        cpu_kernels.attend(q, k, v, output, starts, lengths, window, scale)
     return tuple(rest)
+
+
+def _keys_seen(window: tuple[int, int], length: int) -> int:
+    """The keys a query row of a ``length``-token request sees on average, about."""
+    if window == cpu_kernels.CAUSAL:
+        return length // 2
+    before, after = (length if side < 0 else side for side in window)
+    return min(length, before + after + 1)
 
 
 def _kernel_layout(tokens: torch.Tensor) -> torch.Tensor:

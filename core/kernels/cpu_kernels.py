@@ -48,9 +48,14 @@ def supported_dtypes() -> frozenset[torch.dtype]:
     return _load()
 
 
+FULL = (-1, -1)
+CAUSAL = (-1, 0)
+"""The ``window`` of :func:`attend` for full and causal attention."""
+
+
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    starts: torch.Tensor, lengths: torch.Tensor, causal: bool, scale: float,
+    starts: torch.Tensor, lengths: torch.Tensor, window: tuple[int, int], scale: float,
 ) -> None:
     """Attention within each request of a packed step, written into ``out``.
 
@@ -62,10 +67,12 @@ def attend(
     :param out: Contiguous, shaped and typed like ``q``; rows outside every request are left as is.
     :param starts: int64 ``[num_requests]``, each request's first token.
     :param lengths: int64 ``[num_requests]``, its token count.
-    :param causal: Query ``i`` of a request sees its keys ``0..i`` (else all of them).
+    :param window: ``(before, after)``: query ``i`` of a request sees its keys ``i - before ..
+        i + after`` (-1: no bound on that side): :data:`FULL`, :data:`CAUSAL`, or a sliding window
+        (ModernBERT's local layers: ``(64, 64)``; Mistral's ``sliding_window=w``: ``(w - 1, 0)``).
     :param scale: Softmax scale of the scores.
     """
-    torch.ops.poolrunner_cpu.packed_attention(q, k, v, out, starts, lengths, causal, scale)
+    torch.ops.poolrunner_cpu.packed_attention(q, k, v, out, starts, lengths, *window, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

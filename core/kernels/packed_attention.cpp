@@ -15,7 +15,8 @@
 // Layout: q [num_tokens, num_heads, head_dim], k and v [num_tokens, num_kv_heads, head_dim]
 // (any token and head strides, head_dim contiguous), out [num_tokens, num_heads, head_dim]
 // contiguous. Request i spans tokens starts[i] .. starts[i] + lengths[i]; its queries see its
-// own keys only: all of them, or with causal=true keys 0..i.
+// own keys only: query i sees keys i - before .. i + after of them (-1: no bound on that side),
+// so before = after = -1 is full attention, after = 0 causal, both bounded a sliding window.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -56,22 +57,24 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-inline __mmask16 valid_lanes(int64_t block, int64_t valid) {
-  const int64_t n = std::clamp<int64_t>(valid - block * kKeys, 0, kKeys);
-  return static_cast<__mmask16>((1u << n) - 1u);
+// The lanes of 16-key block `block` whose keys are in lo .. hi.
+inline __mmask16 valid_lanes(int64_t block, int64_t lo, int64_t hi) {
+  const int64_t below = std::clamp<int64_t>(lo - block * kKeys, 0, kKeys);
+  const int64_t upto = std::clamp<int64_t>(hi - block * kKeys, 0, kKeys);
+  return static_cast<__mmask16>(((1u << upto) - 1u) & ~((1u << below) - 1u));
 }
 
-// Softmax numerator of one score row in place: exp(s - max) on the first `valid` keys, 0 on the
-// rest of `blocks` * 16. Returns the fp32 sum of the numerators.
-inline float exp_row(float* s, int64_t blocks, int64_t valid) {
+// Softmax numerator of one score row in place: exp(s - max) on keys lo .. hi, 0 on the rest of
+// blocks b0 .. b1. Returns the fp32 sum of the numerators.
+inline float exp_row(float* s, int64_t b0, int64_t b1, int64_t lo, int64_t hi) {
   __m512 top = _mm512_set1_ps(-INFINITY);
-  for (int64_t b = 0; b < blocks; ++b) {
-    top = _mm512_mask_max_ps(top, valid_lanes(b, valid), top, _mm512_loadu_ps(s + b * kKeys));
+  for (int64_t b = b0; b < b1; ++b) {
+    top = _mm512_mask_max_ps(top, valid_lanes(b, lo, hi), top, _mm512_loadu_ps(s + b * kKeys));
   }
   const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
   __m512 sum = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const __m512 e = _mm512_maskz_mov_ps(valid_lanes(b, valid),
+  for (int64_t b = b0; b < b1; ++b) {
+    const __m512 e = _mm512_maskz_mov_ps(valid_lanes(b, lo, hi),
                                          exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + b * kKeys), row_max)));
     _mm512_storeu_ps(s + b * kKeys, e);
     sum = _mm512_add_ps(sum, e);
@@ -95,8 +98,16 @@ struct Problem {
   int64_t q_token, q_head, k_token, k_head, v_token, v_head;  // strides in elements
   int64_t heads, group, dim;  // query heads, query heads per kv head, head_dim
   float scale;
-  bool causal;
+  int64_t before, after;  // query i sees keys i - before .. i + after; -1: unbounded
 };
+
+// The first key query `row` of a request sees, and one past its last.
+inline int64_t first_key(const Problem& p, int64_t row) {
+  return p.before < 0 ? 0 : std::max<int64_t>(0, row - p.before);
+}
+inline int64_t end_key(const Problem& p, int64_t row, int64_t length) {
+  return p.after < 0 ? length : std::min(length, row + p.after + 1);
+}
 
 // ---- scores: q . k for R query rows against 16-key blocks -------------------------------------
 
@@ -158,23 +169,24 @@ void score_blocks(const Problem& p, const Panel& panel, const T* const* q, int64
       _mm512_storeu_ps(s + i * panel.padded + (b + c) * kKeys, _mm512_mul_ps(acc[c][i], _mm512_set1_ps(p.scale)));
 }
 
-// Scores of R query rows (element offsets q_rows into q) against `blocks` 16-key blocks.
+// Scores of R query rows (element offsets q_rows into q) against 16-key blocks b0 .. b1.
 template <typename T, int R>
-void scores(const Problem& p, const Panel& panel, const int64_t* q_rows, int64_t blocks, float* s) {
+void scores(const Problem& p, const Panel& panel, const int64_t* q_rows, int64_t b0, int64_t b1, float* s) {
   using Q = std::conditional_t<std::is_same_v<T, float>, float, uint32_t>;  // bf16 rows as pairs
   const Q* q[R];
   for (int i = 0; i < R; ++i) q[i] = reinterpret_cast<const Q*>(static_cast<const T*>(p.q) + q_rows[i]);
-  int64_t b = 0;
-  for (; b + 2 <= blocks; b += 2) score_blocks<Q, R, 2>(p, panel, q, b, s);
-  if (b < blocks) score_blocks<Q, R, 1>(p, panel, q, b, s);
+  int64_t b = b0;
+  for (; b + 2 <= b1; b += 2) score_blocks<Q, R, 2>(p, panel, q, b, s);
+  if (b < b1) score_blocks<Q, R, 1>(p, panel, q, b, s);
 }
 
 // ---- values: sum over keys of e[i][j] * v[j], in fp32 ----------------------------------------
 
-// acc[i][g] += sum_j e[i][j] * v[j][d0 + 16 g .. d0 + 16 g + 16] for j < keys.
+// acc[i][g] += sum_j e[i][j] * v[j][d0 + 16 g .. d0 + 16 g + 16] for keys j0 <= j < j1.
 template <int R, int G>
-void values(const float* const* e, const float* v, int64_t v_token, int64_t keys, int64_t d0, __m512 (*acc)[4]) {
-  for (int64_t j = 0; j < keys; ++j) {
+void values(const float* const* e, const float* v, int64_t v_token, int64_t j0, int64_t j1, int64_t d0,
+            __m512 (*acc)[4]) {
+  for (int64_t j = j0; j < j1; ++j) {
     __m512 vv[G];
     for (int g = 0; g < G; ++g) vv[g] = _mm512_loadu_ps(v + j * v_token + d0 + g * kKeys);
     for (int i = 0; i < R; ++i) {
@@ -195,41 +207,44 @@ inline void store(c10::BFloat16* dst, __m512 x) {  // round to nearest even, as 
 
 struct Item {
   int64_t start, length, head, first_row;
+  int64_t key0;  // the first key the item's rows see: the panel's key 0
 };
 
 // R query rows from row r0 of the item's request: scores, softmax numerators, values, output.
+// Keys are counted from the item's key0 (the panel's first key); row i sees lo[i] .. hi[i], both
+// non-decreasing in i.
 template <typename T, int R>
 void rows(const Problem& p, const Panel& panel, const Item& item, int64_t r0, std::vector<float>& s) {
-  int64_t valid[R];
+  int64_t lo[R], hi[R];
   int64_t q_rows[R];
   const float* e[R];
-  int64_t keys = 0;
   for (int i = 0; i < R; ++i) {
-    valid[i] = p.causal ? r0 + i + 1 : item.length;
-    keys = std::max(keys, valid[i]);
+    lo[i] = first_key(p, r0 + i) - item.key0;
+    hi[i] = end_key(p, r0 + i, item.length) - item.key0;
     q_rows[i] = (item.start + r0 + i) * p.q_token + item.head * p.q_head;
     e[i] = s.data() + i * panel.padded;
   }
-  const int64_t blocks = (keys + kKeys - 1) / kKeys;
-  scores<T, R>(p, panel, q_rows, blocks, s.data());
+  const int64_t b0 = lo[0] / kKeys, b1 = (hi[R - 1] + kKeys - 1) / kKeys;
+  scores<T, R>(p, panel, q_rows, b0, b1, s.data());
   float inv_sum[R];
-  for (int i = 0; i < R; ++i) inv_sum[i] = 1.0f / exp_row(s.data() + i * panel.padded, blocks, valid[i]);
+  for (int i = 0; i < R; ++i) inv_sum[i] = 1.0f / exp_row(s.data() + i * panel.padded, b0, b1, lo[i], hi[i]);
   // fp32 values are read in place; bf16 ones from the panel's fp32 copy.
   const bool in_place = std::is_same_v<T, float>;
-  const float* v = in_place
-      ? static_cast<const float*>(p.v) + item.start * p.v_token + (item.head / p.group) * p.v_head
-      : panel.values.data();
+  const float* v = in_place ? static_cast<const float*>(p.v) + (item.start + item.key0) * p.v_token +
+                                  (item.head / p.group) * p.v_head
+                            : panel.values.data();
   const int64_t v_token = in_place ? p.v_token : p.dim;
+  const int64_t j0 = lo[0], j1 = hi[R - 1];
   for (int64_t d0 = 0; d0 < p.dim; d0 += 4 * kKeys) {
     const int64_t width = std::min<int64_t>(4, (p.dim - d0) / kKeys);
     __m512 acc[R][4];
     for (int i = 0; i < R; ++i)
       for (int g = 0; g < 4; ++g) acc[i][g] = _mm512_setzero_ps();
     switch (width) {
-      case 4: values<R, 4>(e, v, v_token, keys, d0, acc); break;
-      case 3: values<R, 3>(e, v, v_token, keys, d0, acc); break;
-      case 2: values<R, 2>(e, v, v_token, keys, d0, acc); break;
-      default: values<R, 1>(e, v, v_token, keys, d0, acc); break;
+      case 4: values<R, 4>(e, v, v_token, j0, j1, d0, acc); break;
+      case 3: values<R, 3>(e, v, v_token, j0, j1, d0, acc); break;
+      case 2: values<R, 2>(e, v, v_token, j0, j1, d0, acc); break;
+      default: values<R, 1>(e, v, v_token, j0, j1, d0, acc); break;
     }
     for (int i = 0; i < R; ++i) {
       T* dst = static_cast<T*>(p.out) + ((item.start + r0 + i) * p.heads + item.head) * p.dim + d0;
@@ -239,16 +254,18 @@ void rows(const Problem& p, const Panel& panel, const Item& item, int64_t r0, st
 }
 
 template <typename T>
-void run_item(const Problem& p, const Item& item, Panel& panel, std::vector<float>& s) {
+void run_item(const Problem& p, Item item, Panel& panel, std::vector<float>& s) {
   const int64_t last_row = std::min(item.first_row + kQueryBlock, item.length);
-  // Causal rows of this block see no key past the block's last row.
-  const int64_t keys = p.causal ? last_row : item.length;
+  // The keys the block's rows see: from its first row's first (a window's lower edge) to its last
+  // row's last (causal rows see no key past the block's last row).
+  item.key0 = first_key(p, item.first_row);
+  const int64_t keys = end_key(p, last_row - 1, item.length) - item.key0;
   panel.padded = (keys + kKeys - 1) / kKeys * kKeys;
   if constexpr (std::is_same_v<T, float>) {
-    pack_f32(p, item.start, keys, item.head / p.group, panel);
+    pack_f32(p, item.start + item.key0, keys, item.head / p.group, panel);
   } else {
 #ifdef __AVX512BF16__
-    pack_bf16(p, item.start, keys, item.head / p.group, panel);
+    pack_bf16(p, item.start + item.key0, keys, item.head / p.group, panel);
 #endif
   }
   s.resize(kRows * panel.padded);
@@ -263,7 +280,8 @@ void run_item(const Problem& p, const Item& item, Panel& panel, std::vector<floa
 }
 
 void packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                      const at::Tensor& starts, const at::Tensor& lengths, bool causal, double scale) {
+                      const at::Tensor& starts, const at::Tensor& lengths, int64_t before, int64_t after,
+                      double scale) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && out.device().is_cpu(),
               "packed_attention runs on the CPU");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k and v must be [num_tokens, heads, head_dim]");
@@ -277,6 +295,7 @@ void packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const int64_t dim = q.size(2);
   TORCH_CHECK(dim % kKeys == 0 && k.size(2) == dim && v.size(2) == dim, "head_dim must be a multiple of 16");
   TORCH_CHECK(q.size(1) % k.size(1) == 0 && k.size(1) == v.size(1), "query heads must be a multiple of kv heads");
+  TORCH_CHECK(before >= -1 && after >= -1, "before and after are key counts, or -1 for no bound");
   if (dtype == at::kBFloat16) {
 #ifndef __AVX512BF16__
     TORCH_CHECK(false, "packed_attention was built without AVX512-BF16: bfloat16 is not available");
@@ -291,13 +310,13 @@ void packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
   const Problem p{q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                   q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                  q.size(1), q.size(1) / k.size(1), dim, static_cast<float>(scale), causal};
+                  q.size(1), q.size(1) / k.size(1), dim, static_cast<float>(scale), before, after};
   std::vector<Item> items;
   for (int64_t r = 0; r < starts_c.numel(); ++r) {
     TORCH_CHECK(start_of[r] >= 0 && length_of[r] >= 0 && start_of[r] + length_of[r] <= q.size(0),
                 "request ", r, " spans tokens outside q");
     for (int64_t row = 0; row < length_of[r]; row += kQueryBlock)
-      for (int64_t h = 0; h < p.heads; ++h) items.push_back({start_of[r], length_of[r], h, row});
+      for (int64_t h = 0; h < p.heads; ++h) items.push_back({start_of[r], length_of[r], h, row, 0});
   }
   // Work items differ in cost (lengths, causal blocks): threads take the next one as they finish.
   std::atomic<int64_t> next{0};
@@ -321,7 +340,7 @@ void packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
 TORCH_LIBRARY(poolrunner_cpu, m) {
   m.def("packed_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor starts, Tensor lengths, "
-        "bool causal, float scale) -> ()");
+        "int before, int after, float scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(poolrunner_cpu, CPU, m) { m.impl("packed_attention", &packed_attention); }
