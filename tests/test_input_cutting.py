@@ -135,8 +135,8 @@ def test_a_window_too_short_is_retried_up_to_the_limit_then_refused(runtime, hf_
         small.encode([text], truncate_prompt_tokens=256)
     assert str(error.value) == (
         f"input 0 has {len(text)} characters, more than the limit of 2500 per input (max_input_chars, the "
-        "--max-input-chars flag); shorten it or raise the limit: truncating it reads only its first 2500 characters, "
-        "cut between words, and they have no such cut beyond its 256 kept tokens")
+        "--max-input-chars flag); shorten it or raise the limit: truncating reads only its first 2500 characters, "
+        "and they have no space between words at which 256 tokens can be cut exactly")
 
 
 @pytest.fixture(scope="module")

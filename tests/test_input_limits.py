@@ -71,8 +71,8 @@ def test_truncated_text_without_spaces_over_the_limit_is_refused(runtime, assert
     with pytest.raises(InvalidRequestError) as error:
         runtime.embed("x" * 9000, truncate_prompt_tokens=-1)
     assert str(error.value) == _message(
-        0, 9000, "shorten it or raise the limit: truncating it reads only its first 8192 characters, "
-        "cut between words, and they have no such cut beyond its 256 kept tokens")
+        0, 9000, "shorten it or raise the limit: truncating reads only its first 8192 characters, "
+        "and they have no space between words at which 256 tokens can be cut exactly")
     assert isinstance(error.value, InputTooLongError) and error.value.param == "input"
     assert_serves(runtime)
 

@@ -314,8 +314,8 @@ class InputProcessor:
         if not self.cuttable:
             return f"shorten it (the tokenizer of {self.model_config.name} reads whole texts, even to truncate them)"
         part = "first" if side == "right" else "last"
-        return (f"shorten it or raise the limit: truncating it reads only its {part} {self.max_input_chars} "
-                f"characters, cut between words, and they have no such cut beyond its {keep} kept tokens")
+        return (f"shorten it or raise the limit: truncating reads only its {part} {self.max_input_chars} "
+                f"characters, and they have no space between words at which {keep} tokens can be cut exactly")
 
     def _encode(self, texts: list[str], keep: int | None, side: TruncationSide, add_special_tokens: bool, *,
                 spans: bool = False) -> list[tuple[tuple[int, ...], dict[str, Any]]]:

@@ -244,8 +244,8 @@ def test_errors_that_name_the_model(server, runtime, still_serves, lee_long_docs
     assert _tei_error(httpx.post(f"{server.url}/embed", json={"inputs": unspaced, "truncate": True}), 422,
                       "Validation") == (
         f"input 0 has {limit + 1} characters, more than the limit of {limit} per input (max_input_chars, the "
-        f"--max-input-chars flag); shorten it or raise the limit: truncating it reads only its first {limit} "
-        "characters, cut between words, and they have no such cut beyond its 256 kept tokens")
+        f"--max-input-chars flag); shorten it or raise the limit: truncating reads only its first {limit} "
+        "characters, and they have no space between words at which 256 tokens can be cut exactly")
     prompt = httpx.post(f"{server.url}/embed", json={"inputs": "a", "prompt_name": "query"})
     assert _tei_error(prompt, 422, "Validation") == f"prompt_name 'query' is not defined by model {name}; defined: []"
     dimensions = httpx.post(f"{server.url}/embed", json={"inputs": "a", "dimensions": 8})
