@@ -177,7 +177,8 @@ class _Block:
         kind = "full" if bool(mask.all()) else "causal" if square and torch.equal(mask, causal) else "custom"
         window = {"full": cpu_kernels.FULL, "causal": cpu_kernels.CAUSAL}.get(kind)
         if kind == "custom" and square:
-            window = _band(mask, 0, 0, kv_length)
+            edges = _band_edges(mask, 0, 0, kv_length)
+            window = edges if edges is not None and _is_band(mask, 0, 0, kv_length, edges) else None
         return cls(mask.contiguous().to(device, non_blocking=True), kind, future, window)
 
 
@@ -205,10 +206,11 @@ class _Tile:
                    _Block(mask.contiguous().to(device), "full" if bool(mask.all()) else "custom", False))
 
 
-def _band(mask: torch.Tensor, q_offset: int, k_offset: int, kv_length: int) -> tuple[int, int] | None:
-    """``(before, after)`` when each row of ``mask`` (``[rows, keys]``: queries from ``q_offset``
-    over keys from ``k_offset`` of a ``kv_length``-key request) sees exactly keys ``i - before ..
-    i + after`` of the request, clipped to it (-1 on a side where no row is clipped); else ``None``."""
+def _band_edges(mask: torch.Tensor, q_offset: int, k_offset: int, kv_length: int) -> tuple[int, int] | None:
+    """The ``(before, after)`` that ``mask`` (``[rows, keys]``: queries from ``q_offset`` over keys
+    from ``k_offset`` of a ``kv_length``-key request) would be the band of, read from each row's
+    first and last key (-1 on a side where no row is clipped by the window); ``None`` when the rows
+    disagree. A candidate only: :func:`_is_band` checks it."""
     rows, keys = mask.shape
     if not bool(mask.any(1).all()):
         return None
@@ -219,13 +221,12 @@ def _band(mask: torch.Tensor, q_offset: int, k_offset: int, kv_length: int) -> t
     befores, afters = (query - first)[first > 0].unique(), (last - query)[last < kv_length - 1].unique()
     if len(befores) > 1 or len(afters) > 1 or bool((befores < 0).any()) or bool((afters < 0).any()):
         return None
-    window = (int(befores[0]) if len(befores) else -1, int(afters[0]) if len(afters) else -1)
-    return window if _is_band(mask, q_offset, k_offset, kv_length, window) else None
+    return int(befores[0]) if len(befores) else -1, int(afters[0]) if len(afters) else -1
 
 
 def _is_band(mask: torch.Tensor, q_offset: int, k_offset: int, kv_length: int, window: tuple[int, int]) -> bool:
-    """Whether ``mask`` (as for :func:`_band`) is exactly the band ``window``, no key of the rows'
-    band outside its ``keys`` columns."""
+    """Whether ``mask`` (as for :func:`_band_edges`) is exactly the band ``window``, no key of the
+    rows' band outside its ``keys`` columns."""
     rows, keys = mask.shape
     query = torch.arange(rows)[:, None] + q_offset
     lo = torch.zeros_like(query) if window[0] < 0 else (query - window[0]).clamp(min=0)
@@ -237,9 +238,9 @@ def _is_band(mask: torch.Tensor, q_offset: int, k_offset: int, kv_length: int, w
 
 
 def _tiles_window(tiles: Sequence[_Tile], length: int) -> tuple[int, int] | None:
-    """:meth:`MaskRule.window` of a long request from its tiles: each tile's band, then all of
-    them checked against one (a tile whose rows are not clipped on a side reads -1 there)."""
-    found = [_band(tile.block.mask, tile.start, tile.first, length) for tile in tiles]
+    """:meth:`MaskRule.window` of a long request from its tiles: each tile's edges, then every
+    tile checked against one band (a tile whose rows are not clipped on a side reads -1 there)."""
+    found = [_band_edges(tile.block.mask, tile.start, tile.first, length) for tile in tiles]
     if any(window is None for window in found):
         return None
     window = (max(w[0] for w in found), max(w[1] for w in found))  # type: ignore[index]
