@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from poolrunner import Runtime
 from poolrunner.core.kernels import cpu_kernels
 from poolrunner.core.kernels.attention import (
-    FLOAT32_KERNEL_KEYS,
     LAYOUT_KWARG,
     LONG_ROWS,
     TILE_ROWS,
@@ -30,7 +29,7 @@ from tests.helpers import ModelSpy
 from tests.models.architectures import FAMILIES, Row, build_folder, load_reference, reference_output
 
 SUPPORTED = cpu_kernels.supported_dtypes()
-pytestmark = pytest.mark.skipif(not SUPPORTED, reason="the kernel needs an x86 CPU with AVX-512 and a C++ compiler")
+pytestmark = pytest.mark.skipif(not SUPPORTED, reason="the kernel needs an x86 CPU with AVX2 and a C++ compiler")
 DTYPES = [pytest.param(dtype, marks=pytest.mark.skipif(dtype not in SUPPORTED, reason=f"no {dtype} kernel here"))
           for dtype in (torch.float32, torch.bfloat16)]
 
@@ -254,10 +253,11 @@ def test_a_modernbert_request_past_long_rows_equals_transformers(tmp_path):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_long_float32_requests_go_to_sdpa_and_equal_it(dtype, monkeypatch):
-    """In float32 the kernel keeps full requests up to FLOAT32_KERNEL_KEYS tokens and causal ones
-    up to twice that; longer ones go to SDPA (faster there); bfloat16 keeps them all.
+    """In float32 the kernel keeps full requests up to its build's float32_keys tokens and causal
+    ones up to twice that; longer ones go to SDPA (faster there); bfloat16 keeps them all.
     Either way the output equals SDPA over each request alone (float64)."""
-    full, causal = FLOAT32_KERNEL_KEYS, 2 * FLOAT32_KERNEL_KEYS
+    full = cpu_kernels.float32_keys()
+    causal = 2 * full
     lengths = [causal + 40, full + 40, full, 9]
     q, k, v = _packed(lengths, 2, 1, 16, dtype)
     kernel_lengths: list[int] = []

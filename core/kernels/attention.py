@@ -30,8 +30,8 @@ about 200 tokens, 1,000 of about 31; bf16 and fp32), its attention 17-38%: the p
 queries cost more than the extra kernel calls. The layout is built once per step and shared by
 every layer.
 
-On an x86 CPU with AVX-512 (``compile="auto"``), the runs whose mask is full, causal or a sliding
-window (:meth:`MaskRule.window`) attend in
+On an x86 CPU with AVX-512, or AVX2 in float32 (``compile="auto"``), the runs whose mask is full,
+causal or a sliding window (:meth:`MaskRule.window`) attend in
 poolrunner's own kernel instead (:mod:`~poolrunner.core.kernels.cpu_kernels`), all of them in one
 call per layer; other masks, soft-capping and sinks stay on the path above.
 
@@ -69,13 +69,6 @@ of :data:`TILE_ROWS` query rows, each over the keys its rows see. Memory then gr
 ``length * TILE_ROWS``, not ``length ** 2`` (at 8,192 tokens a whole mask is 64 MiB of bools, and
 SDPA's scores for it 3 GiB in float32 over 12 heads)."""
 TILE_ROWS = 256
-FLOAT32_KERNEL_KEYS = 1024
-"""The most keys a query row sees on average (a full request: its length; causal: half of it; a
-sliding window: its width) for poolrunner's kernel to attend a float32 request; more go to
-SDPA's flash kernel, whose key and value blocks stay in cache. Measured on one request of 12
-heads of 64 (2 Zen 4 cores), the kernel's time over SDPA's: full 0.93x at 768 tokens, 1.12x at
-1,024, 1.42x at 2,048, 1.82x at 8,192; causal 0.96x at 2,048, 1.17x at 4,096. In bfloat16 the
-kernel is faster at every length measured (0.59-0.83x up to 8,192), so it keeps them all."""
 
 # Forward arguments with no attention semantics of their own.
 _INERT_KWARGS = frozenset({
@@ -415,14 +408,15 @@ def _attend_native(
     """Attend the runs whose mask is full, causal or a sliding window in poolrunner's CPU kernel,
     one call per window, into ``output`` (``[num_tokens, heads, head_dim]``); return the runs left
     for SDPA (other masks, a dtype or head size the kernel does not take, float32 runs whose rows
-    see more than :data:`FLOAT32_KERNEL_KEYS` keys)."""
+    see more than :func:`cpu_kernels.float32_keys <poolrunner.core.kernels.cpu_kernels.float32_keys>` keys)."""
     if q.dtype not in cpu_kernels.supported_dtypes() or q.shape[-1] % cpu_kernels.HEAD_DIM_MULTIPLE:
         return layout.runs
     windows: dict[tuple[int, int], list[_Run]] = {}
     rest = []
+    float32_keys = cpu_kernels.float32_keys()
     for run in layout.runs:
         window = rule.window(run.length, q.device)
-        if window is None or (q.dtype == torch.float32 and _keys_seen(window, run.length) > FLOAT32_KERNEL_KEYS):
+        if window is None or (q.dtype == torch.float32 and _keys_seen(window, run.length) > float32_keys):
             rest.append(run)
         else:
             windows.setdefault(window, []).append(run)

@@ -1,11 +1,12 @@
-"""poolrunner's own kernels for x86 CPUs with AVX-512: packed attention (``packed_attention.cpp``),
-RMSNorm (``rms_norm.cpp``) and the passes around a dynamic int8 product (``int8_linear.cpp``).
+"""poolrunner's own kernels for x86 CPUs: packed attention (``packed_attention.cpp``), RMSNorm
+(``rms_norm.cpp``) and the passes around a dynamic int8 product (``int8_linear.cpp``) with
+AVX-512; attention alone, in float32, with AVX2 (and FMA).
 
-Attention: one call attends every request of a packed step (or all of those sharing a mask
-kind), instead of one torch SDPA call per run of equal lengths. On 2 Zen 4 cores (AVX512-BF16, no
-AMX) it is 2.4-8.7x faster in bfloat16 and 1.6-3x in float32 than torch's CPU flash kernel at the
-lengths embedding models see (6-300 tokens, 32- and 64-wide heads), with the same numerics (see
-the source's header).
+Attention: one call attends every request of a packed step that shares an attention window
+(full, causal or sliding), instead of one torch SDPA call per run of equal lengths. On 2 Zen 4
+cores (AVX512-BF16, no AMX) it is 2.4-8.7x faster in bfloat16 and 1.6-3x in float32 than torch's
+CPU flash kernel at the lengths embedding models see (6-300 tokens, 32- and 64-wide heads), with
+the same numerics (see the source's header).
 
 RMSNorm (bfloat16): transformers' ``LlamaRMSNorm`` in one pass per row instead of seven
 element-wise passes, with its numerics; SmolLM2-135M embeds 7% faster with it.
@@ -14,8 +15,8 @@ The kernels are C++, built once per machine and torch release on first use by to
 builder (``torch.utils.cpp_extension``: g++ and the ``ninja`` package), about 5 s on 2 cores,
 and cached in torch's extension folder (``TORCH_EXTENSIONS_DIR``, by default
 ``~/.cache/torch_extensions``); later loads take milliseconds. Where they cannot be built (not
-x86 with AVX-512, no C++ compiler) attention and RMSNorm run on torch as before, with one log
-line saying why.
+x86 with AVX2, no C++ compiler) attention and RMSNorm run on torch as before, with one log line
+saying why.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import torch
 
 logger = logging.getLogger(__name__)
@@ -39,13 +41,50 @@ STALE_LOCK_S = 600.0
 """A build lock older than this was left by a process that died while building: removed."""
 # -fopenmp: at::parallel_for is a header template, parallel only where OpenMP is on; the
 # OpenMP runtime is the one torch ships and has loaded (same soname), so one thread pool.
-_X86_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]
+_AVX512_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]
+_AVX2_FLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma"]
+
+
+@attrs.frozen
+class Build:
+    """The kernels one instruction set builds."""
+
+    name: str
+    flags: tuple[str, ...]
+    sources: tuple[Path, ...]
+    dtypes: frozenset[torch.dtype]
+    """The dtypes attention runs in (RMSNorm and int8: bfloat16 only, with AVX512-BF16)."""
+    float32_keys: int
+    """The most keys a float32 query row may see on average for the kernel to attend it (a full
+    request: its length; causal: half of it; a sliding window: its width); past it torch's SDPA
+    is faster: its flash kernel's key and value blocks stay in cache."""
+
+
+AVX512_BF16 = Build("avx512_bf16", (*_AVX512_FLAGS, "-mavx512bf16"), tuple(SOURCES),
+                    frozenset({torch.float32, torch.bfloat16}), float32_keys=1024)
+"""Measured on one request of 12 heads of 64 (2 Zen 4 cores), the kernel's float32 time over
+SDPA's: full 0.93x at 768 tokens, 1.12x at 1,024, 1.42x at 2,048, 1.82x at 8,192; causal 0.96x
+at 2,048, 1.17x at 4,096. In bfloat16 it is faster at every length measured (0.59-0.83x up to
+8,192), so it keeps them all."""
+AVX512 = attrs.evolve(AVX512_BF16, name="avx512", flags=tuple(_AVX512_FLAGS), dtypes=frozenset({torch.float32}))
+AVX2 = Build("avx2", tuple(_AVX2_FLAGS), tuple(SOURCES[:1]), frozenset({torch.float32}), float32_keys=256)
+"""Attention alone, in float32: RMSNorm and int8 serve bfloat16, which such a CPU does not
+multiply natively. Measured on requests of 12 heads of 64 (2 Zen 3 cores), the kernel's
+GFLOP/s over SDPA's: 1.24-1.33x at 16-31 tokens, 1.0-1.16x at 128, 0.95-1.08x at 256, 0.81-0.87x
+at 512, 0.61x at 2,048."""
 
 
 def supported_dtypes() -> frozenset[torch.dtype]:
     """The dtypes the attention kernel runs in on this machine (RMSNorm: bfloat16 only), building
     the kernels on first call; empty when they cannot be built."""
-    return _load()
+    build = _load()
+    return frozenset() if build is None else build.dtypes
+
+
+def float32_keys() -> int:
+    """:attr:`Build.float32_keys` of this machine's build (0 where none was built)."""
+    build = _load()
+    return 0 if build is None else build.float32_keys
 
 
 FULL = (-1, -1)
@@ -128,32 +167,38 @@ ACTIVATIONS = {("none", ""): 0, ("gelu", "none"): 1, ("gelu", "tanh"): 2, ("relu
 
 
 @functools.cache
-def _load() -> frozenset[torch.dtype]:
-    if not torch.cpu._is_avx512_supported():
-        logger.info("poolrunner's CPU kernels need AVX-512; attention and RMSNorm run on torch")
-        return frozenset()
-    bf16 = torch.cpu._is_avx512_bf16_supported()
+def _load() -> Build | None:
+    build = _instruction_set()
+    if build is None:
+        logger.info("poolrunner's CPU kernels need AVX2 or AVX-512; attention and RMSNorm run on torch")
+        return None
     # One build per instruction set and torch release: a cached build never meets another's headers.
     # And per installed copy: ninja rebuilds when the sources' paths change, so two checkouts (or
     # virtual environments) sharing one build folder would rebuild each other's at every start.
     torch_release = torch.__version__.replace(".", "_").replace("+", "_")
     copy = hashlib.sha256(str(SOURCES[0].parent.resolve()).encode()).hexdigest()[:8]
-    name = f"poolrunner_cpu_kernels_avx512{'_bf16' if bf16 else ''}_torch{torch_release}_{copy}"
-    flags = _X86_FLAGS + (["-mavx512bf16"] if bf16 else [])
+    name = f"poolrunner_cpu_kernels_{build.name}_torch{torch_release}_{copy}"
     started = time.perf_counter()
     try:
         from torch.utils import cpp_extension
 
         _remove_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
         with _ninja_on_path():
-            cpp_extension.load(name, [str(source) for source in SOURCES], extra_cflags=flags,
+            cpp_extension.load(name, [str(source) for source in build.sources], extra_cflags=list(build.flags),
                                extra_ldflags=["-fopenmp"], is_python_module=False)
     except (ImportError, OSError, RuntimeError) as exc:  # no compiler, no ninja, a failed build
         logger.warning("poolrunner's CPU kernels could not be built, attention and RMSNorm run on torch: %s",
                        _reason(exc))
-        return frozenset()
+        return None
     logger.info("CPU kernels %s ready in %.1f s", name, time.perf_counter() - started)
-    return frozenset({torch.float32, torch.bfloat16} if bf16 else {torch.float32})
+    return build
+
+
+def _instruction_set() -> Build | None:
+    """The widest build this CPU runs, or ``None`` below AVX2."""
+    if torch.cpu._is_avx512_supported():
+        return AVX512_BF16 if torch.cpu._is_avx512_bf16_supported() else AVX512
+    return AVX2 if torch.cpu._is_avx2_supported() else None
 
 
 def _reason(exc: BaseException) -> str:

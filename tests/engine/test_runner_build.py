@@ -10,7 +10,7 @@ from poolrunner import Runtime
 from poolrunner.core.kernels import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.supported_dtypes(),
-                                reason="the kernel needs an x86 CPU with AVX-512 and a C++ compiler")
+                                reason="the kernel needs an x86 CPU with AVX2 and a C++ compiler")
 
 
 def test_a_runtime_on_the_cpu_fast_path_attends_in_it(model_path):
