@@ -260,12 +260,13 @@ def _build_engine(
             if task == tasks[0]:
                 raise
             logger.info("task %r is not served: %s", task, exc)
+    budget = config.max_num_batched_tokens or default_token_budget(device.type)
     if device.type == "cpu":
-        memory.keep_step_buffers()
+        memory.keep_step_buffers(memory.step_block_bytes(model, budget))
     runner = ModelRunner(model, poolers, hooks, model_config, default_task=tasks[0],
                          bucket_tokens=device.type == "cpu", native_attention=chosen.weights in kernels)
-    scheduler = Scheduler(max_num_batched_tokens=config.max_num_batched_tokens or default_token_budget(device.type),
-                          max_num_seqs=config.max_num_seqs, chunked_prefill=runner.causal)
+    scheduler = Scheduler(max_num_batched_tokens=budget, max_num_seqs=config.max_num_seqs,
+                          chunked_prefill=runner.causal)
     async_scheduling = device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
     return Engine(runner, scheduler, hooks, model_config, device, async_scheduling=async_scheduling)
 

@@ -7,6 +7,7 @@ Every refused input is checked for its exact message, and the runtime must then 
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 import random
 import subprocess
@@ -151,6 +152,49 @@ def test_release_memory_calls_glibc_malloc_trim_and_never_fails(monkeypatch):
         assert memory.release_memory() is False
     finally:
         memory._malloc_trim.cache_clear()
+
+
+STEP_BUFFERS_SCRIPT = """
+import ctypes
+import torch
+from poolrunner.core import memory
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+
+def mapped(size):  # whether glibc maps a block of this size fresh (hblkhd: bytes in mapped blocks)
+    before = libc.mallinfo2().hblkhd
+    block = libc.malloc(size)
+    after = libc.mallinfo2().hblkhd
+    libc.free(block)
+    return after > before
+
+model = torch.nn.Sequential(torch.nn.Linear(8, 512), torch.nn.GELU(), torch.nn.Linear(512, 8))
+step = memory.step_block_bytes(model, 4096)
+assert step == 4096 * 512 * 4, step  # the widest layer's float32 output for the whole budget
+assert memory.keep_step_buffers(step)
+assert memory.keep_step_buffers(step // 4)  # a smaller model loaded later: the larger threshold holds
+print(mapped(step - (1 << 20)), mapped(step + (1 << 20)))
+assert memory.keep_step_buffers(1 << 40)  # capped
+print(mapped(60 << 20), mapped(70 << 20))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt and mallinfo2 are glibc's")
+def test_a_step_s_blocks_stay_on_the_heap_and_larger_ones_are_mapped_fresh():
+    """Blocks up to the largest a step within the token budget makes are reused from the heap;
+    larger ones (a request longer than the budget) are mapped and unmapped, so that memory grows
+    with a long request's length, not faster (core/memory.py's keep_step_buffers)."""
+    result = subprocess.run([sys.executable, "-c", STEP_BUFFERS_SCRIPT], capture_output=True, text=True, timeout=120,
+                            env={k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "True", "False", "True"]
 
 
 ARENAS_SCRIPT = """
