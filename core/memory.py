@@ -25,8 +25,9 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only: the C heap needs no torch
+if TYPE_CHECKING:  # torch is imported where it is used: the heap functions need none
     from torch import nn
+
 
 logger = logging.getLogger(__name__)
 
@@ -115,10 +116,20 @@ def keep_step_buffers(step_block_bytes: int) -> bool:
 
 
 def step_block_bytes(model: nn.Module, max_num_batched_tokens: int) -> int:
-    """The largest activation block a step of ``max_num_batched_tokens`` tokens makes, about:
-    the widest linear layer's ``[tokens, out_features]`` output in float32, in bytes."""
-    widest = max((getattr(module, "out_features", 0) for module in model.modules()), default=0)
-    return max_num_batched_tokens * widest * 4
+    """The largest activation block a step of ``max_num_batched_tokens`` tokens makes, about: the
+    widest layer's ``[tokens, width]`` output in float32, in bytes. A layer's width is its
+    ``out_features`` or the larger side of its 2-D weight (GPT-2's ``Conv1D`` stores ``[in, out]``);
+    embedding tables are lookups, not outputs. :data:`MAX_STEP_MMAP_THRESHOLD` where no layer tells."""
+    import torch
+    from torch import nn
+
+    widest = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and not isinstance(module, nn.Embedding):
+            widest = max(widest, *weight.shape)
+        widest = max(widest, getattr(module, "out_features", 0))
+    return max_num_batched_tokens * widest * 4 if widest else MAX_STEP_MMAP_THRESHOLD
 
 
 def release_memory() -> bool:

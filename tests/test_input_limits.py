@@ -175,9 +175,12 @@ def mapped(size):  # whether glibc maps a block of this size fresh (hblkhd: byte
     libc.free(block)
     return after > before
 
-model = torch.nn.Sequential(torch.nn.Linear(8, 512), torch.nn.GELU(), torch.nn.Linear(512, 8))
+from transformers.pytorch_utils import Conv1D
+model = torch.nn.Sequential(torch.nn.Embedding(50000, 8), torch.nn.Linear(8, 512), torch.nn.GELU(), torch.nn.Linear(512, 8))
 step = memory.step_block_bytes(model, 4096)
-assert step == 4096 * 512 * 4, step  # the widest layer's float32 output for the whole budget
+assert step == 4096 * 512 * 4, step  # the widest layer's float32 output for the whole budget, no lookup table's
+assert memory.step_block_bytes(torch.nn.Sequential(Conv1D(768, 8)), 2) == 2 * 768 * 4  # GPT-2's [in, out] weight
+assert memory.step_block_bytes(torch.nn.Sequential(torch.nn.GELU()), 2) == memory.MAX_STEP_MMAP_THRESHOLD
 assert memory.keep_step_buffers(step)
 assert memory.keep_step_buffers(step // 4)  # a smaller model loaded later: the larger threshold holds
 print(mapped(step - (1 << 20)), mapped(step + (1 << 20)))
