@@ -12,7 +12,7 @@ RMSNorm (bfloat16): transformers' ``LlamaRMSNorm`` in one pass per row instead o
 element-wise passes, with its numerics; SmolLM2-135M embeds 7% faster with it.
 
 The kernels are C++, built once per machine and torch release on first use by torch's extension
-builder (``torch.utils.cpp_extension``: g++ and the ``ninja`` package), about 5 s on 2 cores,
+builder (``torch.utils.cpp_extension``: g++ and the ``ninja`` package), 5-20 s on 2 cores,
 and cached in torch's extension folder (``TORCH_EXTENSIONS_DIR``, by default
 ``~/.cache/torch_extensions``); later loads take milliseconds. Where they cannot be built (not
 x86 with AVX2, no C++ compiler) attention and RMSNorm run on torch as before, with one log line
