@@ -35,14 +35,14 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("packed_attention.cpp", "rms_norm.cpp", "int8_linear.cpp")]
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("packed_attention.cpp", "rms_norm.cpp", "int8_linear.cpp"))
 HEAD_DIM_MULTIPLE = 16
 STALE_LOCK_S = 600.0
 """A build lock older than this was left by a process that died while building: removed."""
 # -fopenmp: at::parallel_for is a header template, parallel only where OpenMP is on; the
 # OpenMP runtime is the one torch ships and has loaded (same soname), so one thread pool.
-_AVX512_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]
-_AVX2_FLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma"]
+_AVX512_FLAGS = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma")
+_AVX2_FLAGS = ("-O3", "-fopenmp", "-mavx2", "-mfma")
 
 
 @attrs.frozen
@@ -60,14 +60,14 @@ class Build:
     is faster: its flash kernel's key and value blocks stay in cache."""
 
 
-AVX512_BF16 = Build("avx512_bf16", (*_AVX512_FLAGS, "-mavx512bf16"), tuple(SOURCES),
+AVX512_BF16 = Build("avx512_bf16", (*_AVX512_FLAGS, "-mavx512bf16"), SOURCES,
                     frozenset({torch.float32, torch.bfloat16}), float32_keys=1024)
 """Measured on one request of 12 heads of 64 (2 Zen 4 cores), the kernel's float32 time over
 SDPA's: full 0.93x at 768 tokens, 1.12x at 1,024, 1.42x at 2,048, 1.82x at 8,192; causal 0.96x
 at 2,048, 1.17x at 4,096. In bfloat16 it is faster at every length measured (0.59-0.83x up to
 8,192), so it keeps them all."""
-AVX512 = attrs.evolve(AVX512_BF16, name="avx512", flags=tuple(_AVX512_FLAGS), dtypes=frozenset({torch.float32}))
-AVX2 = Build("avx2", tuple(_AVX2_FLAGS), tuple(SOURCES[:1]), frozenset({torch.float32}), float32_keys=256)
+AVX512 = attrs.evolve(AVX512_BF16, name="avx512", flags=_AVX512_FLAGS, dtypes=frozenset({torch.float32}))
+AVX2 = Build("avx2", _AVX2_FLAGS, SOURCES[:1], frozenset({torch.float32}), float32_keys=256)
 """Attention alone, in float32: RMSNorm and int8 serve bfloat16, which such a CPU does not
 multiply natively. Measured on requests of 12 heads of 64 (2 Zen 3 cores), the kernel's
 GFLOP/s over SDPA's: 1.24-1.33x at 16-31 tokens, 1.0-1.16x at 128, 0.95-1.08x at 256, 0.81-0.87x

@@ -38,14 +38,16 @@ def last_pool(hidden_states: torch.Tensor, query_start_loc: torch.Tensor) -> tor
 def mean_pool(hidden_states: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
     """Mean over each request's tokens (sentence-transformers' Pooling(mean))."""
     lengths = query_start_loc.diff()
-    return (_token_sums(hidden_states, lengths) / lengths.unsqueeze(1)).float()
+    return (_token_sums(hidden_states, _owners(lengths, hidden_states.shape[0]), lengths.numel())
+            / lengths.unsqueeze(1)).float()
 
 
 def mean_sqrt_len_pool(hidden_states: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
     """Sum over each request's ``n`` tokens divided by ``sqrt(n)``
     (sentence-transformers' Pooling(mean_sqrt_len_tokens))."""
     lengths = query_start_loc.diff()
-    return (_token_sums(hidden_states, lengths) / lengths.double().sqrt().unsqueeze(1)).float()
+    return (_token_sums(hidden_states, _owners(lengths, hidden_states.shape[0]), lengths.numel())
+            / lengths.double().sqrt().unsqueeze(1)).float()
 
 
 def max_pool(hidden_states: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
@@ -74,10 +76,8 @@ def weighted_mean_pool(hidden_states: torch.Tensor, query_start_loc: torch.Tenso
     owner = _owners(lengths, hidden_states.shape[0])
     positions = torch.arange(hidden_states.shape[0], device=hidden_states.device) - query_start_loc[:-1][owner]
     weights = (positions + 1).to(torch.float64).unsqueeze(1)
-    sums = torch.zeros(lengths.numel(), hidden_states.shape[1], dtype=torch.float64, device=hidden_states.device)
-    sums.index_add_(0, owner, hidden_states * weights)  # float64: the float64 weights promote it
     totals = (lengths * (lengths + 1) // 2).to(torch.float64)  # exact in int64
-    return (sums / totals.unsqueeze(1)).float()
+    return (_token_sums(hidden_states * weights, owner, lengths.numel()) / totals.unsqueeze(1)).float()
 
 
 POOLING_METHODS: dict[str, PoolingMethod] = {
@@ -131,12 +131,11 @@ def _owners(lengths: torch.Tensor, num_tokens: int) -> torch.Tensor:
     )
 
 
-def _token_sums(hidden_states: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """``[num_reqs, hidden_size]`` float64: each request's tokens summed in float64. ``index_add_``
-    adds one token at a time, so a float32 sum's error grew with the length (4.8e-6 relative at
-    1,500 tokens, where sentence-transformers' reduction has 7e-8)."""
-    sums = torch.zeros(
-        lengths.numel(), hidden_states.shape[1], dtype=torch.float64, device=hidden_states.device
-    )
-    sums.index_add_(0, _owners(lengths, hidden_states.shape[0]), hidden_states.double())
+def _token_sums(values: torch.Tensor, owner: torch.Tensor, num_reqs: int) -> torch.Tensor:
+    """``[num_reqs, hidden_size]`` float64: each request's rows of ``values`` (``[num_tokens,
+    hidden_size]``, ``owner`` from :func:`_owners`) summed in float64. ``index_add_`` adds one
+    token at a time, so a float32 sum's error grew with the length (4.8e-6 relative at 1,500
+    tokens, where sentence-transformers' reduction has 7e-8)."""
+    sums = torch.zeros(num_reqs, values.shape[1], dtype=torch.float64, device=values.device)
+    sums.index_add_(0, owner, values.double())
     return sums
