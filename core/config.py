@@ -98,7 +98,7 @@ class RuntimeConfig:
     :ivar device: ``auto`` (CUDA when present, else CPU) or a torch device string.
     :ivar compile: ``auto``: on the CPU, linear layers run with weights prepacked for oneDNN once at
         load, bias and known activations fused into the matmul (:mod:`poolrunner.core.kernels.onednn`),
-        and attention (and bfloat16 RMSNorm) in poolrunner's own kernels where they build
+        and attention and RMSNorm in poolrunner's own kernels where they build
         (:mod:`poolrunner.core.kernels.cpu_kernels`);
         ``off``: transformers' modules and torch's attention as they are.
     :ivar load_entrypoints: Load the ``poolrunner.plugins`` entry-point group.

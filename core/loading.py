@@ -250,8 +250,7 @@ def _build_engine(
     if config.compile == "auto" and onednn.supported(device, chosen.weights) and onednn.supported(device, products):
         # Served adapters add their term to a layer's output, before its activation: none fused.
         onednn.prepack(model.base_model, chosen.matmul, fuse=not config.lora_enabled)
-    if chosen.weights == torch.bfloat16 and torch.bfloat16 in kernels:
-        fused_norms.fuse_rms_norms(model.base_model)
+    fused_norms.fuse_rms_norms(model.base_model, kernels)
     poolers = {}
     for task in tasks:
         try:

@@ -161,7 +161,8 @@ from poolrunner.core import memory
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
 
 libc = ctypes.CDLL(None)
 libc.mallinfo2.restype = MallInfo2
@@ -176,7 +177,8 @@ def mapped(size):  # whether glibc maps a block of this size fresh (hblkhd: byte
     return after > before
 
 from transformers.pytorch_utils import Conv1D
-model = torch.nn.Sequential(torch.nn.Embedding(50000, 8), torch.nn.Linear(8, 512), torch.nn.GELU(), torch.nn.Linear(512, 8))
+model = torch.nn.Sequential(torch.nn.Embedding(50000, 8), torch.nn.Linear(8, 512), torch.nn.GELU(),
+                            torch.nn.Linear(512, 8))
 step = memory.step_block_bytes(model, 4096)
 assert step == 4096 * 512 * 4, step  # the widest layer's float32 output for the whole budget, no lookup table's
 assert memory.step_block_bytes(torch.nn.Sequential(Conv1D(768, 8)), 2) == 2 * 768 * 4  # GPT-2's [in, out] weight

@@ -126,7 +126,8 @@ def test_prepacking_a_model_keeps_its_outputs(build):
     assert not any(type(m) is nn.Linear for m in model.modules())
     assert sum(type(m) is onednn.GatedMLP for m in model.modules()) == (2 if isinstance(model, LlamaModel) else 0)
     fused = [m for m in model.modules() if isinstance(m, onednn.PackedLinear) and m.activation != onednn.NO_ACTIVATION]
-    assert len(fused) == 2  # one MLP activation per layer: BERT's GELU, Llama's SiLU on gate_proj
+    # one MLP activation per layer: BERT's GELU; Llama's SiLU on gate_proj where post-ops pay
+    assert len(fused) == (2 if isinstance(model, BertModel) or onednn.GATE_POST_OPS else 0)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -151,15 +152,19 @@ def _mlp(hidden_act: str = "silu", mlp_bias: bool = False, dtype: torch.dtype = 
     return nn.ModuleDict({"mlp": LlamaMLP(config).to(dtype)})
 
 
+@pytest.mark.parametrize("post_ops", [True, False], ids=["post-ops", "passes"])
 @pytest.mark.parametrize("mlp_bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_silu_gated_mlp_computes_what_llama_mlp_computes(dtype, mlp_bias):
+def test_a_silu_gated_mlp_computes_what_llama_mlp_computes(dtype, mlp_bias, post_ops, monkeypatch):
+    monkeypatch.setattr(onednn, "GATE_POST_OPS", post_ops)  # both run on every x86 CPU; the default picks one
     parent, x = _mlp(mlp_bias=mlp_bias, dtype=dtype), torch.randn(3, 7, 32).to(dtype)
     with torch.inference_mode():
         expected = parent["mlp"](x)
         assert onednn.prepack(parent) == 3
         got = parent["mlp"](x)
     assert type(parent["mlp"]) is onednn.GatedMLP
+    assert parent["mlp"].post_ops is post_ops
+    assert parent["mlp"].gate_proj.activation == (("swish", "") if post_ops else onednn.NO_ACTIVATION)
     assert got.shape == expected.shape and got.dtype == dtype
     # bfloat16: up_proj's output is not rounded before the multiply; the module's is
     assert _relative_error(got, expected) < (1e-6 if dtype == torch.float32 else 2**-7)

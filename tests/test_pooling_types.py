@@ -142,7 +142,7 @@ def test_sums_over_long_requests_round_once_to_float32(dtype):
     torch.manual_seed(0)
     hidden = (torch.randn(sum(lengths), 64) + 0.5).to(getattr(torch, dtype))
     starts = torch.tensor([0, *np.cumsum(lengths)])
-    rows = [hidden[a:b].double() for a, b in zip(starts[:-1], starts[1:])]
+    rows = [hidden[a:b].double() for a, b in zip(starts[:-1], starts[1:], strict=True)]
     truths = {
         "MEAN": [r.mean(0) for r in rows],
         "MEAN_SQRT_LEN": [r.sum(0) / len(r) ** 0.5 for r in rows],
@@ -152,6 +152,6 @@ def test_sums_over_long_requests_round_once_to_float32(dtype):
     for name, truth in truths.items():
         got = POOLING_METHODS[name](hidden, starts)
         assert got.dtype == torch.float32
-        for vector, expected in zip(got, truth):
+        for vector, expected in zip(got, truth, strict=True):
             # float32's rounding of the result: half an ulp, 6e-8 relative
             np.testing.assert_allclose(vector.double().numpy(), expected.numpy(), rtol=6e-8, atol=0)

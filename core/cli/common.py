@@ -251,8 +251,9 @@ def add_model_options(parser: argparse.ArgumentParser, *, several: str | None = 
                        help="torch device, e.g. cpu, cuda, cuda:1; auto picks CUDA when present")
     model.add_argument("--compile", choices=COMPILE_MODES, default="auto",
                        help="auto: on the CPU, prepack linear weights for oneDNN at load, fuse bias and "
-                            "activation into the matmul, and run attention and bf16 RMSNorm in poolrunner's "
-                            "AVX2 / AVX-512 kernels (built once per machine); off: run transformers' modules as they are")
+                            "activation into the matmul, and run attention and RMSNorm in poolrunner's "
+                            "AVX2 / AVX-512 kernels (built once per machine); off: run transformers' modules "
+                            "as they are")
     model.add_argument("--max-num-batched-tokens", metavar="N", type=positive_int, default=None,
                        help="token budget of one forward pass (default: 2048 on the CPU, 16384 on CUDA)")
     model.add_argument("--max-num-seqs", "--batch-size", metavar="N", type=positive_int, default=256,

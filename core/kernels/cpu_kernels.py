@@ -1,6 +1,6 @@
 """poolrunner's own kernels for x86 CPUs: packed attention (``packed_attention.cpp``), RMSNorm
 (``rms_norm.cpp``) and the passes around a dynamic int8 product (``int8_linear.cpp``) with
-AVX-512; attention alone, in float32, with AVX2 (and FMA).
+AVX-512; attention and RMSNorm, in float32, with AVX2 (and FMA).
 
 Attention: one call attends every request of a packed step that shares an attention window
 (full, causal or sliding), instead of one torch SDPA call per run of equal lengths. On 2 Zen 4
@@ -8,8 +8,8 @@ cores (AVX512-BF16, no AMX) it is 2.4-8.7x faster in bfloat16 and 1.6-3x in floa
 CPU flash kernel at the lengths embedding models see (6-300 tokens, 32- and 64-wide heads), with
 the same numerics (see the source's header).
 
-RMSNorm (bfloat16): transformers' ``LlamaRMSNorm`` in one pass per row instead of seven
-element-wise passes, with its numerics; SmolLM2-135M embeds 7% faster with it.
+RMSNorm: transformers' ``LlamaRMSNorm`` in one pass per row instead of five to seven element-wise
+passes, with its numerics; SmolLM2-135M embeds 7% faster with it in bfloat16 (2 Zen 4 cores).
 
 The kernels are C++, built once per machine and torch release on first use by torch's extension
 builder (``torch.utils.cpp_extension``: g++ and the ``ninja`` package), 5-20 s on 2 cores,
@@ -53,7 +53,7 @@ class Build:
     flags: tuple[str, ...]
     sources: tuple[Path, ...]
     dtypes: frozenset[torch.dtype]
-    """The dtypes attention runs in (RMSNorm and int8: bfloat16 only, with AVX512-BF16)."""
+    """The dtypes attention and RMSNorm run in (int8's passes: with bfloat16 only)."""
     float32_keys: int
     """The most keys a float32 query row may see on average for the kernel to attend it (a full
     request: its length; causal: half of it; a sliding window: its width); past it torch's SDPA
@@ -67,16 +67,16 @@ SDPA's: full 0.93x at 768 tokens, 1.12x at 1,024, 1.42x at 2,048, 1.82x at 8,192
 at 2,048, 1.17x at 4,096. In bfloat16 it is faster at every length measured (0.59-0.83x up to
 8,192), so it keeps them all."""
 AVX512 = attrs.evolve(AVX512_BF16, name="avx512", flags=_AVX512_FLAGS, dtypes=frozenset({torch.float32}))
-AVX2 = Build("avx2", _AVX2_FLAGS, SOURCES[:1], frozenset({torch.float32}), float32_keys=256)
-"""Attention alone, in float32: RMSNorm and int8 serve bfloat16, which such a CPU does not
-multiply natively. Measured on requests of 12 heads of 64 (2 Zen 3 cores), the kernel's
+AVX2 = Build("avx2", _AVX2_FLAGS, SOURCES[:2], frozenset({torch.float32}), float32_keys=256)
+"""Attention and RMSNorm, in float32: int8 serves bfloat16 products, which such a CPU does not
+run natively. Measured on requests of 12 heads of 64 (2 Zen 3 cores), the kernel's
 GFLOP/s over SDPA's: 1.24-1.33x at 16-31 tokens, 1.0-1.16x at 128, 0.95-1.08x at 256, 0.81-0.87x
 at 512, 0.61x at 2,048."""
 
 
 def supported_dtypes() -> frozenset[torch.dtype]:
-    """The dtypes the attention kernel runs in on this machine (RMSNorm: bfloat16 only), building
-    the kernels on first call; empty when they cannot be built."""
+    """The dtypes the attention and RMSNorm kernels run in on this machine, building the kernels
+    on first call; empty when they cannot be built."""
     build = _load()
     return frozenset() if build is None else build.dtypes
 
@@ -115,12 +115,13 @@ def attend(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * bf16(x * rsqrt(mean(x**2) + eps))`` per row, computed in float32 as transformers'
-    ``LlamaRMSNorm`` does (bfloat16 in :func:`supported_dtypes` only).
+    """``weight * (x * rsqrt(mean(x**2) + eps))`` per row as transformers' ``LlamaRMSNorm``
+    computes it: in float32, the bfloat16 case rounding ``x * rsqrt(...)`` to bfloat16 before the
+    weight multiplies it.
 
-    :param x: bfloat16 ``[..., hidden]``.
-    :param weight: bfloat16 ``[hidden]``.
-    :returns: bfloat16, shaped like ``x``.
+    :param x: ``[..., hidden]`` in a dtype of :func:`supported_dtypes`.
+    :param weight: ``[hidden]``, of ``x``'s dtype.
+    :returns: Shaped and typed like ``x``.
     """
     x = x.contiguous()
     out = torch.empty_like(x)

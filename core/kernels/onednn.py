@@ -13,7 +13,9 @@ In a SiLU-gated MLP (Llama's and its copies), :class:`GatedMLP` also makes the m
 ``silu(gate_proj(x)) * up_proj(x)`` up_proj's post-op, which saves a pass over the
 ``[tokens, intermediate]`` product and its allocation. SmolLM2-135M embedding 100 paragraphs on the
 same cores: its 30 MLPs took 1.19-1.31 s against 1.34-1.39 s in float32 (the whole pass 4-10% less);
-in bfloat16 0.55 s either way, the post-op costing what the pass did.
+in bfloat16 0.55 s either way, the post-op costing what the pass did. Without AVX-512 the two
+post-ops cost more than they save (:data:`GATE_POST_OPS`), and SiLU and the multiply run as
+in-place passes instead.
 
 Only the computation changes, never the function: results equal transformers' own modules to
 float32 rounding (or bf16 rounding in bf16), which the architecture tests check for every family.
@@ -37,6 +39,13 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 2048
 """Rows the weight layout is tuned for: the CPU's step budget; any row count runs."""
 NO_ACTIVATION = ("none", "")
+GATE_POST_OPS = torch.cpu._is_avx512_supported()
+"""Whether :class:`GatedMLP` runs SiLU and the multiply as oneDNN post-ops. A post-op takes vector
+registers from the product's tile: with AVX2's 16 the product slows more than the pass it saves
+(2 Zen 3 cores, float32, ``[2048, 576] x [576, 1536]``: 17.6 ms plain, 29.5 with SiLU, 21.7 with the
+multiply; SmolLM2-135M's linear layers 8.8-9.6 s against 10.4-10.8 s on 200 paragraphs, the two
+passes 0.3 s). AVX-512's 32 leave room (measured above). BERT's GELU stays fused on both: on the
+same AVX2 cores all-MiniLM-L6-v2's products took 0.4 s longer with it, its separate pass 0.6 s."""
 
 
 class PackedLinear(nn.Module):
@@ -89,24 +98,34 @@ class PackedLinear(nn.Module):
 class GatedMLP(nn.Module):
     """``down_proj(silu(gate_proj(x)) * up_proj(x))``, transformers' ``LlamaMLP`` with SiLU, in
     three kernels: SiLU is gate_proj's post-op and the multiply up_proj's, so neither is a separate
-    pass over the ``[tokens, intermediate]`` tensors.
+    pass over the ``[tokens, intermediate]`` tensors. Without post-ops (:data:`GATE_POST_OPS`) they
+    are passes over gate_proj's and up_proj's own outputs, in place: no tensor is allocated for them.
 
     Takes the place of such a module (:func:`prepack`) under the same attribute names,
     so parameter names do not change.
     """
 
-    def __init__(self, mlp: nn.Module, matmul_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, mlp: nn.Module, matmul_dtype: torch.dtype | None = None, post_ops: bool = True) -> None:
         """:param mlp: A module that :func:`_is_silu_gated_mlp` accepts.
-        :param matmul_dtype: See :class:`PackedLinear`."""
+        :param matmul_dtype: See :class:`PackedLinear`.
+        :param post_ops: SiLU and the multiply as post-ops of the products (:func:`prepack` passes
+            :data:`GATE_POST_OPS`)."""
         super().__init__()
-        self.gate_proj = packed_linear(mlp.gate_proj, ("swish", ""), matmul_dtype)
+        self.post_ops = post_ops
+        self.gate_proj = packed_linear(mlp.gate_proj, ("swish", "") if self.post_ops else NO_ACTIVATION, matmul_dtype)
         self.up_proj = packed_linear(mlp.up_proj, matmul_dtype=matmul_dtype)
         self.down_proj = packed_linear(mlp.down_proj, matmul_dtype=matmul_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., hidden]`` -> ``[..., hidden]``, in ``x``'s dtype."""
         h = x.to(self.up_proj.matmul_dtype)  # bf16-mixed: rounded once for both products
-        return self.down_proj(self.up_proj.mul(h, self.gate_proj(h))).to(x.dtype)
+        if self.post_ops:
+            return self.down_proj(self.up_proj.mul(h, self.gate_proj(h))).to(x.dtype)
+        gate = F.silu(self.gate_proj(h), inplace=True)
+        return self.down_proj(self.up_proj(h).mul_(gate)).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"post_ops={self.post_ops}"
 
 
 def packed_linear(
@@ -140,13 +159,14 @@ def prepack(module: nn.Module, matmul_dtype: torch.dtype | None = None, *, fuse:
     """
     gated = fused = 0
     if fuse:
-        gated = replace_modules(module, lambda child: GatedMLP(child, matmul_dtype) if _is_silu_gated_mlp(child)
-                                else None)
+        gated = replace_modules(module, lambda child: GatedMLP(child, matmul_dtype, GATE_POST_OPS)
+                                if _is_silu_gated_mlp(child) else None)
         fused = _fuse_activations(module, matmul_dtype)
     plain = replace_modules(module, lambda child: packed_linear(child, matmul_dtype=matmul_dtype)
                      if type(child) is nn.Linear else None)
+    gated_post_ops = gated if GATE_POST_OPS else 0
     logger.debug("prepacked %d linear layers (%d with a fused activation, %d with a fused multiply)",
-                 3 * gated + fused + plain, gated + fused, gated)
+                 3 * gated + fused + plain, gated_post_ops + fused, gated_post_ops)
     return 3 * gated + fused + plain
 
 
