@@ -3,8 +3,8 @@
 //
 // Why: the module's code is element-wise passes over [tokens, hidden] (square, mean, rsqrt,
 // multiply, times the weight; in bfloat16 also the casts to fp32 and back), about 6% of
-// SmolLM2-135M's time in bfloat16 on two Zen 4 cores, 2.5% in float32 on two Zen 3 cores. Here
-// each row is read twice and written once.
+// SmolLM2-135M's time in bfloat16 on two Zen 4 cores; in float32 on two Zen 3 cores 2% (0.24 s of
+// a 12 s pass), 0.8% here. Each row is read twice and written once.
 //
 // Numerics are the module's: in fp32, x * (1 / sqrt(mean(x^2) + eps)), then times the weight; in
 // bfloat16 the product x * scale is rounded to bf16 (round to nearest even, as torch's casts),
