@@ -99,8 +99,8 @@ def install_handlers(app: FastAPI) -> None:
         return error_response(exc.status, public_text(request, str(exc)), exc.param)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(400, *_describe(exc.errors()))
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(400, *_describe(exc.errors(), request))
 
     @app.exception_handler(HTTPException)
     async def http_error(_request: Request, exc: HTTPException) -> JSONResponse:
@@ -150,11 +150,14 @@ def _http_detail(exc: HTTPException) -> str:
     return str(exc.detail)
 
 
-def _describe(errors: Any) -> tuple[str, str | None]:
-    """One sentence per pydantic error, naming the field: ``body.input: Input should be ...``."""
+def _describe(errors: Any, request: Request | None) -> tuple[str, str | None]:
+    """One sentence per pydantic error, naming the field: ``body.input: Input should be ...``; for
+    a body that was not read as JSON, the content type it came with (:func:`_not_json`)."""
     errors = list(errors)
     if not errors:
         return "invalid request", None
+    if (not_json := _not_json(errors[0], request)) is not None:
+        return not_json, None
     if errors[0].get("type") == "json_invalid":
         reason = errors[0].get("ctx", {}).get("error", "parse error")
         position = next((part for part in errors[0].get("loc", ()) if isinstance(part, int)), None)
@@ -167,6 +170,17 @@ def _describe(errors: Any) -> tuple[str, str | None]:
         lines.append(f"{location or 'body'}: {error.get('msg')}")
     more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
     return "; ".join(lines) + more, fields[0].split(".")[0] or None
+
+
+def _not_json(error: dict[str, Any], request: Request | None) -> str | None:
+    """FastAPI reads a body as JSON only under a JSON content type (``application/json``, or
+    ``+json``); under another (``curl -d``'s form encoding, ``text/plain``) or none, the route's
+    model gets the raw bytes and pydantic's error does not say why. Say it, naming the type."""
+    if error.get("loc") != ("body",) or not isinstance(error.get("input"), bytes) or request is None:
+        return None
+    content_type = request.headers.get("content-type")
+    sent = f"it came with Content-Type: {content_type}" if content_type else "it came without a Content-Type header"
+    return f"the request body is read as JSON only when sent with Content-Type: application/json; {sent}"
 
 
 # --------------------------------------------------------------------------- TEI's shape
@@ -231,7 +245,7 @@ def as_tei_error(exc: Exception, request: Request | None) -> TeiError | None:
     if isinstance(exc, TeiError):
         return exc
     if isinstance(exc, RequestValidationError | pydantic.ValidationError):
-        return TeiError("Validation", _describe(exc.errors())[0])
+        return TeiError("Validation", _describe(exc.errors(), request)[0])
     if isinstance(exc, InvalidRequestError | UnsupportedTaskError):
         return TeiError("Validation", str(exc))
     if isinstance(exc, QueueFullError):

@@ -241,6 +241,21 @@ def test_bad_requests_are_400_and_the_server_still_serves(server, runtime, sanit
     assert cosine_rows(vector, sanity_reference)[0] >= MIN_COSINE
 
 
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_a_json_body_under_another_content_type_is_refused_naming_it(server, sanity_reference, content_type):
+    """``curl -d`` sends form encoding, ``requests.post(data=...)`` no type: FastAPI then does
+    not read JSON, and the answer says why, in OpenAI's shape and in TEI's."""
+    headers = {} if content_type is None else {"content-type": content_type}
+    sent = f"it came with Content-Type: {content_type}" if content_type else "it came without a Content-Type header"
+    expected = f"the request body is read as JSON only when sent with Content-Type: application/json; {sent}"
+    answer = httpx.post(f"{server.url}/v1/embeddings", content=json.dumps({"input": SANITY_TEXT}), headers=headers)
+    assert _error(answer, 400) == expected
+    answer = httpx.post(f"{server.url}/embed", content=json.dumps({"inputs": SANITY_TEXT}), headers=headers)
+    assert answer.status_code == 422 and answer.json() == {"error": expected, "error_type": "Validation"}
+    vector = httpx.post(f"{server.url}/v1/embeddings", json={"input": SANITY_TEXT}).json()["data"][0]["embedding"]
+    assert cosine_rows(vector, sanity_reference)[0] >= MIN_COSINE
+
+
 @pytest.mark.parametrize(("payload", "param"), [
     ({"input": "a", "dimensions": 8}, "dimensions"),
     ({"input": "a", "dimensions": 0}, "dimensions"),
