@@ -107,7 +107,8 @@ class Runtime:
                                  score_template=loaded.score_template, images=loaded.images,
                                  adapters=LoraAdapters(loaded.config.lora_capacity, self._load_adapter,
                                                        self._unload_adapter),
-                                 image_score=loaded.image_score, task_pinned=loaded.config.task is not None)
+                                 image_score=loaded.image_score, task_pinned=loaded.config.task is not None,
+                                 check_params=loaded.engine.check_params)
         self._engine = loaded.engine  # private: driven by this runtime alone (or its serving loop)
         self._engine_lock = threading.Lock()
         self._loop: EngineLoop | None = None
@@ -347,8 +348,10 @@ class Runtime:
         """Relevance of each (query, document) pair: 1:1, 1:N or N:N.
 
         A ``classify`` model with one label scores pairs as a cross-encoder (sigmoid of its
-        logit, or the logit with ``use_activation=False``); an ``embed`` model scores the cosine
-        similarity of the two embeddings, in float32 (a bi-encoder). For any other task each
+        logit, or the logit with ``use_activation=False``); an ``embed`` model scores the
+        similarity of the two embeddings, in float32 (a bi-encoder), with the folder's
+        ``similarity_fn_name`` as sentence-transformers' ``model.similarity`` does (cosine unless
+        the folder names ``dot``, ``euclidean`` or ``manhattan``). For any other task each
         text is pooled once and a plugin's ``score_outputs`` hook scores the pairs (SPLADE's
         sparse dot product, ColBERT's MaxSim).
 

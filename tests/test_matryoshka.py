@@ -100,11 +100,17 @@ def test_one_step_mixes_dimensions_and_normalize(matryoshka_runtime, token_ids, 
     assert not log.in_flight
 
 
-def test_dimensions_on_a_non_matryoshka_model(runtime, assert_serves):
+# An empty call is refused too: the value is wrong whatever the inputs (sentence-transformers'
+# encode([]) answers nothing to check).
+SOME_INPUTS = pytest.mark.parametrize("texts", [["hello"], []], ids=["one text", "no texts"])
+
+
+@SOME_INPUTS
+def test_dimensions_on_a_non_matryoshka_model(runtime, assert_serves, texts):
     assert not runtime.model_config.is_matryoshka
     with pytest.raises(InvalidRequestError, match=r"does not support Matryoshka dimensions \(got dimensions=64\)"
                        r".*is_matryoshka=True"):
-        runtime.embed(["hello"], dimensions=64)
+        runtime.embed(texts, dimensions=64)
     assert_serves(runtime)
 
 
@@ -115,16 +121,18 @@ def test_dimensions_not_positive(matryoshka_runtime, assert_serves, d):
     assert_serves(matryoshka_runtime)
 
 
-def test_dimensions_above_the_embedding_size(matryoshka_runtime, assert_serves):
+@SOME_INPUTS
+def test_dimensions_above_the_embedding_size(matryoshka_runtime, assert_serves, texts):
     with pytest.raises(InvalidRequestError, match=r"dimensions=385 is out of range for model .*: 1\.\.384$"):
-        matryoshka_runtime.embed(["hello"], dimensions=385)
+        matryoshka_runtime.embed(texts, dimensions=385)
     assert_serves(matryoshka_runtime)
 
 
-def test_dimensions_not_in_the_declared_list(listed_runtime, assert_serves):
+@SOME_INPUTS
+def test_dimensions_not_in_the_declared_list(listed_runtime, assert_serves, texts):
     with pytest.raises(InvalidRequestError,
                        match=r"dimensions=100 is not one of the Matryoshka dimensions of model .*: \[64, 128, 384\]"):
-        listed_runtime.embed(["hello"], dimensions=100)
+        listed_runtime.embed(texts, dimensions=100)
     assert_serves(listed_runtime)
 
 

@@ -101,6 +101,22 @@ def test_a_folder_similarity_function_is_the_default(prompted):
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("fn", ["dot", "manhattan"])
+def test_score_and_rerank_use_the_folder_similarity_function(make_minilm_folder, fn):
+    """A bi-encoder scores pairs as sentence-transformers' ``model.similarity`` does, with the
+    folder's function; without a Normalize module dot products and distances are not the cosine,
+    and rank documents otherwise."""
+    folder = make_minilm_folder(f"unnormalized-{fn}", modules=[TRANSFORMER, POOLING], pooling=MEAN,
+                                sbert_config=SBERT_256, st_config={"similarity_fn_name": fn})
+    runtime, st = poolrunner.Runtime(folder, dtype="float32"), load_st(folder)
+    queries, documents = st.encode([QUERIES[0]] * len(DOCUMENTS)), st.encode(DOCUMENTS)
+    expected = st.similarity_pairwise(queries, documents).numpy()
+    np.testing.assert_allclose(runtime.score(QUERIES[0], DOCUMENTS), expected, rtol=1e-4, atol=1e-4)
+    ranked = runtime.rerank(QUERIES[0], DOCUMENTS)
+    assert [result.index for result in ranked] == list(np.argsort(-expected, kind="stable"))
+    np.testing.assert_allclose([result.score for result in ranked], np.sort(expected)[::-1], rtol=1e-4, atol=1e-4)
+
+
 def test_a_flat_token_id_list_is_one_input(runtime, st_model):
     """As the HTTP routes read it (and vLLM's prompt_token_ids): one input, not one input per id."""
     ids = list(runtime.inputs.encode([QUERIES[0]])[0])

@@ -145,6 +145,10 @@ def test_token_embed_normalize_per_token(make_decoder_folder, task_runtime, word
         assert max_dev(n, unit(r)) <= 1e-6
         assert abs(np.linalg.norm(r, axis=1) - 1).max() > 0.1  # raw really is unnormalized
     assert all(max_dev(r, o) == 0 for r, o in zip(raw, rt.encode(texts, normalize=False), strict=True))
+    # vLLM's use_activation asks for the same; an explicit normalize wins
+    for got, want in ((rt.encode(texts, use_activation=True), normalized),
+                      (rt.encode(texts, use_activation=True, normalize=False), raw)):
+        assert all(max_dev(g, w) == 0 for g, w in zip(got, want, strict=True))
 
 
 @pytest.mark.parametrize("d", [1, 16, 64])
@@ -181,9 +185,9 @@ def test_token_embed_dimension_errors(make_decoder_folder, task_runtime, poolrun
     with pytest.raises(InvalidRequestError, match=f"^{re.escape(message)}$"):
         matryoshka.encode(prompt, dimensions=65)
     assert_still_serves(matryoshka, matryoshka_log, prompt, expected)
-    for option, value in (("step_tag_id", 10), ("use_activation", True)):
+    for option, value in (("step_tag_id", 10), ("returned_token_ids", [0])):
         with pytest.raises(InvalidRequestError,
-                           match=f"^{option} does not apply to task 'token_embed' \\(got {value}\\)$"):
+                           match=f"^{option} does not apply to task 'token_embed' {re.escape(f'(got {value})')}$"):
             plain.encode(prompt, **{option: value})
         assert_still_serves(plain, plain_log, prompt, expected)
 

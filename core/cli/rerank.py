@@ -40,7 +40,7 @@ Rank documents by their relevance to one query, best first.
 Relevance is scored as by `poolrunner score`: a cross-encoder (a
 *ForSequenceClassification model with one label) gives its activated logit (sigmoid
 unless its config names another), an embedding model (the default model too) the
-cosine similarity of the two embeddings.
+similarity of the two embeddings (its folder's similarity_fn_name; cosine by default).
 
 input (the query, then one source of documents):
   --query Q         the query (required)

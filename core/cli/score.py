@@ -41,8 +41,9 @@ Score the relevance of (query, document) pairs, in pair order.
 
 A cross-encoder (a *ForSequenceClassification model with one label) scores each pair
 with its activated logit (sigmoid unless its config names another); an embedding
-model (the default model too) scores the cosine similarity of the two embeddings
-(a bi-encoder).
+model (the default model too) scores the similarity of the two embeddings (a
+bi-encoder): the cosine, unless its sentence-transformers folder names dot, euclidean
+or manhattan as its similarity_fn_name.
 
 input (one source):
   --query Q DOC ...          one query and N documents: N pairs (1:N)

@@ -15,7 +15,7 @@ from poolrunner.core.hooks import Hooks
 from poolrunner.core.plugin_api.batch import InputBatch
 from poolrunner.core.plugin_api.output import OutputHandle, RequestOutput
 from poolrunner.core.plugin_api.request import RequestState, advance
-from poolrunner.core.types import ModelConfig, PoolingRequest
+from poolrunner.core.types import ModelConfig, PoolingParams, PoolingRequest
 
 
 @frozen
@@ -77,13 +77,7 @@ class Engine:
                 f"request {request.request_id!r} has {request.num_tokens} tokens, more than the "
                 f"maximum of {limit} (max_model_len of {self.model_config.name})"
             )
-        pooler = self.runner.poolers.get(request.params.task)
-        if pooler is None:
-            raise InvalidRequestError(
-                f"request {request.request_id!r} asks for task {request.params.task!r}, but this "
-                f"runtime serves {sorted(self.runner.poolers)}"
-            )
-        pooler.check_params(request.params)
+        self.check_params(request.params, f"request {request.request_id!r}")
         state = RequestState(request=request)
         self.requests[request.request_id] = state
         try:
@@ -92,6 +86,17 @@ class Engine:
             self._release(state)
             raise
         self.scheduler.add(state, group=group, priority=priority)
+
+    def check_params(self, params: PoolingParams, who: str = "the request") -> None:
+        """Check ``params`` against its task's pooler (``dimensions`` a model cannot honour...).
+
+        :raises InvalidRequestError: for a task no pooler serves, or parameters the pooler rejects.
+        """
+        pooler = self.runner.poolers.get(params.task)
+        if pooler is None:
+            raise InvalidRequestError(f"{who} asks for task {params.task!r}, but this runtime serves "
+                                      f"{sorted(self.runner.poolers)}")
+        pooler.check_params(params)
 
     def abort_request(self, request_id: str) -> None:
         """Remove a request wherever it is; unknown or already removed ids are ignored."""

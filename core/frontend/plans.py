@@ -45,6 +45,7 @@ from poolrunner.core.inputs.tokenize import InputProcessor
 from poolrunner.core.model.families import PAGE_RETRIEVAL_FAMILIES, TEXT_IMAGE_FAMILIES
 from poolrunner.core.plugin_api.options import RequestOptions
 from poolrunner.core.plugin_api.output import RequestOutput
+from poolrunner.core.similarity import check_similarity_fn, similarity_pairwise
 from poolrunner.core.types import ModelConfig, PoolingParams, PoolingRequest, PoolingTask
 from poolrunner.core.validators import check_text, shown
 
@@ -103,19 +104,23 @@ class Frontend:
     :param adapters: The LoRA adapters a request's ``lora`` may name; ``None``: none.
     :param image_score: ``(logit_scale, logit_bias)`` of a family whose (text, image) pairs score
         :func:`~poolrunner.core.frontend.scoring.sigmoid_score` (SigLIP); ``None``: the cosine.
+    :param check_params: Checks a request's :class:`PoolingParams` against its task's pooler
+        (the engine's), so they are refused whether or not the request has inputs.
     """
 
     def __init__(self, model_config: ModelConfig, inputs: InputProcessor, hooks: Hooks, tasks: frozenset[PoolingTask],
                  default_task: PoolingTask, options: RequestOptions, *, max_embed_len: int | None = None,
                  score_template: ScoreTemplate | None = None, images: ImageInputs | None = None,
                  image_score: tuple[float, float] | None = None,
-                 adapters: LoraAdapters | None = None, task_pinned: bool = False) -> None:
+                 adapters: LoraAdapters | None = None, task_pinned: bool = False,
+                 check_params: Callable[[PoolingParams], None] | None = None) -> None:
         self.model_config = model_config
         self.inputs = inputs
         self.tasks = tasks
         self.default_task = default_task
         self.task_pinned = task_pinned
         self.options = options
+        self._check_params = check_params
         self._hooks = hooks
         self._request_ids = itertools.count()
         self.long_inputs = LongInputs(inputs, max_embed_len) if max_embed_len is not None else None
@@ -196,7 +201,8 @@ class Frontend:
         ``core`` and the plugin ``options`` checked and their defaults filled in.
 
         :raises InvalidRequestError: for a task this runtime does not serve, a bad core value,
-            or an option the task does not take (naming the option and its plugin).
+            an option the task does not take (naming the option and its plugin), or a value its
+            pooler refuses (``dimensions`` of a model without Matryoshka dimensions).
         """
         params = PoolingParams(task=task or self.default_task, **core)  # a malformed value fails first
         if params.task not in self.tasks:
@@ -212,14 +218,16 @@ class Frontend:
                 + (f" (it needs {needs})" if needs else "")
                 + "; `poolrunner plugins --all` lists what each plugin serves", param="task")
         extra_kwargs = self.options.resolve(params.task, options or {})
-        return attrs.evolve(params, extra_kwargs=extra_kwargs) if extra_kwargs else params
+        params = attrs.evolve(params, extra_kwargs=extra_kwargs) if extra_kwargs else params
+        if self._check_params is not None:
+            self._check_params(params)
+        return params
 
     def prepare(self, inputs: Sequence[Input], params: PoolingParams,
                 tokenization: Tokenization = Tokenization()) -> list[PoolingRequest]:  # noqa: B008 (frozen)
         """Validate and tokenize ``inputs`` into engine requests (fresh ids), in input order.
 
-        ``params`` come from :meth:`params`; they are checked against the pooler (e.g.
-        ``dimensions``) when the requests are admitted.
+        ``params`` come from :meth:`params`, which checked them against the pooler (e.g. ``dimensions``).
 
         With ``max_embed_len`` set, an ``embed`` input (not a pair, not truncated) over
         ``max_model_len`` becomes one :class:`~poolrunner.core.frontend.chunking.WindowedRequest`,
@@ -388,7 +396,7 @@ class Frontend:
     def _plan_score(self, request: ScoreRequest) -> Plan[np.ndarray]:
         """A ``classify`` model with one label scores each pair as a cross-encoder (formatted by
         the score template into one prompt when the runtime has one); an ``embed`` model pools
-        each distinct text once and scores the cosine (a bi-encoder); any other default task
+        each distinct text once and scores the model's similarity (a bi-encoder); any other default task
         pools each text once and asks the ``score_outputs`` plugins. An input error of a
         bi-encoder, which pools the distinct texts sorted, names the text as the caller sent it
         (``documents[1]``)."""
@@ -448,11 +456,14 @@ class Frontend:
 
     def _score_pooled(self, pairs: Sequence[tuple[str, str]], texts: list[str], options: Mapping[str, Any],
                       done: list[RequestOutput]) -> np.ndarray:
-        """Cosine of the embeddings (``embed``), else the plugins' ``score_outputs``; ``[num_pairs]`` float32."""
+        """The model's similarity of the embeddings (``embed``: its ``similarity_fn_name``, as
+        sentence-transformers' ``model.similarity`` scores; cosine unless the folder says ``dot``,
+        ``euclidean`` or ``manhattan``), else the plugins' ``score_outputs``; ``[num_pairs]`` float32."""
         by_text = dict(zip(texts, done, strict=True))
         if self.default_task == "embed":
             vectors = {text: outputs.to_array(output) for text, output in by_text.items()}
-            return cosine(np.stack([vectors[q] for q, _ in pairs]), np.stack([vectors[d] for _, d in pairs]))
+            queries, documents = (np.stack([vectors[text] for text in side]) for side in zip(*pairs, strict=True))
+            return similarity_pairwise(queries, documents, check_similarity_fn(self.model_config.similarity_fn_name))
         scores = self._hooks.score_outputs(
             model_config=self.model_config, task=self.default_task,
             queries=[by_text[q] for q, _ in pairs], documents=[by_text[d] for _, d in pairs], options=options,

@@ -256,15 +256,26 @@ class EncodeRequest(_Request):
                                       param="ranges") from None
 
 
+def pairs_as_tuples(value: Any) -> Any:
+    """``value`` with each ``[text, text_pair]`` item of a list of inputs read as a pair (a
+    tuple): sentence-transformers' ``CrossEncoder.predict`` takes pairs as lists, and JSON has no
+    tuples. A flat list of texts stays texts; anything else is left as it is, for the checks."""
+    if not isinstance(value, list | tuple) or is_token_ids(value) or is_pair(value):
+        return value
+    return [tuple(item) if isinstance(item, list) and len(item) == 2 and all(isinstance(text, str) for text in item)
+            else item for item in value]
+
+
 @frozen(kw_only=True)
 class ClassifyRequest(_Request):
     """Score each input over the model's labels (``Runtime.classify``).
 
-    :ivar inputs: Texts, token-id lists, or ``(text, text_pair)`` pairs (one of them: one input).
+    :ivar inputs: Texts, token-id lists, or ``(text, text_pair)`` pairs (one of them: one input);
+        in a list, ``[text, text_pair]`` lists are pairs too (:func:`pairs_as_tuples`).
     :ivar use_activation: ``False``: raw logits instead of probabilities.
     """
 
-    inputs: tuple[Input, ...] = field(converter=as_items)
+    inputs: tuple[Input, ...] = field(converter=lambda inputs: as_items(pairs_as_tuples(inputs)))
     use_activation: bool | None = None
     tokenization: Tokenization = field(factory=Tokenization)
 

@@ -34,7 +34,8 @@ class RerankResult:
     """One document's place in a ranking.
 
     :ivar index: Position of the document in the input list.
-    :ivar score: Relevance (cross-encoder probability or cosine similarity).
+    :ivar score: Relevance: a cross-encoder's probability, or a bi-encoder's similarity (the folder's
+        ``similarity_fn_name``, cosine unless it names another).
     :ivar document: The document's text, when ``return_documents=True``.
     """
 

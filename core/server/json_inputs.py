@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, PlainValidator
 
-from poolrunner.core.frontend.requests import is_token_ids
+from poolrunner.core.frontend.requests import pairs_as_tuples
 
 
 def _as_sent(value: Any) -> Any:
@@ -25,15 +25,8 @@ def json_inputs(shape: Any) -> Any:
     return Annotated[Any, PlainValidator(_as_sent, json_schema_input_type=shape)]
 
 
-def _pairs_as_tuples(value: Any) -> Any:
-    """``value`` with each ``[text, text_pair]`` item of a list of inputs as a pair (a tuple, which
-    is what the core takes for a pair: JSON has no tuples). A flat list of texts stays texts."""
-    if not isinstance(value, list) or is_token_ids(value):
-        return value
-    return [tuple(item) if isinstance(item, list) and len(item) == 2 and all(isinstance(text, str) for text in item)
-            else item for item in value]
-
-
 def json_inputs_with_pairs(shape: Any) -> Any:
-    """As :func:`json_inputs`, reading ``[text, text_pair]`` items of a list as pairs."""
-    return Annotated[json_inputs(shape), AfterValidator(_pairs_as_tuples)]
+    """As :func:`json_inputs`, reading ``[text, text_pair]`` items of a list as pairs as the core's
+    classify requests do (:func:`~poolrunner.core.frontend.requests.pairs_as_tuples`), before the
+    server's own checks of the items."""
+    return Annotated[json_inputs(shape), AfterValidator(pairs_as_tuples)]

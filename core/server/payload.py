@@ -15,7 +15,10 @@ import torch
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
-_FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                 "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_BITS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
+"""The integer type whose bits stand for a float type numpy lacks."""
 
 
 def array_bytes(array: np.ndarray, embed_dtype: str = "float32", endianness: str = "native") -> bytes:
@@ -25,10 +28,9 @@ def array_bytes(array: np.ndarray, embed_dtype: str = "float32", endianness: str
     if np.issubdtype(array.dtype, np.integer):
         data = np.ascontiguousarray(array if array.dtype in (np.int8, np.uint8) else array.astype(np.int64))
     else:
-        tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).to(_FLOAT_DTYPES[embed_dtype])
-        if embed_dtype == "bfloat16":  # numpy has no bfloat16: its bits as int16
-            tensor = tensor.view(torch.int16)
-        data = tensor.numpy()
+        dtype = _FLOAT_DTYPES[embed_dtype]
+        tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).to(dtype)
+        data = tensor.view(_BITS.get(dtype, dtype)).numpy()
     order = sys.byteorder if endianness == "native" else endianness
     if order != sys.byteorder and data.dtype.itemsize > 1:
         data = data.byteswap()

@@ -52,8 +52,9 @@ EncodingFormat = Literal["float", "base64", "bytes", "bytes_only"]
 """``float``: JSON numbers; ``base64``: each array's bytes in base64; ``bytes`` (vLLM): one
 ``application/octet-stream`` body of every array's bytes in input order, described by the
 ``metadata`` header (JSON); ``bytes_only``: the same body without the header."""
-EmbedDType = Literal["float32", "float16", "bfloat16"]
-"""The element type of float arrays in ``base64`` and ``bytes`` payloads (vLLM's ``embed_dtype``)."""
+EmbedDType = Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
+"""The element type of float arrays in ``base64`` and ``bytes`` payloads (vLLM's ``embed_dtype``;
+the fp8 types are torch's ``float8_e4m3fn`` and ``float8_e5m2``, one byte a value)."""
 Endianness = Literal["native", "big", "little"]
 """Byte order of ``base64`` and ``bytes`` payloads; ``native`` is the server's (vLLM's default)."""
 Vector = list[float] | list[int] | str
@@ -397,6 +398,9 @@ class ScoreRequest(_Request):
     text_1: ScoreSide = None
     text_2: ScoreSide = None
     use_activation: StrictBool | None = None
+    max_tokens_per_doc: StrictInt | None = Field(
+        default=None, description="vLLM's: keep each document's (second side's) first tokens; special tokens not "
+                                  "counted; 0 or none: whole documents.")
 
     def sides(self) -> tuple[tuple[str, str], ScoreSide, ScoreSide]:
         """The form used (its two field names) and its two sides.
@@ -418,6 +422,7 @@ class ScoreRequest(_Request):
         """
         form, first, second = self.sides()
         return fr.ScoreRequest(queries=first, documents=second, sides=form, use_activation=self.use_activation,
+                               max_tokens_per_doc=_none_for_zero(self.max_tokens_per_doc),
                                options=self.plugin_options(), tokenization=self.tokenization())
 
 
@@ -468,10 +473,15 @@ class RerankRequest(_Request):
 
     query: json_inputs(StrictStr)  # the core's check: `query must be a string, got None`
     documents: RerankDocuments = None
-    top_n: StrictInt | None = None
-    return_documents: StrictBool | None = Field(default=None, description="Default false (Cohere v1's default).")
+    top_n: StrictInt | None = Field(default=None, description="Keep the best top_n; 0 or none: all (vLLM's 0).")
+    return_documents: StrictBool | None = Field(
+        default=None, description="Default true: each result carries its document (vLLM always, Jina by default); "
+                                  "false leaves them out (Cohere v1's default).")
     max_tokens_per_doc: StrictInt | None = Field(
-        default=None, description="Keep each document's first tokens (Cohere, vLLM); special tokens not counted.")
+        default=None, description="Keep each document's first tokens (Cohere, vLLM); special tokens not counted; "
+                                  "0 or none: whole documents (vLLM's 0).")
+    use_activation: StrictBool | None = Field(
+        default=None, description="vLLM's: false scores raw logits (a cross-encoder's, without its sigmoid).")
     priority: StrictInt | None = Field(default=None, description="Cohere v2's, vLLM's: lower runs first (default 0).")
     texts: json_inputs(list[StrictStr] | None) = Field(default=None,
                                                        description="TEI's documents; the answer is then TEI's.")
@@ -503,6 +513,9 @@ class RerankRequest(_Request):
             return "tei"
         if self.raw_scores is None:
             return "rerank"
+        if self.use_activation is not None:
+            raise ApiError(400, "raw_scores (infinity's) and use_activation (vLLM's) set the same thing: send one",
+                           param="raw_scores")
         if isinstance(self.documents, list) and any(isinstance(d, RerankDocumentInput) for d in self.documents):
             raise ApiError(400, "infinity's body (raw_scores) takes documents as texts, not objects",
                            param="documents")
@@ -542,15 +555,25 @@ class RerankRequest(_Request):
         infinity's body); ``raw_scores`` skips the activation."""
         if isinstance(documents, list):
             documents = [d.text if isinstance(d, RerankDocumentInput) else d for d in documents]
+        # vLLM's schema sends 0 for "all" and "whole documents"; infinity's body answers no
+        # documents unless asked, the others (vLLM's, Jina's) answer them unless told not to.
+        infinity = self.raw_scores is not None
+        return_documents = bool(self.return_documents) if infinity else self.return_documents is not False
         return fr.RerankRequest(
-            query=self.query, documents=documents, top_n=self.top_n,
-            return_documents=bool(self.return_documents), max_tokens_per_doc=self.max_tokens_per_doc,
-            use_activation=False if self.raw_scores else None, options=self.plugin_options(),
+            query=self.query, documents=documents, top_n=_none_for_zero(self.top_n),
+            return_documents=return_documents, max_tokens_per_doc=_none_for_zero(self.max_tokens_per_doc),
+            use_activation=False if self.raw_scores else self.use_activation, options=self.plugin_options(),
             tokenization=self.tokenization())
 
 
+def _none_for_zero(value: int | None) -> int | None:
+    """vLLM's "not set" (0) as the core's (``None``); any other value as sent, for the core's check."""
+    return None if value == 0 else value
+
+
 _TEI_RERANK_FIELDS = ("texts", "return_text", "truncate", "truncation_direction")  # raw_scores: infinity's too
-_RERANK_FIELDS = ("documents", "top_n", "return_documents", "max_tokens_per_doc", "truncate_prompt_tokens")
+_RERANK_FIELDS = ("documents", "top_n", "return_documents", "max_tokens_per_doc", "truncate_prompt_tokens",
+                  "use_activation")
 
 
 class TokenizeRequest(_Body):

@@ -36,10 +36,12 @@ class TokenEmbedPooler(Pooler):
     """``token_embed``: every token's hidden state, ``[num_tokens, hidden_size]`` float32.
 
     Per token, in order: Matryoshka slice ``[:dimensions]``, then L2 normalization when the
-    request asks for it (``normalize=True``; off by default: raw hidden states).
+    request asks for it (``normalize=True``, or vLLM's ``use_activation=True``; an explicit
+    ``normalize`` wins). Off by default: raw hidden states, sentence-transformers'
+    ``output_value="token_embeddings"`` (vLLM normalizes unless told not to).
     """
 
-    accepted_params = frozenset({"dimensions", "normalize"})
+    accepted_params = frozenset({"dimensions", "normalize", "use_activation"})
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__()
@@ -58,7 +60,8 @@ class TokenEmbedPooler(Pooler):
             rows = rows.float()
             if params.dimensions is not None:
                 rows = rows[:, : params.dimensions]
-            outputs.append(F.normalize(rows, dim=-1) if params.normalize else rows)
+            normalize = params.normalize if params.normalize is not None else params.use_activation
+            outputs.append(F.normalize(rows, dim=-1) if normalize else rows)
         return outputs
 
 

@@ -72,9 +72,11 @@ def test_pairs_give_the_same_scores_on_every_surface(runtime, server, classifier
 
 
 def test_the_api_probabilities_are_transformers_softmax(runtime, classifier_reference, classifier_folder):
+    """Pairs as tuples, or as ``[text, text_pair]`` lists as sentence-transformers'
+    ``CrossEncoder.predict`` takes them."""
     reference = classifier_reference(classifier_folder)
-    for inputs in (TEXTS, PAIRS):
-        results = runtime.classify(inputs)
+    for inputs, sent in ((TEXTS, TEXTS), (PAIRS, PAIRS), (PAIRS, [list(pair) for pair in PAIRS])):
+        results = runtime.classify(sent)
         expected = reference.scores(inputs)
         assert_close([result.probs for result in results], expected)
         names = [reference.config.id2label[i] for i in expected.argmax(1)]

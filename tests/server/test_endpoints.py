@@ -83,8 +83,8 @@ def test_cross_encoder_score_and_rerank_match_transformers(cross_encoder, classi
     np.testing.assert_allclose([item["relevance_score"] for item in rerank["results"]], expected[best], atol=1e-5)
     offline = classifier_runtime(folder).rerank(QUERY, DOCUMENTS, top_n=2)
     assert [result.index for result in offline] == best
-    assert "document" not in httpx.post(f"{running.url}/rerank", json={"query": QUERY, "documents": DOCUMENTS}
-                                        ).json()["results"][0]
+    assert "document" not in httpx.post(f"{running.url}/rerank", json={"query": QUERY, "documents": DOCUMENTS,
+                                                                       "return_documents": False}).json()["results"][0]
 
 
 def test_score_on_a_three_label_classifier_is_a_bad_request(classifier):
@@ -223,7 +223,7 @@ BAD_REQUESTS = [
     ("empty score side", "/score", {"text_1": "a", "text_2": []},
      "text_2 is empty: scoring needs at least one of each"),
     ("N:M score", "/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "cannot score 2 queries against 3"),
-    ("bad top_n", "/rerank", {"query": "q", "documents": ["d"], "top_n": 0}, "top_n must be a positive integer"),
+    ("bad top_n", "/rerank", {"query": "q", "documents": ["d"], "top_n": -2}, "top_n must be a positive integer"),
 ]
 
 

@@ -79,7 +79,7 @@ EMBED_BODIES = [  # (body, the route it is answered as): every kind /invocations
     ({"inputs": TEXTS, "normalize": False}, "/embed"),
     ({"inputs": {"source_sentence": QUERY, "sentences": DOCUMENTS}}, "/similarity"),
     # errors too: each in its route's shape
-    ({"query": QUERY, "documents": DOCUMENTS, "top_n": 0}, "/rerank"),
+    ({"query": QUERY, "documents": DOCUMENTS, "top_n": -1}, "/rerank"),
     ({"query": QUERY, "texts": []}, "/rerank"),
     ({"queries": QUERY, "documents": []}, "/score"),
     ({"input": [""]}, "/v1/embeddings"),

@@ -138,13 +138,18 @@ def test_a_score_side_of_another_kind_is_named(server, runtime, body, message, p
 
 
 def test_existing_rerank_body_answers_as_before(server, runtime):
+    """vLLM's answer: every result carries its document (vLLM's ``RerankResult.document`` is
+    required) unless ``return_documents`` is false; ``top_n`` 0 is vLLM's default: all."""
     body = _ok(httpx.post(f"{server.url}/rerank", json={"query": QUERY, "documents": DOCUMENTS, "top_n": 3}))
     assert set(body) == {"id", "model", "usage", "results"} and body["id"].startswith("rerank-")
     offline = runtime.rerank(QUERY, DOCUMENTS, top_n=3)
     assert [item["index"] for item in body["results"]] == [result.index for result in offline]
     np.testing.assert_allclose([item["relevance_score"] for item in body["results"]],
                                [result.score for result in offline], atol=1e-6)
-    assert all(set(item) == {"index", "relevance_score"} for item in body["results"])
+    assert [item["document"] for item in body["results"]] == [{"text": DOCUMENTS[r.index]} for r in offline]
+    bare = _ok(httpx.post(f"{server.url}/rerank", json={"query": QUERY, "documents": DOCUMENTS, "top_n": 0,
+                                                         "return_documents": False}))
+    assert [set(item) for item in bare["results"]] == [{"index", "relevance_score"}] * len(DOCUMENTS)
 
 
 @pytest.mark.parametrize("path", ["/rerank", "/v1/rerank", "/v2/rerank"])
@@ -187,6 +192,30 @@ def test_max_tokens_per_doc_cuts_only_the_documents(server, runtime, hf_tokenize
     assert [item["document"]["text"] for item in body["results"]] == [DOCUMENTS[r.index] for r in offline]
 
 
+def test_vllm_scoring_fields_on_a_cross_encoder(cross_encoder, classifier_reference, minilm_classifier_folder,
+                                                hf_tokenizer):
+    """vLLM's ``use_activation`` on /rerank (false: the head's raw logits) and ``max_tokens_per_doc``
+    on /score (0: whole documents, vLLM's default), against transformers."""
+    running, runtime = cross_encoder
+    reference = classifier_reference(minilm_classifier_folder(1))
+    logits = reference.logits([(QUERY, document) for document in DOCUMENTS])[:, 0]
+    body = _ok(httpx.post(f"{running.url}/rerank", json={"query": QUERY, "documents": DOCUMENTS,
+                                                         "use_activation": False}))
+    assert [item["index"] for item in body["results"]] == list(np.argsort(-logits, kind="stable"))
+    np.testing.assert_allclose([item["relevance_score"] for item in body["results"]], np.sort(logits)[::-1],
+                               atol=1e-5)
+    cut = [_first_tokens(hf_tokenizer, document, 4) for document in DOCUMENTS]
+    for k, documents in ((4, cut), (0, DOCUMENTS)):
+        scored = _ok(httpx.post(f"{running.url}/score", json={"queries": QUERY, "documents": DOCUMENTS,
+                                                              "max_tokens_per_doc": k}))
+        np.testing.assert_allclose([item["score"] for item in scored["data"]],
+                                   reference.scores([(QUERY, document) for document in documents])[:, 0], atol=1e-5)
+    message = _error(httpx.post(f"{running.url}/rerank", json={"query": QUERY, "documents": DOCUMENTS,
+                                                               "raw_scores": True, "use_activation": False}))
+    assert message == ("raw_scores (infinity's) and use_activation (vLLM's) set the same thing: send one", "raw_scores")
+    _still_serves(running.url, runtime)
+
+
 def test_max_tokens_per_doc_on_a_cross_encoder(cross_encoder, hf_tokenizer):
     running, runtime = cross_encoder
     cut = [_first_tokens(hf_tokenizer, document, 4) for document in DOCUMENTS]
@@ -209,8 +238,8 @@ def test_max_tokens_per_doc_keeps_a_long_document_within_the_model(server, runti
 
 
 @pytest.mark.parametrize(("body", "message", "param"), [
-    ({"query": "q", "documents": ["d"], "max_tokens_per_doc": 0}, "max_tokens_per_doc must be a positive integer, "
-                                                                  "got 0", "max_tokens_per_doc"),
+    ({"query": "q", "documents": ["d"], "max_tokens_per_doc": -1}, "max_tokens_per_doc must be a positive integer, "
+                                                                   "got -1", "max_tokens_per_doc"),
     ({"query": "q", "documents": ["d"], "max_tokens_per_doc": 1.5},
      "max_tokens_per_doc: Input should be a valid integer", "max_tokens_per_doc"),
     ({"query": "q"}, "send documents (vLLM, Jina, Cohere, infinity) or texts (TEI)", "documents"),
@@ -280,16 +309,19 @@ def test_cohere_v1_client(cross_encoder, cohere_clients):
                                                           "return_documents": True}))
     CohereV1Response.model_validate(raw)
     assert {"text": DOCUMENTS[1], "title": "fires"} in [item["document"] for item in raw["results"]]  # kept, as Cohere
-    plain = client.rerank(query=QUERY, documents=DOCUMENTS)
+    plain = client.rerank(query=QUERY, documents=DOCUMENTS, return_documents=False)
     assert all(result.document is None for result in plain.results)
+    # Cohere's default leaves documents out, vLLM's always sends them on the same paths: they come
+    unasked = client.rerank(query=QUERY, documents=DOCUMENTS)  # unless asked not to
+    assert [result.document.text for result in unasked.results] == [DOCUMENTS[r.index] for r in unasked.results]
 
 
 def test_cohere_client_sees_a_bad_request(cross_encoder, cohere_clients):
     running, runtime = cross_encoder
     client = cohere_clients[0]
     with pytest.raises(cohere.BadRequestError) as caught:
-        client.rerank(model=_served(running), query=QUERY, documents=DOCUMENTS, max_tokens_per_doc=0)
-    assert caught.value.body["error"]["message"] == "max_tokens_per_doc must be a positive integer, got 0"
+        client.rerank(model=_served(running), query=QUERY, documents=DOCUMENTS, max_tokens_per_doc=-1)
+    assert caught.value.body["error"]["message"] == "max_tokens_per_doc must be a positive integer, got -1"
     assert len(client.rerank(model=_served(running), query=QUERY, documents=DOCUMENTS).results) == 4
 
 

@@ -153,6 +153,24 @@ def test_base64_payload_has_the_asked_dtype_and_byte_order(server, runtime, embe
     np.testing.assert_allclose(_vectors(as_float), floats, atol=2e-6)
 
 
+@pytest.mark.parametrize(("embed_dtype", "fp8"), [("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
+def test_fp8_payloads_are_one_byte_a_value_as_vllm_decodes_them(server, runtime, embed_dtype, fp8):
+    """vLLM's client reads fp8 payloads as uint8 bytes viewed as torch's float8 type."""
+    expected = torch.from_numpy(runtime.embed(TEXTS)).to(fp8).float().numpy()
+    body = _ok(httpx.post(f"{server.url}/v1/embeddings", json={
+        "input": TEXTS, "encoding_format": "base64", "embed_dtype": embed_dtype, "endianness": "big"}))
+    payloads = [base64.b64decode(item["embedding"]) for item in body["data"]]
+    assert [len(payload) for payload in payloads] == [384] * 3  # one byte a value: no byte order to swap
+    decoded = [torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(fp8) for payload in payloads]
+    np.testing.assert_array_equal(torch.stack(decoded).float().numpy(), expected)
+    answer = httpx.post(f"{server.url}/pooling", json={"input": TEXTS, "encoding_format": "bytes",
+                                                        "embed_dtype": embed_dtype})
+    metadata = json.loads(answer.headers["metadata"])
+    assert [item["embed_dtype"] for item in metadata["data"]] == [embed_dtype] * 3 and len(answer.content) == 3 * 384
+    np.testing.assert_array_equal(torch.frombuffer(bytearray(answer.content), dtype=torch.uint8).view(fp8).float()
+                                  .reshape(3, 384).numpy(), expected)
+
+
 def test_openai_client_passes_vllm_fields_in_extra_body(server, runtime):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     answer = client.embeddings.create(model="all-MiniLM-L6-v2", input=TEXTS, user="someone",  # base64 by default

@@ -34,7 +34,7 @@ async def models(served: Served, created: Created) -> i.InfinityModelList:
 def capabilities(service: PoolingService) -> list[i.Capability]:
     """What infinity would say the model does: ``embed`` (it embeds), ``image_embed`` (images
     too), ``classify`` (it has a label head) and ``rerank`` (a one-label head: a cross-encoder;
-    poolrunner also reranks with an embedder's cosine, which infinity does not)."""
+    poolrunner also reranks with an embedder's similarity, which infinity does not)."""
     frontend = service.frontend
     tasks = service.runtime.supported_tasks
     found: list[i.Capability] = []
