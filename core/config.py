@@ -12,7 +12,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from attrs import asdict, converters, field, fields, frozen
+import jinja2
+from attrs import Attribute, asdict, converters, field, fields, frozen
 
 from poolrunner.core.errors import InvalidRequestError
 from poolrunner.core.inputs import score_template
@@ -42,6 +43,24 @@ def _copied_dict(value: Any) -> Any:
     if value is None:
         return {}
     return copy.deepcopy(dict(value)) if isinstance(value, Mapping) else value
+
+
+def _jinja_text(_instance: object, attribute: Attribute, value: Any) -> None:
+    """attrs validator: ``None``, or Jinja text that parses (with the loop controls transformers'
+    chat templates may use).
+
+    :raises InvalidRequestError: naming the setting and the syntax error.
+    """
+    if value is None:
+        return
+    if not isinstance(value, str) or not ("{{" in value or "{%" in value):
+        raise InvalidRequestError(f"{attribute.name} must be Jinja text (a template that reads messages), "
+                                  f"got {value!r:.200}")
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(value)
+    except jinja2.TemplateSyntaxError as exc:
+        raise InvalidRequestError(f"{attribute.name} is not a valid Jinja template: {exc.message} "
+                                  f"(line {exc.lineno})") from None
 
 
 def _lora_modules(value: Any) -> dict[str, str]:
@@ -126,6 +145,9 @@ class RuntimeConfig:
         cross-encoder scores it, or the name of a built-in one (``qwen3_reranker``,
         ``bge_reranker_v2_gemma``); ``None``: the built-in the folder asks for, if any
         (:mod:`poolrunner.core.inputs.score_template`).
+    :ivar chat_template: Jinja text rendering the ``messages`` of HTTP requests in place of the
+        tokenizer's own chat template (vLLM's ``--chat-template``), e.g. for a folder without one;
+        ``None``: the tokenizer's.
     :ivar lora_modules: LoRA adapters to load at start, name -> PEFT folder (vLLM's
         ``--lora-modules``); requests pick one by name (``lora=NAME``). Setting this or
         ``max_loras`` serves adapters: the linear layers are then prepacked without fused activations
@@ -170,6 +192,7 @@ class RuntimeConfig:
     max_input_chars: int | None = field(default=None, validator=positive_int)
     hf_overrides: dict[str, Any] = field(factory=dict, converter=_copied_dict, validator=json_object, hash=False)
     score_template: str | None = field(default=None, validator=score_template.check_setting)
+    chat_template: str | None = field(default=None, validator=_jinja_text)
     lora_modules: dict[str, str] = field(factory=dict, converter=_lora_modules, hash=False)
     max_loras: int | None = field(default=None, validator=positive_int)
     max_lora_rank: int = field(default=16, validator=positive_int)

@@ -96,6 +96,8 @@ def load(config: RuntimeConfig, plugins: Sequence[object] = ()) -> LoadedModel:
     hooks = _plugins(config, plugins)
     path = metadata.resolve_model_path(config.model, config.revision)
     hf_config, tokenizer, model_config = read_model(path, hooks, config.overrides, config.hf_overrides)
+    if config.chat_template is not None:  # the one the HTTP messages are rendered with
+        tokenizer.chat_template = config.chat_template
     task = resolve_task(hooks, model_config, config.task)
     template = score_template.for_runtime(config.score_template, model_config, task, _special_tokens(tokenizer))
     wanted = [task] if config.task else [task, *sorted(served_tasks(hooks, model_config) - {task})]

@@ -281,6 +281,10 @@ def add_model_options(parser: argparse.ArgumentParser, *, several: str | None = 
                             "file holding a Jinja template (variables query, document, messages), the Jinja text, "
                             "or a built-in: qwen3_reranker, bge_reranker_v2_gemma (default: the built-in the model "
                             "folder is named after, if any)")
+    model.add_argument("--chat-template", metavar="TEMPLATE", default=None,
+                       help="render the messages of HTTP requests with this chat template instead of the "
+                            "tokenizer's, as vLLM's --chat-template: a file holding a Jinja template, or the Jinja "
+                            "text")
     model.add_argument("--lora-modules", metavar="NAME=PATH", type=lora_module, action="extend", nargs="+",
                        default=None,
                        help="LoRA adapters (PEFT folders) to load, as vLLM's --lora-modules: NAME=PATH, or the JSON "
@@ -362,18 +366,18 @@ def json_object(value: str) -> dict[str, Any]:
     return parsed
 
 
-def score_template_text(value: str | None) -> str | None:
-    """``--score-template``: the text of the file it names, else the value itself (a built-in
-    name or Jinja text).
+def template_text(value: str | None, flag: str) -> str | None:
+    """``--score-template``, ``--chat-template``: the text of the file it names, else the value
+    itself (a built-in name or Jinja text).
 
-    :raises CliError: for a file that cannot be read.
+    :raises CliError: for a file that cannot be read, naming ``flag``.
     """
     if value is None or not Path(value).is_file():
         return value
     try:
         return Path(value).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise CliError(f"--score-template {value!r}: cannot read the file: {exc}") from None
+        raise CliError(f"{flag} {value!r}: cannot read the file: {exc}") from None
 
 
 def add_truncation_options(group: argparse._ArgumentGroup, *, pairs: bool = False) -> None:
@@ -424,7 +428,8 @@ def runtime_options(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
         "async_scheduling": args.async_scheduling, "max_embed_len": args.max_embed_len,
         "max_input_chars": args.max_input_chars, "hf_overrides": args.hf_overrides or {},
-        "score_template": score_template_text(args.score_template),
+        "score_template": template_text(args.score_template, "--score-template"),
+        "chat_template": template_text(args.chat_template, "--chat-template"),
         "lora_modules": _lora_modules(args.lora_modules), "max_loras": args.max_loras,
         "max_lora_rank": args.max_lora_rank,
         "max_image_bytes": args.max_image_bytes, "max_image_pixels": args.max_image_pixels,

@@ -251,7 +251,7 @@ class InputProcessor:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequestError(
                 f"the tokenizer of model {self.model_config.name} has no chat template, so messages cannot be "
-                "rendered; send the text as input instead"
+                "rendered; send the text as input instead, or start the server with --chat-template"
             )
         if add_generation_prompt and continue_final_message:
             raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be true")

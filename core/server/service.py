@@ -101,8 +101,9 @@ class PoolingService:
         if body.input is not None:
             raise ApiError(400, "send input or messages, not both", param="messages")
         if body.chat_template is not None:
-            raise ApiError(400, "chat_template is not accepted: messages are rendered with the model's own chat "
-                                "template", param="chat_template")
+            raise ApiError(400, "chat_template is not accepted: messages are rendered with the model's chat "
+                                "template (the server's --chat-template, else the tokenizer's)",
+                           param="chat_template")
         if not body.messages:
             raise ApiError(400, "messages is empty: send at least one message", param="messages")
         if self.frontend.images is not None or any(message.image_urls() for message in body.messages):

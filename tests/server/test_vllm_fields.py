@@ -287,7 +287,8 @@ def test_dimensions_apply_before_quantizing_and_are_checked_against_the_float_si
 
 
 BAD_FIELDS = [
-    ("embed_dtype", {"embed_dtype": "float64"}, "embed_dtype: Input should be 'float32', 'float16' or 'bfloat16'"),
+    ("embed_dtype", {"embed_dtype": "float64"},
+     "embed_dtype: Input should be 'float32', 'float16', 'bfloat16', 'fp8_e4m3' or 'fp8_e5m2'"),
     ("endianness", {"endianness": "middle"}, "endianness: Input should be 'native', 'big' or 'little'"),
     ("encoding_format", {"encoding_format": "npy"},
      "encoding_format: Input should be 'float', 'base64', 'bytes' or 'bytes_only'"),
@@ -307,7 +308,7 @@ BAD_FIELDS = [
      "add_generation_prompt applies to messages, not to input"),
     ("no chat template", {"input": None, "messages": MESSAGES},
      "the tokenizer of model {name} has no chat template, so messages cannot be rendered; send the text "
-     "as input instead"),
+     "as input instead, or start the server with --chat-template"),
     ("unknown field", {"colour": "red"}, "colour: Extra inputs are not permitted"),
     ("empty messages", {"input": None, "messages": []}, "messages is empty: send at least one message"),
     ("image part", {"input": None, "messages": [{"role": "user", "content": [
@@ -344,10 +345,13 @@ def test_precision_on_another_task_is_refused(server, runtime):
 # --------------------------------------------------------------------------- chat messages
 
 
-@pytest.fixture(scope="module")
-def chat_server(tmp_path_factory, model_path):
+@pytest.fixture(scope="module", params=["folder", "setting"])
+def chat_server(request, tmp_path_factory, model_path):
+    """The template in the folder's tokenizer config, or given as the runtime's ``chat_template``
+    (``--chat-template``) for the folder without one; the reference tokenizer is the folder's with it."""
     folder = _with_chat_template(model_path, tmp_path_factory.mktemp("chat") / "minilm-chat")
-    runtime = poolrunner.Runtime(str(folder), dtype="float32")
+    runtime = (poolrunner.Runtime(str(folder), dtype="float32") if request.param == "folder"
+               else poolrunner.Runtime(str(model_path), dtype="float32", chat_template=CHAT_TEMPLATE))
     with ServerThread(runtime) as running:
         yield running, runtime, AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
@@ -375,7 +379,8 @@ def test_embedding_messages_are_rendered_with_the_chat_template(chat_server, hf_
     np.testing.assert_allclose(_vectors(body)[0], runtime.embed(tokenizer(rendered)["input_ids"]), atol=2e-6)
     for fields, message in [
         ({"chat_template": "{{ messages }}"},
-         "chat_template is not accepted: messages are rendered with the model's own chat template"),
+         "chat_template is not accepted: messages are rendered with the model's chat template (the server's "
+         "--chat-template, else the tokenizer's)"),
         ({"chat_template_kwargs": {"tokenize": True}},
          "chat_template_kwargs cannot set tokenize: it is an argument of the rendering, not a template variable"),
         ({"add_generation_prompt": True, "continue_final_message": True},
@@ -383,6 +388,24 @@ def test_embedding_messages_are_rendered_with_the_chat_template(chat_server, hf_
     ]:
         assert _error(httpx.post(f"{running.url}/v1/embeddings", json={"messages": MESSAGES, **fields})) == message
         _still_serves(running.url, runtime)
+
+
+def test_the_chat_template_setting_is_read_from_a_file_and_checked(tmp_path):
+    """``--chat-template`` (and ``POOLRUNNER_CHAT_TEMPLATE``) takes a file or the Jinja text, as
+    vLLM's; text that is not a template is refused when the settings are made, before loading."""
+    from poolrunner.core.cli.common import runtime_options
+
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE, encoding="utf-8")
+    for value in (str(template), CHAT_TEMPLATE):
+        args = build_parser().parse_args(["serve", "--model", "m", "--chat-template", value])
+        assert runtime_options(args)["chat_template"] == CHAT_TEMPLATE
+    for value, message in (("{{ messages }", "chat_template is not a valid Jinja template: unexpected '}' (line 1)"),
+                           ("plain text", "chat_template must be Jinja text (a template that reads messages), got "
+                                          "'plain text'")):
+        with pytest.raises(poolrunner.InvalidRequestError) as caught:
+            poolrunner.RuntimeConfig(chat_template=value)
+        assert str(caught.value) == message
 
 
 # --------------------------------------------------------------------------- classify: pairs, messages
@@ -431,7 +454,8 @@ def test_classify_takes_messages(chat_classifier, classifier_reference, minilm_c
     with ServerThread(classifier_runtime(minilm_classifier_folder(3))) as plain:
         message = _error(httpx.post(f"{plain.url}/classify", json={"messages": MESSAGES}))
         assert message.startswith("the tokenizer of model ") and message.endswith(
-            " has no chat template, so messages cannot be rendered; send the text as input instead")
+            " has no chat template, so messages cannot be rendered; send the text as input instead, or start the "
+            "server with --chat-template")
         assert len(_ok(httpx.post(f"{plain.url}/classify", json={"input": TEXTS}))["data"]) == 3
 
 
