@@ -116,7 +116,8 @@ class RuntimeConfig:
         refused when even all of them in bfloat16 over float32 activations miss it).
     :ivar device: ``auto`` (CUDA when present, else CPU) or a torch device string.
     :ivar compile: ``auto``: on the CPU, linear layers run with weights prepacked for oneDNN once at
-        load, bias and known activations fused into the matmul (:mod:`poolrunner.core.kernels.onednn`),
+        load, bias and known activations fused into the matmul (:mod:`poolrunner.core.kernels.onednn`;
+        float32 ones only with AVX-512: without it torch's own products are faster),
         and attention and RMSNorm in poolrunner's own kernels where they build
         (:mod:`poolrunner.core.kernels.cpu_kernels`);
         ``off``: transformers' modules and torch's attention as they are.

@@ -249,7 +249,8 @@ def _build_engine(
     # Built here, at load, so that no request waits for a compile.
     kernels = cpu_kernels.supported_dtypes() if config.compile == "auto" and device.type == "cpu" else frozenset()
     products = chosen.weights if chosen.matmul == torch.int8 else chosen.matmul
-    if config.compile == "auto" and onednn.supported(device, chosen.weights) and onednn.supported(device, products):
+    if (config.compile == "auto" and onednn.supported(device, chosen.weights) and onednn.supported(device, products)
+            and onednn.pays(chosen.matmul)):
         # Served adapters add their term to a layer's output, before its activation: none fused.
         onednn.prepack(model.base_model, chosen.matmul, fuse=not config.lora_enabled)
     fused_norms.fuse_rms_norms(model.base_model, kernels)

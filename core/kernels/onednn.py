@@ -17,6 +17,9 @@ in bfloat16 0.55 s either way, the post-op costing what the pass did. Without AV
 post-ops cost more than they save (:data:`GATE_POST_OPS`), and SiLU and the multiply run as
 in-place passes instead.
 
+On a CPU without AVX-512, float32 layers stay ``nn.Linear`` (:data:`PACK_FLOAT32`): there the
+products ``F.linear`` hands to MKL run faster than oneDNN's AVX2 kernels.
+
 Only the computation changes, never the function: results equal transformers' own modules to
 float32 rounding (or bf16 rounding in bf16), which the architecture tests check for every family.
 """
@@ -39,6 +42,14 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 2048
 """Rows the weight layout is tuned for: the CPU's step budget; any row count runs."""
 NO_ACTIVATION = ("none", "")
+PACK_FLOAT32 = torch.cpu._is_avx512_supported()
+"""Whether float32 linear layers are prepacked (:func:`pays`). Without AVX-512, oneDNN's float32
+kernels are slower than MKL's, which ``F.linear`` calls: on 2 Zen 3 cores (AVX2), 1,917 rows,
+median of 25 interleaved runs, GFLOP/s F.linear / oneDNN: all-MiniLM-L6-v2's ``[384, 1536]`` with
+GELU 143 / 103 (fused) or 134 (a separate GELU pass), ``[1536, 384]`` 163 / 145; SmolLM2-135M's
+``[576, 1536]`` 172 / 148, ``[1536, 576]`` 175 / 153. End to end, leaving the layers to torch
+embeds 1.14x the paragraphs, 1.19x the documents and 1.03x SmolLM2's paragraphs (8 interleaved
+rounds in one process). With AVX-512 oneDNN's kernels win (the measurement above)."""
 GATE_POST_OPS = torch.cpu._is_avx512_supported()
 """Whether :class:`GatedMLP` runs SiLU and the multiply as oneDNN post-ops. A post-op takes vector
 registers from the product's tile: with AVX2's 16 the product slows more than the pass it saves
@@ -144,6 +155,12 @@ def supported(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cpu" or dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
         return False
     return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def pays(matmul_dtype: torch.dtype) -> bool:
+    """Whether prepacking makes products in ``matmul_dtype`` faster than torch's own on this CPU
+    (:data:`PACK_FLOAT32`; bfloat16 and int8 products always: torch has no faster kernels for them)."""
+    return matmul_dtype != torch.float32 or PACK_FLOAT32
 
 
 def prepack(module: nn.Module, matmul_dtype: torch.dtype | None = None, *, fuse: bool = True) -> int:
