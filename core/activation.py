@@ -44,3 +44,10 @@ def classifier_activation(model_config: ModelConfig) -> Activation:
     if model_config.problem_type == "multi_label_classification" or len(model_config.labels) == 1:
         return torch.sigmoid  # softmax over one logit is always 1.0
     return lambda logits: torch.softmax(logits, dim=-1)  # subtracts the max: stable for any logits
+
+
+def label_count_activation(logits: torch.Tensor) -> torch.Tensor:
+    """TEI's and infinity's scores of ``[..., num_labels]`` logits: a sigmoid of one logit, a
+    softmax over several, whatever activation or ``problem_type`` the folder names (TEI's
+    ``Infer::predict``, infinity's ``BatchHandler.rerank``); same shape and dtype."""
+    return torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, dim=-1)

@@ -20,6 +20,7 @@ import attrs
 import numpy as np
 from attrs import frozen
 
+from poolrunner.core.activation import label_count_activation
 from poolrunner.core.adapters import LoraAdapters
 from poolrunner.core.errors import InvalidRequestError, PromptTooLongError, UnsupportedTaskError
 from poolrunner.core.frontend import outputs
@@ -161,9 +162,10 @@ class Frontend:
 
     @plan.register
     def _(self, request: ClassifyRequest) -> Plan[list[Any]]:
-        params = self.params("classify", use_activation=request.use_activation)
-        return Plan(self.prepare(request.inputs, params, request.tokenization),
-                    functools.partial(outputs.classifications, labels=self.model_config.labels))
+        use_activation, activate = _activation(request)
+        params = self.params("classify", use_activation=use_activation)
+        return Plan(self.prepare(request.inputs, params, request.tokenization), lambda done: outputs.classifications(
+            [activate(output) for output in done], labels=self.model_config.labels))
 
     @plan.register
     def _(self, request: ScoreRequest) -> Plan[np.ndarray]:
@@ -189,11 +191,21 @@ class Frontend:
     def _(self, request: TokenizeRequest) -> Plan[list[Any]]:
         tokenization = request.tokenization
         if request.with_tokens or not tokenization.add_special_tokens:
-            tokens = self._tokens(request.texts, tokenization.add_special_tokens)
+            tokens = self._tokens(self.prompted(request), tokenization.add_special_tokens)
             answer: list[Any] = tokens if request.with_tokens else [[token.id for token in row] for row in tokens]
         else:  # the requests' own path: checked against the model maximum
             answer = [list(ids) for ids in self.inputs.encode(request.texts, **tokenization.encoding())]
         return Plan([], lambda _: answer)
+
+    def prompted(self, request: TokenizeRequest) -> list[str]:
+        """``request``'s texts with the prompt its tokenization names (or the model's default
+        prompt) in front, as requests encode them: the texts a token's span counts in.
+
+        :raises InvalidRequestError: for a ``prompt_name`` the model does not define.
+        """
+        tokenization = request.tokenization
+        prefix = self.inputs.resolve_prompt(tokenization.prompt, tokenization.prompt_name)
+        return [prefix + text for text in request.texts]
 
     def params(self, task: PoolingTask | None = None, options: Mapping[str, Any] | None = None,
                **core: Any) -> PoolingParams:
@@ -412,9 +424,10 @@ class Frontend:
         tokenization = request.tokenization
         task = self.default_task
         if task == "classify" and len(self.model_config.labels) == 1:
-            params = self.params("classify", request.options, use_activation=request.use_activation)
+            use_activation, activate = _activation(request)
+            params = self.params("classify", request.options, use_activation=use_activation)
             return Plan(self.prepare(self._formatted(pairs), params, tokenization), lambda done: np.array(
-                [output.numpy()[0] for output in done], dtype=np.float32))
+                [activate(output).numpy()[0] for output in done], dtype=np.float32))
         if task != "embed" and not self._hooks.implementers("score_outputs"):
             raise self._cannot_score()
         params = self.params(task, request.options)
@@ -544,6 +557,15 @@ class Frontend:
         """A copy of the model's tokenizer for spans and decoding: those calls change the
         tokenizer's truncation settings, which :attr:`inputs` keeps per call on its own."""
         return copy.deepcopy(self.inputs.tokenizer)
+
+
+def _activation(request: ClassifyRequest | ScoreRequest) -> tuple[bool | None, Callable[[Any], Any]]:
+    """The params' ``use_activation`` for ``request`` and what the plan applies to each output:
+    the model's activation runs in the pooler; the label-count rule (TEI's, infinity's) runs here,
+    on the raw logits the pooler then returns."""
+    if request.activation == "labels" and request.use_activation is not False:
+        return False, label_count_activation
+    return request.use_activation, lambda output: output
 
 
 def _strip_special(tokenizer: Any, ids: Sequence[int]) -> list[int]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from numbers import Number
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import attrs
 import numpy as np
@@ -55,6 +55,19 @@ def _optional_text(_instance: object, attribute: attrs.Attribute, value: Any) ->
 def _flag(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
     if not isinstance(value, bool):
         raise InvalidRequestError(f"{attribute.name} must be true or false, got {value!r}", param=attribute.name)
+
+
+ActivationRule = Literal["model", "labels"]
+"""Which activation turns a classifier's logits into scores (unless ``use_activation=False``):
+``"model"``, the folder's (sentence-transformers' ``CrossEncoder.predict``, vLLM); ``"labels"``,
+by the label count alone, a sigmoid of one logit and a softmax over several, whatever the
+folder names (TEI's and infinity's APIs: :func:`~poolrunner.core.activation.label_count_activation`)."""
+
+
+def _activation_rule(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
+    if value not in ("model", "labels"):
+        raise InvalidRequestError(f"{attribute.name} must be 'model' or 'labels', got {shown(value)}",
+                                  param=attribute.name)
 
 
 def _optional_positive(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
@@ -273,10 +286,12 @@ class ClassifyRequest(_Request):
     :ivar inputs: Texts, token-id lists, or ``(text, text_pair)`` pairs (one of them: one input);
         in a list, ``[text, text_pair]`` lists are pairs too (:func:`pairs_as_tuples`).
     :ivar use_activation: ``False``: raw logits instead of probabilities.
+    :ivar activation: Which activation gives the probabilities (:data:`ActivationRule`).
     """
 
     inputs: tuple[Input, ...] = field(converter=lambda inputs: as_items(pairs_as_tuples(inputs)))
     use_activation: bool | None = None
+    activation: ActivationRule = field(default="model", validator=_activation_rule)
     tokenization: Tokenization = field(factory=Tokenization)
 
 
@@ -303,6 +318,7 @@ class ScoreRequest(_Request):
     :ivar documents: One text, or a list of them (images too, for a text-image model).
     :ivar sides: What the caller calls the two sides, for errors (``documents[2]``).
     :ivar use_activation: ``False``: a cross-encoder's raw logit.
+    :ivar activation: Which activation gives a cross-encoder's score (:data:`ActivationRule`).
     :ivar max_tokens_per_doc: Cut each document to its first this many tokens, special tokens
         not counted, before pairing (Cohere's and vLLM's field); the query is never cut.
     :ivar options: The plugins' request options for the runtime's task (BGE-M3's weights).
@@ -315,6 +331,7 @@ class ScoreRequest(_Request):
     documents: str | Sequence[str] = field(converter=_side_items, validator=_score_side)
     sides: tuple[str, str] = ("queries", "documents")
     use_activation: bool | None = None
+    activation: ActivationRule = field(default="model", validator=_activation_rule)
     max_tokens_per_doc: int | None = field(default=None, validator=_optional_positive)
     options: Mapping[str, Any] = field(factory=dict, converter=_options)
     tokenization: Tokenization = field(factory=Tokenization)
@@ -326,6 +343,7 @@ class RerankRequest(_Request):
 
     :ivar sides: As :attr:`ScoreRequest.sides` (TEI's body calls the documents ``texts``).
     :ivar use_activation: As :attr:`ScoreRequest.use_activation`.
+    :ivar activation: As :attr:`ScoreRequest.activation`.
     :ivar top_n: Keep the best ``top_n``; ``None``: all.
     :ivar return_documents: Include each document's text in its result.
     :ivar max_tokens_per_doc: As :attr:`ScoreRequest.max_tokens_per_doc`.
@@ -344,6 +362,7 @@ class RerankRequest(_Request):
     documents: Sequence[Input] = field()
     sides: tuple[str, str] = ("query", "documents")
     use_activation: bool | None = None
+    activation: ActivationRule = field(default="model", validator=_activation_rule)
     top_n: int | None = field(default=None, validator=_optional_positive)
     return_documents: bool = field(default=False, validator=_flag)
     max_tokens_per_doc: int | None = field(default=None, validator=_optional_positive)
@@ -366,7 +385,8 @@ class RerankRequest(_Request):
     def score_request(self) -> ScoreRequest:
         """The scoring this ranking orders: the query against each document."""
         return ScoreRequest(queries=self.query, documents=list(self.documents), sides=self.sides,
-                            use_activation=self.use_activation, max_tokens_per_doc=self.max_tokens_per_doc,
+                            use_activation=self.use_activation, activation=self.activation,
+                            max_tokens_per_doc=self.max_tokens_per_doc,
                             options=self.options, tokenization=self.tokenization)
 
 

@@ -246,7 +246,9 @@ def as_tei_error(exc: Exception, request: Request | None) -> TeiError | None:
         return exc
     if isinstance(exc, RequestValidationError | pydantic.ValidationError):
         return TeiError("Validation", _describe(exc.errors(), request)[0])
-    if isinstance(exc, InvalidRequestError | UnsupportedTaskError):
+    if isinstance(exc, UnsupportedTaskError):  # TEI: "model is not a re-ranker model" and its kin
+        return TeiError("Backend", str(exc))
+    if isinstance(exc, InvalidRequestError):
         return TeiError("Validation", str(exc))
     if isinstance(exc, QueueFullError):
         return TeiError("Overloaded", str(exc))

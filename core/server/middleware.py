@@ -31,6 +31,9 @@ from poolrunner.core.server.settings import ServerSettings
 OPEN_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 """Paths always answered without the API key (``/metrics`` too unless ``protect_metrics``): the
 health check and the API's own documentation, which a browser cannot send a key for."""
+HEALTH_PATHS = frozenset({"/health", "/ping", "/"})
+"""The health check's paths for GET and HEAD: vLLM's and TEI's ``/health``, TEI's and SageMaker's
+``/ping`` and TEI's ``GET /`` (``POST /`` is TEI's inference route, behind the key)."""
 OPEN_PREFIX = "/static-offline-docs/"
 """The documentation pages' scripts and styles (fastapi-offline's mount), open as the pages are."""
 REQUEST_ID_HEADER = "x-request-id"
@@ -154,7 +157,7 @@ class GuardMiddleware:
                          f"--allowed-hosts flag: {', '.join(self.allowed_hosts)})")
         if self.state.draining:
             return 503, "the server is shutting down and takes no new requests"
-        if self.api_key is not None and path not in self.open_paths and not path.startswith(OPEN_PREFIX):
+        if self.api_key is not None and not self._open(scope.get("method", ""), path):
             scheme, _, token = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
                 return 401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'"
@@ -162,6 +165,11 @@ class GuardMiddleware:
         if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
             return 413, str(BodyTooLargeError(self.max_request_bytes).detail)
         return None
+
+    def _open(self, method: str, path: str) -> bool:
+        """Whether ``method path`` is answered without the API key."""
+        return (path in self.open_paths or path.startswith(OPEN_PREFIX)
+                or (method in ("GET", "HEAD") and path in HEALTH_PATHS))
 
     def _limited(self, receive: Receive, stats: RequestStats) -> Receive:
         """``receive`` that counts the body's bytes into ``stats`` and raises once more than the

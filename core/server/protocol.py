@@ -543,16 +543,19 @@ class RerankRequest(_Request):
         return documents
 
     def to_tei_request(self, auto_truncate: bool) -> fr.RerankRequest:
-        """TEI's ranking (``texts``): every text; ``raw_scores`` skips the activation, ``truncate``
+        """TEI's ranking (``texts``): every text; a cross-encoder's score is the sigmoid of its
+        logit whatever the folder names, as TEI's, and ``raw_scores`` skips it; ``truncate``
         (default: the server's ``auto_truncate``) keeps the model maximum of each pair."""
         return fr.RerankRequest(query=self.query, documents=self.texts or [], sides=("query", "texts"),
-                                use_activation=False if self.raw_scores else None,
+                                use_activation=False if self.raw_scores else None, activation="labels",
                                 return_documents=bool(self.return_text),
                                 tokenization=tei_tokenization(self.truncate, self.truncation_direction, auto_truncate))
 
     def to_request(self, documents: Any) -> fr.RerankRequest:
         """The ranking of :meth:`document_list`'s ``documents`` (vLLM's, Jina's, Cohere's,
-        infinity's body); ``raw_scores`` skips the activation."""
+        infinity's body). A cross-encoder scores with the folder's activation (vLLM's rule), or
+        on infinity's body the sigmoid of its logit whatever the folder names (infinity's);
+        ``raw_scores`` / ``use_activation: false`` skip it."""
         if isinstance(documents, list):
             documents = [d.text if isinstance(d, RerankDocumentInput) else d for d in documents]
         # vLLM's schema sends 0 for "all" and "whole documents"; infinity's body answers no
@@ -562,7 +565,8 @@ class RerankRequest(_Request):
         return fr.RerankRequest(
             query=self.query, documents=documents, top_n=_none_for_zero(self.top_n),
             return_documents=return_documents, max_tokens_per_doc=_none_for_zero(self.max_tokens_per_doc),
-            use_activation=False if self.raw_scores else self.use_activation, options=self.plugin_options(),
+            use_activation=False if self.raw_scores else self.use_activation,
+            activation="labels" if infinity else "model", options=self.plugin_options(),
             tokenization=self.tokenization())
 
 
@@ -585,6 +589,8 @@ class TokenizeRequest(_Body):
     inputs: StrictStr | list[StrictStr] | None = None
     add_special_tokens: StrictBool = True
     return_token_strs: StrictBool | None = Field(default=None, description="vLLM: also answer each token's string.")
+    prompt_name: StrictStr | None = Field(default=None, description="TEI: the model's prompt of this name goes "
+                                                                      "first; spans count from its start.")
 
     def api(self) -> Literal["tei", "vllm"]:
         """``"tei"`` for ``inputs``, ``"vllm"`` for ``prompt``.
@@ -597,6 +603,8 @@ class TokenizeRequest(_Body):
         if self.inputs is not None and self.return_token_strs is not None:
             raise ApiError(400, "return_token_strs belongs to vLLM's body, which sends prompt",
                            param="return_token_strs")
+        if self.prompt is not None and self.prompt_name is not None:
+            raise ApiError(400, "prompt_name belongs to TEI's body, which sends inputs", param="prompt_name")
         return "tei" if self.inputs is not None else "vllm"
 
     def to_request(self) -> fr.TokenizeRequest:
@@ -608,7 +616,8 @@ class TokenizeRequest(_Body):
         if self.api() == "tei":
             texts = [self.inputs] if isinstance(self.inputs, str) else self.inputs
             return fr.TokenizeRequest(texts=texts, with_tokens=True,  # type: ignore[arg-type]
-                                      tokenization=fr.Tokenization(add_special_tokens=self.add_special_tokens))
+                                      tokenization=fr.Tokenization(add_special_tokens=self.add_special_tokens,
+                                                                   prompt_name=self.prompt_name))
         return fr.TokenizeRequest(texts=[self.prompt], with_tokens=bool(self.return_token_strs),  # type: ignore[list-item]
                                   tokenization=fr.Tokenization(add_special_tokens=self.add_special_tokens))
 

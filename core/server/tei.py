@@ -81,7 +81,8 @@ def batch(settings: ServerSettings, inputs: t.EmbedInputs) -> list[fr.Input]:
 
 
 def check_items(settings: ServerSettings, items: list[Any], what: str = "inputs") -> None:
-    """TEI's checks before tokenizing: not empty (400 Empty), within the client batch size (422).
+    """TEI's checks before tokenizing: not empty (400 Empty; a pair only when both its texts
+    are, as TEI's ``EncodingInput::is_empty``), within the client batch size (422).
 
     :raises TeiError: naming the empty item, or the count and the limit.
     """
@@ -93,7 +94,7 @@ def check_items(settings: ServerSettings, items: list[Any], what: str = "inputs"
                                      "request (max_client_batch_size; poolrunner serve --max-inputs-per-request)")
     for index, item in enumerate(items):
         parts = item if isinstance(item, tuple) else (item,)
-        if any(isinstance(part, str | list) and not part for part in parts):  # other kinds: the core's check
+        if all(isinstance(part, str | list) and not part for part in parts):  # other kinds: the core's check
             raise TeiError("Empty", f"{what}[{index}] is empty" if len(items) > 1 else f"{what} is empty")
 
 
@@ -131,21 +132,24 @@ def _model_type(service: PoolingService) -> dict[str, t.EmbeddingModel | t.Class
 async def tei_rerank(service: PoolingService, body: p.RerankRequest, request: Request) -> list[p.TeiRank]:
     """TEI's rerank: every text, best first; ``raw_scores`` skips the cross-encoder's activation,
     ``truncate`` (default: the server's ``auto_truncate``) keeps the model maximum of each pair."""
-    service.check_count(len(body.texts or []), "texts")
+    if not body.texts:
+        raise TeiError("Empty", "texts is empty: send at least one text")
+    service.check_count(len(body.texts), "texts")
     ranked, _ = await service.answer(request, body.to_tei_request(service.settings.auto_truncate))
     return [p.TeiRank(index=r.index, score=r.score, text=r.document) for r in ranked]
 
 
 async def tei_tokens(service: PoolingService, body: p.TokenizeRequest, request: Request) -> list[list[p.TeiToken]]:
     """TEI's tokenize: a list of tokens per input (one list for one text), spans in UTF-8 bytes
-    and the input's own text for each token; a special token's text is the token itself."""
+    and the input's own text for each token (counted from the start of ``prompt_name``'s prompt,
+    as TEI's); a special token's text is the token itself."""
     tokenize = body.to_request()
     if not tokenize.texts:
         raise TeiError("Empty", "inputs is empty: send at least one text")
     service.check_count(len(tokenize.texts), "inputs")
     answer = []
     tokens_of_texts, _ = await service.answer(request, tokenize)
-    for text, tokens in zip(tokenize.texts, tokens_of_texts, strict=True):
+    for text, tokens in zip(service.frontend.prompted(tokenize), tokens_of_texts, strict=True):
         row = []
         for token in tokens:
             if token.span is None:

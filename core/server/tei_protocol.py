@@ -87,9 +87,10 @@ class PredictRequest(_Truncation):
     raw_scores: StrictBool = False
 
     def to_request(self, inputs: list[fr.Input], auto_truncate: bool) -> fr.ClassifyRequest:
-        """``/predict``'s request of ``inputs``; ``raw_scores`` skips the activation."""
+        """``/predict``'s request of ``inputs``: TEI's scores (a sigmoid of one logit, a softmax
+        over several, whatever the folder names); ``raw_scores`` skips the activation."""
         return fr.ClassifyRequest(inputs=inputs, use_activation=False if self.raw_scores else None,
-                                  tokenization=self.tokenization(auto_truncate))
+                                  activation="labels", tokenization=self.tokenization(auto_truncate))
 
 
 class SimilarityInput(_TeiRequest):
@@ -157,6 +158,8 @@ class Info(BaseModel):
     max_batch_requests: int | None
     max_client_batch_size: int = Field(description="Most inputs in one request (--max-inputs-per-request).")
     auto_truncate: bool
+    tokenization_workers: int = Field(default=1, description="Requests are tokenized one at a time (one shared "
+                                                             "tokenizer, its batches on all cores).")
     version: str
     sha: str | None = None
     docker_label: str | None = None

@@ -343,6 +343,22 @@ def test_tei_rerank_body(cross_encoder):
     assert all(set(item) == {"index", "score"} for item in plain)
 
 
+def test_tei_root_of_a_reranker_is_its_rerank(cross_encoder):
+    """TEI's POST / answers as /rerank for a one-label model (and /invocations as TEI's root)."""
+    running, runtime = cross_encoder
+    body = {"query": QUERY, "texts": DOCUMENTS, "return_text": True}
+    expected = _ok(httpx.post(f"{running.url}/rerank", json=body))
+    assert _ok(httpx.post(f"{running.url}/", json=body)) == expected
+    assert _ok(httpx.post(f"{running.url}/invocations", json=body)) == expected
+    vllm_body = httpx.post(f"{running.url}/", json={"query": QUERY, "documents": DOCUMENTS})
+    assert (vllm_body.status_code, vllm_body.json()) == (422, {
+        "error": "POST / of a reranker takes TEI's rerank body: query and texts", "error_type": "Validation"})
+    empty = httpx.post(f"{running.url}/rerank", json={"query": QUERY, "texts": []})
+    assert (empty.status_code, empty.json()) == (400, {"error": "texts is empty: send at least one text",
+                                                       "error_type": "Empty"})
+    _still_serves(running.url, runtime)
+
+
 def test_tei_rerank_raw_scores_are_the_logits(cross_encoder, classifier_reference, minilm_classifier_folder):
     running, runtime = cross_encoder
     body = _ok(httpx.post(f"{running.url}/rerank", json={"query": QUERY, "texts": DOCUMENTS, "raw_scores": True}))
@@ -408,6 +424,21 @@ def test_tei_tokenize(server, hf_tokenizer):
             assert [token["text"] for token in tokens if not token["special"]] == chars
     single = _ok(httpx.post(f"{server.url}/tokenize", json={"inputs": texts[0]}))
     assert len(single) == 1 and [t["id"] for t in single[0]] == hf_tokenizer(texts[0])["input_ids"]
+
+
+def test_tei_tokenize_with_a_prompt_name(make_minilm_folder, hf_tokenizer):
+    """TEI tokenizes the prompt with the text; spans count from the prompt's start."""
+    folder = make_minilm_folder("prompted", modules=[("Transformer", ""), ("Pooling", "1_Pooling")],
+                                pooling={"pooling_mode_mean_tokens": True}, st_config={"prompts": {"query": "query: "}})
+    runtime = poolrunner.Runtime(folder, dtype="float32")
+    with ServerThread(runtime) as running:
+        tokens = _ok(httpx.post(f"{running.url}/tokenize", json={"inputs": "Hello", "prompt_name": "query"}))[0]
+        unknown = httpx.post(f"{running.url}/tokenize", json={"inputs": "Hello", "prompt_name": "passage"})
+        assert unknown.status_code == 422 and "prompt_name 'passage' is not defined" in unknown.json()["error"]
+        vllm = httpx.post(f"{running.url}/tokenize", json={"prompt": "Hello", "prompt_name": "query"})
+        assert _error(vllm) == ("prompt_name belongs to TEI's body, which sends inputs", "prompt_name")
+    assert [token["id"] for token in tokens] == hf_tokenizer("query: Hello")["input_ids"]
+    assert [(t["text"], t["start"], t["stop"]) for t in tokens if not t["special"]][-1] == ("Hello", 7, 12)
 
 
 def test_tei_tokenize_of_no_text_is_tei_empty_error(server, hf_tokenizer):

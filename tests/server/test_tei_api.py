@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -161,7 +162,19 @@ def test_info_describes_the_default_model(server):
     assert info["model_id"] == info["served_model_name"] == "all-MiniLM-L6-v2"
     assert (info["model_dtype"], info["max_input_length"], info["max_client_batch_size"]) == ("float32", 256, 2048)
     assert info["auto_truncate"] is True and info["version"] == poolrunner.__version__
+    assert info["tokenization_workers"] == 1  # TEI's Info requires it; one shared tokenizer here
     assert {"model_sha", "max_concurrent_requests", "max_batch_tokens", "max_batch_requests"} <= set(info)
+
+
+def test_health_on_tei_and_sagemaker_paths(server, keyed_server):
+    """TEI answers its health check on GET /health, /ping (SageMaker's) and /; without the key too."""
+    for path in ("/health", "/ping", "/"):
+        for url in (server.url, keyed_server.url):
+            answer = httpx.get(f"{url}{path}")
+            assert answer.status_code == 200 and answer.json()["status"] == "ok", (url, path, answer.text)
+            assert abs(answer.json()["unix"] - time.time()) < 600  # infinity's field: the server's clock
+            assert httpx.head(f"{url}{path}").status_code == 200
+    assert httpx.post(f"{keyed_server.url}/", json={"inputs": "a"}).status_code == 401  # POST / runs the model
 
 
 def test_root_answers_as_embed_and_as_similarity(server, client, st_model):
@@ -413,6 +426,18 @@ def test_classifier_info_and_refusals(classifier, classifier_reference):
     assert _tei_error(no_batch, 400, "Empty") == "inputs is empty: send at least one input"
     served = httpx.post(f"{running.url}/predict", json={"inputs": TEXTS[0]}).json()
     _assert_ranked(served, classifier_reference(folder).scores(TEXTS[:1])[0])
+    rerank = httpx.post(f"{running.url}/rerank", json={"query": "a", "texts": ["b"]})
+    assert _tei_error(rerank, 424, "Backend").startswith("score needs")  # TEI: "model is not a re-ranker model"
+
+
+def test_predict_pairs_with_one_empty_text_as_tei(classifier, classifier_reference):
+    """TEI refuses a pair only when both texts are empty (``EncodingInput::is_empty``)."""
+    running, folder = classifier
+    served = httpx.post(f"{running.url}/predict", json={"inputs": [["", TEXTS[0]]]})
+    assert served.status_code == 200, served.text
+    _assert_ranked(served.json()[0], classifier_reference(folder).scores([("", TEXTS[0])])[0])
+    both = httpx.post(f"{running.url}/predict", json={"inputs": [["", ""]]})
+    assert _tei_error(both, 400, "Empty") == "inputs is empty"
 
 
 # --------------------------------------------------------------------------- /embed_sparse on SPLADE

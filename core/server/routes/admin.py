@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import time
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -58,10 +60,16 @@ async def detokenize(body: p.DetokenizeRequest, served: Served) -> p.DetokenizeR
 @router.head("/health", include_in_schema=False)  # load balancers probe with either method
 @router.get("/health")
 async def health(served: Served) -> JSONResponse:
-    """200 while serving; 503 once the engine loop stopped (and, from the middleware, while draining)."""
+    """200 while serving; 503 once the engine loop stopped (and, from the middleware, while
+    draining). ``unix``: the server's clock, as infinity's ``/health`` answers. Also at ``GET /``
+    and ``GET /ping``, TEI's and SageMaker's health checks."""
     if not served.alive:
-        return JSONResponse({"status": "engine loop stopped"}, status_code=503)
-    return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "engine loop stopped", "unix": time.time()}, status_code=503)
+    return JSONResponse({"status": "ok", "unix": time.time()})
+
+
+for path in ("/ping", "/"):
+    router.add_api_route(path, health, methods=["GET", "HEAD"], include_in_schema=False)
 
 
 @router.get("/metrics")

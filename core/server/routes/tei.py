@@ -1,9 +1,10 @@
 """Text Embeddings Inference's routes (TEI's ``router/src/http/server.rs``): ``POST /embed``,
 ``/embed_all``, ``/embed_sparse``, ``/predict``, ``/similarity``, ``/decode``, ``GET /info``, and
 ``POST /`` (also SageMaker's ``/invocations`` for a TEI body), which answers as the served
-model's own route, as TEI's does. TEI's bodies name no model: each route is answered by the
-served model that fits its task (:meth:`ModelRouter.pick`). Every error is in TEI's shape
-(:class:`TeiRoute`); the steps and rules are :mod:`poolrunner.core.server.tei`'s.
+model's own route, as TEI's does (``GET /`` and ``GET /ping``, TEI's health checks, are
+:mod:`.admin`'s). TEI's bodies name no model: each route is answered by the served model that
+fits its task (:meth:`ModelRouter.pick`). Every error is in TEI's shape (:class:`TeiRoute`); the
+steps and rules are :mod:`poolrunner.core.server.tei`'s.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from typing import Annotated, Any
 
 import numpy as np
 from fastapi import APIRouter, Body, Request, Response
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from poolrunner.core.frontend.scoring import cosine
+from poolrunner.core.server import protocol as p
 from poolrunner.core.server import tei
 from poolrunner.core.server import tei_protocol as t
 from poolrunner.core.server.errors import TeiError, TeiRoute
@@ -109,17 +112,25 @@ async def info(served: Served) -> t.Info:
 @router.post("/", response_model=None)
 async def default_route(request: Request, body: Annotated[dict[str, Any], Body()], served: Served) -> Any:
     """``POST /`` (and SageMaker's ``/invocations`` for a TEI body): the default model's own
-    route, as TEI picks it: ``/predict`` for a classifier, ``/embed_sparse`` for SPLADE, else
-    ``/embed``; a ``sentence-similarity`` body (``inputs`` an object) goes to ``/similarity``,
-    where TEI needs its ``TASK`` variable set to say so."""
+    route, as TEI picks it: ``/rerank`` for a one-label classifier (a body without ``inputs``),
+    ``/predict`` for a classifier, ``/embed_sparse`` for SPLADE, else ``/embed``; a
+    ``sentence-similarity`` body (``inputs`` an object) goes to ``/similarity``, where TEI needs
+    its ``TASK`` variable set to say so."""
     if isinstance(body.get("inputs"), dict):
         return await similarity(t.SimilarityRequest.model_validate(body), request, served)
     task = served.default.frontend.default_task
+    if task == "classify" and len(served.default.runtime.model_config.labels) == 1 and "inputs" not in body:
+        return await _rerank(p.RerankRequest.model_validate(body), request, served)
     if task == "classify":
-        if "query" in body:  # TEI's root is /rerank for a one-label model; here /rerank is its own route
-            raise TeiError("Validation", "POST / answers as /predict for this model; send {query, texts} "
-                                         "to /rerank")
         return await predict(t.PredictRequest.model_validate(body), request, served)
     if task == "sparse_embed":
         return await embed_sparse(t.TokenRequest.model_validate(body), request, served)
     return await embed(t.EmbedRequest.model_validate(body), request, served)
+
+
+async def _rerank(body: p.RerankRequest, request: Request, served: Served) -> JSONResponse:
+    """``POST /`` of a reranker: TEI's ``/rerank`` of the default model."""
+    if body.api() != "tei":
+        raise TeiError("Validation", "POST / of a reranker takes TEI's rerank body: query and texts")
+    ranked = await tei.tei_rerank(served.default, body, request)
+    return JSONResponse([rank.model_dump(exclude_none=True) for rank in ranked])
