@@ -41,16 +41,18 @@ class Peer:
     def log(self) -> Path:
         return PEERS_DIR / f"{self.name}.log"
 
-    def env(self) -> dict[str, str]:
-        """Extra environment variables for the peer's processes."""
+    def env(self, cpus: set[int] | None = None) -> dict[str, str]:
+        """Extra environment variables for the peer's processes, which run on ``cpus`` (default:
+        this process's)."""
         if self.name != "vllm":
             return {}
         # The settings vLLM's CPU backend needs on this 2-core machine: 1 GiB of KV cache,
-        # OpenMP threads on cores 0-1 with none held back, and torch's own libgomp preloaded.
+        # OpenMP threads bound to the given cores with none held back (vLLM binds them itself,
+        # past any mask it inherits), and torch's own libgomp preloaded.
         gomp = sorted(glob.glob(str(self.venv / "lib" / "python*" / "site-packages" / "torch*" / "*" / "libgomp*.so*")))
         return {
             "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+            "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(cpus or os.sched_getaffinity(0)))),
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
             "LD_PRELOAD": gomp[0] if gomp else "",
         }

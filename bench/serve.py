@@ -30,6 +30,11 @@ the server's peak resident memory (its whole process tree, sampled every 50 ms f
 stop; vLLM runs several processes). With
 ``--rounds`` above 1 the median over rounds. The last run is saved in
 ``bench/.results/serve.json``.
+
+``--server-cpus 0 --client-cpus 1`` pins the server's process tree (its children and threads
+inherit the mask; vLLM binds its OpenMP threads within it) and the driver processes to separate
+CPUs, so the clients' JSON, base64 and HTTP work does not take CPU time from the server being
+measured. The ``runtime`` system then runs on the server's CPUs, its client threads included.
 """
 
 from __future__ import annotations
@@ -73,8 +78,10 @@ class Server:
     extra_body: dict
 
 
-def server_for(system: str, model: str, max_length: int, dtype: str, port: int) -> Server:
-    """The command line of ``system``'s server for ``model`` (a local folder) in ``dtype``."""
+def server_for(system: str, model: str, max_length: int, dtype: str, port: int,
+               cpus: set[int] | None = None) -> Server:
+    """The command line of ``system``'s server for ``model`` (a local folder) in ``dtype``, to
+    run on ``cpus`` (default: all of this process's)."""
     url = f"http://127.0.0.1:{port}"
     truncate = {"truncate_prompt_tokens": -1}
     if system == "poolrunner":
@@ -89,7 +96,7 @@ def server_for(system: str, model: str, max_length: int, dtype: str, port: int) 
                    "--max-model-len", str(max_length), "--port", str(port), "--served-model-name", SERVED_NAME,
                    "--pooler-config", json.dumps({"pooling_type": "MEAN"}), "--seed", "0",
                    "--uvicorn-log-level", "warning"]
-        return Server(system, command, peer.env(), f"{url}/v1", truncate)
+        return Server(system, command, peer.env(cpus), f"{url}/v1", truncate)
     # infinity: sentence-transformers under its own batching; it truncates at the model maximum. The
     # module, not the `infinity_emb` script, whose first line names the folder the venv was built in.
     command = [str(peer.python), "-m", "infinity_emb.cli", "v2", "--model-id", model, "--served-model-name",
@@ -124,14 +131,19 @@ class TreeMemory:
         return self.peak
 
 
-def start(server: Server, log: Path, timeout: float) -> subprocess.Popen:
-    """``server``'s process, returned once ``GET /health`` answers 200.
+def pinned(cpus: set[int] | None):
+    """A ``preexec_fn`` that confines the child to ``cpus`` (None: no pinning)."""
+    return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+
+
+def start(server: Server, log: Path, timeout: float, cpus: set[int] | None = None) -> subprocess.Popen:
+    """``server``'s process (on ``cpus`` when given), returned once ``GET /health`` answers 200.
 
     :raises RuntimeError: when it exits or does not answer within ``timeout`` seconds.
     """
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **server.env}
     process = subprocess.Popen(server.command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
-                               start_new_session=True)
+                               start_new_session=True, preexec_fn=pinned(cpus))
     health = server.base_url.removesuffix("/v1") + "/health"
     deadline = time.monotonic() + timeout
     while process.poll() is None and time.monotonic() < deadline:
@@ -156,9 +168,12 @@ def stop(process: subprocess.Popen) -> None:
             os.killpg(process.pid, 9)
 
 
-def _drive_part(base_url: str, texts: list[str], clients: int, extra_body: dict, queue) -> None:
-    """One driver process: ``clients`` closed-loop OpenAI clients over ``texts`` (each sent
-    once); puts ``(first_sent, last_answered, latencies, failures)`` on ``queue``."""
+def _drive_part(base_url: str, texts: list[str], clients: int, extra_body: dict, queue,
+                cpus: set[int] | None) -> None:
+    """One driver process (on ``cpus`` when given): ``clients`` closed-loop OpenAI clients over
+    ``texts`` (each sent once); puts ``(first_sent, last_answered, latencies, failures)`` on ``queue``."""
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
     from openai import AsyncOpenAI
 
     async def main() -> tuple[float, float, list[float], list[str]]:
@@ -187,15 +202,15 @@ def _drive_part(base_url: str, texts: list[str], clients: int, extra_body: dict,
     queue.put(asyncio.run(main()))
 
 
-def drive(server: Server, texts: list[str], clients: int, processes: int) -> dict:
+def drive(server: Server, texts: list[str], clients: int, processes: int, cpus: set[int] | None = None) -> dict:
     """Every text sent once by ``clients`` concurrent clients in ``processes`` driver processes
-    (texts and clients split among them, started together); the cell's figures."""
+    (texts and clients split among them, started together, on ``cpus`` when given); the cell's figures."""
     processes = max(1, min(processes, clients))
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     workers = [context.Process(target=_drive_part, args=(server.base_url, texts[k::processes],
                                                          clients // processes + (k < clients % processes),
-                                                         server.extra_body, queue))
+                                                         server.extra_body, queue, cpus))
                for k in range(processes)]
     for worker in workers:
         worker.start()
@@ -318,7 +333,8 @@ def run_in_process(args: argparse.Namespace, model: dict, workload: dict, workdi
     (workdir / "runtime-job.json").write_text(json.dumps(job))
     began = time.perf_counter()
     done = subprocess.run([sys.executable, __file__, "--in-process", str(workdir / "runtime-job.json")],
-                          capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                          capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                          preexec_fn=pinned(args.server_cpus))
     if done.returncode:
         return {"error": f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1][:200]}"}
     return {"load_s": time.perf_counter() - began, **json.loads(done.stdout.strip().splitlines()[-1])}
@@ -328,11 +344,11 @@ def run_system(system: str, args: argparse.Namespace, model: dict, workload: dic
     """One server's life: start, every (profile, clients) cell after a warm-up, stop."""
     if system == "runtime":
         return run_in_process(args, model, workload, workdir)
-    server = server_for(system, model["model"], model["max_length"], args.dtype, args.port)
+    server = server_for(system, model["model"], model["max_length"], args.dtype, args.port, args.server_cpus)
     log = workdir / f"{system}.log"
     began = time.perf_counter()
     try:
-        process = start(server, log, args.timeout)
+        process = start(server, log, args.timeout, args.server_cpus)
     except RuntimeError as exc:
         return {"error": str(exc)}
     load_s = time.perf_counter() - began
@@ -340,13 +356,13 @@ def run_system(system: str, args: argparse.Namespace, model: dict, workload: dic
     cells = {}
     try:
         for profile, (texts, _) in workload.items():
-            drive(server, texts[: args.warmup], min(16, args.warmup), 1)
+            drive(server, texts[: args.warmup], min(16, args.warmup), 1, args.client_cpus)
             for clients in args.clients:
                 spy = profiler(process.pid, workdir / f"{system}-{profile}-{clients}.raw") \
                     if system in args.py_spy and clients == args.py_spy_clients else None
                 cpu = tree_cpu_seconds(process.pid)
                 cells[f"{profile}/{clients}"] = drive(server, texts, clients, args.client_processes
-                                                      if clients > 1 else 1)
+                                                      if clients > 1 else 1, args.client_cpus)
                 cells[f"{profile}/{clients}"]["cpu_s"] = tree_cpu_seconds(process.pid) - cpu
                 if spy is not None:
                     print(spy_summary(spy, args.py_spy_top), flush=True)
@@ -414,6 +430,15 @@ def print_tables(rows: list[dict], header: str) -> None:
             print(f"{row['system']} {row['profile']} {row['clients']}: {row['first_failure']}")
 
 
+def cpu_list(value: str) -> set[int]:
+    """``0,2-3`` as ``{0, 2, 3}`` (taskset's list form)."""
+    cpus = set()
+    for part in value.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
 def parse_texts(value: str, profiles: list[str]) -> dict[str, int]:
     if "=" not in value:
         return dict.fromkeys(profiles, int(value))
@@ -440,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--py-spy-top", type=int, default=40)
     parser.add_argument("--keep", help="a folder for the servers' logs and profiles (default: a temporary one)")
     parser.add_argument("--no-setup", action="store_true", help="never build a peer's environment")
+    parser.add_argument("--server-cpus", type=cpu_list, help="CPUs for the server (and the runtime system), e.g. 0")
+    parser.add_argument("--client-cpus", type=cpu_list, help="CPUs for the driver processes, e.g. 1")
     parser.add_argument("--in-process", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.in_process:
@@ -479,12 +506,15 @@ def main(argv: list[str] | None = None) -> int:
                 runs[system].append(run_system(system, args, model, workload, Path(scratch)))
     load.append(os.getloadavg())
     rows = summarize(runs, workload, args.clients)
-    header = (f"machine: {cpu_kind()}; all-MiniLM-L6-v2 {args.dtype}; {args.rounds} round(s); load average "
+    pinning = (f"; server on CPUs {sorted(args.server_cpus)}, clients on {sorted(args.client_cpus)}"
+               if args.server_cpus or args.client_cpus else "")
+    header = (f"machine: {cpu_kind()}; all-MiniLM-L6-v2 {args.dtype}; {args.rounds} round(s){pinning}; load average "
               f"before {load[0][0]:.1f}, after {load[1][0]:.1f}\n"
               + "; ".join(f"{name}: {len(t)} texts, {sum(n)} tokens" for name, (t, n) in workload.items()))
     print_tables(rows, header)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "serve.json").write_text(json.dumps({"header": header, "rows": rows, "args": vars(args)}))
+    (RESULTS / "serve.json").write_text(json.dumps({"header": header, "rows": rows, "args": vars(args)},
+                                                   default=sorted))  # CPU sets as lists
     return 0
 
 
