@@ -50,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,7 +132,7 @@ class TreeMemory:
         return self.peak
 
 
-def pinned(cpus: set[int] | None):
+def pinned(cpus: set[int] | None) -> Callable[[], None] | None:
     """A ``preexec_fn`` that confines the child to ``cpus`` (None: no pinning)."""
     return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
 
