@@ -31,6 +31,7 @@ from poolrunner.core.errors import (
     StepFailedError,
     UnsupportedTaskError,
 )
+from poolrunner.core.validators import shown
 
 logger = logging.getLogger("poolrunner.core.server")
 
@@ -103,8 +104,10 @@ def install_handlers(app: FastAPI) -> None:
         return error_response(400, *_describe(exc.errors(), request))
 
     @app.exception_handler(HTTPException)
-    async def http_error(_request: Request, exc: HTTPException) -> JSONResponse:
-        return error_response(exc.status_code, _http_detail(exc))
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        answer = error_response(exc.status_code, _routing_detail(request, exc) or _http_detail(exc))
+        answer.headers.update(exc.headers or {})  # a 405's Allow
+        return answer
 
     for bad_input in (InvalidRequestError, UnsupportedTaskError):
         app.add_exception_handler(bad_input, _status_handler(400))
@@ -135,6 +138,17 @@ def step_failure_text(request: Request | None, exc: StepFailedError) -> str:
     request_id = request.scope.get("state", {}).get("request_id", "?") if request is not None else "?"
     logger.error("the engine step running request %s failed", request_id, exc_info=exc.__cause__ or exc)
     return f"the engine step running this request failed (request id {request_id}); the server logged the cause"
+
+
+def _routing_detail(request: Request, exc: HTTPException) -> str | None:
+    """Starlette's bare "Not Found" / "Method Not Allowed" as a sentence naming the method and
+    path, and for a 405 the methods the path takes; ``None`` for any other HTTP error."""
+    path = shown(request.url.path)
+    if exc.status_code == 404 and exc.detail == "Not Found":
+        return f"no route {request.method} {path}: the routes are listed at /docs"
+    if exc.status_code == 405 and exc.headers and "Allow" in exc.headers:
+        return f"{path} takes {exc.headers['Allow']}, not {request.method}"
+    return None
 
 
 def _http_detail(exc: HTTPException) -> str:

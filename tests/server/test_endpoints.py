@@ -257,6 +257,17 @@ def test_a_json_body_under_another_content_type_is_refused_naming_it(server, san
     assert cosine_rows(vector, sanity_reference)[0] >= MIN_COSINE
 
 
+def test_an_unknown_route_or_method_is_named(server, sanity_reference):
+    """Starlette's bare "Not Found" / "Method Not Allowed" say which method and path, and a 405
+    carries the Allow header (RFC 9110)."""
+    assert _error(httpx.post(f"{server.url}/v1/embedding", json={}), 404) == (
+        "no route POST '/v1/embedding': the routes are listed at /docs")
+    wrong = httpx.get(f"{server.url}/v1/embeddings")
+    assert _error(wrong, 405) == "'/v1/embeddings' takes POST, not GET" and wrong.headers["allow"] == "POST"
+    vector = httpx.post(f"{server.url}/v1/embeddings", json={"input": SANITY_TEXT}).json()["data"][0]["embedding"]
+    assert cosine_rows(vector, sanity_reference)[0] >= MIN_COSINE
+
+
 @pytest.mark.parametrize(("payload", "param"), [
     ({"input": "a", "dimensions": 8}, "dimensions"),
     ({"input": "a", "dimensions": 0}, "dimensions"),
