@@ -130,6 +130,11 @@ class Frontend:
         self.adapters = adapters if adapters is not None else LoraAdapters(0)
         self.image_score = image_score
 
+    @property
+    def cross_encoder(self) -> bool:
+        """Whether the model scores pairs as a cross-encoder: default task ``classify``, one label."""
+        return self.default_task == "classify" and len(self.model_config.labels) == 1
+
     @functools.singledispatchmethod
     def plan(self, request: Request) -> Plan[Any]:
         """The engine requests ``request`` needs, and how their outputs become its answer:
@@ -423,7 +428,7 @@ class Frontend:
             pairs = self._cut_documents(pairs, request.max_tokens_per_doc)
         tokenization = request.tokenization
         task = self.default_task
-        if task == "classify" and len(self.model_config.labels) == 1:
+        if self.cross_encoder:
             use_activation, activate = _activation(request)
             params = self.params("classify", request.options, use_activation=use_activation)
             return Plan(self.prepare(self._formatted(pairs), params, tokenization), lambda done: np.array(

@@ -178,10 +178,9 @@ class ModelRouter:
 def _fit(service: PoolingService, task: str) -> int | None:
     """How well ``service``'s model fits a route of ``task``: lower is better, ``None`` not at all."""
     frontend = service.frontend
-    cross_encoder = frontend.default_task == "classify" and len(frontend.model_config.labels) == 1
     if task == "score":  # a cross-encoder, else a bi-encoder's cosine or a plugin's score
-        return 0 if cross_encoder else (None if frontend.default_task == "classify" else 1)
-    if task == "classify" and cross_encoder:
+        return 0 if frontend.cross_encoder else (None if frontend.default_task == "classify" else 1)
+    if task == "classify" and frontend.cross_encoder:
         return 1
     if frontend.default_task == task:
         return 0

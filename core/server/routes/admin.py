@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from poolrunner.core.server import protocol as p
 from poolrunner.core.server.errors import SHARED_WITH_TEI, in_tei_shape
+from poolrunner.core.server.middleware import HEALTH_PATHS
 from poolrunner.core.server.routes.dependencies import Created, Metrics, Served
 from poolrunner.core.server.service import PoolingService
 from poolrunner.core.server.tei import tei_tokens
@@ -63,12 +64,12 @@ async def health(served: Served) -> JSONResponse:
     """200 while serving; 503 once the engine loop stopped (and, from the middleware, while
     draining). ``unix``: the server's clock, as infinity's ``/health`` answers. Also at ``GET /``
     and ``GET /ping``, TEI's and SageMaker's health checks."""
-    if not served.alive:
-        return JSONResponse({"status": "engine loop stopped", "unix": time.time()}, status_code=503)
-    return JSONResponse({"status": "ok", "unix": time.time()})
+    alive = served.alive
+    return JSONResponse({"status": "ok" if alive else "engine loop stopped", "unix": time.time()},
+                        status_code=200 if alive else 503)
 
 
-for path in ("/ping", "/"):
+for path in sorted(HEALTH_PATHS - {"/health"}):  # the middleware leaves them open for GET and HEAD
     router.add_api_route(path, health, methods=["GET", "HEAD"], include_in_schema=False)
 
 

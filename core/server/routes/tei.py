@@ -119,7 +119,7 @@ async def default_route(request: Request, body: Annotated[dict[str, Any], Body()
     if isinstance(body.get("inputs"), dict):
         return await similarity(t.SimilarityRequest.model_validate(body), request, served)
     task = served.default.frontend.default_task
-    if task == "classify" and len(served.default.runtime.model_config.labels) == 1 and "inputs" not in body:
+    if served.default.frontend.cross_encoder and "inputs" not in body:
         return await _rerank(p.RerankRequest.model_validate(body), request, served)
     if task == "classify":
         return await predict(t.PredictRequest.model_validate(body), request, served)
