@@ -251,14 +251,19 @@ def test_a_modernbert_request_past_long_rows_equals_transformers(tmp_path):
     np.testing.assert_allclose(got, expected, atol=1e-4)
 
 
+@pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_long_float32_requests_go_to_sdpa_and_equal_it(dtype, monkeypatch):
-    """In float32 the kernel keeps full requests up to its build's float32_keys tokens and causal
-    ones up to twice that; longer ones go to SDPA (faster there); bfloat16 keeps them all.
-    Either way the output equals SDPA over each request alone (float64)."""
-    full = cpu_kernels.float32_keys()
-    causal = 2 * full
-    lengths = [causal + 40, full + 40, full, 9]
+def test_requests_past_the_kernels_key_limit_go_to_sdpa_and_equal_it(dtype, amx, monkeypatch):
+    """The kernel keeps full requests up to kernel_keys tokens (float32: its build's float32_keys;
+    with AMX, in either dtype, AMX_KEY_ELEMENTS // head_dim) and causal ones up to twice that;
+    longer ones go to SDPA (faster there). Either way the output equals SDPA over each request
+    alone (float64)."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    limit = cpu_kernels.kernel_keys(dtype, 16)
+    if amx:  # 160 keys, below every build's float32 limit
+        assert limit == cpu_kernels.AMX_KEY_ELEMENTS // 16
+    full = min(limit, 1024)
+    lengths = [2 * full + 40, full + 40, full, 9]
     q, k, v = _packed(lengths, 2, 1, 16, dtype)
     kernel_lengths: list[int] = []
     attend = cpu_kernels.attend
@@ -276,13 +281,12 @@ def test_long_float32_requests_go_to_sdpa_and_equal_it(dtype, monkeypatch):
         return kv_idx <= q_idx
 
     as_transformers = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
-    for function, is_causal, kept in ((everything, False, [full, 9]), (earlier, True, [full + 40, full, 9])):
+    for function, is_causal, seen in ((everything, False, lambda n: n), (earlier, True, lambda n: n // 2)):
         kernel_lengths.clear()
         with torch.inference_mode():
             out, _ = packed_attention(torch.nn.Identity(), *as_transformers, MaskRule(function, False),
                                       **{LAYOUT_KWARG: PackedLayout.build(lengths, native=True)})
-        expected_kernel = kept if dtype == torch.float32 else lengths
-        assert sorted(kernel_lengths) == sorted(expected_kernel)
+        assert sorted(kernel_lengths) == sorted(n for n in lengths if seen(n) <= limit)
         start = 0
         for length in lengths:
             alone = [t[start : start + length].transpose(0, 1).double() for t in (q, k, v)]

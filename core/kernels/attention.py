@@ -407,16 +407,16 @@ def _attend_native(
 ) -> tuple[_Run, ...]:
     """Attend the runs whose mask is full, causal or a sliding window in poolrunner's CPU kernel,
     one call per window, into ``output`` (``[num_tokens, heads, head_dim]``); return the runs left
-    for SDPA (other masks, a dtype or head size the kernel does not take, float32 runs whose rows
-    see more than :func:`cpu_kernels.float32_keys <poolrunner.core.kernels.cpu_kernels.float32_keys>` keys)."""
+    for SDPA (other masks, a dtype or head size the kernel does not take, runs whose rows see more
+    than :func:`cpu_kernels.kernel_keys <poolrunner.core.kernels.cpu_kernels.kernel_keys>` keys)."""
     if q.dtype not in cpu_kernels.supported_dtypes() or q.shape[-1] % cpu_kernels.HEAD_DIM_MULTIPLE:
         return layout.runs
     windows: dict[tuple[int, int], list[_Run]] = {}
     rest = []
-    float32_keys = cpu_kernels.float32_keys()
     for run in layout.runs:
         window = rule.window(run.length, q.device)
-        if window is None or (q.dtype == torch.float32 and _keys_seen(window, run.length) > float32_keys):
+        banded = window not in (cpu_kernels.FULL, cpu_kernels.CAUSAL)
+        if window is None or _keys_seen(window, run.length) > cpu_kernels.kernel_keys(q.dtype, q.shape[-1], banded):
             rest.append(run)
         else:
             windows.setdefault(window, []).append(run)

@@ -81,10 +81,31 @@ def supported_dtypes() -> frozenset[torch.dtype]:
     return frozenset() if build is None else build.dtypes
 
 
-def float32_keys() -> int:
-    """:attr:`Build.float32_keys` of this machine's build (0 where none was built)."""
+AMX_KEY_ELEMENTS = 2560
+"""On a CPU with AMX tiles (Intel Xeon, 4th generation on), the most key elements (keys times
+``head_dim``) a query row of a full or causal request may see for the kernel to attend it, in
+either dtype: past it torch's SDPA is faster (its flash kernel runs bf16 products on AMX).
+Measured there (2 cores, 12 heads, one SDPA call per request), the kernel's time over SDPA's:
+bf16 32 wide 0.90x at 64 keys, 1.12x at 96, 1.4-2.6x from 128 to 2,048; 64 wide 1.03x at 48,
+1.38x at 64, 2.5-3.8x from 128; fp32 32 wide 0.92x at 64, 1.03-1.3x from 96; 64 wide 1.2-2.2x
+from 48 (bench/README.md). Short requests, most of an embedding model's, stay."""
+UNBOUNDED = 1 << 62
+
+
+def kernel_keys(dtype: torch.dtype, head_dim: int, banded: bool = False) -> int:
+    """The most keys a query row may see, on average, for the kernel to attend its request in
+    ``dtype``; past it torch's SDPA is the faster (0 where no kernel was built).
+
+    :param banded: A sliding window: SDPA would need a mask for it, so AMX's limit
+        (:data:`AMX_KEY_ELEMENTS`) does not apply.
+    """
     build = _load()
-    return 0 if build is None else build.float32_keys
+    if build is None:
+        return 0
+    keys = build.float32_keys if dtype == torch.float32 else UNBOUNDED
+    if not banded and torch.cpu._is_amx_tile_supported():
+        keys = min(keys, AMX_KEY_ELEMENTS // head_dim)
+    return keys
 
 
 FULL = (-1, -1)
