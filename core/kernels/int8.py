@@ -20,7 +20,7 @@ input is the GELU output (the MLPs' second products).
 
 Everything but the linear layers (embeddings, LayerNorm, attention, pooling) runs in the
 model's dtype: bfloat16, or float32 for a model whose bfloat16 activations alone miss the bar
-(:data:`poolrunner.core.precision.INT8_OVER_FLOAT32`; SmolLM2-135M). The products kept out of
+(:data:`poolrunner.core.precision.INT8_OVER_FLOAT32`). The products kept out of
 int8 run in bfloat16 either way.
 """
 

@@ -113,8 +113,11 @@ def test_a_thousand_requests_with_random_aborts_all_end_exactly_once(llama, refe
     cancelled = [rid for rid, value in outcome.items() if isinstance(value, str)]
     assert 0 < len(cancelled) <= 100
     finished = [r for r in requests if not isinstance(outcome[r.request_id], str)]
+    # float32 rounding only: on an AMX Xeon rows past 100 positions of the long (chunked) requests
+    # differ from transformers' by up to 5e-6 relative; a mixed-up or damaged request, by O(1)
     for request in rng.sample(finished, 25):
-        np.testing.assert_allclose(outcome[request.request_id], reference(request.prompt_token_ids), atol=1e-5)
+        np.testing.assert_allclose(outcome[request.request_id], reference(request.prompt_token_ids),
+                                   atol=1e-5, rtol=1e-5)
     # Every per-request table is empty: engine, scheduler, runner caches, plugins.
     assert not engine.requests and not engine.scheduler.has_unfinished()
     assert not engine.runner.kv_caches and not engine.runner.partial_hidden
