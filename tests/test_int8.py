@@ -272,6 +272,11 @@ def tiny_bert(tmp_path_factory):
     return folder, architectures.load_reference(row, folder)
 
 
+AMX_WARNING = ("dtype 'int8' is slower than 'bfloat16' on this CPU (AMX): its products are no faster than "
+               "bfloat16's and it adds a quantization and a conversion pass (all-MiniLM-L6-v2: 0.6-0.7x "
+               "bfloat16's speed; bench/README.md)")
+
+
 @pytest.mark.parametrize("amx", [False, True])
 def test_a_model_within_the_bar_is_served_in_int8_within_it_on_inputs_the_probe_never_saw(tiny_bert, amx,
                                                                                          monkeypatch, caplog):
@@ -292,11 +297,6 @@ def test_a_model_within_the_bar_is_served_in_int8_within_it_on_inputs_the_probe_
     with torch.inference_mode():
         expected = [reference(input_ids=torch.tensor([ids])).last_hidden_state[0].mean(0).numpy() for ids in inputs]
     assert cosine_rows(got, expected).min() >= 0.999
-
-
-AMX_WARNING = ("dtype 'int8' is slower than 'bfloat16' on this CPU (AMX): its products are no faster than "
-               "bfloat16's and it adds a quantization and a conversion pass (all-MiniLM-L6-v2: 0.6-0.7x "
-               "bfloat16's speed; bench/README.md)")
 
 
 def test_a_model_that_misses_the_bar_even_all_in_bfloat16_is_refused_naming_its_error(tiny_bert, monkeypatch):
@@ -409,13 +409,13 @@ def test_smollm2_is_refused_in_int8_because_even_bf16_mixed_misses_the_bar_on_si
     assert mixed.embed(["next"]).shape == (1, 576)
 
 
-def _kept_line(logged: list[str], kept: int, layers: int, activations: str = "bfloat16") -> str:
-    """The log line expected for ``kept`` layers in bf16, with the figures it measured."""
+def _kept_line(logged: list[str], kept: int, layers: int) -> str:
+    """The log line expected for ``kept`` layers in bf16 over bf16 activations, with the figures it measured."""
     assert len(logged) == 1
     if not kept:
-        assert logged[0].startswith(f"dtype int8: all {layers} linear layers in int8 over {activations} activations")
+        assert logged[0].startswith(f"dtype int8: all {layers} linear layers in int8 over bfloat16 activations")
         return logged[0]
-    found = re.fullmatch(rf"dtype int8: {kept} of {layers} linear layers stay in bfloat16 over {activations} "
+    found = re.fullmatch(rf"dtype int8: {kept} of {layers} linear layers stay in bfloat16 over bfloat16 "
                          r"activations, those whose int8 error "
                          r"alone moves the outputs most \((.+): mean squared relative error on 40 calibration "
                          r"texts\); with them the probe error against float32 is (\d\.\d{4}) <= 0\.0447, all in "
