@@ -181,7 +181,7 @@ def _check_int8(config: RuntimeConfig, device: torch.device, mixed_path: bool) -
     elif torch.bfloat16 not in cpu_kernels.supported_dtypes():
         reason = "poolrunner's CPU kernels, which could not be built here (see the warning above)"
     else:
-        if torch.cpu._is_amx_tile_supported():
+        if cpu_kernels.has_amx():
             # Both products run on AMX tiles there, bound by memory more than arithmetic: int8's
             # int32 outputs are twice bf16's bytes, and its two passes around them come on top.
             logger.warning("dtype 'int8' is slower than 'bfloat16' on this CPU (AMX): its products are no faster "

@@ -40,7 +40,7 @@ from transformers import PreTrainedTokenizerBase
 from poolrunner.core.block_replay import BlockReplay, block_of
 from poolrunner.core.engine.engine import Engine
 from poolrunner.core.errors import ModelLoadError
-from poolrunner.core.kernels import int8
+from poolrunner.core.kernels import cpu_kernels, int8
 from poolrunner.core.plugin_api.output import RequestOutput
 from poolrunner.core.types import PoolingRequest
 
@@ -135,8 +135,7 @@ def native_bf16(device: torch.device) -> bool:
     """Whether ``device`` is a CPU that multiplies bf16 natively (AVX512-BF16 or AMX tiles)."""
     if device.type != "cpu":
         return False
-    checks = (getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-    return any(check is not None and check() for check in checks)
+    return torch.cpu._is_avx512_bf16_supported() or cpu_kernels.has_amx()
 
 
 def choose_cpu_precision(

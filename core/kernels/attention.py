@@ -413,10 +413,11 @@ def _attend_native(
         return layout.runs
     windows: dict[tuple[int, int], list[_Run]] = {}
     rest = []
+    limit = {banded: cpu_kernels.kernel_keys(q.dtype, q.shape[-1], banded) for banded in (False, True)}
     for run in layout.runs:
         window = rule.window(run.length, q.device)
         banded = window not in (cpu_kernels.FULL, cpu_kernels.CAUSAL)
-        if window is None or _keys_seen(window, run.length) > cpu_kernels.kernel_keys(q.dtype, q.shape[-1], banded):
+        if window is None or _keys_seen(window, run.length) > limit[banded]:
             rest.append(run)
         else:
             windows.setdefault(window, []).append(run)

@@ -26,6 +26,7 @@ import functools
 import hashlib
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -89,7 +90,11 @@ Measured there (2 cores, 12 heads, one SDPA call per request), the kernel's time
 bf16 32 wide 0.90x at 64 keys, 1.12x at 96, 1.4-2.6x from 128 to 2,048; 64 wide 1.03x at 48,
 1.38x at 64, 2.5-3.8x from 128; fp32 32 wide 0.92x at 64, 1.03-1.3x from 96; 64 wide 1.2-2.2x
 from 48 (bench/README.md). Short requests, most of an embedding model's, stay."""
-UNBOUNDED = 1 << 62
+
+
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles (Intel Xeon, 4th generation on) that torch's oneDNN uses."""
+    return torch.cpu._is_amx_tile_supported()
 
 
 def kernel_keys(dtype: torch.dtype, head_dim: int, banded: bool = False) -> int:
@@ -102,8 +107,8 @@ def kernel_keys(dtype: torch.dtype, head_dim: int, banded: bool = False) -> int:
     build = _load()
     if build is None:
         return 0
-    keys = build.float32_keys if dtype == torch.float32 else UNBOUNDED
-    if not banded and torch.cpu._is_amx_tile_supported():
+    keys = build.float32_keys if dtype == torch.float32 else sys.maxsize
+    if not banded and has_amx():
         keys = min(keys, AMX_KEY_ELEMENTS // head_dim)
     return keys
 
