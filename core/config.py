@@ -119,7 +119,8 @@ class RuntimeConfig:
         load, bias and known activations fused into the matmul (:mod:`poolrunner.core.kernels.onednn`;
         float32 ones only with AVX-512: without it torch's own products are faster),
         and attention and RMSNorm in poolrunner's own kernels where they build
-        (:mod:`poolrunner.core.kernels.cpu_kernels`);
+        (:mod:`poolrunner.core.kernels.cpu_kernels`); on CUDA, attention in half precision in
+        flash attention's variable-length kernel (:mod:`poolrunner.core.kernels.cuda_attention`);
         ``off``: transformers' modules and torch's attention as they are.
     :ivar load_entrypoints: Load the ``poolrunner.plugins`` entry-point group.
     :ivar disable_plugins: Names of plugins to leave out (built-ins too).

@@ -34,7 +34,7 @@ from poolrunner.core.inputs.images import ImageInputs, ImageLimits
 from poolrunner.core.inputs.pages import PageInputs
 from poolrunner.core.inputs.score_template import ScoreTemplate
 from poolrunner.core.inputs.tokenize import InputProcessor
-from poolrunner.core.kernels import cpu_kernels, fused_norms, onednn
+from poolrunner.core.kernels import cpu_kernels, cuda_attention, fused_norms, onednn
 from poolrunner.core.model import families, loader, metadata, siglip, token_logits
 from poolrunner.core.model.hf_overrides import apply_hf_overrides
 from poolrunner.core.model.towers import TextImageModel
@@ -254,6 +254,9 @@ def _build_engine(
                               image_positions=model_config.image_positions, text_padding=model_config.text_padding)
     # Built here, at load, so that no request waits for a compile.
     kernels = cpu_kernels.supported_dtypes() if config.compile == "auto" and device.type == "cpu" else frozenset()
+    # On CUDA, flash attention's variable-length kernel takes each dtype it serves (cuda_attention).
+    native_attention = chosen.weights in kernels or (
+        config.compile == "auto" and device.type == "cuda" and cuda_attention.available())
     products = chosen.weights if chosen.matmul == torch.int8 else chosen.matmul
     if (config.compile == "auto" and onednn.supported(device, chosen.weights) and onednn.supported(device, products)
             and onednn.pays(chosen.matmul)):
@@ -272,7 +275,7 @@ def _build_engine(
     if device.type == "cpu":
         memory.keep_step_buffers(memory.step_block_bytes(model, budget))
     runner = ModelRunner(model, poolers, hooks, model_config, default_task=tasks[0],
-                         bucket_tokens=device.type == "cpu", native_attention=chosen.weights in kernels)
+                         bucket_tokens=device.type == "cpu", native_attention=native_attention)
     scheduler = Scheduler(max_num_batched_tokens=budget, max_num_seqs=config.max_num_seqs,
                           chunked_prefill=runner.causal)
     async_scheduling = device.type == "cuda" if config.async_scheduling is None else config.async_scheduling

@@ -88,3 +88,33 @@ def test_a_step_packed_by_length_returns_each_request_its_own_vector(runtime, hf
     for text, vector in zip(texts, vectors, strict=True):
         expected = hf_mean([hf_tokenizer(text)["input_ids"]])[0]
         np.testing.assert_allclose(vector, expected / np.linalg.norm(expected), rtol=0, atol=2e-6)
+
+
+def test_a_length_s_window_is_read_once_across_steps_for_the_same_mask_function(monkeypatch):
+    """transformers hands over a new rule every forward; a length whose window was read under the
+    same function (same code and captured values: ModernBERT's window overlay of 8 built anew) is
+    not read again. A window of 16, or a function capturing a tensor (a padding mask), never
+    shares another's entries."""
+    from transformers.masking_utils import (
+        and_masks,
+        bidirectional_mask_function,
+        padding_mask_function,
+        sliding_window_bidirectional_overlay,
+    )
+
+    reads: list[int] = []
+    rows = MaskRule.rows
+    monkeypatch.setattr(MaskRule, "rows", lambda self, *args: reads.append(args[1]) or rows(self, *args))
+    monkeypatch.setattr(attention, "_known_windows", {})
+
+    def local(width: int) -> MaskRule:
+        return MaskRule(and_masks(sliding_window_bidirectional_overlay(width), bidirectional_mask_function), False)
+
+    cpu = torch.device("cpu")
+    assert [local(8).window(length, cpu) for length in (5, 40)] == [(-1, -1), (8, 8)] and reads == [5, 40]
+    assert [local(8).window(length, cpu) for length in (5, 40)] == [(-1, -1), (8, 8)] and reads == [5, 40]
+    assert local(16).window(40, cpu) == (16, 16) and reads == [5, 40, 40]
+    padded = MaskRule(padding_mask_function(torch.ones(1, 40, dtype=torch.bool)), False)
+    assert padded.key is None
+    assert [padded.window(40, cpu), MaskRule(padded.mask_function, False).window(40, cpu)] == [(-1, -1), (-1, -1)]
+    assert reads == [5, 40, 40, 40, 40]

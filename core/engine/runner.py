@@ -47,8 +47,9 @@ class ModelRunner:
         :param default_task: The task :attr:`pooler` serves (the runtime's default).
         :param bucket_tokens: Round each step's token count up to a bucket
             (:func:`~poolrunner.core.engine.buckets.bucket_num_tokens`) so kernels are reused: on the CPU.
-        :param native_attention: Attend in poolrunner's CPU kernel
-            (:mod:`~poolrunner.core.kernels.cpu_kernels`, already built) where a layer's mask allows."""
+        :param native_attention: Attend in one kernel call per window where a layer's mask allows:
+            poolrunner's CPU kernel (:mod:`~poolrunner.core.kernels.cpu_kernels`, already built),
+            on CUDA flash attention's variable-length one (:mod:`~poolrunner.core.kernels.cuda_attention`)."""
         self.model = model  # with its heads: what adapters load into
         self.backbone = model.base_model  # hidden states; heads belong to poolers
         self.poolers = dict(poolers)

@@ -33,7 +33,9 @@ every layer.
 On an x86 CPU with AVX-512, or AVX2 in float32 (``compile="auto"``), the runs whose mask is full,
 causal or a sliding window (:meth:`MaskRule.window`) attend in
 poolrunner's own kernel instead (:mod:`~poolrunner.core.kernels.cpu_kernels`), all of them in one
-call per layer; other masks, soft-capping and sinks stay on the path above.
+call per layer; other masks, soft-capping and sinks stay on the path above. On CUDA the same runs
+attend in flash attention's variable-length kernel, in float16 and bfloat16
+(:mod:`~poolrunner.core.kernels.cuda_attention`).
 
 Chunked prefill (models that never attend to later tokens, see :func:`probe_attention`): a
 request whose prompt runs over several steps has a :class:`KVCache`; its chunk attends to the
@@ -43,7 +45,9 @@ at the chunk's offset, and stores them for the next chunk unless this is its las
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import itertools
+import types
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -54,7 +58,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from poolrunner.core.errors import UnsupportedAttentionError
-from poolrunner.core.kernels import cpu_kernels
+from poolrunner.core.kernels import cpu_kernels, cuda_attention
 
 ATTENTION_NAME = "poolrunner_packed"
 LAYOUT_KWARG = "poolrunner_layout"
@@ -80,17 +84,58 @@ _INERT_KWARGS = frozenset({
 _MASK_KWARGS = frozenset({"sliding_window", "is_causal"})
 
 
+KNOWN_WINDOWS_LIMIT = 1 << 16
+"""Most entries of :data:`_known_windows` (cleared when full)."""
+_known_windows: dict[tuple[Hashable, bool, int], tuple[int, int] | None] = {}
+""":meth:`MaskRule.window` of every length a mask function has been read at, across steps, by the
+function's :func:`_function_key`: transformers hands over a new rule every forward, and reading a
+length's mask (evaluating it, then checking it is a window) took ~0.4 ms a length on the H200
+machine's host: most of the host's time on a GPU step of mixed lengths (bench/README.md, "GPU
+check")."""
+
+
+def _function_key(function: Any) -> Hashable | None:
+    """A key equal for two mask functions only where they compute the same mask: the same code,
+    defaults and captured values, each captured value a number, string, ``None``, a tuple of them,
+    or a function with a key itself (transformers' ``and_masks`` and window overlays). ``None``
+    for any other function (one capturing a tensor: token types, padding)."""
+    if not isinstance(function, types.FunctionType):
+        return None
+    parts = []
+    for value in (*(cell.cell_contents for cell in function.__closure__ or ()), function.__defaults__,
+                  tuple(sorted((function.__kwdefaults__ or {}).items()))):
+        part = _value_key(value)
+        if part is None:
+            return None
+        parts.append(part)
+    return function.__code__, tuple(parts)
+
+
+def _value_key(value: Any) -> Hashable | None:
+    if value is None or type(value) in (bool, int, float, str):
+        return type(value).__name__, value
+    if type(value) is tuple:
+        parts = tuple(_value_key(item) for item in value)
+        return None if any(part is None for part in parts) else parts
+    return _function_key(value)
+
+
 @define(eq=False)
 class MaskRule:
     """The mask one kind of layer uses, as transformers defines it: ``mask_function(batch, head,
-    q_idx, kv_idx) -> bool``, evaluated per request length and cached for the step."""
+    q_idx, kv_idx) -> bool``, evaluated per request length and cached for the step (its windows
+    across steps, where :func:`_function_key` can tell the function)."""
 
     mask_function: Callable[..., Any]
     use_vmap: bool
+    key: Hashable | None = field(init=False)
     _blocks: dict[tuple[int, int, int, str], _Block] = field(factory=dict, init=False)
     _kinds: dict[int, str] = field(factory=dict, init=False)
     _tiles: dict[tuple[int, str], tuple[_Tile, ...]] = field(factory=dict, init=False)
     _windows: dict[int, tuple[int, int] | None] = field(factory=dict, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.key = _function_key(self.mask_function)
 
     def rows(self, q_offset: int, q_length: int, kv_length: int) -> torch.Tensor:
         """The ``[q_length, kv_length]`` bool mask (CPU) of queries ``q_offset ..`` of one request."""
@@ -121,16 +166,25 @@ class MaskRule:
         """``(before, after)`` when each query ``i`` of a request of ``length`` tokens sees exactly
         its keys ``i - before .. i + after`` (-1: unbounded; :func:`cpu_kernels.attend`'s
         ``window``): full, causal or a sliding window; ``None`` for any other mask. Past
-        :data:`LONG_ROWS` tokens it is read from the tiles, never a whole mask."""
+        :data:`LONG_ROWS` tokens it is read from the tiles, never a whole mask. Read once per
+        length and function (:data:`_known_windows`), where the function has a key."""
+        if length not in self._windows:
+            known = (self.key, self.use_vmap, length)
+            window = _known_windows[known] if known in _known_windows else self._read_window(length, device)
+            if self.key is not None:
+                if len(_known_windows) >= KNOWN_WINDOWS_LIMIT:
+                    _known_windows.clear()
+                _known_windows[known] = window
+            self._windows[length] = window
+        return self._windows[length]
+
+    def _read_window(self, length: int, device: torch.device) -> tuple[int, int] | None:
         if length <= LONG_ROWS:
             return self.block(0, length, length, device).window
-        if length not in self._windows:
-            kind = self.kind(length, device)
-            if kind != "custom":
-                self._windows[length] = cpu_kernels.FULL if kind == "full" else cpu_kernels.CAUSAL
-            else:
-                self._windows[length] = _tiles_window(self.tiles(length, device), length)
-        return self._windows[length]
+        kind = self.kind(length, device)
+        if kind != "custom":
+            return cpu_kernels.FULL if kind == "full" else cpu_kernels.CAUSAL
+        return _tiles_window(self.tiles(length, device), length)
 
     def tiles(self, length: int, device: torch.device) -> tuple[_Tile, ...]:
         """A request of ``length`` tokens in tiles of :data:`TILE_ROWS` query rows, each with the
@@ -290,6 +344,9 @@ class PackedLayout:
     probe: list[bool] | None = None
     native: bool = False
     _spans: dict[tuple[_Run, ...], tuple[torch.Tensor, torch.Tensor]] = field(factory=dict, init=False)
+    _varlen: dict[tuple[_Run, ...], tuple[slice | torch.Tensor, torch.Tensor, int]] = field(factory=dict, init=False)
+    _windowed: dict[tuple[Any, ...], tuple[dict[tuple[int, int], tuple[_Run, ...]], tuple[_Run, ...]]] = field(
+        factory=dict, init=False)
 
     @classmethod
     def build(
@@ -300,8 +357,9 @@ class PackedLayout:
 
         Adjacent requests of equal length form one run. A request with an entry
         ``(cache, store)`` in ``caches`` is a prefill chunk and attends on its own. ``native``:
-        runs with a full, causal or sliding-window mask attend in poolrunner's CPU kernel
-        (:mod:`~poolrunner.core.kernels.cpu_kernels`), which the caller has built.
+        runs with a full, causal or sliding-window mask attend in one kernel call per window:
+        poolrunner's CPU kernel (:mod:`~poolrunner.core.kernels.cpu_kernels`, which the caller
+        has built), or on CUDA flash attention's (:mod:`~poolrunner.core.kernels.cuda_attention`).
         """
         starts = [0]
         for length in lengths:
@@ -321,6 +379,25 @@ class PackedLayout:
                 runs.append(_Run(starts[i], 1, length))
         return cls(num_tokens=starts[-1], runs=tuple(runs), cached=cached, probe=probe, native=native)
 
+    def windowed_runs(
+        self, rule: MaskRule, q: torch.Tensor, k: torch.Tensor, takes: Callable[[_Run, tuple[int, int]], bool],
+    ) -> tuple[dict[tuple[int, int], tuple[_Run, ...]], tuple[_Run, ...]]:
+        """The runs a windowed kernel ``takes`` under ``rule``, by window, and the others; worked
+        out by the first layer of the step with this rule and these query and key shapes, then
+        shared by the rest."""
+        key = (rule, q.dtype, q.shape[1], k.shape[1], q.shape[-1], q.device)
+        if key not in self._windowed:
+            windows: dict[tuple[int, int], list[_Run]] = {}
+            rest = []
+            for run in self.runs:
+                window = rule.window(run.length, q.device)
+                if window is not None and takes(run, window):
+                    windows.setdefault(window, []).append(run)
+                else:
+                    rest.append(run)
+            self._windowed[key] = ({window: tuple(members) for window, members in windows.items()}, tuple(rest))
+        return self._windowed[key]
+
     def request_spans(self, runs: tuple[_Run, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request of ``runs``: its first token and its length, int64 ``[num_requests]`` each;
         computed once per step, then shared by every layer that attends these runs."""
@@ -329,6 +406,22 @@ class PackedLayout:
             lengths = [run.length for run in runs for _ in range(run.count)]
             self._spans[runs] = (torch.tensor(starts), torch.tensor(lengths))
         return self._spans[runs]
+
+    def varlen_spans(
+        self, runs: tuple[_Run, ...], device: torch.device,
+    ) -> tuple[slice | torch.Tensor, torch.Tensor, int]:
+        """The tokens of ``runs`` (a slice where they lie side by side, else an index on
+        ``device``), their requests' int32 cumulative lengths ``[num_requests + 1]`` on ``device``
+        and the longest length: variable-length attention's arguments, once per step."""
+        if runs not in self._varlen:
+            lengths = [run.length for run in runs for _ in range(run.count)]
+            cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+            if all(a.end == b.start for a, b in itertools.pairwise(runs)):
+                rows: slice | torch.Tensor = slice(runs[0].start, runs[-1].end)
+            else:
+                rows = torch.cat([torch.arange(run.start, run.end) for run in runs]).to(device, non_blocking=True)
+            self._varlen[runs] = (rows, cu_seqlens.to(device, non_blocking=True), max(lengths))
+        return self._varlen[runs]
 
 
 def packed_attention(
@@ -405,28 +498,40 @@ def _attend_native(
     rule: MaskRule, layout: PackedLayout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor,
     scaling: float | None,
 ) -> tuple[_Run, ...]:
-    """Attend the runs whose mask is full, causal or a sliding window in poolrunner's CPU kernel,
-    one call per window, into ``output`` (``[num_tokens, heads, head_dim]``); return the runs left
-    for SDPA (other masks, a dtype or head size the kernel does not take, runs whose rows see more
-    than :func:`cpu_kernels.kernel_keys <poolrunner.core.kernels.cpu_kernels.kernel_keys>` keys)."""
+    """Attend the runs whose mask is full, causal or a sliding window in poolrunner's CPU kernel
+    (on CUDA: :func:`_attend_varlen`), one call per window, into ``output`` (``[num_tokens,
+    heads, head_dim]``); return the runs left for SDPA (other masks, a dtype or head size the
+    kernel does not take, runs whose rows see more than
+    :func:`cpu_kernels.kernel_keys <poolrunner.core.kernels.cpu_kernels.kernel_keys>` keys)."""
+    if q.is_cuda:
+        return _attend_varlen(rule, layout, q, k, v, output, scaling)
     if q.dtype not in cpu_kernels.supported_dtypes() or q.shape[-1] % cpu_kernels.HEAD_DIM_MULTIPLE:
         return layout.runs
-    windows: dict[tuple[int, int], list[_Run]] = {}
-    rest = []
     limit = {banded: cpu_kernels.kernel_keys(q.dtype, q.shape[-1], banded) for banded in (False, True)}
-    for run in layout.runs:
-        window = rule.window(run.length, q.device)
-        banded = window not in (cpu_kernels.FULL, cpu_kernels.CAUSAL)
-        if window is None or _keys_seen(window, run.length) > limit[banded]:
-            rest.append(run)
-        else:
-            windows.setdefault(window, []).append(run)
+
+    def takes(run: _Run, window: tuple[int, int]) -> bool:
+        return _keys_seen(window, run.length) <= limit[window not in (cpu_kernels.FULL, cpu_kernels.CAUSAL)]
+
+    windows, rest = layout.windowed_runs(rule, q, k, takes)
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
     q, k, v = (_kernel_layout(t) for t in (q, k, v))
     for window, members in windows.items():
-        starts, lengths = layout.request_spans(tuple(members))
+        starts, lengths = layout.request_spans(members)
         cpu_kernels.attend(q, k, v, output, starts, lengths, window, scale)
-    return tuple(rest)
+    return rest
+
+
+def _attend_varlen(
+    rule: MaskRule, layout: PackedLayout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor,
+    scaling: float | None,
+) -> tuple[_Run, ...]:
+    """On CUDA, :func:`_attend_native`'s work in flash attention's variable-length kernel
+    (:mod:`~poolrunner.core.kernels.cuda_attention`): one call per window, every length at once."""
+    windows, rest = layout.windowed_runs(rule, q, k, lambda _run, window: cuda_attention.supported(q, k, window))
+    for window, members in windows.items():
+        rows, cu_seqlens, longest = layout.varlen_spans(members, q.device)
+        output[rows] = cuda_attention.attend(q[rows], k[rows], v[rows], cu_seqlens, longest, window, scaling)
+    return rest
 
 
 def _keys_seen(window: tuple[int, int], length: int) -> int:
