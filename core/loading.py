@@ -34,7 +34,7 @@ from poolrunner.core.inputs.images import ImageInputs, ImageLimits
 from poolrunner.core.inputs.pages import PageInputs
 from poolrunner.core.inputs.score_template import ScoreTemplate
 from poolrunner.core.inputs.tokenize import InputProcessor
-from poolrunner.core.kernels import cpu_kernels, cuda_attention, fused_norms, onednn
+from poolrunner.core.kernels import cpu_kernels, cuda_attention, fused_norms, fused_rotary, onednn
 from poolrunner.core.model import families, loader, metadata, siglip, token_logits
 from poolrunner.core.model.hf_overrides import apply_hf_overrides
 from poolrunner.core.model.towers import TextImageModel
@@ -263,6 +263,7 @@ def _build_engine(
         # Served adapters add their term to a layer's output, before its activation: none fused.
         onednn.prepack(model.base_model, chosen.matmul, fuse=not config.lora_enabled)
     fused_norms.fuse_rms_norms(model.base_model, kernels)
+    fused_rotary.fuse_rotary(model.base_model, kernels)
     poolers = {}
     for task in tasks:
         try:

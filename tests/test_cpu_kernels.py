@@ -372,3 +372,48 @@ def test_a_decoder_on_the_fast_path_runs_its_norms_in_the_kernel(tmp_path, dtype
     cosine = (fast.embed(texts) * eager.embed(texts)).sum(-1) / (
         np.linalg.norm(fast.embed(texts), axis=-1) * np.linalg.norm(eager.embed(texts), axis=-1))
     assert cosine.min() > (0.999 if dtype == torch.bfloat16 else 0.999999)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("batch", "angle_batch", "tokens", "heads", "head_dim"),
+                         [(1, 1, 300, 9, 64), (2, 1, 17, 3, 128), (2, 2, 5, 2, 10)])
+def test_rotary_computes_what_apply_rotary_pos_emb_computes(dtype, batch, angle_batch, tokens, heads, head_dim):
+    """Bit for bit: the formula's products and sum, each rounded to the dtype; on the strided
+    [batch, heads, tokens, d] view transformers hands over, tails of the vector width included."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    q = (torch.randn(batch, tokens, heads, head_dim) * 3).to(dtype).transpose(1, 2)
+    k = (torch.randn(batch, tokens, 1, head_dim) * 3).to(dtype).transpose(1, 2)
+    angles = torch.randn(angle_batch, tokens, head_dim // 2) * 40
+    cos, sin = (f(torch.cat([angles, angles], -1)).to(dtype) for f in (torch.cos, torch.sin))
+    expected = apply_rotary_pos_emb(q, k, cos, sin)
+    got = cpu_kernels.rotary(q, cos, sin), cpu_kernels.rotary(k, cos, sin)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert got[0].stride() == q.stride()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_layers_of_llamas_rotary_rotate_in_the_kernel_with_the_same_output(dtype):
+    """Llama's apply_rotary_pos_emb and its copies (Qwen3, Mistral; Phi's partial rotary on its
+    rotary slice) run in the kernel, each layer's forward otherwise transformers' own code:
+    the backbone's output is bit for bit the same. Other rotaries (GPT-NeoX's, Cohere's
+    interleaved) keep theirs, and transformers' module globals stay as they were."""
+    import transformers
+    from transformers.models.llama import modeling_llama
+
+    from poolrunner.core.kernels.fused_rotary import fuse_rotary
+
+    original = modeling_llama.apply_rotary_pos_emb
+    shape = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "pad_token_id": 0}
+    ids = torch.randint(1, 64, (1, 23), generator=torch.Generator().manual_seed(0))
+    for family, layers in (("Llama", 2), ("Qwen3", 2), ("Mistral", 2), ("Phi", 2), ("GPTNeoX", 0), ("Cohere", 0)):
+        torch.manual_seed(0)
+        model = getattr(transformers, f"{family}Model")(getattr(transformers, f"{family}Config")(**shape))
+        model = model.to(dtype).eval()
+        with torch.inference_mode():
+            expected = model(ids).last_hidden_state
+            assert fuse_rotary(model, SUPPORTED) == layers, family
+            assert torch.equal(model(ids).last_hidden_state, expected), family
+    assert modeling_llama.apply_rotary_pos_emb is original
