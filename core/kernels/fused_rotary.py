@@ -7,9 +7,10 @@ transformers' attention code calls its module's global ``apply_rotary_pos_emb``;
 global would change every model of the process. Instead each attention module gets, as its own
 ``forward``, the same function (the same code, unwrapped from transformers' keyword-renaming
 decorator, which only maps a caller's deprecated ``past_key_values`` to ``cache``; the decoder
-layers pass ``cache``) over a copy of its globals where that one name is the kernel's. Only a module whose global is ``apply_rotary_pos_emb`` of Llama's code
-(bytecode-identical copies, with Llama's ``rotate_half``) is changed: Phi's partial rotary calls
-it on the rotated slice and is; GPT-NeoX's, Cohere's interleaved and OLMo2's keep theirs.
+layers pass ``cache``) over a copy of its globals where that one name is the kernel's. Only a
+module whose global is ``apply_rotary_pos_emb`` of Llama's code (bytecode-identical copies, with
+Llama's ``rotate_half``) is changed: Phi's partial rotary calls it on the rotated slice and is;
+GPT-NeoX's, Cohere's interleaved and OLMo2's keep theirs.
 """
 
 from __future__ import annotations

@@ -21,25 +21,16 @@
 
 #include <immintrin.h>
 
+#include "kernel_common.h"
+
 #include <cmath>
 #include <cstdint>
 
 namespace {
 
 #ifdef __AVX512BF16__
-constexpr int64_t kLanes = 16;
-
-inline __mmask16 lanes(int64_t left) { return left >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1u); }
-
-inline __m512 load(const c10::BFloat16* p, __mmask16 m) {  // bf16 -> fp32 is exact: a shift
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-inline __m256i to_bf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
-
-inline __m512 rounded(__m512 x) {  // x rounded to bf16 and back to fp32
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(x)), 16));
-}
+using poolrunner_cpu::kLanes, poolrunner_cpu::lanes, poolrunner_cpu::load, poolrunner_cpu::rounded,
+    poolrunner_cpu::to_bf16;
 
 void normalize_row(const c10::BFloat16* x, const c10::BFloat16* weight, c10::BFloat16* out, int64_t hidden,
                    float eps) {
@@ -91,11 +82,7 @@ void rms_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& o
   const int64_t hidden = x.size(-1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden && out.sizes() == x.sizes(),
               "weight must be [hidden] and out shaped like x");
-  if (dtype == at::kFloat) return normalize_rows<float>(x, weight, out, eps);
-#ifdef __AVX512BF16__
-  if (dtype == at::kBFloat16) return normalize_rows<c10::BFloat16>(x, weight, out, eps);
-#endif
-  TORCH_CHECK(false, "rms_norm takes float32, or bfloat16 in a build with AVX512-BF16; got ", dtype);
+  poolrunner_cpu::by_dtype(dtype, "rms_norm", [&](auto tag) { normalize_rows<decltype(tag)>(x, weight, out, eps); });
 }
 
 }  // namespace
