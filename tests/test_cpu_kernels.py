@@ -396,9 +396,9 @@ def test_rotary_computes_what_apply_rotary_pos_emb_computes(dtype, batch, angle_
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_layers_of_llamas_rotary_rotate_in_the_kernel_with_the_same_output(dtype):
     """Llama's apply_rotary_pos_emb and its copies (Qwen3, Mistral; Phi's partial rotary on its
-    rotary slice) run in the kernel, each layer's forward otherwise transformers' own code:
-    the backbone's output is bit for bit the same. Other rotaries (GPT-NeoX's, Cohere's
-    interleaved) keep theirs, and transformers' module globals stay as they were."""
+    rotary slice, StableLM's) run in the kernel, each layer's forward otherwise transformers' own
+    code: the backbone's output is bit for bit the same. Other rotaries (GPT-NeoX's, Cohere's
+    interleaved, OLMo2's) keep theirs, and transformers' module globals stay as they were."""
     import transformers
     from transformers.models.llama import modeling_llama
 
@@ -408,7 +408,10 @@ def test_attention_layers_of_llamas_rotary_rotate_in_the_kernel_with_the_same_ou
     shape = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "pad_token_id": 0}
     ids = torch.randint(1, 64, (1, 23), generator=torch.Generator().manual_seed(0))
-    for family, layers in (("Llama", 2), ("Qwen3", 2), ("Mistral", 2), ("Phi", 2), ("GPTNeoX", 0), ("Cohere", 0)):
+    # Llama's, Qwen3's, Mistral's and Phi's come wrapped by the kernels package (a hub hook),
+    # StableLM's as the plain function: both forms are read through to the code.
+    for family, layers in (("Llama", 2), ("Qwen3", 2), ("Mistral", 2), ("Phi", 2), ("StableLm", 2),
+                           ("GPTNeoX", 0), ("Cohere", 0), ("Olmo2", 0)):
         torch.manual_seed(0)
         model = getattr(transformers, f"{family}Model")(getattr(transformers, f"{family}Config")(**shape))
         model = model.to(dtype).eval()

@@ -29,8 +29,26 @@ from poolrunner.core.kernels import cpu_kernels
 from poolrunner.core.kernels.onednn import code_key
 
 ROTARY_NAME = "apply_rotary_pos_emb"
-_ROTARY = code_key(inspect.unwrap(modeling_llama.apply_rotary_pos_emb))
-_ROTATE_HALF = code_key(modeling_llama.rotate_half)
+
+
+def _function(rotary: Any) -> Callable[..., Any] | None:
+    """The Python function behind a module's ``apply_rotary_pos_emb``: the function itself, or,
+    where the ``kernels`` package is installed (transformers requires it), the one its hub
+    wrapper (a ``Func`` module calling ``func``) was made from; ``None`` for anything else."""
+    if isinstance(rotary, types.FunctionType):
+        return inspect.unwrap(rotary)
+    forward = getattr(type(rotary), "forward", None)
+    code = getattr(forward, "__code__", None)
+    if isinstance(rotary, nn.Module) and code is not None and "func" in code.co_freevars:
+        wrapped = forward.__closure__[code.co_freevars.index("func")].cell_contents
+        return inspect.unwrap(wrapped) if isinstance(wrapped, types.FunctionType) else None
+    return None
+
+
+_LLAMA_ROTARY = _function(modeling_llama.apply_rotary_pos_emb)
+assert _LLAMA_ROTARY is not None, "transformers' Llama apply_rotary_pos_emb is neither a function nor its hub wrapper"
+_ROTARY = code_key(_LLAMA_ROTARY)
+_ROTATE_HALF = code_key(_LLAMA_ROTARY.__globals__["rotate_half"])
 
 
 def fuse_rotary(module: nn.Module, dtypes: Collection[torch.dtype]) -> int:
@@ -60,11 +78,12 @@ def _fused_forward(forward: Callable[..., Any], dtypes: frozenset[torch.dtype]) 
     if code is None or ROTARY_NAME not in code.co_names:
         return None
     module_globals = inner.__globals__
-    rotary = module_globals.get(ROTARY_NAME)
-    if (rotary is None or code_key(inspect.unwrap(rotary)) != _ROTARY
-            or code_key(module_globals.get("rotate_half")) != _ROTATE_HALF):
+    formula = _function(module_globals.get(ROTARY_NAME))
+    # The rotate_half it calls is the one of its own module (another, where it was imported).
+    if (formula is None or code_key(formula) != _ROTARY
+            or code_key(formula.__globals__.get("rotate_half")) != _ROTATE_HALF):
         return None
-    fused = types.FunctionType(code, {**module_globals, ROTARY_NAME: _rotary_in_kernel(rotary, dtypes)},
+    fused = types.FunctionType(code, {**module_globals, ROTARY_NAME: _rotary_in_kernel(formula, dtypes)},
                                inner.__name__, inner.__defaults__, inner.__closure__)
     fused.__kwdefaults__ = inner.__kwdefaults__
     fused.__qualname__, fused.__module__ = inner.__qualname__, inner.__module__
@@ -87,7 +106,7 @@ def _rotary_in_kernel(formula: Callable[..., Any], dtypes: frozenset[torch.dtype
 
 def _kernel_takes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   dtypes: frozenset[torch.dtype]) -> bool:
-    if q.dtype not in dtypes or any(t.dtype != q.dtype or t.device.type != "cpu" for t in (k, cos, sin)):
+    if q.dtype not in dtypes or any(t.dtype != q.dtype or t.device.type != "cpu" for t in (q, k, cos, sin)):
         return False
     if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape:
         return False
