@@ -174,6 +174,23 @@ def test_usage_errors_are_one_line_and_a_hint(capsys: pytest.CaptureFixture[str]
 # --- embed: inputs and outputs ----------------------------------------------------------------
 
 
+def test_pooling_type_overrides_the_folders_pooling(capsys: pytest.CaptureFixture[str], reference: Reference) -> None:
+    """--pooling-type CLS on all-MiniLM-L6-v2 (a MEAN model) gives sentence-transformers' Pooling(cls)
+    of the same folder; a type that is not one vector per sequence is a usage error."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
+
+    code, out, err = run_cli(capsys, "embed", "--pooling-type", "CLS", *TEXTS)
+    assert code == 0, err
+    modules = list(reference.model)  # type: ignore[attr-defined]
+    cls = SentenceTransformer(modules=[modules[0], Pooling(384, "cls"), Normalize()], device="cpu")
+    assert_close(parse_jsonl(out), cls.encode(TEXTS, convert_to_numpy=True))
+    assert not np.allclose(parse_jsonl(out), reference(TEXTS), atol=1e-3)  # not the folder's MEAN
+    code = main(["embed", "--pooling-type", "ALL", "x"])
+    assert code == 2 and "argument --pooling-type: invalid choice: 'ALL'" in capsys.readouterr().err
+
+
+
 @pytest.mark.parametrize("flags", [[], ["--async-scheduling"], ["--no-async-scheduling"]])
 def test_embed_arguments_to_stdout(capsys: pytest.CaptureFixture[str], reference: Reference, flags: list[str]) -> None:
     code, out, err = run_cli(capsys, "embed", *flags, *TEXTS)

@@ -35,7 +35,7 @@ from poolrunner.core.files import (
 )
 from poolrunner.core.manager import PoolrunnerPluginManager
 from poolrunner.core.manager import build_plugin_manager as _build_plugin_manager
-from poolrunner.core.types import POOLING_TASKS
+from poolrunner.core.types import POOLING_TASKS, SEQUENCE_POOLING_TYPES
 
 if TYPE_CHECKING:
     from poolrunner.core.frontend.requests import Request
@@ -272,6 +272,10 @@ def add_model_options(parser: argparse.ArgumentParser, *, several: str | None = 
                             "unless it is truncated and the kept tokens lie in its first (last, with left "
                             "truncation) N characters (default: 32 per token of --max-embed-len, else of the "
                             "model maximum)")
+    model.add_argument("--pooling-type", choices=SEQUENCE_POOLING_TYPES, default=None,
+                       help="how embed pools a sequence's token states, over the model folder's own setting "
+                            "(vLLM's --pooler-config '{\"pooling_type\": ...}'; sentence-transformers' Pooling "
+                            "modes cls, mean, lasttoken, max, weightedmean, mean_sqrt_len_tokens)")
     model.add_argument("--hf-overrides", metavar="JSON", type=json_object, default=None,
                        help="keys set on the model's config.json before loading, as vLLM's --hf-overrides; e.g. an "
                             "LLM reranker: '{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
@@ -428,6 +432,7 @@ def runtime_options(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
         "async_scheduling": args.async_scheduling, "max_embed_len": args.max_embed_len,
         "max_input_chars": args.max_input_chars, "hf_overrides": args.hf_overrides or {},
+        "pooling_type": args.pooling_type,
         "score_template": template_text(args.score_template, "--score-template"),
         "chat_template": template_text(args.chat_template, "--chat-template"),
         "lora_modules": _lora_modules(args.lora_modules), "max_loras": args.max_loras,
