@@ -1,4 +1,5 @@
-"""The GPU check, prepared to run in one call the first session a CUDA machine is lent.
+"""The GPU check, sized to one 10-minute device call (first run on an H200, 4 December 2026:
+bench/README.md, "GPU check").
 
     python bench/gpu_check.py [--out DIR] [--texts 2048] [--budget-s 420]
 
@@ -12,7 +13,7 @@ w994``). Parity and speed are the same as with real weights: same shapes, same F
    the decoder's LAST-token embeddings of 128 texts of 3 to 300 words, in float32 (max abs, min
    cosine), bfloat16 and float16 (min cosine against transformers' float32; beside it,
    transformers' own in that dtype, the yardstick).
-2. **Throughput** in texts/s and tokens/s of ``Runtime.embed`` against sentence-transformers on
+2. **Throughput** in texts/s and words/s (one token a word) of ``Runtime.embed`` against sentence-transformers on
    the same folder and GPU (bfloat16 both, batch 64 for sentence-transformers as its users set
    it), on texts of mixed lengths (8 to 512 tokens) and at 512 and 128 tokens per text, with the
    peak GPU memory each allocated; and vLLM's GPU pooling runner where ``vllm`` imports (it is
