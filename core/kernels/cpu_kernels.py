@@ -19,8 +19,8 @@ The kernels are C++, built once per machine and torch release on first use by to
 builder (``torch.utils.cpp_extension``: g++ and the ``ninja`` package), 5-20 s on 2 cores,
 and cached in torch's extension folder (``TORCH_EXTENSIONS_DIR``, by default
 ``~/.cache/torch_extensions``); later loads take milliseconds. Where they cannot be built (not
-x86 with AVX2, no C++ compiler) attention, RMSNorm and rotary embeddings run on torch as before, with one log line
-saying why.
+x86 with AVX2, no C++ compiler) attention, RMSNorm and rotary embeddings run on torch as before,
+with one log line saying why.
 """
 
 from __future__ import annotations

@@ -37,8 +37,10 @@ CHECK_TOLERANCE = 2e-2
 outputs of unit scale round at 4e-3; a wrong window or layout is off by 0.1 or more)."""
 
 
+@functools.cache
 def _parameters() -> frozenset[str]:
-    """The installed ``varlen_attn``'s parameter names; empty where torch has none."""
+    """The installed ``varlen_attn``'s parameter names, read once (every layer's call asks);
+    empty where torch has none."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
