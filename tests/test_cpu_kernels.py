@@ -33,8 +33,15 @@ pytestmark = pytest.mark.skipif(not SUPPORTED, reason="the kernel needs an x86 C
 DTYPES = [pytest.param(dtype, marks=pytest.mark.skipif(dtype not in SUPPORTED, reason=f"no {dtype} kernel here"))
           for dtype in (torch.float32, torch.bfloat16)]
 
+# The kernel's paths: float32 and bfloat16 on the vector units, bfloat16 on AMX tiles.
+PATHS = [*(pytest.param(dtype, False, id=f"{dtype}".removeprefix("torch.") + "-vector", marks=param.marks)
+           for param in DTYPES for dtype in param.values),
+         pytest.param(torch.bfloat16, True, id="bfloat16-tiles",
+                      marks=pytest.mark.skipif(not cpu_kernels.has_tiles(), reason="no AMX tiles here"))]
+
 # Lengths around the kernel's blocks: 16 keys per vector, 4 query rows per micro-kernel, 256
-# query rows per work item.
+# query rows per work item; on tiles 16 query rows and keys per block, 32 keys per step, items
+# under 12 keys on the vector units.
 LENGTHS = [1, 3, 16, 17, 4, 31, 64, 255, 300, 5]
 LONG_LENGTHS = [1300, 513, 512, 1027, 7]
 
@@ -74,41 +81,41 @@ def _reference(q, k, v, lengths, causal, dtype):
     return torch.cat(outputs[dtype]), torch.cat(outputs[torch.float64])
 
 
-def _run_kernel(q, k, v, lengths, causal, scale):
+def _run_kernel(q, k, v, lengths, causal, scale, tiles=False):
     out = torch.full_like(q, 7.0)
     starts = torch.tensor([sum(lengths[:i]) for i in range(len(lengths))])
     window = cpu_kernels.CAUSAL if causal is True else cpu_kernels.FULL if causal is False else causal
-    cpu_kernels.attend(q, k, v, out, starts, torch.tensor(lengths), window, scale)
+    cpu_kernels.attend(q, k, v, out, starts, torch.tensor(lengths), window, scale, tiles)
     return out
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("dtype", "tiles"), PATHS)
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 32), (6, 2, 64), (2, 2, 80), (2, 1, 128)])
-def test_each_request_gets_what_torch_gives_it_alone(dtype, causal, heads, kv_heads, dim):
-    _assert_as_close_as_torch(LENGTHS, dtype, causal, heads, kv_heads, dim)
+def test_each_request_gets_what_torch_gives_it_alone(dtype, tiles, causal, heads, kv_heads, dim):
+    _assert_as_close_as_torch(LENGTHS, dtype, causal, heads, kv_heads, dim, tiles=tiles)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("dtype", "tiles"), PATHS)
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(6, 2, 64), (2, 1, 128)])
-def test_long_requests_get_what_torch_gives_them_alone(dtype, causal, heads, kv_heads, dim):
+def test_long_requests_get_what_torch_gives_them_alone(dtype, tiles, causal, heads, kv_heads, dim):
     """Requests past 512 tokens (and past a work item's 256 query rows): float32 sums of 1,300
     keys in another order than torch's flash kernel, mean error within 1.2x of its."""
-    _assert_as_close_as_torch(LONG_LENGTHS, dtype, causal, heads, kv_heads, dim, float32_mean=1.2)
+    _assert_as_close_as_torch(LONG_LENGTHS, dtype, causal, heads, kv_heads, dim, float32_mean=1.2, tiles=tiles)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("dtype", "tiles"), PATHS)
 @pytest.mark.parametrize("window", [(64, 64), (3, 3), (15, 0), (0, 0), (100, 5), (-1, 30), (40, -1)])
-def test_sliding_windows_get_what_torch_gives_them_alone(dtype, window):
+def test_sliding_windows_get_what_torch_gives_them_alone(dtype, tiles, window):
     """Query i sees keys i - before .. i + after: ModernBERT's (64, 64), Mistral's (w - 1, 0),
     a key alone, lopsided windows, and windows bounded on one side only."""
-    _assert_as_close_as_torch(LENGTHS + [1300, 600], dtype, window, 6, 2, 64, float32_mean=1.2)
+    _assert_as_close_as_torch(LENGTHS + [1300, 600], dtype, window, 6, 2, 64, float32_mean=1.2, tiles=tiles)
 
 
-def _assert_as_close_as_torch(lengths, dtype, causal, heads, kv_heads, dim, float32_mean=1.1):
+def _assert_as_close_as_torch(lengths, dtype, causal, heads, kv_heads, dim, float32_mean=1.1, tiles=False):
     q, k, v = _packed(lengths, heads, kv_heads, dim, dtype, extra_rows=3)
-    out = _run_kernel(q, k, v, lengths, causal, dim**-0.5)
+    out = _run_kernel(q, k, v, lengths, causal, dim**-0.5, tiles)
     tokens = sum(lengths)
     torch_out, truth = _reference(q, k, v, lengths, causal, dtype)
     ours = (out[:tokens].double() - truth).abs()

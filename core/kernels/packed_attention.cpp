@@ -1,5 +1,6 @@
 // Attention over a packed, padding-free batch on x86 CPUs, in one call per layer: float32 and
-// bfloat16 with AVX-512 (bfloat16 needs AVX512-BF16), float32 alone with AVX2 and FMA.
+// bfloat16 with AVX-512 (bfloat16 needs AVX512-BF16; with AMX its products run on tiles), float32
+// alone with AVX2 and FMA.
 //
 // Why: torch's CPU flash-attention kernel runs each (request, head) through general matrix
 // products sized for long sequences; with the short requests and 32- or 64-wide heads of
@@ -11,7 +12,8 @@
 // Numerics are torch's CPU SDPA's: everything in fp32 (bf16 inputs are exact in fp32), the
 // output rounded once to its dtype. bf16 scores use AVX512-BF16 (vdpbf16ps: exact products,
 // fp32 sums); the softmax numerators stay fp32 for the product with the values (rounding them to
-// bf16 first, as a bf16 product would, adds 14% to the mean error).
+// bf16 first, as a bf16 product would, adds 14% to the mean error). On AMX tiles they go in as
+// two bf16 parts (the tiles' section below).
 //
 // Layout: q [num_tokens, num_heads, head_dim], k and v [num_tokens, num_kv_heads, head_dim]
 // (any token and head strides, head_dim contiguous), out [num_tokens, num_heads, head_dim]
@@ -26,6 +28,11 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
+#ifdef __AMX_BF16__
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -136,15 +143,16 @@ inline Lanes valid_lanes(int64_t block, int64_t lo, int64_t hi) {
                        std::clamp<int64_t>(hi - block * kKeys, 0, kKeys));
 }
 
-// Softmax numerator of one score row in place: exp(s - max) on keys lo .. hi, 0 on the rest of
-// blocks b0 .. b1. Returns the fp32 sum of the numerators.
-inline float exp_row(float* s, int64_t b0, int64_t b1, int64_t lo, int64_t hi) {
+// Softmax numerator of one score row in place: exp(s * scale - max) on keys lo .. hi, 0 on the
+// rest of blocks b0 .. b1. Returns the fp32 sum of the numerators.
+inline float exp_row(float* s, int64_t b0, int64_t b1, int64_t lo, int64_t hi, float scale = 1.0f) {
+  const Vec times = vset(scale);
   Vec top = vset(-INFINITY);
-  for (int64_t b = b0; b < b1; ++b) top = max_on(top, valid_lanes(b, lo, hi), vload(s + b * kKeys));
+  for (int64_t b = b0; b < b1; ++b) top = max_on(top, valid_lanes(b, lo, hi), vmul(vload(s + b * kKeys), times));
   const Vec row_max = vset(vtop(top));
   Vec sum = vzero();
   for (int64_t b = b0; b < b1; ++b) {
-    const Vec e = keep(valid_lanes(b, lo, hi), exp_ps(vsub(vload(s + b * kKeys), row_max)));
+    const Vec e = keep(valid_lanes(b, lo, hi), exp_ps(vsub(vmul(vload(s + b * kKeys), times), row_max)));
     vstore(s + b * kKeys, e);
     sum = vadd(sum, e);
   }
@@ -338,13 +346,18 @@ void last_rows(int count, const Problem& p, const Panel& panel, const Item& item
   if constexpr (R > 1) last_rows<T, R - 1>(count, p, panel, item, r0, s);
 }
 
+// The keys an item's rows see: from its first row's first (a window's lower edge) to its last
+// row's last (causal rows see no key past the block's last row).
+inline int64_t item_keys(const Problem& p, const Item& item) {
+  const int64_t last_row = std::min(item.first_row + kQueryBlock, item.length);
+  return end_key(p, last_row - 1, item.length) - first_key(p, item.first_row);
+}
+
 template <typename T>
 void run_item(const Problem& p, Item item, Panel& panel, std::vector<float>& s) {
   const int64_t last_row = std::min(item.first_row + kQueryBlock, item.length);
-  // The keys the block's rows see: from its first row's first (a window's lower edge) to its last
-  // row's last (causal rows see no key past the block's last row).
   item.key0 = first_key(p, item.first_row);
-  const int64_t keys = end_key(p, last_row - 1, item.length) - item.key0;
+  const int64_t keys = item_keys(p, item);
   panel.padded = (keys + kKeys - 1) / kKeys * kKeys;
   panel.stride = panel.padded + (panel.padded / kKeys % 2 == 0 ? kKeys : 0);
   if constexpr (std::is_same_v<T, float>) {
@@ -360,9 +373,316 @@ void run_item(const Problem& p, Item item, Panel& panel, std::vector<float>& s) 
   last_rows<T>(static_cast<int>(last_row - r0), p, panel, item, r0, s);
 }
 
+// ---- bfloat16 on AMX tiles -------------------------------------------------------------------
+// On CPUs with AMX (Intel Xeon, 4th generation on) both products of a bfloat16 item run on tiles,
+// 16 query rows at a time: scores in 16 x 16 blocks (exact products, fp32 sums, as vdpbf16ps),
+// the values product 32 keys a step. Tiles multiply bf16 only, so each fp32 softmax numerator e
+// goes in as two bf16 parts, hi (e with its low 16 bits cleared, exact) and lo = bf16(e - hi):
+// a relative error under 2^-16, where one rounding to bf16 (torch's flash kernel) leaves 2^-9.
+// The vector path's softmax, exp and masks are kept; the scale moves into the exponent's FMA.
+// Why: the attention of 32- to 1,024-token requests takes 1.8-3x less time than on the vector
+// units (2 Xeon cores), and torch's flash kernel, which also uses tiles, pays its per-call
+// overhead on every request (cpu_kernels.TILE_KEYS, bench/README.md).
+
+#ifdef __AMX_BF16__
+constexpr int64_t kTileRows = 16;     // query rows per tile, and keys per block of scores
+constexpr int64_t kTileKeys = 32;     // keys per step of the values product
+constexpr int64_t kTileDim = 32;      // head_dim per step of the scores product
+constexpr int64_t kTileBytes = 64;    // one tile row
+constexpr int64_t kTileWords = kTileRows * kTileBytes / 4;  // one tile, in 32-bit pairs
+// Items whose rows see fewer keys stay on the vector units: on 2 AMX Xeon cores, 12 heads, the
+// tiles' time over theirs is 1.4x at 4 keys, 1.0x at 8, 0.83x at 12 and 0.55x from 32 keys.
+constexpr int64_t kTileMinKeys = 12;
+
+// GCC's tile intrinsics are assembler templates without memory operands: the compiler must not
+// move plain loads or stores of a tile's buffer across them.
+inline void tile_fence() { asm volatile("" ::: "memory"); }
+
+// This CPU has AMX-BF16 and the Linux kernel lets this process use tile state (asked once).
+bool amx_available() {
+  static const bool available = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return available;
+}
+
+// Every tile 16 rows of 64 bytes: tmm0 and tmm1 left operands, tmm2 and tmm3 right ones, tmm4 to
+// tmm7 sums. Per thread; oneDNN loads its own configuration before each of its products.
+void configure_tiles() {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = kTileBytes;
+    config.rows[t] = kTileRows;
+  }
+  tile_fence();  // the intrinsic's operand is the configuration's first 8 bytes only
+  _tile_loadconfig(&config);
+}
+
+// The first n (<= 4) sum tiles, zeroed or stored: tile numbers must be literals.
+inline void zero_sums(int64_t n) {
+  _tile_zero(4);
+  if (n > 1) _tile_zero(5);
+  if (n > 2) _tile_zero(6);
+  if (n > 3) _tile_zero(7);
+}
+inline void store_sums(int64_t n, float* dst, int64_t next, int64_t stride) {
+  _tile_stored(4, dst, stride);
+  if (n > 1) _tile_stored(5, dst + next, stride);
+  if (n > 2) _tile_stored(6, dst + 2 * next, stride);
+  if (n > 3) _tile_stored(7, dst + 3 * next, stride);
+  tile_fence();
+}
+// Sum tile j += tmm0 x right tile j, for j < n (<= 4); the right tiles `next` words apart.
+inline void multiply(int64_t n, const uint32_t* right, int64_t next) {
+  _tile_loadd(2, right, kTileBytes);
+  _tile_dpbf16ps(4, 0, 2);
+  if (n > 1) {
+    _tile_loadd(3, right + next, kTileBytes);
+    _tile_dpbf16ps(5, 0, 3);
+  }
+  if (n > 2) {
+    _tile_loadd(2, right + 2 * next, kTileBytes);
+    _tile_dpbf16ps(6, 0, 2);
+  }
+  if (n > 3) {
+    _tile_loadd(3, right + 3 * next, kTileBytes);
+    _tile_dpbf16ps(7, 0, 3);
+  }
+}
+// For j < n (<= 2): sum tile 4 + j += tmm0 x right tile j and sum tile 6 + j += tmm1 x it: the
+// two parts in sums of their own, so that neither product waits for the other.
+inline void multiply_parts(int64_t n, const uint32_t* right, int64_t next) {
+  _tile_loadd(2, right, kTileBytes);
+  _tile_dpbf16ps(4, 0, 2);
+  _tile_dpbf16ps(6, 1, 2);
+  if (n > 1) {
+    _tile_loadd(3, right + next, kTileBytes);
+    _tile_dpbf16ps(5, 0, 3);
+    _tile_dpbf16ps(7, 1, 3);
+  }
+}
+
+// 2^t for t >= -126 in fp32 (t below: 0 or subnormal, as exp_ps flushes): a degree-5 fit of
+// 2^f on |f| <= 1/2 (relative error 2.4e-7 in fp32), scaled by 2^round(t). Four operations
+// fewer than exp_ps, whose range reduction by ln 2 it does not need.
+inline Vec exp2_ps(Vec t) {
+  const Vec n = vround(t);
+  const Vec f = vsub(t, n);
+  Vec p = vset(1.3276464e-3f);
+  p = vfma(p, f, vset(9.6755410e-3f));
+  p = vfma(p, f, vset(5.5507135e-2f));
+  p = vfma(p, f, vset(2.4022120e-1f));
+  p = vfma(p, f, vset(6.9314694e-1f));
+  p = vfma(p, f, vset(1.0000001f));
+  return vpow2_times(p, n);
+}
+
+// One item's keys and values in the tiles' right-operand layout, and one thread's tile scratch.
+struct TilePanel {
+  int64_t padded = 0;  // keys rounded up to kTileKeys; padding keys are 0
+  int64_t stride = 0;  // elements from one score row to the next: padded, off a power of two
+  std::vector<uint32_t> keys;    // [padded / 16][dim / 32] tiles: row t, column n: k[n] pair t
+  std::vector<uint32_t> values;  // [padded / 32][dim / 16] tiles: row t, column n: v[2t][n], v[2t + 1][n]
+  std::vector<uint16_t> q;       // [16][dim], the tile's query rows (zero past the request)
+  std::vector<float> s;          // [16][stride] raw scores
+  std::vector<uint16_t> hi, lo;  // [16][stride] the numerators' two bf16 parts
+  std::vector<float> o;          // [2][16][dim] unnormalized output rows: hi's products, lo's
+};
+
+// The 16 x 16 matrix of 32-bit elements in r transposed in place (row i, element j <-> row j,
+// element i): pairs within 128-bit lanes, then quads, then whole lanes across registers.
+void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + e], lane L: element 4L + e of rows i .. i + 3
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i a = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44), b = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
+    const __m512i c = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44);
+    const __m512i d = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
+    r[e] = _mm512_shuffle_i32x4(a, c, 0x88);
+    r[4 + e] = _mm512_shuffle_i32x4(a, c, 0xDD);
+    r[8 + e] = _mm512_shuffle_i32x4(b, d, 0x88);
+    r[12 + e] = _mm512_shuffle_i32x4(b, d, 0xDD);
+  }
+}
+
+// Keys: per block of 16 keys and step of 32 head_dim, the block's rows of pairs transposed.
+// Values: per step of 32 keys and block of 16 head_dim, each two keys' rows interleaved.
+void pack_tiles(const Problem& p, int64_t start, int64_t length, int64_t kv_head, TilePanel& panel) {
+  const int64_t steps = p.dim / kTileDim, blocks = p.dim / kTileRows;
+  panel.keys.resize(panel.padded / kTileRows * steps * kTileWords);
+  panel.values.resize(panel.padded / kTileKeys * blocks * kTileWords);
+  const auto* k = static_cast<const uint16_t*>(p.k) + start * p.k_token + kv_head * p.k_head;
+  const auto* v = static_cast<const uint16_t*>(p.v) + start * p.v_token + kv_head * p.v_head;
+  for (int64_t j0 = 0; j0 < panel.padded; j0 += kTileRows) {
+    for (int64_t t = 0; t < steps; ++t) {
+      __m512i rows[16];
+      for (int64_t n = 0; n < kTileRows; ++n) {
+        const bool key = j0 + n < length;
+        rows[n] = key ? _mm512_loadu_si512(k + (j0 + n) * p.k_token + t * kTileDim) : _mm512_setzero_si512();
+      }
+      transpose16(rows);
+      uint32_t* tile = panel.keys.data() + (j0 / kTileRows * steps + t) * kTileWords;
+      for (int64_t n = 0; n < kTileRows; ++n) _mm512_storeu_si512(tile + n * kTileRows, rows[n]);
+    }
+  }
+  // Element 2n of a tile row from the even key, 2n + 1 from the odd one.
+  alignas(64) static constexpr uint16_t kInterleave[32] = {
+      0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  const auto value_row = [&](int64_t j, int64_t d) {  // 16 values of key j from head_dim 16 d, or 0
+    const auto* src = reinterpret_cast<const __m256i*>(v + j * p.v_token + d * kTileRows);
+    return _mm512_castsi256_si512(j < length ? _mm256_loadu_si256(src) : _mm256_setzero_si256());
+  };
+  for (int64_t j = 0; j < panel.padded; j += 2) {
+    uint32_t* row = panel.values.data() + (j / kTileKeys * blocks * kTileRows + j % kTileKeys / 2) * kTileRows;
+    for (int64_t d = 0; d < blocks; ++d)
+      _mm512_storeu_si512(row + d * kTileWords,
+                          _mm512_permutex2var_epi16(value_row(j, d), interleave, value_row(j + 1, d)));
+  }
+}
+
+// Softmax numerators of one score row e (raw sums) as their bf16 parts into h and l over keys
+// first .. first + width: exp(e * scale - max) on keys lo .. hi, 0 elsewhere (scale > 0: the
+// largest sum gives the largest score). Returns the fp32 sum of the numerators.
+float split_row(const float* e, uint16_t* h, uint16_t* l, int64_t first, int64_t width, int64_t lo, int64_t hi,
+                float scale) {
+  const int64_t b0 = lo / kKeys, b1 = (hi + kKeys - 1) / kKeys;
+  const auto whole = [&](int64_t b) { return b * kKeys >= lo && (b + 1) * kKeys <= hi; };
+  Vec top = vset(-INFINITY);
+  for (int64_t b = b0; b < b1; ++b)
+    top = whole(b) ? vmax(top, vload(e + b * kKeys)) : max_on(top, valid_lanes(b, lo, hi), vload(e + b * kKeys));
+  // exp(s scale - max) = 2^(s c - max_s c), c = scale log2(e): one FMA; the rounding of max_s c
+  // scales the whole row alike, which the normalization cancels.
+  const float c = scale * 1.44269504088896341f;
+  const Vec times = vset(c), shift = vset(-vtop(top) * c);
+  // hi: x with its low 16 bits cleared (exact in bf16); lo: bf16(x - hi), x - hi exact in fp32.
+  const __m512i upper = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  Vec sum = vzero();
+  for (int64_t j = 0; j < width; j += kTileKeys) {
+    Vec x[2], top_part[2];
+    for (int u = 0; u < 2; ++u) {
+      const int64_t b = (first + j) / kKeys + u;
+      x[u] = vzero();
+      if (b >= b0 && b < b1) {
+        x[u] = exp2_ps(vfma(vload(e + b * kKeys), times, shift));
+        if (!whole(b)) x[u] = keep(valid_lanes(b, lo, hi), x[u]);
+        sum = vadd(sum, x[u]);
+      }
+      top_part[u] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x[u]), upper));
+    }
+    _mm512_storeu_si512(h + j, (__m512i)_mm512_cvtne2ps_pbh(top_part[1], top_part[0]));
+    _mm512_storeu_si512(l + j, (__m512i)_mm512_cvtne2ps_pbh(vsub(x[1], top_part[1]), vsub(x[0], top_part[0])));
+  }
+  return vsum(sum);
+}
+
+// Query rows r0 .. r0 + m (m <= 16) of the item's request: scores, numerators, values, output.
+void tile_rows(const Problem& p, TilePanel& panel, const Item& item, int64_t r0, int64_t m) {
+  const auto* q = static_cast<const uint16_t*>(p.q);
+  int64_t lo[kTileRows], hi[kTileRows];
+  for (int64_t i = 0; i < kTileRows; ++i) {
+    uint16_t* dst = panel.q.data() + i * p.dim;
+    if (i < m) {
+      std::copy_n(q + (item.start + r0 + i) * p.q_token + item.head * p.q_head, p.dim, dst);
+      lo[i] = first_key(p, r0 + i) - item.key0;
+      hi[i] = end_key(p, r0 + i, item.length) - item.key0;
+    } else {
+      std::fill_n(dst, p.dim, uint16_t{0});
+    }
+  }
+  const int64_t b0 = lo[0] / kTileRows, b1 = (hi[m - 1] + kTileRows - 1) / kTileRows;
+  const int64_t steps = p.dim / kTileDim;
+  tile_fence();
+  for (int64_t b = b0; b < b1; b += 4) {
+    const int64_t n = std::min<int64_t>(4, b1 - b);
+    zero_sums(n);
+    for (int64_t t = 0; t < steps; ++t) {
+      _tile_loadd(0, panel.q.data() + t * kTileDim, p.dim * 2);
+      multiply(n, panel.keys.data() + (b * steps + t) * kTileWords, steps * kTileWords);
+    }
+    store_sums(n, panel.s.data() + b * kTileRows, kTileRows, panel.stride * 4);
+  }
+  // Numerators over whole steps of 32 keys c0 .. c1; keys outside a row's span are 0.
+  const int64_t c0 = b0 / 2, c1 = (b1 + 1) / 2;
+  const int64_t first = c0 * kTileKeys, width = (c1 - c0) * kTileKeys;
+  float inv_sum[kTileRows];
+  for (int64_t i = 0; i < kTileRows; ++i) {
+    float* e = panel.s.data() + i * panel.stride;
+    uint16_t* h = panel.hi.data() + i * panel.stride + first;
+    uint16_t* l = panel.lo.data() + i * panel.stride + first;
+    if (i >= m) {
+      std::fill_n(h, width, uint16_t{0});
+      std::fill_n(l, width, uint16_t{0});
+      continue;
+    }
+    inv_sum[i] = 1.0f / split_row(e, h, l, first, width, lo[i], hi[i], p.scale);
+  }
+  tile_fence();
+  const int64_t blocks = p.dim / kTileRows;
+  for (int64_t d = 0; d < blocks; d += 2) {
+    const int64_t n = std::min<int64_t>(2, blocks - d);
+    zero_sums(4);
+    for (int64_t c = c0; c < c1; ++c) {
+      _tile_loadd(0, panel.hi.data() + c * kTileKeys, panel.stride * 2);
+      _tile_loadd(1, panel.lo.data() + c * kTileKeys, panel.stride * 2);
+      multiply_parts(n, panel.values.data() + (c * blocks + d) * kTileWords, kTileWords);
+    }
+    float* top_sums = panel.o.data() + d * kTileRows;
+    float* rest_sums = top_sums + kTileRows * p.dim;
+    _tile_stored(4, top_sums, p.dim * 4);
+    _tile_stored(6, rest_sums, p.dim * 4);
+    if (n > 1) {
+      _tile_stored(5, top_sums + kTileRows, p.dim * 4);
+      _tile_stored(7, rest_sums + kTileRows, p.dim * 4);
+    }
+    tile_fence();
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    auto* dst = static_cast<c10::BFloat16*>(p.out) + ((item.start + r0 + i) * p.heads + item.head) * p.dim;
+    const float* top_sums = panel.o.data() + i * p.dim;
+    const float* rest_sums = top_sums + kTileRows * p.dim;
+    for (int64_t d = 0; d < p.dim; d += kKeys)
+      store(dst + d, vmul(vadd(vload(top_sums + d), vload(rest_sums + d)), vset(inv_sum[i])));
+  }
+}
+
+void run_tile_item(const Problem& p, Item item, TilePanel& panel) {
+  const int64_t last_row = std::min(item.first_row + kQueryBlock, item.length);
+  item.key0 = first_key(p, item.first_row);
+  const int64_t keys = item_keys(p, item);
+  panel.padded = (keys + kTileKeys - 1) / kTileKeys * kTileKeys;
+  panel.stride = panel.padded + (panel.padded / kTileKeys % 2 == 0 ? kTileKeys : 0);
+  pack_tiles(p, item.start + item.key0, keys, item.head / p.group, panel);
+  panel.q.resize(kTileRows * p.dim);
+  panel.s.resize(kTileRows * panel.stride);
+  panel.hi.resize(kTileRows * panel.stride);
+  panel.lo.resize(kTileRows * panel.stride);
+  panel.o.resize(2 * kTileRows * p.dim);
+  for (int64_t r0 = item.first_row; r0 < last_row; r0 += kTileRows)
+    tile_rows(p, panel, item, r0, std::min(kTileRows, last_row - r0));
+}
+#endif  // __AMX_BF16__
+
 void packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                       const at::Tensor& starts, const at::Tensor& lengths, int64_t before, int64_t after,
-                      double scale) {
+                      double scale, bool tiles) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && out.device().is_cpu(),
               "packed_attention runs on the CPU");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k and v must be [num_tokens, heads, head_dim]");
@@ -403,6 +723,26 @@ void packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   // Work items differ in cost (lengths, causal blocks): threads take the next one as they finish.
   std::atomic<int64_t> next{0};
   const int64_t count = static_cast<int64_t>(items.size());
+#ifdef __AMX_BF16__
+  tiles = tiles && dtype == at::kBFloat16 && dim % kTileDim == 0 && scale > 0 && amx_available();
+  if (tiles) {
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      configure_tiles();
+      TilePanel tile_panel;
+      Panel panel;
+      std::vector<float> s;
+      for (int64_t i = next++; i < count; i = next++) {
+        if (item_keys(p, items[i]) >= kTileMinKeys) {
+          run_tile_item(p, items[i], tile_panel);
+        } else {
+          run_item<c10::BFloat16>(p, items[i], panel, s);
+        }
+      }
+      _tile_release();
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     Panel panel;
     std::vector<float> s;
@@ -422,7 +762,7 @@ void packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
 TORCH_LIBRARY(poolrunner_cpu, m) {
   m.def("packed_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor starts, Tensor lengths, "
-        "int before, int after, float scale) -> ()");
+        "int before, int after, float scale, bool tiles) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(poolrunner_cpu, CPU, m) { m.impl("packed_attention", &packed_attention); }

@@ -38,3 +38,30 @@ def test_a_machine_that_cannot_build_it_attends_on_sdpa_and_says_why(monkeypatch
         np.testing.assert_allclose(runtime.embed(texts), expected, atol=1e-5)
     finally:
         cpu_kernels._load.cache_clear()  # the next caller loads the real build again
+
+
+def test_a_compiler_without_the_widest_builds_flags_builds_the_next(monkeypatch, caplog):
+    """On a CPU with AMX the kernels are built with AMX's flags first; a compiler too old for them
+    still builds the set below (one INFO line says why), not none."""
+    import attrs
+    from torch.utils import cpp_extension
+
+    built = cpu_kernels._load()
+    wider = attrs.evolve(built, name="wider")
+    real_load = cpp_extension.load
+
+    def load(name, *args, **kwargs):
+        if "_wider_" in name:
+            raise RuntimeError("g++: error: unrecognized command-line option '-mamx-tile'")
+        return real_load(name, *args, **kwargs)
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(cpu_kernels, "_instruction_sets", lambda: (wider, built))
+    cpu_kernels._load.cache_clear()
+    try:
+        with caplog.at_level("INFO", logger="poolrunner.core.kernels.cpu_kernels"):
+            assert cpu_kernels._load() == built
+        assert ("poolrunner's CPU kernels for wider could not be built: "
+                "g++: error: unrecognized command-line option '-mamx-tile'") in caplog.messages
+    finally:
+        cpu_kernels._load.cache_clear()
