@@ -272,7 +272,9 @@ def _build_engine(
             if task == tasks[0]:
                 raise
             logger.info("task %r is not served: %s", task, exc)
-    budget = config.max_num_batched_tokens or default_token_budget(device.type)
+    bf16_tiles = (device.type == "cpu" and chosen.weights == chosen.matmul == torch.bfloat16
+                  and cpu_kernels.has_amx())
+    budget = config.max_num_batched_tokens or default_token_budget(device.type, bf16_tiles)
     if device.type == "cpu":
         memory.keep_step_buffers(memory.step_block_bytes(model, budget))
     runner = ModelRunner(model, poolers, hooks, model_config, default_task=tasks[0],

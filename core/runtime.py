@@ -101,6 +101,8 @@ class Runtime:
         self.supported_tasks: frozenset[PoolingTask] = loaded.tasks
         self.device, self.precision = loaded.device, loaded.precision.name
         self.dtype = loaded.precision.weights
+        self.max_num_batched_tokens: int = loaded.engine.scheduler.max_num_batched_tokens
+        """The step's token budget: the option, or the default for the device and dtype."""
         self.inputs = loaded.inputs
         self.frontend = Frontend(loaded.model_config, loaded.inputs, loaded.hooks, loaded.tasks, loaded.task,
                                  loaded.options, max_embed_len=loaded.config.max_embed_len,

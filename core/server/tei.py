@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 from fastapi import Request
 
-from poolrunner.core.config import default_token_budget
 from poolrunner.core.errors import InputTooLongError, PromptTooLongError
 from poolrunner.core.frontend import requests as fr
 from poolrunner.core.server import protocol as p
@@ -64,7 +63,7 @@ def info(service: PoolingService) -> t.Info:
         model_dtype=runtime.precision, served_model_name=service.model_name,
         model_type=_model_type(service), max_concurrent_requests=settings.max_waiting_requests,
         max_input_length=runtime.model_config.max_model_len,
-        max_batch_tokens=runtime.config.max_num_batched_tokens or default_token_budget(runtime.device.type),
+        max_batch_tokens=runtime.max_num_batched_tokens,
         max_batch_requests=runtime.config.max_num_seqs, max_client_batch_size=settings.max_inputs_per_request,
         auto_truncate=settings.auto_truncate, version=_version(),
     )

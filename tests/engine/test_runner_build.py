@@ -65,3 +65,17 @@ def test_a_compiler_without_the_widest_builds_flags_builds_the_next(monkeypatch,
                 "g++: error: unrecognized command-line option '-mamx-tile'") in caplog.messages
     finally:
         cpu_kernels._load.cache_clear()
+
+
+@pytest.mark.parametrize(("dtype", "amx", "budget"), [("bfloat16", True, 4096), ("bfloat16", False, 2048),
+                                                      ("float32", True, 2048)])
+def test_the_cpu_step_budget_is_larger_where_bf16_products_run_on_tiles(monkeypatch, model_path, dtype, amx, budget):
+    """config.TILES_TOKEN_BUDGET: bf16 steps of 4,096 tokens on a CPU with AMX, 2,048 elsewhere
+    and in float32; the option wins either way."""
+    import torch
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    runtime = Runtime(model_path, dtype=dtype, load_entrypoints=False)
+    assert runtime.max_num_batched_tokens == runtime._engine.scheduler.max_num_batched_tokens == budget
+    assert Runtime(model_path, dtype=dtype, max_num_batched_tokens=512,
+                   load_entrypoints=False).max_num_batched_tokens == 512

@@ -163,7 +163,8 @@ def test_info_describes_the_default_model(server):
     assert (info["model_dtype"], info["max_input_length"], info["max_client_batch_size"]) == ("float32", 256, 2048)
     assert info["auto_truncate"] is True and info["version"] == poolrunner.__version__
     assert info["tokenization_workers"] == 1  # TEI's Info requires it; one shared tokenizer here
-    assert {"model_sha", "max_concurrent_requests", "max_batch_tokens", "max_batch_requests"} <= set(info)
+    assert info["max_batch_tokens"] == 2048  # the CPU's float32 step budget
+    assert {"model_sha", "max_concurrent_requests", "max_batch_requests"} <= set(info)
 
 
 def test_health_on_tei_and_sagemaker_paths(server, keyed_server):
