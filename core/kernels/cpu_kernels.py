@@ -8,7 +8,7 @@ Attention: one call attends every request of a packed step that shares an attent
 cores (AVX512-BF16, no AMX) it is 2.4-8.7x faster in bfloat16 and 1.6-3x in float32 than torch's
 CPU flash kernel at the lengths embedding models see (6-300 tokens, 32- and 64-wide heads), with
 the same numerics (see the source's header). With AMX (Intel Xeon, 4th generation on) its
-bfloat16 products run on tiles: 1.3-3x faster than torch's kernel up to 197 tokens (2 cores).
+bfloat16 products run on tiles: 1.4-4x faster than torch's kernel up to 197 tokens (2 cores).
 
 RMSNorm: transformers' ``LlamaRMSNorm`` in one pass per row instead of five to seven element-wise
 passes, with its numerics; SmolLM2-135M embeds 7% faster with it in bfloat16 (2 Zen 4 cores).
@@ -121,10 +121,10 @@ TILE_KEYS = 256
 """With the kernel's bfloat16 on AMX tiles (:attr:`Build.tiles`, ``head_dim`` a multiple of 32),
 the most keys a query row of a full or causal request may see on average for the kernel to attend
 it. Measured (2 AMX Xeon cores, 4,096 tokens of equal-length requests, one SDPA call per request),
-the tiles' time over SDPA's: full, 12 heads of 32: 0.33x at 32 tokens, 0.77x at 197, 1.11x at
-256, 1.15x at 512; of 64: 0.43x, 0.79x, 1.16x, 1.21x; causal, 9 / 3 heads of 64: 0.40x at 32
-tokens, 0.70x at 512, 0.88x at 1,024 (bench/README.md). Requests of ragged lengths cost SDPA more
-than these multiples of 16 did."""
+the tiles' time over SDPA's: full, 12 heads of 32: 0.37x at 32 tokens, 0.60x at 197, 1.00x at
+256, 0.94x at 512; of 64: 0.44x, 0.74x, 1.00x, 1.15x; causal, 9 / 3 heads of 64: 0.39x at 32
+tokens, 0.55x at 197, 0.64x at 512 (bench/README.md). SDPA is at its best at these multiples of
+16; ragged lengths cost it more."""
 
 
 def kernel_keys(dtype: torch.dtype, head_dim: int, banded: bool = False) -> int:

@@ -380,7 +380,7 @@ void run_item(const Problem& p, Item item, Panel& panel, std::vector<float>& s) 
 // goes in as two bf16 parts, hi (e with its low 16 bits cleared, exact) and lo = bf16(e - hi):
 // a relative error under 2^-16, where one rounding to bf16 (torch's flash kernel) leaves 2^-9.
 // The vector path's softmax, exp and masks are kept; the scale moves into the exponent's FMA.
-// Why: the attention of 32- to 1,024-token requests takes 1.8-3x less time than on the vector
+// Why: the attention of 32- to 512-token requests takes 1.6-3x less time than on the vector
 // units (2 Xeon cores), and torch's flash kernel, which also uses tiles, pays its per-call
 // overhead on every request (cpu_kernels.TILE_KEYS, bench/README.md).
 
