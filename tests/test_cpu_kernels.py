@@ -128,15 +128,21 @@ def _assert_as_close_as_torch(lengths, dtype, causal, heads, kv_heads, dim, floa
     assert torch.equal(out[tokens:], torch.full_like(out[tokens:], 7.0))  # rows of no request: untouched
 
 
-def test_a_custom_scale_is_applied():
-    q, k, v = _packed([9, 12], 2, 2, 32, torch.float32)
-    out = _run_kernel(q, k, v, [9, 12], False, 0.05)
-    expected = torch.cat([
-        F.scaled_dot_product_attention(*(t[s:e].transpose(0, 1).double() for t in (q, k, v)),
-                                       scale=0.05).transpose(0, 1)
-        for s, e in [(0, 9), (9, 21)]
-    ])
-    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-6)
+@pytest.mark.parametrize(("dtype", "tiles"), PATHS)
+def test_a_custom_scale_is_applied(dtype, tiles):
+    """The scale multiplies the scores (on tiles: inside the exponent's FMA), here 0.05 and 0.4
+    against head_dim ** -0.5 = 0.18, to float32 rounding of scores of tens (bfloat16: the output's)."""
+    lengths = [9, 12, 40]
+    q, k, v = _packed(lengths, 2, 2, 32, dtype)
+    for scale in (0.05, 0.4):
+        out = _run_kernel(q, k, v, lengths, False, scale, tiles)
+        expected = torch.cat([
+            F.scaled_dot_product_attention(*(t[s:e].transpose(0, 1).double() for t in (q, k, v)),
+                                           scale=scale).transpose(0, 1)
+            for s, e in [(0, 9), (9, 21), (21, 61)]
+        ])
+        tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-8, "atol": 1e-5}
+        torch.testing.assert_close(out.double(), expected, **tolerance)
 
 
 @pytest.mark.parametrize(("change", "message"), [
