@@ -101,7 +101,7 @@ def test_every_input_format_into_every_output_format(capsys, tmp_path, tiny, tin
     fields = ["--text-field", "body"] + (["--id-field", "doc_id"] if with_ids else [])
     code, out, err = cli(capsys, "embed", "--model", tiny, "--input", str(source), *fields, "-o", str(target))
     assert code == 0, err
-    assert out == "" and err == f"poolrunner: loading {tiny}...\n"
+    assert out == "" and err == f"poolrunner: loading {tiny}...\npoolrunner: running in float32 on cpu\n"
     index, ids, vectors = read_output(target, output_format)
     assert index == list(range(len(TEXTS)))
     assert ids == (IDS if with_ids else None)  # "007" stays a string, from CSV too
@@ -232,7 +232,7 @@ def test_skip_leaves_bad_records_out_and_counts_them(capsys, tmp_path, tiny, tin
     code, _, err = cli(capsys, "embed", "--model", tiny, "--input", str(source), "--id-field", "id",
                        "--on-error", "skip", "-o", str(target))
     assert code == 0, err
-    assert err.splitlines()[1:] == [
+    assert err.splitlines()[2:] == [  # after the loading lines
         f"poolrunner: skipped {source}:2: invalid JSON: Expecting value (column 10)",
         f"poolrunner: skipped {source}:3: no field 'text' (fields: 'body', 'id'); pick one with --text-field",
         f"poolrunner: skipped {source}:5: field 'id' is str, but the first record's is int; give every id one type",
@@ -280,7 +280,7 @@ def test_an_input_the_model_refuses_is_named_by_its_line(capsys, tmp_path, tiny,
     source = write_input(tmp_path / "docs.txt", "text", ["short", "fine", long_text, "last"])
     code, _, err = cli(capsys, "embed", "--model", tiny, "--input", str(source))
     assert code == 2
-    assert err.splitlines()[1].startswith(f"poolrunner: error: {source}:3: this input has 302 tokens, more than "
+    assert err.splitlines()[2].startswith(f"poolrunner: error: {source}:3: this input has 302 tokens, more than "
                                           "the maximum of 128")
     assert "poolrunner: hint: pass --truncate -1" in err
     code, out, err = cli(capsys, "embed", "--model", tiny, "--input", str(source), "--on-error", "skip")

@@ -465,9 +465,12 @@ def load_runtime(args: argparse.Namespace, **options: Any) -> Any:
 
 
 def load_model(args: argparse.Namespace, **options: Any) -> Any:
-    """:func:`load_runtime`, saying ``poolrunner: loading MODEL...`` on stderr first."""
+    """:func:`load_runtime`, saying ``poolrunner: loading MODEL...`` on stderr first and then what
+    it runs in (``dtype="auto"`` decides at load): ``poolrunner: running in bf16-mixed on cpu``."""
     print(f"poolrunner: loading {args.model or 'the default model (all-MiniLM-L6-v2)'}...", file=sys.stderr)
-    return load_runtime(args, **options)
+    runtime = load_runtime(args, **options)
+    print(f"poolrunner: running in {runtime.precision} on {runtime.device}", file=sys.stderr)
+    return runtime
 
 
 def check_device(device: str) -> str:
