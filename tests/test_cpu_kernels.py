@@ -9,6 +9,7 @@ round the output once.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import numpy as np
 import pytest
@@ -307,6 +308,16 @@ def test_requests_past_the_kernels_key_limit_go_to_sdpa_and_equal_it(dtype, amx,
             tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
             torch.testing.assert_close(out[0, start : start + length].double(), expected, **tolerance)
             start += length
+
+
+@pytest.mark.skipif(not cpu_kernels.has_tiles(), reason="no AMX tiles here")
+def test_on_tiles_bfloat16_rows_go_to_sdpa_past_tile_keys():
+    """With bf16 on tiles the kernel keeps rows up to TILE_KEYS keys (heads a multiple of 32);
+    float32 and other heads keep AMX's SDPA limit; sliding windows have none."""
+    assert cpu_kernels.kernel_keys(torch.bfloat16, 32) == cpu_kernels.kernel_keys(torch.bfloat16, 64) == 256
+    assert cpu_kernels.kernel_keys(torch.bfloat16, 16) == cpu_kernels.AMX_KEY_ELEMENTS // 16
+    assert cpu_kernels.kernel_keys(torch.float32, 32) == cpu_kernels.AMX_KEY_ELEMENTS // 32
+    assert cpu_kernels.kernel_keys(torch.bfloat16, 32, banded=True) == sys.maxsize
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
