@@ -724,28 +724,23 @@ void packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const int64_t count = static_cast<int64_t>(items.size());
 #ifdef __AMX_BF16__
   tiles = tiles && dtype == at::kBFloat16 && dim % kTileDim == 0 && scale > 0 && amx_available();
-  if (tiles) {
-    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-      configure_tiles();
-      TilePanel tile_panel;
-      Panel panel;
-      std::vector<float> s;
-      for (int64_t i = next++; i < count; i = next++) {
-        if (item_keys(p, items[i]) >= kTileMinKeys) {
-          run_tile_item(p, items[i], tile_panel);
-        } else {
-          run_item<c10::BFloat16>(p, items[i], panel, s);
-        }
-      }
-      _tile_release();
-    });
-    return;
-  }
+#else
+  (void)tiles;  // no tiles in this build
 #endif
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+#ifdef __AMX_BF16__
+    if (tiles) configure_tiles();
+    TilePanel tile_panel;
+#endif
     Panel panel;
     std::vector<float> s;
     for (int64_t i = next++; i < count; i = next++) {
+#ifdef __AMX_BF16__
+      if (tiles && item_keys(p, items[i]) >= kTileMinKeys) {
+        run_tile_item(p, items[i], tile_panel);
+        continue;
+      }
+#endif
       if (dtype == at::kFloat) {
         run_item<float>(p, items[i], panel, s);
       } else {
@@ -754,6 +749,9 @@ void packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 #endif
       }
     }
+#ifdef __AMX_BF16__
+    if (tiles) _tile_release();
+#endif
   });
 }
 
