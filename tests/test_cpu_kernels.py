@@ -398,21 +398,26 @@ def test_a_decoder_on_the_fast_path_runs_its_norms_in_the_kernel(tmp_path, dtype
     assert cosine.min() > (0.999 if dtype == torch.bfloat16 else 0.999999)
 
 
+@pytest.mark.parametrize("family", ["llama", "modernbert"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("batch", "angle_batch", "tokens", "heads", "head_dim"),
                          [(1, 1, 300, 9, 64), (2, 1, 17, 3, 128), (2, 2, 5, 2, 10)])
-def test_rotary_computes_what_apply_rotary_pos_emb_computes(dtype, batch, angle_batch, tokens, heads, head_dim):
-    """Bit for bit: the formula's products and sum, each rounded to the dtype; on the strided
-    [batch, heads, tokens, d] view transformers hands over, tails of the vector width included."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+def test_rotary_computes_what_apply_rotary_pos_emb_computes(dtype, batch, angle_batch, tokens, heads, head_dim,
+                                                            family):
+    """Bit for bit: Llama's formula (products and sum each rounded to the dtype) and ModernBERT's
+    (float32 throughout, rounded once: ``round_once``), on the strided [batch, heads, tokens, d]
+    view transformers hands over, tails of the vector width included."""
+    import importlib
 
+    formula = importlib.import_module(f"transformers.models.{family}.modeling_{family}").apply_rotary_pos_emb
     torch.manual_seed(0)
     q = (torch.randn(batch, tokens, heads, head_dim) * 3).to(dtype).transpose(1, 2)
     k = (torch.randn(batch, tokens, 1, head_dim) * 3).to(dtype).transpose(1, 2)
     angles = torch.randn(angle_batch, tokens, head_dim // 2) * 40
     cos, sin = (f(torch.cat([angles, angles], -1)).to(dtype) for f in (torch.cos, torch.sin))
-    expected = apply_rotary_pos_emb(q, k, cos, sin)
-    got = cpu_kernels.rotary(q, cos, sin), cpu_kernels.rotary(k, cos, sin)
+    expected = formula(q, k, cos, sin)
+    round_once = family == "modernbert"
+    got = cpu_kernels.rotary(q, cos, sin, round_once), cpu_kernels.rotary(k, cos, sin, round_once)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     assert got[0].stride() == q.stride()
 
@@ -434,10 +439,13 @@ def test_attention_layers_of_llamas_rotary_rotate_in_the_kernel_with_the_same_ou
     ids = torch.randint(1, 64, (1, 23), generator=torch.Generator().manual_seed(0))
     # Llama's, Qwen3's, Mistral's and Phi's come wrapped by the kernels package (a hub hook),
     # StableLM's as the plain function: both forms are read through to the code.
+    modernbert = {"global_attn_every_n_layers": 2, "local_attention": 8, "bos_token_id": 1, "eos_token_id": 2,
+                  "cls_token_id": 1, "sep_token_id": 2, "num_hidden_layers": 3}
     for family, layers in (("Llama", 2), ("Qwen3", 2), ("Mistral", 2), ("Phi", 2), ("StableLm", 2),
-                           ("GPTNeoX", 0), ("Cohere", 0), ("Olmo2", 0)):
+                           ("ModernBert", 3), ("GPTNeoX", 0), ("Cohere", 0), ("Olmo2", 0)):
         torch.manual_seed(0)
-        model = getattr(transformers, f"{family}Model")(getattr(transformers, f"{family}Config")(**shape))
+        config = {**shape, **(modernbert if family == "ModernBert" else {})}
+        model = getattr(transformers, f"{family}Model")(getattr(transformers, f"{family}Config")(**config))
         model = model.to(dtype).eval()
         with torch.inference_mode():
             expected = model(ids).last_hidden_state

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import BertConfig, BertModel, LlamaConfig, LlamaModel, activations
 from transformers.models.llama.modeling_llama import LlamaMLP
+from transformers.models.modernbert.modeling_modernbert import ModernBertConfig, ModernBertMLP
 
 import poolrunner
 from poolrunner.core import precision
@@ -184,6 +185,83 @@ def test_a_gated_mlp_in_bf16_mixed_rounds_the_product_inputs_and_returns_float32
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, got.bfloat16().float(), rtol=0, atol=0)  # down_proj's bf16 output
     assert _relative_error(got, expected) < 2**-7
+
+
+def _modernbert_mlp(mlp_bias: bool = False, dtype: torch.dtype = torch.float32, **config) -> nn.ModuleDict:
+    torch.manual_seed(0)
+    mlp = ModernBertMLP(ModernBertConfig(hidden_size=32, intermediate_size=48, mlp_bias=mlp_bias, **config))
+    return nn.ModuleDict({"mlp": mlp.to(dtype).eval()})
+
+
+@pytest.mark.parametrize("post_ops", [True, False], ids=["post-ops", "passes"])
+@pytest.mark.parametrize("mlp_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_modernberts_geglu_computes_what_its_mlp_computes(dtype, mlp_bias, post_ops, monkeypatch):
+    """Wi's halves as two products (GELU the first's post-op, the multiply the second's): the
+    module's output to the dtype's rounding, at least as close to float64 as the module's own,
+    its parameters under their names."""
+    monkeypatch.setattr(onednn, "GATE_POST_OPS", post_ops)
+    parent, x = _modernbert_mlp(mlp_bias, dtype), torch.randn(3, 7, 32).to(dtype)
+    reference = _modernbert_mlp(mlp_bias, dtype)["mlp"].double()
+    names = [name for name, _ in parent.named_parameters()]
+    with torch.inference_mode():
+        expected, exact = parent["mlp"](x), reference(x.double())
+        assert onednn.prepack(parent) == 3
+        got = parent["mlp"](x)
+    mlp = parent["mlp"]
+    assert type(mlp) is onednn.SplitGatedMLP and mlp.post_ops is post_ops
+    assert [name for name, _ in parent.named_parameters()] == names
+    assert got.shape == expected.shape and got.dtype == dtype
+    assert _relative_error(got, expected) < (1e-6 if dtype == torch.float32 else 2**-7)
+    assert _relative_error(got, exact) <= 1.05 * _relative_error(expected, exact) + 1e-7
+
+
+@needs_bf16_products
+def test_modernberts_geglu_in_bf16_mixed_returns_float32():
+    parent, x = _modernbert_mlp(mlp_bias=True), torch.randn(5, 32)
+    reference = _modernbert_mlp(mlp_bias=True)["mlp"].double()
+    for name in ("Wi", "Wo"):
+        getattr(reference, name).weight.data = getattr(parent["mlp"], name).weight.data.bfloat16().double()
+    with torch.inference_mode():
+        expected = reference(x.bfloat16().double())
+        onednn.prepack(parent, torch.bfloat16)
+        got = parent["mlp"](x)
+    assert got.dtype == torch.float32
+    assert _relative_error(got, expected) < 2**-7
+
+
+@pytest.mark.parametrize(("config", "matmul_dtype"), [({"hidden_activation": "gelu_new"}, None),
+                                                      ({}, torch.int8)], ids=["no-exact-post-op", "int8"])
+def test_modernberts_mlp_stays_where_it_cannot_be_split(config, matmul_dtype):
+    """An activation without an exact oneDNN post-op, or int8 layers (calibrated by name): the
+    module keeps its code, its layers packed one by one."""
+    parent = _modernbert_mlp(**config)
+    onednn.prepack(parent, matmul_dtype)
+    assert type(parent["mlp"]) is ModernBertMLP
+
+
+@needs_bf16_products
+def test_modernbert_in_bf16_on_the_fast_path_holds_the_bar(tmp_path):
+    """End to end, its local and global layers: GeGLU split, rotary in the kernel (CPU kernels
+    permitting); the vectors as close to transformers' float32 as the module's own bf16 code."""
+    import transformers
+
+    from tests.test_attention_rules import _folder
+
+    config = transformers.ModernBertConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        global_attn_every_n_layers=2, local_attention=8, max_position_embeddings=128, bos_token_id=0,
+        eos_token_id=2, pad_token_id=2, cls_token_id=0, sep_token_id=2, architectures=["ModernBertModel"])
+    folder = _folder(config, tmp_path)
+    spy = ModelSpy()
+    fast = poolrunner.Runtime(folder, dtype="bfloat16", pooling_type="MEAN", load_entrypoints=False, plugins=[spy])
+    eager = poolrunner.Runtime(folder, dtype="bfloat16", pooling_type="MEAN", compile="off", load_entrypoints=False)
+    reference = poolrunner.Runtime(folder, dtype="float32", pooling_type="MEAN", compile="off", load_entrypoints=False)
+    assert sum(type(m) is onednn.SplitGatedMLP for m in spy.model.modules()) == 3
+    texts = ["a b c d e f g h i j k l m n o p q r s t", "b c", "z y x w v u t s r q p o n m l k j i h g f e d c b a"]
+    expected = reference.embed(texts)
+    got, own = cosine_rows(fast.embed(texts), expected), cosine_rows(eager.embed(texts), expected)
+    assert got.min() >= 0.999 and got.min() >= own.min() - 1e-4, (got, own)
 
 
 class _SwappedMLP(LlamaMLP):

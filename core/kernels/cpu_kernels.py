@@ -189,18 +189,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` as transformers' Llama ``apply_rotary_pos_emb``
-    computes it for one tensor, with its roundings, in one pass (``rotary.cpp``).
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, round_once: bool = False) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` as transformers' ``apply_rotary_pos_emb`` computes it
+    for one tensor, with its roundings, in one pass (``rotary.cpp``).
 
     :param x: ``[batch, heads, tokens, head_dim]`` in a dtype of :func:`supported_dtypes`,
         ``head_dim`` even and contiguous (other strides free).
     :param cos: ``[batch or 1, tokens, head_dim]``, of ``x``'s dtype, ``head_dim`` contiguous.
     :param sin: Shaped and laid out like ``cos``.
+    :param round_once: ModernBERT's formula (products and sum in float32, the result rounded to
+        ``x``'s dtype once) instead of Llama's (each operation rounded to ``x``'s dtype).
     :returns: Shaped, strided and typed like ``x``.
     """
     out = torch.empty_like(x)
-    torch.ops.poolrunner_cpu.rotary(x, cos, sin, out)
+    torch.ops.poolrunner_cpu.rotary(x, cos, sin, round_once, out)
     return out
 
 

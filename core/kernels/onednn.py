@@ -15,7 +15,8 @@ In a SiLU-gated MLP (Llama's and its copies), :class:`GatedMLP` also makes the m
 same cores: its 30 MLPs took 1.19-1.31 s against 1.34-1.39 s in float32 (the whole pass 4-10% less);
 in bfloat16 0.55 s either way, the post-op costing what the pass did. Without AVX-512 the two
 post-ops cost more than they save (:data:`GATE_POST_OPS`), and SiLU and the multiply run as
-in-place passes instead.
+in-place passes instead. ModernBERT's MLP, whose one product makes both the activated half and the
+gate (``act(a) * g`` with ``a, g = Wi(x).chunk(2)``), becomes :class:`SplitGatedMLP` the same way.
 
 On a CPU without AVX-512, float32 layers stay ``nn.Linear`` (:data:`PACK_FLOAT32`): there the
 products ``F.linear`` hands to MKL run faster than oneDNN's AVX2 kernels.
@@ -139,6 +140,65 @@ class GatedMLP(nn.Module):
         return f"post_ops={self.post_ops}"
 
 
+class SplitGatedMLP(nn.Module):
+    """``Wo(act(a) * g)`` with ``a, g = Wi(x).chunk(2, dim=-1)``: transformers' ``ModernBertMLP``
+    (GeGLU; its dropout is the identity at inference), in three kernels as :class:`GatedMLP` runs
+    Llama's: ``Wi``'s two halves are products of their own, the activation the first's post-op and
+    the multiply the second's. transformers runs ``Wi`` as one product, then the activation and the
+    multiply as passes over the ``[tokens, 2 * intermediate]`` output (measured on ModernBERT-base's
+    shape, 2,048 tokens, bfloat16: see bench/README.md). Results equal the module's to the dtype's
+    rounding: the activation reads the float32 sums instead of their bfloat16 rounding.
+
+    ``Wi`` keeps its parameters under their names (``Wi.weight``, ``Wi.bias``), unused by the
+    forward; the halves' packed weights are not parameters. Not for int8 (its calibration finds the
+    layers it quantizes by name).
+    """
+
+    def __init__(self, mlp: nn.Module, matmul_dtype: torch.dtype | None = None, post_ops: bool = True) -> None:
+        """:param mlp: A module that :func:`_is_split_gated_mlp` accepts.
+        :param matmul_dtype: See :class:`PackedLinear`.
+        :param post_ops: The activation and the multiply as post-ops (:func:`prepack` passes
+            :data:`GATE_POST_OPS`); else passes over the halves' outputs."""
+        super().__init__()
+        self.post_ops = post_ops
+        self.act = mlp.act
+        half = mlp.Wi.out_features // 2
+        post_op = _post_op(mlp.act) if post_ops else NO_ACTIVATION
+        assert post_op is not None, "_is_split_gated_mlp accepts activations with a post-op only"
+        self.Wi = _Parameters(mlp.Wi)
+        self._halves = (PackedLinear(_rows(mlp.Wi, 0, half), post_op, matmul_dtype),
+                        PackedLinear(_rows(mlp.Wi, half, 2 * half), matmul_dtype=matmul_dtype))
+        self.Wo = PackedLinear(mlp.Wo, matmul_dtype=matmul_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., hidden]`` -> ``[..., hidden]``, in ``x``'s dtype."""
+        activated, gate = self._halves
+        h = x.to(self.Wo.matmul_dtype)  # bf16-mixed: rounded once for both products
+        if self.post_ops:
+            return self.Wo(gate.mul(h, activated(h))).to(x.dtype)
+        return self.Wo(gate(h).mul_(self.act(activated(h)))).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"post_ops={self.post_ops}"
+
+
+class _Parameters(nn.Module):
+    """A linear layer's ``weight`` and ``bias`` under their names, without its forward."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+
+
+def _rows(linear: nn.Linear, start: int, stop: int) -> nn.Linear:
+    """A linear layer computing output channels ``start:stop`` of ``linear``, on views of its weight."""
+    part = nn.Linear(linear.in_features, stop - start, bias=linear.bias is not None, device="meta")
+    part.weight = nn.Parameter(linear.weight.detach()[start:stop], requires_grad=False)
+    if linear.bias is not None:
+        part.bias = nn.Parameter(linear.bias.detach()[start:stop], requires_grad=False)
+    return part
+
+
 def packed_linear(
     linear: nn.Linear, activation: tuple[str, str] = NO_ACTIVATION, matmul_dtype: torch.dtype | None = None,
 ) -> PackedLinear | Int8Linear:
@@ -166,7 +226,8 @@ def pays(matmul_dtype: torch.dtype) -> bool:
 def prepack(module: nn.Module, matmul_dtype: torch.dtype | None = None, *, fuse: bool = True) -> int:
     """Replace every ``nn.Linear`` inside ``module`` by a :func:`packed_linear`, in place, fusing
     the activation into the linear layer where the module's forward code is known (:data:`_FUSABLE`)
-    and replacing SiLU-gated MLPs by :class:`GatedMLP`.
+    and replacing SiLU-gated MLPs by :class:`GatedMLP` and ModernBERT's by :class:`SplitGatedMLP`
+    (not for int8).
 
     :param matmul_dtype: See :class:`PackedLinear`; ``None``: each weight's own dtype;
         ``torch.int8``: :class:`~poolrunner.core.kernels.int8.Int8Linear` layers, to be calibrated.
@@ -176,8 +237,7 @@ def prepack(module: nn.Module, matmul_dtype: torch.dtype | None = None, *, fuse:
     """
     gated = fused = 0
     if fuse:
-        gated = replace_modules(module, lambda child: GatedMLP(child, matmul_dtype, GATE_POST_OPS)
-                                if _is_silu_gated_mlp(child) else None)
+        gated = replace_modules(module, lambda child: _gated(child, matmul_dtype))
         fused = _fuse_activations(module, matmul_dtype)
     plain = replace_modules(module, lambda child: packed_linear(child, matmul_dtype=matmul_dtype)
                      if type(child) is nn.Linear else None)
@@ -200,6 +260,29 @@ def replace_modules(module: nn.Module, replacement: Callable[[nn.Module], nn.Mod
                 setattr(parent, name, new)
                 replaced += 1
     return replaced
+
+
+def _gated(module: nn.Module, matmul_dtype: torch.dtype | None) -> nn.Module | None:
+    """``module``'s fused replacement if it is a gated MLP of known code, else ``None``."""
+    if _is_silu_gated_mlp(module):
+        return GatedMLP(module, matmul_dtype, GATE_POST_OPS)
+    if matmul_dtype != torch.int8 and _is_split_gated_mlp(module):
+        return SplitGatedMLP(module, matmul_dtype, GATE_POST_OPS)
+    return None
+
+
+def _is_split_gated_mlp(module: nn.Module) -> bool:
+    """Whether ``module`` computes ``Wo(act(a) * g)`` with ``a, g = Wi(x).chunk(2)``: its forward is
+    ``ModernBertMLP.forward`` (or a bytecode-identical copy), its activation one with a post-op,
+    its layers ``nn.Linear``, its dropout off."""
+    drop = getattr(module, "drop", None)
+    return (
+        code_key(type(module).forward) == _SPLIT_GATED_MLP
+        and _post_op(getattr(module, "act", None)) is not None
+        and all(type(getattr(module, name, None)) is nn.Linear for name in ("Wi", "Wo"))
+        and module.Wi.out_features % 2 == 0
+        and (isinstance(drop, nn.Identity) or (isinstance(drop, nn.Dropout) and (drop.p == 0 or not drop.training)))
+    )
 
 
 def _is_silu_gated_mlp(module: nn.Module) -> bool:
@@ -260,6 +343,16 @@ def _gated_mlp() -> tuple[bytes, tuple[str, ...]] | None:
 
 _GATED_MLP = _gated_mlp()
 """The code of ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: Llama's MLP and its copies."""
+
+
+def _split_gated_mlp() -> tuple[bytes, tuple[str, ...]] | None:
+    from transformers.models.modernbert.modeling_modernbert import ModernBertMLP
+
+    return code_key(ModernBertMLP.forward)
+
+
+_SPLIT_GATED_MLP = _split_gated_mlp()
+"""The code of ``Wo(drop(act(a) * g))`` with ``a, g = Wi(x).chunk(2)``: ModernBERT's MLP."""
 
 
 def _fusable() -> dict[tuple[bytes, tuple[str, ...]] | None, tuple[str, str]]:
