@@ -340,17 +340,21 @@ def test_queries_whose_head_dim_is_strided_are_copied_for_it(dtype):
     assert (out[0].double() - truth).abs().max() <= (torch_out.double() - truth).abs().max() * 1.5
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [576, 40, 7])
-def test_rms_norm_computes_what_llama_rms_norm_computes(hidden, dtype):
-    """The same roundings as the module; only the order of the sum of squares differs."""
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+def test_rms_norm_computes_what_the_rms_norm_module_computes(hidden, dtype, family):
+    """The same roundings as the module (Llama's: x * scale rounded, then times the weight;
+    Gemma's: times (1 + weight) in float32, rounded once); only the order of the sum of squares
+    differs."""
+    import importlib
 
     from poolrunner.core.kernels.fused_norms import FusedRMSNorm
 
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     torch.manual_seed(0)
-    norm = LlamaRMSNorm(hidden, eps=1e-5)
-    norm.weight.data = torch.rand(hidden) + 0.5
+    norm = getattr(module, f"{family.capitalize()}RMSNorm")(hidden, eps=1e-5)
+    norm.weight.data = torch.rand(hidden) + (0.5 if family == "llama" else -0.5)  # Gemma's: an offset from 1
     norm = norm.to(dtype)
     x = (torch.randn(3, 300, hidden) * 3).to(dtype)
     other = torch.float64  # another dtype than the weight's: the module's code
@@ -365,34 +369,45 @@ def test_rms_norm_computes_what_llama_rms_norm_computes(hidden, dtype):
     torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=0)  # at most one bf16 rounding step
 
 
-def test_only_llama_rms_norm_code_in_a_kernel_dtype_is_replaced():
+def test_only_rms_norms_of_known_code_in_a_kernel_dtype_are_replaced():
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.gemma3n.modeling_gemma3n import Gemma3nRMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from poolrunner.core.kernels.fused_norms import FusedRMSNorm, fuse_rms_norms
 
     model = torch.nn.ModuleDict({
-        "llama": LlamaRMSNorm(16), "gemma": GemmaRMSNorm(16), "fp16": LlamaRMSNorm(16).half(),
+        "llama": LlamaRMSNorm(16), "gemma": GemmaRMSNorm(16), "gemma3n": Gemma3nRMSNorm(16),
+        "fp16": LlamaRMSNorm(16).half(),
     })
-    assert fuse_rms_norms(model, {torch.float32}) == 1
-    assert [type(m) for m in model.values()] == [FusedRMSNorm, GemmaRMSNorm, LlamaRMSNorm]
+    assert fuse_rms_norms(model, {torch.float32}) == 2
+    assert [type(m) for m in model.values()] == [FusedRMSNorm, FusedRMSNorm, Gemma3nRMSNorm, LlamaRMSNorm]
+    assert [m.unit_offset for m in list(model.values())[:2]] == [False, True]
 
 
+@pytest.mark.parametrize("family", ["Llama", "Gemma3Text"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_decoder_on_the_fast_path_runs_its_norms_in_the_kernel(tmp_path, dtype):
+def test_a_decoder_on_the_fast_path_runs_its_norms_in_the_kernel(tmp_path, dtype, family):
+    """Llama's norms (2 a layer and the last), and Gemma 3's (EmbeddingGemma's bidirectional
+    layers: 4 a layer, the queries' and keys', the last)."""
     import transformers
 
     from poolrunner.core.kernels.fused_norms import FusedRMSNorm
     from tests.test_attention_rules import _DECODER, _folder
 
-    folder = _folder(transformers.LlamaConfig(**_DECODER, architectures=["LlamaModel"]), tmp_path)
+    extra = {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 4,
+             "use_bidirectional_attention": True} if family == "Gemma3Text" else {}
+    config = getattr(transformers, f"{family}Config")(**_DECODER, **extra, architectures=[f"{family}Model"])
+    folder = _folder(config, tmp_path)
     fast_model, eager_model = ModelSpy(), ModelSpy()  # the backbones as loaded, norms fused
     name = str(dtype).removeprefix("torch.")
-    fast = Runtime(folder, dtype=name, load_entrypoints=False, plugins=[fast_model])
-    eager = Runtime(folder, dtype=name, compile="off", load_entrypoints=False, plugins=[eager_model])
-    assert sum(type(m) is FusedRMSNorm for m in fast_model.model.base_model.modules()) == 5  # 2 per layer + final
+    kwargs = {"dtype": name, "load_entrypoints": False, "pooling_type": "MEAN"}
+    fast = Runtime(folder, **kwargs, plugins=[fast_model])
+    eager = Runtime(folder, **kwargs, compile="off", plugins=[eager_model])
+    norms = 2 * (2 if family == "Llama" else 6) + 1
+    assert sum(type(m) is FusedRMSNorm for m in fast_model.model.base_model.modules()) == norms
     assert not any(type(m) is FusedRMSNorm for m in eager_model.model.base_model.modules())
-    texts = ["a b c d", "b c"]
+    texts = ["a b c d", "b c", "a b c d e f g h i j k"]
     cosine = (fast.embed(texts) * eager.embed(texts)).sum(-1) / (
         np.linalg.norm(fast.embed(texts), axis=-1) * np.linalg.norm(eager.embed(texts), axis=-1))
     assert cosine.min() > (0.999 if dtype == torch.bfloat16 else 0.999999)

@@ -153,22 +153,29 @@ def _mlp(hidden_act: str = "silu", mlp_bias: bool = False, dtype: torch.dtype = 
     return nn.ModuleDict({"mlp": LlamaMLP(config).to(dtype)})
 
 
+@pytest.mark.parametrize(("hidden_act", "post_op"), [("silu", ("swish", "")), ("gelu_pytorch_tanh", ("gelu", "tanh")),
+                                                     ("gelu", ("gelu", "none"))], ids=["silu", "gelu-tanh", "gelu"])
 @pytest.mark.parametrize("post_ops", [True, False], ids=["post-ops", "passes"])
 @pytest.mark.parametrize("mlp_bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_silu_gated_mlp_computes_what_llama_mlp_computes(dtype, mlp_bias, post_ops, monkeypatch):
+def test_a_gated_mlp_computes_what_llama_mlp_computes(dtype, mlp_bias, post_ops, hidden_act, post_op, monkeypatch):
+    """SiLU (Llama's), GELU-tanh (Gemma's) or GELU: the activation gate_proj's post-op and the
+    multiply up_proj's, or both passes; the module's output to the dtype's rounding, at least as
+    close to float64 as the module's own."""
     monkeypatch.setattr(onednn, "GATE_POST_OPS", post_ops)  # both run on every x86 CPU; the default picks one
-    parent, x = _mlp(mlp_bias=mlp_bias, dtype=dtype), torch.randn(3, 7, 32).to(dtype)
+    parent, x = _mlp(hidden_act, mlp_bias=mlp_bias, dtype=dtype), torch.randn(3, 7, 32).to(dtype)
+    reference = _mlp(hidden_act, mlp_bias=mlp_bias, dtype=dtype)["mlp"].double()
     with torch.inference_mode():
-        expected = parent["mlp"](x)
+        expected, exact = parent["mlp"](x), reference(x.double())
         assert onednn.prepack(parent) == 3
         got = parent["mlp"](x)
     assert type(parent["mlp"]) is onednn.GatedMLP
     assert parent["mlp"].post_ops is post_ops
-    assert parent["mlp"].gate_proj.activation == (("swish", "") if post_ops else onednn.NO_ACTIVATION)
+    assert parent["mlp"].gate_proj.activation == (post_op if post_ops else onednn.NO_ACTIVATION)
     assert got.shape == expected.shape and got.dtype == dtype
     # bfloat16: up_proj's output is not rounded before the multiply; the module's is
     assert _relative_error(got, expected) < (1e-6 if dtype == torch.float32 else 2**-7)
+    assert _relative_error(got, exact) <= 1.05 * _relative_error(expected, exact) + 1e-7
 
 
 @needs_bf16_products
@@ -271,17 +278,15 @@ class _SwappedMLP(LlamaMLP):
         return self.down_proj(self.up_proj(x) * self.act_fn(self.gate_proj(x)))
 
 
-@pytest.mark.parametrize(("hidden_act", "post_op"), [("gelu", ("gelu", "none")), ("gelu_new", None)])
-def test_a_gated_mlp_without_silu_keeps_its_multiply(hidden_act, post_op):
-    parent, x = _mlp(hidden_act), torch.randn(4, 32)
+def test_a_gated_mlp_whose_activation_has_no_exact_post_op_is_left_as_it_is():
+    parent, x = _mlp("gelu_new"), torch.randn(4, 32)
     with torch.inference_mode():
         expected = parent["mlp"](x)
         assert onednn.prepack(parent) == 3
         got = parent["mlp"](x)
     mlp = parent["mlp"]
     assert type(mlp) is LlamaMLP
-    assert mlp.gate_proj.activation == (post_op or onednn.NO_ACTIVATION)  # the activation alone, where exact
-    assert mlp.up_proj.activation == onednn.NO_ACTIVATION
+    assert mlp.gate_proj.activation == mlp.up_proj.activation == onednn.NO_ACTIVATION
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 

@@ -174,18 +174,20 @@ def attend(
     torch.ops.poolrunner_cpu.packed_attention(q, k, v, out, starts, lengths, *window, scale, tiles)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x**2) + eps))`` per row as transformers' ``LlamaRMSNorm``
     computes it: in float32, the bfloat16 case rounding ``x * rsqrt(...)`` to bfloat16 before the
     weight multiplies it.
 
     :param x: ``[..., hidden]`` in a dtype of :func:`supported_dtypes`.
     :param weight: ``[hidden]``, of ``x``'s dtype.
+    :param unit_offset: Gemma's RMSNorm instead: ``x * rsqrt(...) * (1 + weight)`` in float32,
+        rounded to ``x``'s dtype once.
     :returns: Shaped and typed like ``x``.
     """
     x = x.contiguous()
     out = torch.empty_like(x)
-    torch.ops.poolrunner_cpu.rms_norm(x, weight, out, eps)
+    torch.ops.poolrunner_cpu.rms_norm(x, weight, out, eps, unit_offset)
     return out
 
 

@@ -9,13 +9,13 @@ which applies bias and, where the module's code is known, the activation inside 
 (AVX512-BF16, no AMX), ``[2048, 384] x [384, 384]``: float32 1.37 ms against 2.88 ms for
 ``F.linear``, bfloat16 0.59 against 0.64 ms.
 
-In a SiLU-gated MLP (Llama's and its copies), :class:`GatedMLP` also makes the multiply
-``silu(gate_proj(x)) * up_proj(x)`` up_proj's post-op, which saves a pass over the
+In a gated MLP (Llama's and its copies: SiLU, or GELU as Gemma's), :class:`GatedMLP` also makes
+the multiply ``act(gate_proj(x)) * up_proj(x)`` up_proj's post-op, which saves a pass over the
 ``[tokens, intermediate]`` product and its allocation. SmolLM2-135M embedding 100 paragraphs on the
 same cores: its 30 MLPs took 1.19-1.31 s against 1.34-1.39 s in float32 (the whole pass 4-10% less);
 in bfloat16 0.55 s either way, the post-op costing what the pass did. Without AVX-512 the two
-post-ops cost more than they save (:data:`GATE_POST_OPS`), and SiLU and the multiply run as
-in-place passes instead. ModernBERT's MLP, whose one product makes both the activated half and the
+post-ops cost more than they save (:data:`GATE_POST_OPS`), and the activation and the multiply
+run as passes instead. ModernBERT's MLP, whose one product makes both the activated half and the
 gate (``act(a) * g`` with ``a, g = Wi(x).chunk(2)``), becomes :class:`SplitGatedMLP` the same way.
 
 On a CPU without AVX-512, float32 layers stay ``nn.Linear`` (:data:`PACK_FLOAT32`): there the
@@ -108,23 +108,27 @@ class PackedLinear(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """``down_proj(silu(gate_proj(x)) * up_proj(x))``, transformers' ``LlamaMLP`` with SiLU, in
-    three kernels: SiLU is gate_proj's post-op and the multiply up_proj's, so neither is a separate
-    pass over the ``[tokens, intermediate]`` tensors. Without post-ops (:data:`GATE_POST_OPS`) they
-    are passes over gate_proj's and up_proj's own outputs, in place: no tensor is allocated for them.
+    """``down_proj(act(gate_proj(x)) * up_proj(x))``, transformers' ``LlamaMLP`` (and its copies:
+    Qwen, Mistral, Gemma's GELU-gated MLP...) in three kernels: the activation is gate_proj's
+    post-op and the multiply up_proj's, so neither is a separate pass over the
+    ``[tokens, intermediate]`` tensors. Without post-ops (:data:`GATE_POST_OPS`) they are passes
+    over gate_proj's and up_proj's own outputs (SiLU's and the multiply in place).
 
     Takes the place of such a module (:func:`prepack`) under the same attribute names,
     so parameter names do not change.
     """
 
     def __init__(self, mlp: nn.Module, matmul_dtype: torch.dtype | None = None, post_ops: bool = True) -> None:
-        """:param mlp: A module that :func:`_is_silu_gated_mlp` accepts.
+        """:param mlp: A module that :func:`_is_gated_mlp` accepts.
         :param matmul_dtype: See :class:`PackedLinear`.
-        :param post_ops: SiLU and the multiply as post-ops of the products (:func:`prepack` passes
-            :data:`GATE_POST_OPS`)."""
+        :param post_ops: The activation and the multiply as post-ops of the products (:func:`prepack`
+            passes :data:`GATE_POST_OPS`)."""
         super().__init__()
         self.post_ops = post_ops
-        self.gate_proj = packed_linear(mlp.gate_proj, ("swish", "") if self.post_ops else NO_ACTIVATION, matmul_dtype)
+        self.act_fn = mlp.act_fn
+        post_op = _post_op(mlp.act_fn)
+        assert post_op is not None, "_is_gated_mlp accepts activations with a post-op only"
+        self.gate_proj = packed_linear(mlp.gate_proj, post_op if self.post_ops else NO_ACTIVATION, matmul_dtype)
         self.up_proj = packed_linear(mlp.up_proj, matmul_dtype=matmul_dtype)
         self.down_proj = packed_linear(mlp.down_proj, matmul_dtype=matmul_dtype)
 
@@ -133,7 +137,8 @@ class GatedMLP(nn.Module):
         h = x.to(self.up_proj.matmul_dtype)  # bf16-mixed: rounded once for both products
         if self.post_ops:
             return self.down_proj(self.up_proj.mul(h, self.gate_proj(h))).to(x.dtype)
-        gate = F.silu(self.gate_proj(h), inplace=True)
+        gate = self.gate_proj(h)
+        gate = F.silu(gate, inplace=True) if _post_op(self.act_fn) == ("swish", "") else self.act_fn(gate)
         return self.down_proj(self.up_proj(h).mul_(gate)).to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -226,7 +231,7 @@ def pays(matmul_dtype: torch.dtype) -> bool:
 def prepack(module: nn.Module, matmul_dtype: torch.dtype | None = None, *, fuse: bool = True) -> int:
     """Replace every ``nn.Linear`` inside ``module`` by a :func:`packed_linear`, in place, fusing
     the activation into the linear layer where the module's forward code is known (:data:`_FUSABLE`)
-    and replacing SiLU-gated MLPs by :class:`GatedMLP` and ModernBERT's by :class:`SplitGatedMLP`
+    and replacing gated MLPs by :class:`GatedMLP` and ModernBERT's by :class:`SplitGatedMLP`
     (not for int8).
 
     :param matmul_dtype: See :class:`PackedLinear`; ``None``: each weight's own dtype;
@@ -264,7 +269,7 @@ def replace_modules(module: nn.Module, replacement: Callable[[nn.Module], nn.Mod
 
 def _gated(module: nn.Module, matmul_dtype: torch.dtype | None) -> nn.Module | None:
     """``module``'s fused replacement if it is a gated MLP of known code, else ``None``."""
-    if _is_silu_gated_mlp(module):
+    if _is_gated_mlp(module):
         return GatedMLP(module, matmul_dtype, GATE_POST_OPS)
     if matmul_dtype != torch.int8 and _is_split_gated_mlp(module):
         return SplitGatedMLP(module, matmul_dtype, GATE_POST_OPS)
@@ -285,12 +290,13 @@ def _is_split_gated_mlp(module: nn.Module) -> bool:
     )
 
 
-def _is_silu_gated_mlp(module: nn.Module) -> bool:
-    """Whether ``module`` computes ``down_proj(silu(gate_proj(x)) * up_proj(x))``: its forward is
-    ``LlamaMLP.forward`` or a bytecode-identical copy, its activation SiLU, its layers ``nn.Linear``."""
+def _is_gated_mlp(module: nn.Module) -> bool:
+    """Whether ``module`` computes ``down_proj(act(gate_proj(x)) * up_proj(x))``: its forward is
+    ``LlamaMLP.forward`` or a bytecode-identical copy, its activation one with an exact post-op,
+    its layers ``nn.Linear``."""
     return (
         code_key(type(module).forward) == _GATED_MLP
-        and _post_op(getattr(module, "act_fn", None)) == ("swish", "")
+        and _post_op(getattr(module, "act_fn", None)) is not None
         and all(type(getattr(module, name, None)) is nn.Linear for name in ("gate_proj", "up_proj", "down_proj"))
     )
 
@@ -361,9 +367,6 @@ def _fusable() -> dict[tuple[bytes, tuple[str, ...]] | None, tuple[str, str]]:
     return {
         # act(dense(x)): BERT's block and its ~60 copies (RoBERTa, XLM-R, ELECTRA, MPNet, ...)
         code_key(BertIntermediate.forward): ("dense", "intermediate_act_fn"),
-        # down(act(gate(x)) * up(x)) with an activation other than SiLU (SiLU's become GatedMLP):
-        # the activation reads gate_proj's output alone
-        _GATED_MLP: ("gate_proj", "act_fn"),
     }
 
 
