@@ -10,8 +10,8 @@ global would change every model of the process. Instead each attention module ge
 decorator, which only maps a caller's deprecated ``past_key_values`` to ``cache``; the decoder
 layers pass ``cache``) over a copy of its globals where that one name is the kernel's. Only a
 module whose global is ``apply_rotary_pos_emb`` of Llama's or ModernBERT's code (bytecode-identical
-copies, with Llama's ``rotate_half``) is changed: Phi's partial rotary calls it on the rotated slice and is;
-GPT-NeoX's, Cohere's interleaved and OLMo2's keep theirs.
+copies, with Llama's ``rotate_half``) is changed: Phi's partial rotary calls it on the rotated
+slice and is; GPT-NeoX's, Cohere's interleaved and OLMo2's keep theirs.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ def _function(rotary: Any) -> Callable[..., Any] | None:
         wrapped = forward.__closure__[code.co_freevars.index("func")].cell_contents
         return inspect.unwrap(wrapped) if isinstance(wrapped, types.FunctionType) else None
     return None
-
 
 
 def _code(module: types.ModuleType) -> tuple[bytes, tuple[str, ...]] | None:
