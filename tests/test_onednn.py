@@ -153,87 +153,69 @@ def _mlp(hidden_act: str = "silu", mlp_bias: bool = False, dtype: torch.dtype = 
     return nn.ModuleDict({"mlp": LlamaMLP(config).to(dtype)})
 
 
-@pytest.mark.parametrize(("hidden_act", "post_op"), [("silu", ("swish", "")), ("gelu_pytorch_tanh", ("gelu", "tanh")),
-                                                     ("gelu", ("gelu", "none"))], ids=["silu", "gelu-tanh", "gelu"])
-@pytest.mark.parametrize("post_ops", [True, False], ids=["post-ops", "passes"])
-@pytest.mark.parametrize("mlp_bias", [False, True], ids=["no-bias", "bias"])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_a_gated_mlp_computes_what_llama_mlp_computes(dtype, mlp_bias, post_ops, hidden_act, post_op, monkeypatch):
-    """SiLU (Llama's), GELU-tanh (Gemma's) or GELU: the activation gate_proj's post-op and the
-    multiply up_proj's, or both passes; the module's output to the dtype's rounding, at least as
-    close to float64 as the module's own."""
-    monkeypatch.setattr(onednn, "GATE_POST_OPS", post_ops)  # both run on every x86 CPU; the default picks one
-    parent, x = _mlp(hidden_act, mlp_bias=mlp_bias, dtype=dtype), torch.randn(3, 7, 32).to(dtype)
-    reference = _mlp(hidden_act, mlp_bias=mlp_bias, dtype=dtype)["mlp"].double()
-    with torch.inference_mode():
-        expected, exact = parent["mlp"](x), reference(x.double())
-        assert onednn.prepack(parent) == 3
-        got = parent["mlp"](x)
-    assert type(parent["mlp"]) is onednn.GatedMLP
-    assert parent["mlp"].post_ops is post_ops
-    assert parent["mlp"].gate_proj.activation == (post_op if post_ops else onednn.NO_ACTIVATION)
-    assert got.shape == expected.shape and got.dtype == dtype
-    # bfloat16: up_proj's output is not rounded before the multiply; the module's is
-    assert _relative_error(got, expected) < (1e-6 if dtype == torch.float32 else 2**-7)
-    assert _relative_error(got, exact) <= 1.05 * _relative_error(expected, exact) + 1e-7
-
-
-@needs_bf16_products
-def test_a_gated_mlp_in_bf16_mixed_rounds_the_product_inputs_and_returns_float32():
-    parent, x = _mlp(mlp_bias=True), torch.randn(5, 32)
-    # The module in float64 on the bf16-rounded input and weights, with the float32 biases.
-    reference = _mlp(mlp_bias=True)["mlp"].double()
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        getattr(reference, name).weight.data = getattr(parent["mlp"], name).weight.data.bfloat16().double()
-    with torch.inference_mode():
-        expected = reference(x.bfloat16().double())
-        onednn.prepack(parent, torch.bfloat16)
-        got = parent["mlp"](x)
-    assert got.dtype == torch.float32
-    torch.testing.assert_close(got, got.bfloat16().float(), rtol=0, atol=0)  # down_proj's bf16 output
-    assert _relative_error(got, expected) < 2**-7
-
-
 def _modernbert_mlp(mlp_bias: bool = False, dtype: torch.dtype = torch.float32, **config) -> nn.ModuleDict:
     torch.manual_seed(0)
     mlp = ModernBertMLP(ModernBertConfig(hidden_size=32, intermediate_size=48, mlp_bias=mlp_bias, **config))
     return nn.ModuleDict({"mlp": mlp.to(dtype).eval()})
 
 
+GATED = {  # the module (in a parent, bias?, dtype) -> the fused module's type, its activation's post-op
+    "silu": (lambda bias, dtype: _mlp("silu", bias, dtype), onednn.GatedMLP, ("swish", "")),
+    "gelu-tanh": (lambda bias, dtype: _mlp("gelu_pytorch_tanh", bias, dtype), onednn.GatedMLP, ("gelu", "tanh")),
+    "gelu": (lambda bias, dtype: _mlp("gelu", bias, dtype), onednn.GatedMLP, ("gelu", "none")),
+    "modernbert-geglu": (_modernbert_mlp, onednn.SplitGatedMLP, ("gelu", "none")),
+}
+
+
+def _activated(mlp: nn.Module) -> nn.Module:
+    """The product whose output the activation reads."""
+    return mlp.gate_proj if isinstance(mlp, onednn.GatedMLP) else mlp._halves[0]
+
+
+@pytest.mark.parametrize("kind", GATED)
 @pytest.mark.parametrize("post_ops", [True, False], ids=["post-ops", "passes"])
 @pytest.mark.parametrize("mlp_bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_modernberts_geglu_computes_what_its_mlp_computes(dtype, mlp_bias, post_ops, monkeypatch):
-    """Wi's halves as two products (GELU the first's post-op, the multiply the second's): the
-    module's output to the dtype's rounding, at least as close to float64 as the module's own,
-    its parameters under their names."""
-    monkeypatch.setattr(onednn, "GATE_POST_OPS", post_ops)
-    parent, x = _modernbert_mlp(mlp_bias, dtype), torch.randn(3, 7, 32).to(dtype)
-    reference = _modernbert_mlp(mlp_bias, dtype)["mlp"].double()
+def test_a_gated_mlp_computes_what_its_module_computes(dtype, mlp_bias, post_ops, kind, monkeypatch):
+    """Llama's MLP with SiLU, GELU-tanh (Gemma's) or GELU, and ModernBERT's GeGLU (Wi's halves as
+    two products): the activation one product's post-op and the multiply the other's, or both
+    passes; the module's output to the dtype's rounding, at least as close to float64 as the
+    module's own, its parameters under their names."""
+    build, fused, post_op = GATED[kind]
+    monkeypatch.setattr(onednn, "GATE_POST_OPS", post_ops)  # both run on every x86 CPU; the default picks one
+    parent, x = build(mlp_bias, dtype), torch.randn(3, 7, 32).to(dtype)
+    reference = build(mlp_bias, dtype)["mlp"].double()
     names = [name for name, _ in parent.named_parameters()]
     with torch.inference_mode():
         expected, exact = parent["mlp"](x), reference(x.double())
         assert onednn.prepack(parent) == 3
         got = parent["mlp"](x)
     mlp = parent["mlp"]
-    assert type(mlp) is onednn.SplitGatedMLP and mlp.post_ops is post_ops
+    assert type(mlp) is fused and mlp.post_ops is post_ops
+    assert _activated(mlp).activation == (post_op if post_ops else onednn.NO_ACTIVATION)
     assert [name for name, _ in parent.named_parameters()] == names
     assert got.shape == expected.shape and got.dtype == dtype
+    # bfloat16: the products' outputs are not rounded before the multiply; the module's are
     assert _relative_error(got, expected) < (1e-6 if dtype == torch.float32 else 2**-7)
     assert _relative_error(got, exact) <= 1.05 * _relative_error(expected, exact) + 1e-7
 
 
 @needs_bf16_products
-def test_modernberts_geglu_in_bf16_mixed_returns_float32():
-    parent, x = _modernbert_mlp(mlp_bias=True), torch.randn(5, 32)
-    reference = _modernbert_mlp(mlp_bias=True)["mlp"].double()
-    for name in ("Wi", "Wo"):
-        getattr(reference, name).weight.data = getattr(parent["mlp"], name).weight.data.bfloat16().double()
+@pytest.mark.parametrize("kind", ["silu", "modernbert-geglu"])
+def test_a_gated_mlp_in_bf16_mixed_rounds_the_product_inputs_and_returns_float32(kind):
+    build = GATED[kind][0]
+    parent, x = build(True, torch.float32), torch.randn(5, 32)
+    # The module in float64 on the bf16-rounded input and weights, with the float32 biases.
+    reference = build(True, torch.float32)["mlp"].double()
+    for name, layer in reference.named_children():
+        if isinstance(layer, nn.Linear):
+            layer.weight.data = getattr(parent["mlp"], name).weight.data.bfloat16().double()
     with torch.inference_mode():
         expected = reference(x.bfloat16().double())
         onednn.prepack(parent, torch.bfloat16)
         got = parent["mlp"](x)
     assert got.dtype == torch.float32
+    torch.testing.assert_close(got, got.bfloat16().float(), rtol=0, atol=0)  # the last product's bf16 output
     assert _relative_error(got, expected) < 2**-7
 
 
