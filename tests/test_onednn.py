@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import BertConfig, BertModel, LlamaConfig, LlamaModel, activations
+from transformers import BertConfig, BertModel, DistilBertConfig, DistilBertModel, LlamaConfig, LlamaModel, activations
 from transformers.models.llama.modeling_llama import LlamaMLP
 from transformers.models.modernbert.modeling_modernbert import ModernBertConfig, ModernBertMLP
 
@@ -115,7 +115,8 @@ def _seeded(model_class, config):
                                           intermediate_size=64)),
     lambda: _seeded(LlamaModel, LlamaConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                             num_key_value_heads=2, intermediate_size=64)),
-], ids=["bert", "llama"])
+    lambda: _seeded(DistilBertModel, DistilBertConfig(vocab_size=99, dim=32, n_layers=2, n_heads=4, hidden_dim=64)),
+], ids=["bert", "llama", "distilbert"])
 def test_prepacking_a_model_keeps_its_outputs(build):
     model = build()
     input_ids = torch.randint(5, 99, (3, 11))
@@ -127,8 +128,8 @@ def test_prepacking_a_model_keeps_its_outputs(build):
     assert not any(type(m) is nn.Linear for m in model.modules())
     assert sum(type(m) is onednn.GatedMLP for m in model.modules()) == (2 if isinstance(model, LlamaModel) else 0)
     fused = [m for m in model.modules() if isinstance(m, onednn.PackedLinear) and m.activation != onednn.NO_ACTIVATION]
-    # one MLP activation per layer: BERT's GELU; Llama's SiLU on gate_proj where post-ops pay
-    assert len(fused) == (2 if isinstance(model, BertModel) or onednn.GATE_POST_OPS else 0)
+    # one MLP activation per layer: BERT's and DistilBERT's GELU; Llama's SiLU on gate_proj where post-ops pay
+    assert len(fused) == (2 if not isinstance(model, LlamaModel) or onednn.GATE_POST_OPS else 0)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -308,7 +308,7 @@ def _fuse_activations(module: nn.Module, matmul_dtype: torch.dtype | None) -> in
     (:data:`_FUSABLE`); the activation slot becomes ``nn.Identity``."""
     fused = 0
     for child in module.modules():
-        pattern = _FUSABLE.get(code_key(type(child).forward))
+        pattern = _FUSABLE.get(_forward_code(type(child)))
         if pattern is None:
             continue
         linear_name, activation_name = pattern
@@ -363,15 +363,25 @@ _SPLIT_GATED_MLP = _split_gated_mlp()
 """The code of ``Wo(drop(act(a) * g))`` with ``a, g = Wi(x).chunk(2)``: ModernBERT's MLP."""
 
 
-def _fusable() -> dict[tuple[bytes, tuple[str, ...]] | None, tuple[str, str]]:
+def _forward_code(kind: type) -> tuple[object, object]:
+    """The code keys of a module class's forward and of the chunk function it hands
+    ``apply_chunking_to_forward`` (DistilBERT's ``ff_chunk``; ``None`` where it has none)."""
+    chunk = getattr(kind, "ff_chunk", None)
+    return code_key(kind.forward), None if chunk is None else code_key(chunk)
+
+
+def _fusable() -> dict[tuple[object, object], tuple[str, str]]:
     from transformers.models.bert.modeling_bert import BertIntermediate
+    from transformers.models.distilbert.modeling_distilbert import FFN
 
     return {
         # act(dense(x)): BERT's block and its ~60 copies (RoBERTa, XLM-R, ELECTRA, MPNet, ...)
-        code_key(BertIntermediate.forward): ("dense", "intermediate_act_fn"),
+        _forward_code(BertIntermediate): ("dense", "intermediate_act_fn"),
+        # lin2(act(lin1(x))) in DistilBERT's ff_chunk: the activation reads lin1's output alone
+        _forward_code(FFN): ("lin1", "activation"),
     }
 
 
 _FUSABLE = _fusable()
-"""Forward code in which an activation applies to one linear layer's output and nothing else
--> (linear attribute, activation attribute)."""
+"""Forward code (:func:`_forward_code`) in which an activation applies to one linear layer's
+output and nothing else -> (linear attribute, activation attribute)."""
