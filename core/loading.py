@@ -34,7 +34,7 @@ from poolrunner.core.inputs.images import ImageInputs, ImageLimits
 from poolrunner.core.inputs.pages import PageInputs
 from poolrunner.core.inputs.score_template import ScoreTemplate
 from poolrunner.core.inputs.tokenize import InputProcessor
-from poolrunner.core.kernels import cpu_kernels, cuda_attention, fused_norms, fused_rotary, onednn
+from poolrunner.core.kernels import cpu_kernels, cuda_attention, fused_mpnet, fused_norms, fused_rotary, onednn
 from poolrunner.core.model import families, loader, metadata, siglip, token_logits
 from poolrunner.core.model.hf_overrides import apply_hf_overrides
 from poolrunner.core.model.towers import TextImageModel
@@ -264,6 +264,8 @@ def _build_engine(
         onednn.prepack(model.base_model, chosen.matmul, fuse=not config.lora_enabled)
     fused_norms.fuse_rms_norms(model.base_model, kernels)
     fused_rotary.fuse_rotary(model.base_model, kernels)
+    if config.compile == "auto":
+        fused_mpnet.fuse_mpnet_attention(model.base_model)
     poolers = {}
     for task in tasks:
         try:

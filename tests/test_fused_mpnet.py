@@ -1,0 +1,61 @@
+"""MPNet's attention in one SDPA call (``core/kernels/fused_mpnet.py``), against transformers'
+own eager MPNet and the same model in float64."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import transformers
+
+from poolrunner.core.kernels.fused_mpnet import _MaskSum, fuse_mpnet_attention
+
+
+def _models(dtype: torch.dtype) -> tuple[transformers.MPNetModel, transformers.MPNetModel]:
+    """A seeded 3-layer MPNet in ``dtype`` and its float64 copy."""
+    config = transformers.MPNetConfig(vocab_size=100, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                      intermediate_size=96)
+    torch.manual_seed(0)
+    model = transformers.MPNetModel(config).eval().to(dtype)
+    exact = transformers.MPNetModel(config).eval().double()
+    exact.load_state_dict({name: value.double() for name, value in model.state_dict().items()})
+    return model, exact
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mpnet_attention_in_one_sdpa_call_computes_what_the_eager_code_computes(dtype):
+    """Padded rows and unpadded batches; float32 to rounding, bfloat16 no further from float64
+    than the eager code; the attention probabilities still the module's own."""
+    model, exact = _models(dtype)
+    ids = torch.randint(5, 100, (3, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[0, 6:] = mask[2, 3:] = 0
+    valid = mask.bool()
+    with torch.inference_mode():
+        eager = [model(ids, attention_mask=mask).last_hidden_state, model(ids).last_hidden_state]
+        probabilities = model(ids, attention_mask=mask, output_attentions=True).attentions
+        reference = [exact(ids, attention_mask=mask).last_hidden_state, exact(ids).last_hidden_state]
+        assert fuse_mpnet_attention(model) == 3
+        fused = [model(ids, attention_mask=mask).last_hidden_state, model(ids).last_hidden_state]
+        assert all(torch.equal(a, b) for a, b in zip(
+            model(ids, attention_mask=mask, output_attentions=True).attentions, probabilities, strict=True))
+    for got, own, truth, rows in zip(fused, eager, reference, (valid, torch.ones_like(valid)), strict=True):
+        assert got.dtype == dtype
+        error, own_error = ((t.double() - truth)[rows].abs().max() for t in (got, own))
+        if dtype == torch.float32:
+            torch.testing.assert_close(got[rows], own[rows], rtol=1e-5, atol=1e-5)
+        assert error <= 1.05 * own_error + 1e-6, (error, own_error)
+
+
+def test_the_bias_and_mask_are_summed_once_per_forward_and_freed_with_it():
+    masks = _MaskSum()
+    bias, mask = torch.randn(2, 4, 5, 5), torch.zeros(2, 1, 5, 5)
+    first = masks.sum(bias, mask)
+    assert masks.sum(bias, mask) is first and torch.equal(first, bias + mask)  # every later layer reuses it
+    assert masks.sum(bias, None) is bias and masks.sum(None, mask) is mask
+    other = mask.clone()
+    assert masks.sum(bias, other) is not first  # another forward's mask: summed anew
+    del bias, first
+    gc.collect()
+    assert masks._entry is None  # the sum went with the forward's bias
