@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
-from transformers import BertConfig, BertModel, DistilBertConfig, DistilBertModel, LlamaConfig, LlamaModel, activations
+from transformers import BertConfig, BertModel, DistilBertConfig, DistilBertModel, LlamaConfig, activations
 from transformers.models.llama.modeling_llama import LlamaMLP
 from transformers.models.modernbert.modeling_modernbert import ModernBertConfig, ModernBertMLP
 
@@ -110,14 +111,27 @@ def _seeded(model_class, config):
     return model_class(config).eval()
 
 
-@pytest.mark.parametrize("build", [
-    lambda: _seeded(BertModel, BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                          intermediate_size=64)),
-    lambda: _seeded(LlamaModel, LlamaConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                            num_key_value_heads=2, intermediate_size=64)),
-    lambda: _seeded(DistilBertModel, DistilBertConfig(vocab_size=99, dim=32, n_layers=2, n_heads=4, hidden_dim=64)),
-], ids=["bert", "llama", "distilbert"])
-def test_prepacking_a_model_keeps_its_outputs(build):
+def _small(family: str, **config):
+    """A seeded 2-layer model of ``family`` (hidden 32, 4 heads, MLP 64)."""
+    shape = {"vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "intermediate_size": 64, **config}
+    return _seeded(getattr(transformers, f"{family}Model"), getattr(transformers, f"{family}Config")(**shape))
+
+
+# a model -> its gated MLPs, and the activations fused into a product whether gated ones take post-ops or not
+PREPACKED = {
+    "bert": (lambda: _small("Bert"), 0, 2),
+    "distilbert": (lambda: _seeded(DistilBertModel, DistilBertConfig(vocab_size=99, dim=32, n_layers=2, n_heads=4,
+                                                                     hidden_dim=64)), 0, 2),
+    "jina-v3": (lambda: _small("JinaEmbeddingsV3"), 0, 2),
+    "llama": (lambda: _small("Llama", num_key_value_heads=2), 2, 0),
+    "gte": (lambda: _small("Gte"), 2, 0),
+}
+
+
+@pytest.mark.parametrize("kind", PREPACKED)
+def test_prepacking_a_model_keeps_its_outputs(kind):
+    build, gated, fused_alone = PREPACKED[kind]
     model = build()
     input_ids = torch.randint(5, 99, (3, 11))
     with torch.inference_mode():
@@ -126,10 +140,10 @@ def test_prepacking_a_model_keeps_its_outputs(build):
         assert onednn.prepack(model) == linears
         got = model(input_ids=input_ids).last_hidden_state
     assert not any(type(m) is nn.Linear for m in model.modules())
-    assert sum(type(m) is onednn.GatedMLP for m in model.modules()) == (2 if isinstance(model, LlamaModel) else 0)
+    assert sum(type(m) is onednn.GatedMLP for m in model.modules()) == gated
     fused = [m for m in model.modules() if isinstance(m, onednn.PackedLinear) and m.activation != onednn.NO_ACTIVATION]
-    # one MLP activation per layer: BERT's and DistilBERT's GELU; Llama's SiLU on gate_proj where post-ops pay
-    assert len(fused) == (2 if not isinstance(model, LlamaModel) or onednn.GATE_POST_OPS else 0)
+    # one MLP activation per layer: BERT's, DistilBERT's, Jina's GELU; a gated MLP's on gate_proj where post-ops pay
+    assert len(fused) == fused_alone + (gated if onednn.GATE_POST_OPS else 0)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -160,10 +174,18 @@ def _modernbert_mlp(mlp_bias: bool = False, dtype: torch.dtype = torch.float32, 
     return nn.ModuleDict({"mlp": mlp.to(dtype).eval()})
 
 
+def _gte_mlp(dtype: torch.dtype) -> nn.ModuleDict:
+    """GTE's MLP: Llama's with a dropout before down_proj, which carries a bias."""
+    torch.manual_seed(0)
+    mlp = transformers.models.gte.modeling_gte.GteMLP(transformers.GteConfig(hidden_size=32, intermediate_size=64))
+    return nn.ModuleDict({"mlp": mlp.to(dtype).eval()})
+
+
 GATED = {  # the module (in a parent, bias?, dtype) -> the fused module's type, its activation's post-op
     "silu": (lambda bias, dtype: _mlp("silu", bias, dtype), onednn.GatedMLP, ("swish", "")),
     "gelu-tanh": (lambda bias, dtype: _mlp("gelu_pytorch_tanh", bias, dtype), onednn.GatedMLP, ("gelu", "tanh")),
     "gelu": (lambda bias, dtype: _mlp("gelu", bias, dtype), onednn.GatedMLP, ("gelu", "none")),
+    "gte-gelu": (lambda bias, dtype: _gte_mlp(dtype), onednn.GatedMLP, ("gelu", "none")),
     "modernbert-geglu": (_modernbert_mlp, onednn.SplitGatedMLP, ("gelu", "none")),
 }
 
@@ -234,8 +256,6 @@ def test_modernberts_mlp_stays_where_it_cannot_be_split(config, matmul_dtype):
 def test_modernbert_in_bf16_on_the_fast_path_holds_the_bar(tmp_path):
     """End to end, its local and global layers: GeGLU split, rotary in the kernel (CPU kernels
     permitting); the vectors as close to transformers' float32 as the module's own bf16 code."""
-    import transformers
-
     from tests.test_attention_rules import _folder
 
     config = transformers.ModernBertConfig(

@@ -282,25 +282,31 @@ def _is_split_gated_mlp(module: nn.Module) -> bool:
     """Whether ``module`` computes ``Wo(act(a) * g)`` with ``a, g = Wi(x).chunk(2)``: its forward is
     ``ModernBertMLP.forward`` (or a bytecode-identical copy), its activation one with a post-op,
     its layers ``nn.Linear``, its dropout off."""
-    drop = getattr(module, "drop", None)
     return (
         code_key(type(module).forward) == _SPLIT_GATED_MLP
         and _post_op(getattr(module, "act", None)) is not None
         and all(type(getattr(module, name, None)) is nn.Linear for name in ("Wi", "Wo"))
         and module.Wi.out_features % 2 == 0
-        and (isinstance(drop, nn.Identity) or (isinstance(drop, nn.Dropout) and (drop.p == 0 or not drop.training)))
+        and _inactive(getattr(module, "drop", None))
     )
 
 
 def _is_gated_mlp(module: nn.Module) -> bool:
     """Whether ``module`` computes ``down_proj(act(gate_proj(x)) * up_proj(x))``: its forward is
-    ``LlamaMLP.forward`` or a bytecode-identical copy, its activation one with an exact post-op,
-    its layers ``nn.Linear``."""
+    ``LlamaMLP.forward`` or GTE's (the same with a dropout before ``down_proj``, off), or a
+    bytecode-identical copy, its activation one with an exact post-op, its layers ``nn.Linear``."""
     return (
-        code_key(type(module).forward) == _GATED_MLP
+        code_key(type(module).forward) in _GATED_MLPS
         and _post_op(getattr(module, "act_fn", None)) is not None
         and all(type(getattr(module, name, None)) is nn.Linear for name in ("gate_proj", "up_proj", "down_proj"))
+        and _inactive(getattr(module, "dropout", nn.Identity()))
     )
+
+
+def _inactive(dropout: object) -> bool:
+    """Whether a dropout module passes its input through (no probability, or not training)."""
+    return isinstance(dropout, nn.Identity) or (isinstance(dropout, nn.Dropout)
+                                                and (dropout.p == 0 or not dropout.training))
 
 
 def _fuse_activations(module: nn.Module, matmul_dtype: torch.dtype | None) -> int:
@@ -343,14 +349,16 @@ def code_key(function: Callable[..., object]) -> tuple[bytes, tuple[str, ...]] |
     return None if code is None else (code.co_code, code.co_names)
 
 
-def _gated_mlp() -> tuple[bytes, tuple[str, ...]] | None:
+def _gated_mlps() -> frozenset[tuple[bytes, tuple[str, ...]] | None]:
+    from transformers.models.gte.modeling_gte import GteMLP
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    return code_key(LlamaMLP.forward)
+    return frozenset({code_key(LlamaMLP.forward), code_key(GteMLP.forward)})
 
 
-_GATED_MLP = _gated_mlp()
-"""The code of ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: Llama's MLP and its copies."""
+_GATED_MLPS = _gated_mlps()
+"""The code of ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: Llama's MLP and its copies, and
+GTE's (a dropout before ``down_proj``)."""
 
 
 def _split_gated_mlp() -> tuple[bytes, tuple[str, ...]] | None:
@@ -373,12 +381,15 @@ def _forward_code(kind: type) -> tuple[object, object]:
 def _fusable() -> dict[tuple[object, object], tuple[str, str]]:
     from transformers.models.bert.modeling_bert import BertIntermediate
     from transformers.models.distilbert.modeling_distilbert import FFN
+    from transformers.models.jina_embeddings_v3.modeling_jina_embeddings_v3 import JinaEmbeddingsV3MLP
 
     return {
         # act(dense(x)): BERT's block and its ~60 copies (RoBERTa, XLM-R, ELECTRA, MPNet, ...)
         _forward_code(BertIntermediate): ("dense", "intermediate_act_fn"),
         # lin2(act(lin1(x))) in DistilBERT's ff_chunk: the activation reads lin1's output alone
         _forward_code(FFN): ("lin1", "activation"),
+        # fc2(act(fc1(x))): Jina embeddings v3's MLP
+        _forward_code(JinaEmbeddingsV3MLP): ("fc1", "activation_fn"),
     }
 
 
