@@ -24,6 +24,9 @@ from poolrunner.core.types import ModelConfig, RequiredPlugin
 _PADDING_OFFSET_FAMILIES = frozenset({
     "roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text", "mpnet",
 })
+_FIXED_PADDING_INDEX = {"mpnet": 1}
+"""Families whose embeddings number positions after a padding index of their own, whatever the
+config's ``pad_token_id`` (transformers' ``MPNetEmbeddings`` sets ``padding_idx = 1``)."""
 # Tokenizers without a limit report a huge sentinel model_max_length.
 _NO_LIMIT = 1_000_000
 
@@ -149,9 +152,11 @@ def _cached_snapshot(repo_id: str, revision: str | None) -> Path:
 
 
 def position_offset(model_type: str, pad_token_id: int | None) -> int:
-    """Where a prompt's positions start: ``pad_token_id + 1`` for the RoBERTa families (their
-    embeddings number positions after the padding index), else 0."""
-    return (pad_token_id or 0) + 1 if model_type in _PADDING_OFFSET_FAMILIES else 0
+    """Where a prompt's positions start: the padding index + 1 for the RoBERTa families and MPNet
+    (their embeddings number positions after it: ``pad_token_id``, MPNet's always 1), else 0."""
+    if model_type not in _PADDING_OFFSET_FAMILIES:
+        return 0
+    return _FIXED_PADDING_INDEX.get(model_type, pad_token_id or 0) + 1
 
 
 def load_model_config(

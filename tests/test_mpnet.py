@@ -1,5 +1,6 @@
-"""MPNet's attention in one SDPA call (``core/kernels/fused_mpnet.py``), against transformers'
-own eager MPNet and the same model in float64."""
+"""MPNet (all-mpnet-base-v2's family): its attention in one SDPA call
+(``core/kernels/fused_mpnet.py``) against transformers' own eager MPNet and the same model in
+float64, and its positions' offset."""
 
 from __future__ import annotations
 
@@ -59,3 +60,27 @@ def test_the_bias_and_mask_are_summed_once_per_forward_and_freed_with_it():
     del bias, first
     gc.collect()
     assert masks._entry is None  # the sum went with the forward's bias
+
+
+def test_mpnet_positions_start_after_its_own_padding_index_whatever_the_config_says(tmp_path):
+    """transformers' MPNetEmbeddings numbers positions from 2 (its padding index is always 1):
+    with ``pad_token_id: 0`` in config.json, 16 position embeddings still hold 14 tokens; the
+    longest input equals transformers', the next one is refused (never an IndexError)."""
+    from poolrunner import Runtime
+    from poolrunner.core.errors import PromptTooLongError
+    from tests.test_attention_rules import _folder
+
+    config = transformers.MPNetConfig(vocab_size=512, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=64, max_position_embeddings=16, pad_token_id=0,
+                                      architectures=["MPNetModel"])
+    folder = _folder(config, tmp_path)
+    runtime = Runtime(folder, dtype="float32", pooling_type="MEAN", load_entrypoints=False)
+    assert runtime.model_config.max_model_len == 14
+    ids = list(range(5, 19))
+    with torch.inference_mode():
+        expected = transformers.MPNetModel.from_pretrained(folder).eval()(torch.tensor([ids])).last_hidden_state
+    torch.testing.assert_close(torch.from_numpy(runtime.embed([ids], normalize=False)[0]),
+                               expected[0].mean(0), rtol=1e-5, atol=1e-6)
+    with pytest.raises(PromptTooLongError, match="input 0 has 15 tokens, more than the maximum of 14"):
+        runtime.embed([[*ids, 20]])
+    assert runtime.embed([ids]).shape == (1, 32)
