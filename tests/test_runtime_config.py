@@ -56,3 +56,31 @@ def test_the_command_line_builds_the_config_the_python_api_would(monkeypatch, ca
         "some/folder", revision="v1", dtype="float32", max_num_seqs=8, max_num_batched_tokens=512,
         disable_plugins=("async_output",), task="embed",
     )]
+
+
+def test_a_folder_that_names_no_length_loads_with_max_model_len(tmp_path):
+    """T5's encoder (sentence-t5, GTR) has relative positions and, here, a tokenizer without a
+    limit: the load asks for max_model_len, then takes it, its vectors transformers'."""
+    import numpy as np
+    import torch
+    import transformers
+
+    from poolrunner.core.errors import ModelLoadError, PromptTooLongError
+    from tests.test_attention_rules import _folder
+
+    config = transformers.T5Config(vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                                   pad_token_id=0, eos_token_id=1, architectures=["T5EncoderModel"])
+    folder = _folder(config, tmp_path)
+    options = {"dtype": "float32", "pooling_type": "MEAN", "load_entrypoints": False}
+    with pytest.raises(ModelLoadError, match="cannot tell the maximum prompt length; pass max_model_len"):
+        Runtime(folder, **options)
+    runtime = Runtime(folder, **options, max_model_len=32)
+    assert runtime.model_config.max_model_len == 32
+    ids = [[5, 6, 7, 8, 1], list(range(9, 40)) + [1]]
+    model = transformers.T5EncoderModel.from_pretrained(folder).eval()
+    with torch.inference_mode():
+        expected = [model(input_ids=torch.tensor([row])).last_hidden_state[0].mean(0).numpy() for row in ids]
+    np.testing.assert_allclose(runtime.embed(ids, normalize=False), np.stack(expected), rtol=1e-5, atol=1e-6)
+    with pytest.raises(PromptTooLongError, match="input 0 has 33 tokens, more than the maximum of 32"):
+        runtime.embed([list(range(5, 37)) + [1]])
+    assert runtime.embed([ids[0]]).shape == (1, 64)
