@@ -340,20 +340,21 @@ def test_queries_whose_head_dim_is_strided_are_copied_for_it(dtype):
     assert (out[0].double() - truth).abs().max() <= (torch_out.double() - truth).abs().max() * 1.5
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma"])
+@pytest.mark.parametrize("family", ["llama", "t5", "gemma"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [576, 40, 7])
 def test_rms_norm_computes_what_the_rms_norm_module_computes(hidden, dtype, family):
-    """The same roundings as the module (Llama's: x * scale rounded, then times the weight;
-    Gemma's: times (1 + weight) in float32, rounded once); only the order of the sum of squares
-    differs."""
+    """The same roundings as the module (Llama's and T5's: x * scale rounded, then times the
+    weight; Gemma's: times (1 + weight) in float32, rounded once); only the order of the sum of
+    squares differs."""
     import importlib
 
     from poolrunner.core.kernels.fused_norms import FusedRMSNorm
 
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     torch.manual_seed(0)
-    norm = getattr(module, f"{family.capitalize()}RMSNorm")(hidden, eps=1e-5)
+    name = "T5LayerNorm" if family == "t5" else f"{family.capitalize()}RMSNorm"
+    norm = getattr(module, name)(hidden, eps=1e-5)
     norm.weight.data = torch.rand(hidden) + (0.5 if family == "llama" else -0.5)  # Gemma's: an offset from 1
     norm = norm.to(dtype)
     x = (torch.randn(3, 300, hidden) * 3).to(dtype)

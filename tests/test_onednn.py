@@ -126,6 +126,8 @@ PREPACKED = {
     "jina-v3": (lambda: _small("JinaEmbeddingsV3"), 0, 2),
     "llama": (lambda: _small("Llama", num_key_value_heads=2), 2, 0),
     "gte": (lambda: _small("Gte"), 2, 0),
+    "t5-encoder": (lambda: _seeded(transformers.T5EncoderModel, transformers.T5Config(
+        vocab_size=99, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)), 0, 2),
 }
 
 
@@ -142,7 +144,7 @@ def test_prepacking_a_model_keeps_its_outputs(kind):
     assert not any(type(m) is nn.Linear for m in model.modules())
     assert sum(type(m) is onednn.GatedMLP for m in model.modules()) == gated
     fused = [m for m in model.modules() if isinstance(m, onednn.PackedLinear) and m.activation != onednn.NO_ACTIVATION]
-    # one MLP activation per layer: BERT's, DistilBERT's, Jina's GELU; a gated MLP's on gate_proj where post-ops pay
+    # one MLP activation per layer: BERT's, DistilBERT's, Jina's GELU, T5's ReLU; a gated MLP's where post-ops pay
     assert len(fused) == fused_alone + (gated if onednn.GATE_POST_OPS else 0)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 

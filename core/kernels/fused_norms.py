@@ -2,7 +2,8 @@
 the CPU run in poolrunner's kernel (:func:`~poolrunner.core.kernels.cpu_kernels.rms_norm`), in the
 dtypes it takes here (float32; bfloat16 with AVX512-BF16).
 
-Only modules whose code is ``LlamaRMSNorm``'s (Qwen2, Qwen3, Mistral, SmolLM2, ...) or
+Only modules whose code is ``LlamaRMSNorm``'s (Qwen2, Qwen3, Mistral, SmolLM2, ...), T5's
+``T5LayerNorm`` (the same numerics in other code, when its weight has the input's dtype) or
 ``GemmaRMSNorm``'s (Gemma 1-3, EmbeddingGemma: ``x * rsqrt(mean(x**2) + eps) * (1 + weight)`` in
 float32, rounded once) are replaced, bytecode-identical copies included; every other code keeps
 its own forward. The function does not change: the kernel computes what the module's code does,
@@ -17,13 +18,15 @@ import torch
 from torch import nn
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.t5.modeling_t5 import T5LayerNorm
 
 from poolrunner.core.kernels import cpu_kernels
 from poolrunner.core.kernels.onednn import code_key, replace_modules
 
 _LLAMA = (code_key(LlamaRMSNorm.forward), None)
+_T5 = (code_key(T5LayerNorm.forward), None)  # Llama's numerics in other code
 _GEMMA = (code_key(GemmaRMSNorm.forward), code_key(GemmaRMSNorm._norm))
-_EPSILON = {_LLAMA: "variance_epsilon", _GEMMA: "eps"}
+_EPSILON = {_LLAMA: "variance_epsilon", _T5: "variance_epsilon", _GEMMA: "eps"}
 """Each known code (its forward's and, for Gemma's, its ``_norm``'s) -> its epsilon's attribute."""
 
 

@@ -382,14 +382,16 @@ def _fusable() -> dict[tuple[object, object], tuple[str, str]]:
     from transformers.models.bert.modeling_bert import BertIntermediate
     from transformers.models.distilbert.modeling_distilbert import FFN
     from transformers.models.jina_embeddings_v3.modeling_jina_embeddings_v3 import JinaEmbeddingsV3MLP
+    from transformers.models.t5.modeling_t5 import T5DenseActDense
 
     return {
         # act(dense(x)): BERT's block and its ~60 copies (RoBERTa, XLM-R, ELECTRA, MPNet, ...)
         _forward_code(BertIntermediate): ("dense", "intermediate_act_fn"),
         # lin2(act(lin1(x))) in DistilBERT's ff_chunk: the activation reads lin1's output alone
         _forward_code(FFN): ("lin1", "activation"),
-        # fc2(act(fc1(x))): Jina embeddings v3's MLP
+        # fc2(act(fc1(x))): Jina embeddings v3's MLP; wo(dropout(act(wi(x)))): T5's (sentence-t5)
         _forward_code(JinaEmbeddingsV3MLP): ("fc1", "activation_fn"),
+        _forward_code(T5DenseActDense): ("wi", "act"),
     }
 
 
