@@ -128,7 +128,6 @@ class GatedMLP(nn.Module):
         self.act_fn = mlp.act_fn
         post_op = _post_op(mlp.act_fn)
         assert post_op is not None, "_is_gated_mlp accepts activations with a post-op only"
-        self._silu = post_op == ("swish", "")  # the passes' SiLU runs in place
         self.gate_proj = packed_linear(mlp.gate_proj, post_op if self.post_ops else NO_ACTIVATION, matmul_dtype)
         self.up_proj = packed_linear(mlp.up_proj, matmul_dtype=matmul_dtype)
         self.down_proj = packed_linear(mlp.down_proj, matmul_dtype=matmul_dtype)
@@ -136,11 +135,7 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., hidden]`` -> ``[..., hidden]``, in ``x``'s dtype."""
         h = x.to(self.up_proj.matmul_dtype)  # bf16-mixed: rounded once for both products
-        if self.post_ops:
-            return self.down_proj(self.up_proj.mul(h, self.gate_proj(h))).to(x.dtype)
-        gate = self.gate_proj(h)
-        gate = F.silu(gate, inplace=True) if self._silu else self.act_fn(gate)
-        return self.down_proj(self.up_proj(h).mul_(gate)).to(x.dtype)
+        return self.down_proj(_gated(h, self.gate_proj, self.up_proj, self.act_fn, self.post_ops)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"post_ops={self.post_ops}"
@@ -181,12 +176,21 @@ class SplitGatedMLP(nn.Module):
         """``[..., hidden]`` -> ``[..., hidden]``, in ``x``'s dtype."""
         activated, gate = self._halves
         h = x.to(self.Wo.matmul_dtype)  # bf16-mixed: rounded once for both products
-        if self.post_ops:
-            return self.Wo(gate.mul(h, activated(h))).to(x.dtype)
-        return self.Wo(gate(h).mul_(self.act(activated(h)))).to(x.dtype)
+        return self.Wo(_gated(h, activated, gate, self.act, self.post_ops)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"post_ops={self.post_ops}"
+
+
+def _gated(h: torch.Tensor, gate: PackedLinear | Int8Linear, up: PackedLinear | Int8Linear, act: nn.Module,
+           post_ops: bool) -> torch.Tensor:
+    """``act(gate(h)) * up(h)`` in the matmul dtype: the activation ``gate``'s post-op and the
+    multiply ``up``'s, or (without post-ops) passes over their outputs, SiLU's in place."""
+    if post_ops:
+        return up.mul(h, gate(h))
+    activated = gate(h)
+    activated = F.silu(activated, inplace=True) if _post_op(act) == ("swish", "") else act(activated)
+    return up(h).mul_(activated)
 
 
 class _Parameters(nn.Module):
@@ -244,7 +248,7 @@ def prepack(module: nn.Module, matmul_dtype: torch.dtype | None = None, *, fuse:
     """
     gated = fused = 0
     if fuse:
-        gated = replace_modules(module, lambda child: _gated(child, matmul_dtype))
+        gated = replace_modules(module, lambda child: _fused_mlp(child, matmul_dtype))
         fused = _fuse_activations(module, matmul_dtype)
     plain = replace_modules(module, lambda child: packed_linear(child, matmul_dtype=matmul_dtype)
                      if type(child) is nn.Linear else None)
@@ -269,7 +273,7 @@ def replace_modules(module: nn.Module, replacement: Callable[[nn.Module], nn.Mod
     return replaced
 
 
-def _gated(module: nn.Module, matmul_dtype: torch.dtype | None) -> nn.Module | None:
+def _fused_mlp(module: nn.Module, matmul_dtype: torch.dtype | None) -> nn.Module | None:
     """``module``'s fused replacement if it is a gated MLP of known code, else ``None``."""
     if _is_gated_mlp(module):
         return GatedMLP(module, matmul_dtype, GATE_POST_OPS)

@@ -21,12 +21,12 @@ from poolrunner.core.model.tasks import model_tasks, token_weight_head
 from poolrunner.core.types import ModelConfig, RequiredPlugin
 
 # Families whose position ids start after the padding index: 514 positions hold 512 tokens.
-_PADDING_OFFSET_FAMILIES = frozenset({
-    "roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text", "mpnet",
-})
-_FIXED_PADDING_INDEX = {"mpnet": 1}
-"""Families whose embeddings number positions after a padding index of their own, whatever the
-config's ``pad_token_id`` (transformers' ``MPNetEmbeddings`` sets ``padding_idx = 1``)."""
+_POSITIONS_AFTER_PADDING = {
+    "roberta": None, "xlm-roberta": None, "xlm-roberta-xl": None, "camembert": None, "data2vec-text": None,
+    "mpnet": 1,
+}
+"""Families whose embeddings number positions after the padding index -> that index where the
+family fixes it (transformers' ``MPNetEmbeddings``: 1), ``None`` where it is ``pad_token_id``."""
 # Tokenizers without a limit report a huge sentinel model_max_length.
 _NO_LIMIT = 1_000_000
 
@@ -154,9 +154,10 @@ def _cached_snapshot(repo_id: str, revision: str | None) -> Path:
 def position_offset(model_type: str, pad_token_id: int | None) -> int:
     """Where a prompt's positions start: the padding index + 1 for the RoBERTa families and MPNet
     (their embeddings number positions after it: ``pad_token_id``, MPNet's always 1), else 0."""
-    if model_type not in _PADDING_OFFSET_FAMILIES:
+    if model_type not in _POSITIONS_AFTER_PADDING:
         return 0
-    return _FIXED_PADDING_INDEX.get(model_type, pad_token_id or 0) + 1
+    fixed = _POSITIONS_AFTER_PADDING[model_type]
+    return ((pad_token_id or 0) if fixed is None else fixed) + 1
 
 
 def load_model_config(
