@@ -58,9 +58,12 @@ def test_the_command_line_builds_the_config_the_python_api_would(monkeypatch, ca
     )]
 
 
-def test_a_folder_that_names_no_length_loads_with_max_model_len(tmp_path):
+def test_a_folder_that_names_no_length_loads_with_max_model_len(tmp_path, capsys):
     """T5's encoder (sentence-t5, GTR) has relative positions and, here, a tokenizer without a
-    limit: the load asks for max_model_len, then takes it, its vectors transformers'."""
+    limit: the load asks for max_model_len, then takes it (the API's keyword and every command's
+    --max-model-len), its vectors transformers'."""
+    import json
+
     import numpy as np
     import torch
     import transformers
@@ -84,3 +87,7 @@ def test_a_folder_that_names_no_length_loads_with_max_model_len(tmp_path):
     with pytest.raises(PromptTooLongError, match="input 0 has 33 tokens, more than the maximum of 32"):
         runtime.embed([list(range(5, 37)) + [1]])
     assert runtime.embed([ids[0]]).shape == (1, 64)
+    assert main(["embed", "--model", folder, "--dtype", "float32", "--pooling-type", "MEAN", "--max-model-len", "32",
+                 "--no-entrypoints", "a b c"]) == 0
+    vector = json.loads(capsys.readouterr().out)["embedding"]
+    np.testing.assert_allclose(vector, runtime.embed(["a b c"])[0], rtol=1e-5, atol=1e-6)

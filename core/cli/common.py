@@ -263,6 +263,9 @@ def add_model_options(parser: argparse.ArgumentParser, *, several: str | None = 
     model.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="launch each forward pass before collecting the last one's results (default: on "
                             "with CUDA, off on the CPU)")
+    model.add_argument("--max-model-len", metavar="N", type=positive_int, default=None,
+                       help="most tokens per input (default: the model's maximum; needed where the folder names "
+                            "none, e.g. T5's encoder); longer inputs are an error (HTTP: a 400) unless truncated")
     model.add_argument("--max-embed-len", metavar="N", type=positive_int, default=None,
                        help="embed inputs longer than the model maximum, up to N tokens, in windows of the model "
                             "maximum whose vectors are averaged by token count (vLLM's chunked processing; MEAN "
@@ -430,7 +433,8 @@ def runtime_options(args: argparse.Namespace) -> dict[str, Any]:
         "compile": args.compile,
         "load_entrypoints": args.load_entrypoints, "disable_plugins": disabled_plugins(args.disable_plugin),
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
-        "async_scheduling": args.async_scheduling, "max_embed_len": args.max_embed_len,
+        "async_scheduling": args.async_scheduling, "max_model_len": args.max_model_len,
+        "max_embed_len": args.max_embed_len,
         "max_input_chars": args.max_input_chars, "hf_overrides": args.hf_overrides or {},
         "pooling_type": args.pooling_type,
         "score_template": template_text(args.score_template, "--score-template"),

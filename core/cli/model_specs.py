@@ -160,8 +160,7 @@ def load_served_models(args: argparse.Namespace, specs: Sequence[ModelSpec]) -> 
     for spec in specs:
         options = spec.namespace(args)
         before = process.memory_info().rss
-        runtime = load_runtime(options, task=options.task, is_matryoshka=True if options.is_matryoshka else None,
-                               max_model_len=options.max_model_len)
+        runtime = load_runtime(options, task=options.task, is_matryoshka=True if options.is_matryoshka else None)
         model = ServedModel(runtime, spec.names or (default_model_name(runtime),))
         logger.info("loaded %r (%s): task %s, %s on %s; resident memory +%d MiB%s", model.names[0],
                     runtime.model_config.name, runtime.task, runtime.precision, runtime.device,

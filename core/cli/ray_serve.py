@@ -131,7 +131,7 @@ def _deploy(args: argparse.Namespace, settings: Any, scaling: dict[str, Any]) ->
     from poolrunner.core.distributed.replicas import APP_NAME, serve_replicas
 
     options = runtime_options(args)  # --device names the replicas' device, unchecked here
-    options.update({"max_model_len": args.max_model_len, "is_matryoshka": True if args.is_matryoshka else None})
+    options.update({"is_matryoshka": True if args.is_matryoshka else None})
     model = options.pop("model")
     try:
         return serve_replicas(

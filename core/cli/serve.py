@@ -81,9 +81,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                                                   "naming its own (/pooling's task)")
     model.add_argument("--is-matryoshka", action="store_true",
                        help="accept dimensions although the model's config does not declare it")
-    model.add_argument("--max-model-len", metavar="N", type=positive_int,
-                       help="most tokens per input (default: the model's maximum); longer inputs are a 400 "
-                            "unless the request asks for truncate_prompt_tokens")
     parser.set_defaults(model_keys=model_keys(model))  # what each --model PATH:KEY=VALUE may set
 
     server = parser.add_argument_group("server")

@@ -290,7 +290,8 @@ def _max_model_len(
         limits["sentence_bert_config.json max_seq_length"] = int(st_max_seq_length)
     if not limits:  # nothing in the folder says (T5's relative positions, no tokenizer limit): the user's
         if overrides.max_model_len is None:
-            raise ModelLoadError(f"{path}: cannot tell the maximum prompt length; pass max_model_len")
+            raise ModelLoadError(f"{path}: cannot tell the maximum prompt length; pass max_model_len "
+                                 "(the --max-model-len flag)")
         return overrides.max_model_len
     derived = min(limits.values())
     if overrides.max_model_len is None:
