@@ -34,7 +34,15 @@ from poolrunner.core.inputs.images import ImageInputs, ImageLimits
 from poolrunner.core.inputs.pages import PageInputs
 from poolrunner.core.inputs.score_template import ScoreTemplate
 from poolrunner.core.inputs.tokenize import InputProcessor
-from poolrunner.core.kernels import cpu_kernels, cuda_attention, fused_mpnet, fused_norms, fused_rotary, onednn
+from poolrunner.core.kernels import (
+    cpu_kernels,
+    cuda_attention,
+    fused_deberta,
+    fused_mpnet,
+    fused_norms,
+    fused_rotary,
+    onednn,
+)
 from poolrunner.core.model import families, loader, metadata, siglip, token_logits
 from poolrunner.core.model.hf_overrides import apply_hf_overrides
 from poolrunner.core.model.towers import TextImageModel
@@ -266,6 +274,7 @@ def _build_engine(
     fused_rotary.fuse_rotary(model.base_model, kernels)
     if config.compile == "auto":
         fused_mpnet.fuse_mpnet_attention(model.base_model)
+        fused_deberta.fuse_deberta_attention(model.base_model, kernels)
     poolers = {}
     for task in tasks:
         try:

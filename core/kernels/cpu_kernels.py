@@ -1,7 +1,7 @@
 """poolrunner's own kernels for x86 CPUs: packed attention (``packed_attention.cpp``), RMSNorm
-(``rms_norm.cpp``), rotary embeddings (``rotary.cpp``) and the passes around a dynamic int8
-product (``int8_linear.cpp``) with AVX-512; attention, RMSNorm and rotary embeddings, in
-float32, with AVX2 (and FMA).
+(``rms_norm.cpp``), rotary embeddings (``rotary.cpp``), DeBERTa's attention bias
+(``relative_bias.cpp``) and the passes around a dynamic int8 product (``int8_linear.cpp``) with
+AVX-512; all but int8's, in float32, with AVX2 (and FMA).
 
 Attention: one call attends every request of a packed step that shares an attention window
 (full, causal or sliding), instead of one torch SDPA call per run of equal lengths. On 2 Zen 4
@@ -41,8 +41,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("packed_attention.cpp", "rms_norm.cpp", "rotary.cpp", "int8_linear.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in (
+    "packed_attention.cpp", "rms_norm.cpp", "rotary.cpp", "relative_bias.cpp", "int8_linear.cpp"))
 HEAD_DIM_MULTIPLE = 16
 TILE_HEAD_DIM_MULTIPLE = 32
 """bfloat16 attention runs on AMX tiles for head sizes of this multiple (one tile row of scores'
@@ -81,8 +81,8 @@ at 2,048, 1.17x at 4,096. In bfloat16 it is faster at every length measured (0.5
 AMX = attrs.evolve(AVX512_BF16, name="amx", flags=(*AVX512_BF16.flags, "-mamx-tile", "-mamx-bf16"), tiles=True)
 """AVX512_BF16's kernels, with bfloat16 attention on AMX tiles (``packed_attention.cpp``)."""
 AVX512 = attrs.evolve(AVX512_BF16, name="avx512", flags=_AVX512_FLAGS, dtypes=frozenset({torch.float32}))
-AVX2 = Build("avx2", _AVX2_FLAGS, SOURCES[:3], frozenset({torch.float32}), float32_keys=256)
-"""Attention, RMSNorm and rotary embeddings, in float32: int8 serves bfloat16 products, which such
+AVX2 = Build("avx2", _AVX2_FLAGS, SOURCES[:-1], frozenset({torch.float32}), float32_keys=256)
+"""Every kernel but int8's, in float32: int8 serves bfloat16 products, which such
 a CPU does not run natively. Measured on requests of 12 heads of 64 (2 Zen 3 cores), the kernel's
 GFLOP/s over SDPA's: 1.24-1.33x at 16-31 tokens, 1.0-1.16x at 128, 0.95-1.08x at 256, 0.81-0.87x
 at 512, 0.61x at 2,048."""
@@ -205,6 +205,29 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, round_once: bo
     """
     out = torch.empty_like(x)
     torch.ops.poolrunner_cpu.rotary(x, cos, sin, round_once, out)
+    return out
+
+
+def relative_bias(rows: torch.Tensor | None, cols: torch.Tensor | None, index: torch.Tensor,
+                  mask: torch.Tensor) -> torch.Tensor:
+    """DeBERTa's disentangled attention bias, masked, in one pass (``relative_bias.cpp``):
+    ``out[g, i, j] = rows[g, i, r] + cols[g, j, r]`` with ``r = index[i, j]`` where
+    ``mask[g % batch, i, j]``, the dtype's lowest finite value elsewhere.
+
+    :param rows: ``[groups, tokens, positions]`` (``groups = heads * batch``, head-major) in a
+        dtype of :func:`supported_dtypes`, or ``None``.
+    :param cols: Shaped and typed like ``rows``, or ``None``; not both ``None`` when ``dtype`` must
+        come from them.
+    :param index: int64 ``[tokens, tokens]``, values in ``[0, positions)``.
+    :param mask: bool ``[batch, tokens, tokens]``: the pairs that may attend.
+    :returns: ``[groups, tokens, tokens]``, of the terms' dtype.
+    :raises RuntimeError: (torch's) for shapes, dtypes or an index out of range.
+    """
+    terms = [term for term in (rows, cols) if term is not None]
+    out = torch.empty((terms[0].shape[0], *index.shape), dtype=terms[0].dtype)
+    empty = torch.empty(0, dtype=out.dtype)
+    torch.ops.poolrunner_cpu.relative_bias(*(empty if term is None else term.contiguous() for term in (rows, cols)),
+                                           index.contiguous(), mask.contiguous(), out)
     return out
 
 
