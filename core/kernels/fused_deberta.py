@@ -23,9 +23,10 @@ gathered, summed, scaled and masked into SDPA's additive ``attn_mask``; SDPA com
 softmax). Masked entries get ``finfo.min`` as transformers' ``masked_fill`` gives them, so a
 padding row attends uniformly, as there. Float32 results equal the eager code's to rounding;
 in bfloat16 they are no further from float64 than its own. ``output_attentions``, training and
-the cases this module does not cover (``query_states`` given, a batch-wise ``relative_pos``)
-run the module's own code. Each module gets the fused forward as its own (no global patch),
-only where its class's code is transformers' ``DisentangledSelfAttention``'s.
+the cases this module does not cover (``query_states`` given, ``relative_pos`` absent or
+batch-wise: transformers' encoder passes one for all) run the module's own code. Each module
+gets the fused forward as its own (no global patch), only where its class's code is
+transformers' ``DisentangledSelfAttention``'s.
 """
 
 from __future__ import annotations
@@ -81,37 +82,37 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: torch
                for layer in (self.query_proj, self.key_proj, self.value_proj))
     factor = 1 + sum(kind in self.pos_att_type for kind in ("c2p", "p2c"))
     scale = 1 / math.sqrt(q.shape[-1] * factor)
-    mask = attention_mask.bool().reshape(batch, tokens, tokens)
-    rows = cols = None
-    if self.relative_attention:
-        rows, cols, index = _position_terms(self, q, k, scale, relative_pos, rel_embeddings)
-    if (rows is not None or cols is not None) and q.device.type == "cpu" and q.dtype in kernels:
-        bias = cpu_kernels.relative_bias(rows, cols, index, mask)
+    mask = attention_mask.bool() if attention_mask.dim() == 4 else attention_mask.bool().unsqueeze(1)
+    mask = mask.expand(batch, 1, tokens, tokens).reshape(batch, tokens, tokens)  # a key mask [b, 1, 1, t] too
+    terms = _position_terms(self, q, k, scale, relative_pos, rel_embeddings) if self.relative_attention else None
+    if terms is not None and q.device.type == "cpu" and q.dtype in kernels:
+        bias = cpu_kernels.relative_bias(*terms, mask)
     else:
-        bias = _bias(rows, cols, index if rows is not None or cols is not None else None, mask, q)
+        bias = _bias(terms, mask, q)
     context = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.view(*q.shape[:2], tokens, tokens), scale=scale)
     return context.permute(1, 2, 0, 3).reshape(batch, tokens, -1), None
 
 
 def _shared(relative_pos: torch.Tensor | None, tokens: int) -> bool:
-    """Whether ``relative_pos`` is the encoder's one ``[tokens, tokens]`` matrix for every input
-    (or absent: then it is built here as transformers builds it)."""
-    return relative_pos is None or (relative_pos.shape[-2:] == (tokens, tokens) and relative_pos.numel() == tokens ** 2)
+    """Whether ``relative_pos`` is the encoder's one ``[tokens, tokens]`` matrix for every input."""
+    return (relative_pos is not None and relative_pos.shape[-2:] == (tokens, tokens)
+            and relative_pos.numel() == tokens ** 2)
 
 
 def _position_terms(self: nn.Module, q: torch.Tensor, k: torch.Tensor, scale: float,
-                    relative_pos: torch.Tensor | None, rel_embeddings: torch.Tensor,
-                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+                    relative_pos: torch.Tensor, rel_embeddings: torch.Tensor,
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor] | None:
     """The c2p products ``rows[h * batch + b, i, r] = q_i . pos_key[r] * scale``, the p2c products
     ``cols[h * batch + b, j, r] = k_j . pos_query[r] * scale`` (each ``None`` unless
     ``pos_att_type`` names it), ``[heads * batch, tokens, positions]``, and ``index``, int64
     ``[tokens, tokens]``: the position ``r`` of each query-key pair, for ``q`` and ``k``
-    ``[heads, batch, tokens, head_size]``. Only the positions an input of this length uses are
-    projected: ``positions`` is at most ``2 * tokens - 1``."""
+    ``[heads, batch, tokens, head_size]``; ``None`` when ``pos_att_type`` names neither term.
+    Only the positions an input of this length uses are projected: ``positions`` is at most
+    ``2 * tokens - 1``."""
+    if not {"c2p", "p2c"} & set(self.pos_att_type):
+        return None
     heads, batch, tokens, size = q.shape
     span = self.pos_ebd_size
-    if relative_pos is None:
-        relative_pos = _relative_positions(self, tokens, q.device)
     index = torch.clamp(relative_pos.reshape(tokens, tokens).to(device=q.device, dtype=torch.long) + span, 0,
                         2 * span - 1)
     low, high = int(index.min()), int(index.max()) + 1
@@ -130,27 +131,19 @@ def _position_terms(self: nn.Module, q: torch.Tensor, k: torch.Tensor, scale: fl
     return rows, cols, index - low
 
 
-def _bias(rows: torch.Tensor | None, cols: torch.Tensor | None, index: torch.Tensor | None, mask: torch.Tensor,
+def _bias(terms: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor] | None, mask: torch.Tensor,
           q: torch.Tensor) -> torch.Tensor:
-    """What :func:`~poolrunner.core.kernels.cpu_kernels.relative_bias` computes, in torch
-    operations (other devices and dtypes): ``[heads * batch, tokens, tokens]`` of ``q``'s dtype."""
+    """What :func:`~poolrunner.core.kernels.cpu_kernels.relative_bias` computes from ``terms``
+    (:func:`_position_terms`' ``rows, cols, index``, or ``None``: no position terms), in torch
+    operations, for other devices and dtypes: ``[heads * batch, tokens, tokens]`` of ``q``'s dtype."""
     heads, batch, tokens = q.shape[:3]
     bias = torch.zeros((heads * batch, tokens, tokens), dtype=q.dtype, device=q.device)
-    steps = torch.arange(tokens, device=q.device)
-    if rows is not None:  # rows[g, i, index[i, j]]
-        bias += rows[:, steps[:, None], index]
-    if cols is not None:  # cols[g, j, index[i, j]]
-        bias += cols[:, steps[None, :], index]
+    if terms is not None:
+        rows, cols, index = terms
+        steps = torch.arange(tokens, device=q.device)
+        if rows is not None:  # rows[g, i, index[i, j]]
+            bias += rows[:, steps[:, None], index]
+        if cols is not None:  # cols[g, j, index[i, j]]
+            bias += cols[:, steps[None, :], index]
     masked = ~mask.expand(heads, batch, tokens, tokens).reshape(heads * batch, tokens, tokens)
     return bias.masked_fill_(masked, torch.finfo(q.dtype).min)
-
-
-def _relative_positions(self: nn.Module, tokens: int, device: torch.device) -> torch.Tensor:
-    """transformers' ``build_relative_position`` for ``tokens`` queries and keys: ``[1, tokens, tokens]``."""
-    from transformers.models.deberta_v2.modeling_deberta_v2 import make_log_bucket_position
-
-    ids = torch.arange(tokens, device=device)
-    relative = ids[:, None] - ids[None, :]
-    if self.position_buckets > 0 and self.max_relative_positions > 0:
-        relative = make_log_bucket_position(relative, self.position_buckets, self.max_relative_positions)
-    return relative.to(torch.long).unsqueeze(0)
