@@ -77,8 +77,10 @@ def load_model(
     vision = families.is_text_image(hf_config) or families.is_page_retrieval(hf_config)
     packed = getattr(model_class, "_supports_attention_backend", True) and not vision
     # Text-image towers and page-retrieval models run padded with transformers' default attention
-    # (their reference's).
-    attention = ATTENTION_NAME if packed else "sdpa" if vision else "eager"
+    # (their reference's); so do other padded families that support SDPA (T5's encoders: its
+    # position bias becomes SDPA's additive mask), in one kernel instead of eager passes.
+    sdpa = vision or getattr(model_class, "_supports_sdpa", False)
+    attention = ATTENTION_NAME if packed else "sdpa" if sdpa else "eager"
     try:
         with _quiet_transformers():
             model, info = model_class.from_pretrained(
