@@ -91,6 +91,8 @@ ERRORS: dict[str, tuple[str, tuple[Any, ...], dict[str, Any], str]] = {
     "non-string query in a list": ("score", (["q1", None], ["d1", "d2"]), {}, "queries[1] must be a string, got None"),
     "a number for documents": ("score", ("a query", 7), {}, "documents must be a string or a list of strings, got 7"),
     "None for queries": ("score", (None, ["d1"]), {}, "queries must be a string or a list of strings, got None"),
+    "bytes for documents": ("score", ("a query", b"abc"), {},
+                            "documents must be a string or a list of strings, got b'abc'"),
     "rerank a number for documents": ("rerank", ("a query", 7), {}, "documents must be a list of strings, got 7"),
     "rerank top_n=0": ("rerank", ("a query", ["d1", "d2"]), {"top_n": 0}, "top_n must be a positive integer, got 0"),
     "rerank top_n=-1": ("rerank", ("a query", ["d1", "d2"]), {"top_n": -1},

@@ -54,9 +54,12 @@ def check_side(texts: str | Sequence[str], name: str) -> list[str]:
     the side and the position as the caller sent them: ``documents[2]``, or ``query`` for a side
     sent as one string.
 
-    :raises InvalidRequestError: for an empty side, a non-text item, or text that is not valid
-        Unicode (a lone surrogate), with ``param`` the side's ``name``.
+    :raises InvalidRequestError: for a side that is one non-text item (an image's bytes: not read
+        as a list of numbers), an empty side, a non-text item, or text that is not valid Unicode
+        (a lone surrogate), with ``param`` the side's ``name``.
     """
+    if not isinstance(texts, str | list | tuple):
+        raise InvalidRequestError(f"{name} must be a string or a list of strings, got {shown(texts)}", param=name)
     items = [texts] if isinstance(texts, str) else list(texts)
     if not items:
         raise InvalidRequestError(f"{name} is empty: scoring needs at least one of each", param=name)
@@ -81,6 +84,8 @@ def sigmoid_score(cosines: np.ndarray, logit_scale: float, logit_bias: float) ->
     ``SiglipModel``'s ``logits_per_text`` (transformers' zero-shot pipeline's scores). ``[n]`` float32."""
     logits = cosines.astype(np.float64) * np.exp(logit_scale) + logit_bias
     return (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+
+
 def maxsim(queries: Sequence[np.ndarray], documents: Sequence[np.ndarray]) -> np.ndarray:
     """Late interaction per pair: the sum over query tokens of the best dot product with any
     document token (ColBERT's MaxSim; ColPali's ``score_retrieval`` of one query and one page).
