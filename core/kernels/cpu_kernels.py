@@ -216,8 +216,7 @@ def relative_bias(rows: torch.Tensor | None, cols: torch.Tensor | None, index: t
 
     :param rows: ``[groups, tokens, positions]`` (``groups = heads * batch``, head-major) in a
         dtype of :func:`supported_dtypes`, or ``None``.
-    :param cols: Shaped and typed like ``rows``, or ``None``; not both ``None`` when ``dtype`` must
-        come from them.
+    :param cols: Shaped and typed like ``rows``, or ``None``; at least one of the two is given.
     :param index: int64 ``[tokens, tokens]``, values in ``[0, positions)``.
     :param mask: bool ``[batch, tokens, tokens]``: the pairs that may attend.
     :returns: ``[groups, tokens, tokens]``, of the terms' dtype.

@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 namespace {
 
@@ -53,7 +54,8 @@ void relative_bias(const at::Tensor& rows, const at::Tensor& cols, const at::Ten
   TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16, "out must be float32 or bfloat16");
   const int64_t groups = out.size(0), tokens = out.size(1);
   TORCH_CHECK(out.size(2) == tokens, "out must be [groups, tokens, tokens]");
-  TORCH_CHECK(index.scalar_type() == at::kLong && index.is_contiguous() && index.sizes() == at::IntArrayRef({tokens, tokens}),
+  TORCH_CHECK(index.scalar_type() == at::kLong && index.is_contiguous() &&
+                  index.sizes() == at::IntArrayRef({tokens, tokens}),
               "index must be contiguous int64 [tokens, tokens]");
   TORCH_CHECK(mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.dim() == 3 && mask.size(1) == tokens &&
                   mask.size(2) == tokens && mask.size(0) > 0 && groups % mask.size(0) == 0,
