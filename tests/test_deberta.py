@@ -25,14 +25,15 @@ LAYOUTS = {
 
 
 def _models(layout: dict, dtype: torch.dtype) -> tuple[transformers.DebertaV2Model, transformers.DebertaV2Model]:
-    """A seeded 3-layer DeBERTa-v2 with ``layout`` in ``dtype``, and its float64 copy."""
+    """A seeded 3-layer DeBERTa-v2 with ``layout`` in ``dtype``, and its float64 copy (the same
+    weights, as ``dtype`` rounded them: the difference is the computation's alone)."""
     config = transformers.DebertaV2Config(**{
         "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
         "intermediate_size": 96, "max_position_embeddings": 64, "type_vocab_size": 0, "relative_attention": True,
         "position_biased_input": False, "norm_rel_ebd": "layer_norm", **layout})
     torch.manual_seed(0)
-    model = transformers.DebertaV2Model(config).eval()
-    return model.to(dtype), copy.deepcopy(model).double()
+    model = transformers.DebertaV2Model(config).eval().to(dtype)
+    return model, copy.deepcopy(model).double()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
