@@ -21,6 +21,13 @@ gate (``act(a) * g`` with ``a, g = Wi(x).chunk(2)``), becomes :class:`SplitGated
 On a CPU without AVX-512, float32 layers stay ``nn.Linear`` (:data:`PACK_FLOAT32`): there the
 products ``F.linear`` hands to MKL run faster than oneDNN's AVX2 kernels.
 
+A bf16 layer without a post-op (in bf16-mixed: without a bias either) runs, for each row count
+(in buckets of 64), whichever of its prepacked product and ``F.linear`` over its plain weight
+(bf16-mixed: a bf16 copy, kept only where chosen) was measured faster on first use
+(:data:`PLAIN_OR_PACKED`): oneDNN's prepacked kernel wins at most row counts, but for some shapes
+and thread counts, on 2 AMX cores at 320-640 rows ``[768] -> [768]`` and ``[1152] -> [768]``, its
+split of the work leaves a core waiting (1.4-1.7x slower).
+
 Only the computation changes, never the function: results equal transformers' own modules to
 float32 rounding (or bf16 rounding in bf16), which the architecture tests check for every family.
 """
@@ -36,12 +43,18 @@ from torch import nn
 from transformers import activations
 
 from poolrunner.core.kernels.int8 import Int8Linear
+from poolrunner.core.kernels.measured_choice import MeasuredChoice, row_bucket
 
 logger = logging.getLogger(__name__)
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 2048
 """Rows the weight layout is tuned for: the CPU's step budget; any row count runs."""
+PLAIN_OR_PACKED = MeasuredChoice()
+"""For bf16 products without a post-op: whether torch's product over the plain weight (``F.linear``)
+runs a shape and row count faster than the prepacked one (:mod:`~poolrunner.core.kernels.measured_choice`),
+keyed by ``(in_features, out_features, has_bias, input dtype, threads, row_bucket)`` (logged at DEBUG when
+measured)."""
 NO_ACTIVATION = ("none", "")
 PACK_FLOAT32 = torch.cpu._is_avx512_supported()
 """Whether float32 linear layers are prepacked (:func:`pays`). Without AVX-512, oneDNN's float32
@@ -87,12 +100,50 @@ class PackedLinear(nn.Module):
         self.matmul_dtype = matmul_dtype or linear.weight.dtype
         weight = linear.weight.detach().to(self.matmul_dtype)
         self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+        # F.linear is a candidate where it rounds as the prepacked product does: bf16 products
+        # without a post-op, and in bf16-mixed only without a bias (F.linear would round a float32
+        # bias to bf16 first). bf16-mixed's float32 weight needs a bf16 copy (_plain_weight), made
+        # when F.linear first runs and kept only while some row count runs it. _plain_faster is this
+        # layer's copy of the choices, (threads, row bucket) -> F.linear, to keep the forward short.
+        self._plain_candidate = (activation == NO_ACTIVATION and self.matmul_dtype == torch.bfloat16
+                                 and (linear.weight.dtype == torch.bfloat16 or linear.bias is None))
+        self._plain_weight = linear.weight if linear.weight.dtype == self.matmul_dtype else None
+        self._plain_faster: dict[tuple[int, int], bool] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features]`` -> ``[..., out_features]``."""
+        if self._plain_candidate:
+            key = (torch.get_num_threads(), row_bucket(x.numel() // self.in_features))
+            plain = self._plain_faster.get(key)
+            if plain is None:
+                return self._choose(x, key)
+            if plain:
+                return self._plain_product(x)
+        return self._packed_product(x)
+
+    def _choose(self, x: torch.Tensor, key: tuple[int, int]) -> torch.Tensor:
+        """The product of ``x`` by the kernel :data:`PLAIN_OR_PACKED` chooses for this shape (shared
+        by the layers of the same shape), remembered for ``key``; the prepacked one, unmeasured,
+        under ``torch.use_deterministic_algorithms(True)``: a choice measured near a tie may differ
+        between processes, and with it the output's bf16 rounding."""
+        if torch.are_deterministic_algorithms_enabled():
+            return self._packed_product(x)
+        shape = (self.in_features, self.out_features, self.bias is not None, x.dtype, *key)
+        plain, out = PLAIN_OR_PACKED(shape, lambda: self._packed_product(x), lambda: self._plain_product(x))
+        self._plain_faster[key] = plain
+        if self.weight.dtype != self.matmul_dtype and not any(self._plain_faster.values()):
+            self._plain_weight = None
+        return out
+
+    def _packed_product(self, x: torch.Tensor) -> torch.Tensor:
         name, algorithm = self.activation
         out = torch.ops.mkldnn._linear_pointwise(x.to(self.matmul_dtype), self._packed, self.bias, name, [], algorithm)
         return out if self.activation != NO_ACTIVATION else out.to(x.dtype)
+
+    def _plain_product(self, x: torch.Tensor) -> torch.Tensor:
+        if self._plain_weight is None:  # bf16-mixed: not made where the shape's choice is the prepacked kernel
+            self._plain_weight = self.weight.detach().to(self.matmul_dtype)
+        return F.linear(x.to(self.matmul_dtype), self._plain_weight, self.bias).to(x.dtype)
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``(x @ weight.T + bias) * other`` in one kernel (oneDNN's binary post-op), for a layer

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import poolrunner
-from poolrunner.core import precision
+from poolrunner.core import memory, precision
 from poolrunner.core.engine.buckets import bucket_num_tokens
 from tests.helpers import MIN_COSINE, cosine_rows
 
@@ -78,7 +78,17 @@ def test_auto_dtype_holds_the_bar_where_bf16_is_worst(model_path, st_model, lee_
 def test_auto_dtype_takes_bf16_where_it_holds_the_bar(model_path, monkeypatch):
     monkeypatch.setattr(precision, "native_bf16", lambda device: True)
     monkeypatch.setattr(precision, "MAX_RELATIVE_ERROR", 0.05)  # a bar every bf16 model here holds
+    events, choose = [], precision.choose_cpu_precision
+
+    def chosen(*args):
+        result = choose(*args)
+        events.append("chosen")
+        return result
+
+    monkeypatch.setattr(precision, "choose_cpu_precision", chosen)
+    monkeypatch.setattr(memory, "release_memory", lambda: events.append("released") or True)
     assert poolrunner.Runtime(model_path, load_entrypoints=False).dtype == torch.bfloat16
+    assert events[-2:] == ["chosen", "released"]  # the probe's freed engines go back to the system
 
 
 def test_the_probe_has_single_words_and_a_long_input(model_path):
