@@ -25,6 +25,19 @@ def bf16_products() -> bool:
     return onednn.supported(torch.device("cpu"), torch.bfloat16)
 
 
+def pretend_amx(monkeypatch: Any, amx: bool) -> None:
+    """Have torch report AMX tiles (``amx``) or none to poolrunner's choices for the rest of a test,
+    once this CPU's own kernels are built: a process holds one build of them (a second registers
+    the ``poolrunner_cpu`` operators again, which aborts), and AMX's tile code cannot run here
+    without tiles."""
+    import torch
+
+    from poolrunner.core.kernels import cpu_kernels
+
+    cpu_kernels.supported_dtypes()
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+
+
 def run_requests(runtime: Any, requests: Sequence[Any]) -> dict[str, Any]:
     """Run ``PoolingRequest``s as given through ``runtime``'s public serving loop
     (:meth:`poolrunner.Runtime.serving`): ``{request_id: output}``. They are admitted together, so

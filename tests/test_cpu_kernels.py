@@ -26,7 +26,7 @@ from poolrunner.core.kernels.attention import (
     PackedLayout,
     packed_attention,
 )
-from tests.helpers import ModelSpy
+from tests.helpers import ModelSpy, pretend_amx
 from tests.models.architectures import FAMILIES, Row, build_folder, load_reference, reference_output
 
 SUPPORTED = cpu_kernels.supported_dtypes()
@@ -272,7 +272,7 @@ def test_requests_past_the_kernels_key_limit_go_to_sdpa_and_equal_it(dtype, amx,
     with AMX, in either dtype, AMX_KEY_ELEMENTS // head_dim) and causal ones up to twice that;
     longer ones go to SDPA (faster there). Either way the output equals SDPA over each request
     alone (float64)."""
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    pretend_amx(monkeypatch, amx)
     limit = cpu_kernels.kernel_keys(dtype, 16)
     if amx:  # 160 keys, below every build's float32 limit
         assert limit == cpu_kernels.AMX_KEY_ELEMENTS // 16

@@ -26,7 +26,7 @@ from poolrunner.core import precision
 from poolrunner.core.block_replay import BlockReplay, block_of
 from poolrunner.core.errors import ModelLoadError
 from poolrunner.core.kernels import cpu_kernels, int8, onednn
-from tests.helpers import ModelSpy, cosine_rows
+from tests.helpers import ModelSpy, cosine_rows, pretend_amx
 from tests.models import architectures
 
 LEE_SENTENCES = 100
@@ -283,7 +283,7 @@ def test_a_model_within_the_bar_is_served_in_int8_within_it_on_inputs_the_probe_
     """Served either way; on a CPU with AMX, where bfloat16 is the faster dtype, with a warning saying so."""
     folder, reference = tiny_bert
     spy = ModelSpy()  # the model served, as loaded
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    pretend_amx(monkeypatch, amx)
     with caplog.at_level(logging.WARNING, logger="poolrunner.core.loading"):
         runtime = poolrunner.Runtime(str(folder), dtype="int8", pooling_type="MEAN", load_entrypoints=False,
                                      plugins=[spy])
