@@ -201,7 +201,10 @@ void pack_bf16(const Problem& p, int64_t start, int64_t length, int64_t kv_head,
     const auto* row = reinterpret_cast<const uint32_t*>(k + (start + j) * p.k_token + kv_head * p.k_head);
     for (int64_t t = 0; t < pairs; ++t) panel.key_pairs[t * panel.stride + j] = row[t];
     const c10::BFloat16* vrow = v + (start + j) * p.v_token + kv_head * p.v_head;
-    for (int64_t d = 0; d < p.dim; ++d) panel.values[j * p.dim + d] = static_cast<float>(vrow[d]);
+    for (int64_t d = 0; d < p.dim; d += kKeys)  // bf16 -> fp32 is exact: the bits shifted up 16
+      vstore(panel.values.data() + j * p.dim + d,
+             _mm512_castsi512_ps(_mm512_slli_epi32(
+                 _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow + d))), 16)));
   }
 }
 #endif  // __AVX512BF16__
