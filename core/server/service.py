@@ -135,7 +135,7 @@ class PoolingService:
         limit = self.settings.max_inputs_per_request
         if count > limit:
             raise ApiError(400, f"{what} has {count} items, more than the limit of {limit} per request "
-                                "(max_inputs_per_request)", param=what)
+                                "(max_inputs_per_request, the --max-inputs-per-request flag)", param=what)
 
     async def answer_prompts(self, request: Request, body: Any) -> tuple[Any, int]:
         r"""The answer to a body of prompts (``input`` or ``messages``: embeddings, classify,

@@ -295,7 +295,8 @@ def test_limits_name_the_limit(runtime, poolrunner_step_recorder):
     settings = ServerSettings(max_inputs_per_request=4, max_request_bytes=2000, max_waiting_requests=64)
     with ServerThread(runtime, settings) as running, httpx.Client(base_url=running.url) as client:
         message = _error(client.post("/v1/embeddings", json={"input": ["a"] * 5}), 400)
-        assert message == "input has 5 items, more than the limit of 4 per request (max_inputs_per_request)"
+        assert message == ("input has 5 items, more than the limit of 4 per request "
+                           "(max_inputs_per_request, the --max-inputs-per-request flag)")
         assert "the limit of 4" in _error(client.post("/rerank", json={"query": "q", "documents": ["d"] * 5}), 400)
         big = {"input": ["x" * 3000]}
         assert _error(client.post("/v1/embeddings", json=big), 413) == (
