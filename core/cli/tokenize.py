@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     fmt = output_format(args, FORMATS)
     inputs = read_inputs(args, input_fields(args), args.texts, what="texts to tokenize")
     check_output(args.output)
-    runtime = load_model(args)
+    runtime = load_model(args, **_no_precision_probe(args))
     request = request_of(TokenizeRequest, args)
 
     def tokenize(texts: list[str]) -> list[list[int]]:
@@ -77,3 +77,15 @@ def run(args: argparse.Namespace) -> int:
         inputs.check("texts to tokenize")
     inputs.report()
     return 0
+
+
+def _no_precision_probe(args: argparse.Namespace) -> dict[str, Any]:
+    """``dtype="float32"`` where ``auto`` would choose a CPU precision by running the model on its
+    probe inputs (seconds, for a model that tokenizing never runs); on CUDA ``auto`` stays, and
+    its half precision with it (half the memory)."""
+    if args.dtype != "auto":
+        return {}
+    import torch
+
+    on_cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+    return {} if on_cuda else {"dtype": "float32"}
