@@ -14,6 +14,7 @@ from poolrunner.core.cli.common import (
     add_model_options,
     add_output_option,
     add_plugin_options,
+    check_device,
     check_output,
     index_columns,
     input_fields,
@@ -83,9 +84,8 @@ def _no_precision_probe(args: argparse.Namespace) -> dict[str, Any]:
     """``dtype="float32"`` where ``auto`` would choose a CPU precision by running the model on its
     probe inputs (seconds, for a model that tokenizing never runs); on CUDA ``auto`` stays, and
     its half precision with it (half the memory)."""
-    if args.dtype != "auto":
-        return {}
-    import torch
+    from poolrunner.core.model.loader import resolve_device
 
-    on_cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
-    return {} if on_cuda else {"dtype": "float32"}
+    if args.dtype != "auto" or resolve_device(check_device(args.device)).type == "cuda":
+        return {}
+    return {"dtype": "float32"}
