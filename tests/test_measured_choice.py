@@ -1,4 +1,4 @@
-"""``MeasuredChoice``: the faster of two kernels per key, measured once (scripted clocks here: the
+"""``MeasuredChoice``: the faster of two kernels per key, measured over its first calls (scripted clocks here: the
 real timings are bench/README.md's), and how ``PackedLinear`` serves bf16 products with it."""
 
 from __future__ import annotations
@@ -43,28 +43,49 @@ class Kernel:
         return self.name
 
 
+MEASURED_CALLS = 2 * measured_choice.RUNS
+"""Calls of a key that measure it: the two kernels alternately, the default first."""
+
+
+def _measure(choice: MeasuredChoice, key: str, default: Kernel, alternative: Kernel) -> list[str]:
+    return [choice(key, default, alternative) for _ in range(MEASURED_CALLS)]
+
+
 @pytest.mark.parametrize(("alternative_seconds", "chosen"), [(0.5, "plain"), (0.89, "plain"), (0.95, "packed"),
                                                               (1.5, "packed")])
 def test_the_alternative_replaces_the_default_only_when_faster_by_the_margin(alternative_seconds, chosen, caplog):
     choice = MeasuredChoice(ScriptedClock(1.0, alternative_seconds))
     packed, plain = Kernel("packed"), Kernel("plain")
     with caplog.at_level("DEBUG", logger="poolrunner.core.kernels.measured_choice"):
-        assert choice("shape", packed, plain) == (chosen == "plain", chosen)
-    assert caplog.messages == [f"measured shape: default 1000.000 ms, alternative {1e3 * alternative_seconds:.3f} ms: "
-                               f"the {'alternative' if chosen == 'plain' else 'default'}"]
+        # While measured, each call runs one kernel, in turn, and returns its result.
+        assert _measure(choice, "shape", packed, plain) == ["packed", "plain"] * measured_choice.RUNS
+    assert caplog.messages == [f"measured shape: default 1000.000 ms, alternative {1e3 * alternative_seconds:.3f} ms "
+                               f"per unit: the {'alternative' if chosen == 'plain' else 'default'}"]
     assert (packed.runs, plain.runs) == (measured_choice.RUNS, measured_choice.RUNS)
+    assert choice.chosen("shape") is (chosen == "plain")
     # Then only the chosen kernel runs for that key.
-    assert choice("shape", packed, plain) == (chosen == "plain", chosen)
+    assert choice("shape", packed, plain) == chosen
     assert (packed.runs, plain.runs) == (measured_choice.RUNS + (chosen == "packed"),
                                          measured_choice.RUNS + (chosen == "plain"))
     assert choice.choices() == {"shape": chosen == "plain"}
 
 
+def test_a_key_is_chosen_only_after_its_measurement():
+    choice = MeasuredChoice(ScriptedClock(1.0, 0.5))
+    packed, plain = Kernel("packed"), Kernel("plain")
+    assert choice.chosen("shape") is None
+    for _ in range(MEASURED_CALLS - 1):
+        choice("shape", packed, plain)
+        assert choice.chosen("shape") is None and choice.choices() == {}
+    choice("shape", packed, plain)
+    assert choice.chosen("shape") is True
+
+
 def test_each_key_is_measured_on_its_own():
     choice = MeasuredChoice(ScriptedClock(1.0, 0.5))
     packed, plain = Kernel("packed"), Kernel("plain")
-    choice("a", packed, plain)
-    choice("b", packed, plain)
+    _measure(choice, "a", packed, plain)
+    _measure(choice, "b", packed, plain)
     assert plain.runs == packed.runs == 2 * measured_choice.RUNS
     assert choice.choices() == {"a": True, "b": True}
 
@@ -72,8 +93,19 @@ def test_each_key_is_measured_on_its_own():
 def test_the_fastest_run_of_each_kernel_is_compared():
     # The default's first run is slow (a cold cache, a kernel built): its best run counts, and the
     # alternative, faster than the default's mean but not by the margin than its best, is not chosen.
-    clock = ScriptedClock([5.0, 1.0, 1.0, 1.0, 1.0], 0.95)
-    assert MeasuredChoice(clock)("shape", Kernel("packed"), Kernel("plain")) == (False, "packed")
+    choice = MeasuredChoice(ScriptedClock([5.0, 1.0, 1.0, 1.0, 1.0], 0.95))
+    _measure(choice, "shape", Kernel("packed"), Kernel("plain"))
+    assert choice.chosen("shape") is False
+
+
+@pytest.mark.parametrize(("alternative_rows", "chosen"), [(105, False), (200, True), (50, False)])
+def test_calls_of_different_sizes_are_compared_per_unit(alternative_rows, chosen):
+    # Every run takes 1 s: the default's over 100 rows (0.01 s a row), the alternative's over
+    # alternative_rows; only over 200 rows is the alternative faster a row by the margin.
+    choice = MeasuredChoice(ScriptedClock(1.0, 1.0))
+    for call in range(MEASURED_CALLS):
+        choice("shape", Kernel("packed"), Kernel("plain"), size=100 if call % 2 == 0 else alternative_rows)
+    assert choice.chosen("shape") is chosen
 
 
 needs_bf16_products = pytest.mark.skipif(not bf16_products(), reason="this CPU's oneDNN has no bfloat16 products")
@@ -100,13 +132,16 @@ def test_a_bf16_layer_runs_the_kernel_measured_faster_for_each_row_count(monkeyp
     torch.manual_seed(1)
     threads, rows = torch.get_num_threads(), [3, 64, 65, 200]
     with torch.inference_mode():
-        for n in rows * 2:  # the second time round each bucket's choice is reused
+        for n in rows:
             x = torch.randn(2, n, 96).to(torch.bfloat16)
-            got = layer(x)
             plain = F.linear(x, linear.weight, linear.bias)
             packed = torch.ops.mkldnn._linear_pointwise(x, layer._packed, linear.bias, "none", [], "")
-            assert got.shape == (2, n, 40) and got.dtype == torch.bfloat16
-            assert torch.equal(got, plain if plain_faster else packed)
+            # Each bucket's first calls run the two kernels in turn, then the one measured faster.
+            kernels = [packed, plain] * measured_choice.RUNS + [plain if plain_faster else packed] * 2
+            for expected_kernel in kernels:
+                got = layer(x)
+                assert got.shape == (2, n, 40) and got.dtype == torch.bfloat16
+                assert torch.equal(got, expected_kernel)
             expected = _reference(x, linear)
             assert ((got.double() - expected).norm() / expected.norm()).item() < 1e-2
     buckets = {measured_choice.row_bucket(2 * n) for n in rows}
@@ -118,13 +153,14 @@ def test_layers_of_one_shape_share_a_measurement(monkeypatch):
     choice = MeasuredChoice(ScriptedClock(1.0, 0.5))
     monkeypatch.setattr(onednn, "PLAIN_OR_PACKED", choice)
     first, second = onednn.PackedLinear(_bf16_linear()), onednn.PackedLinear(_bf16_linear())
-    measured = []
-    measure = choice._measure
-    monkeypatch.setattr(choice, "_measure", lambda *args: measured.append(1) or measure(*args))
     x = torch.randn(100, 96).to(torch.bfloat16)
     with torch.inference_mode():
+        for call in range(MEASURED_CALLS):  # their calls alternate, as a model's layers do
+            assert choice.choices() == {}
+            (first if call % 2 == 0 else second)(x)
         assert torch.equal(first(x), second(x))
-    assert len(measured) == 1
+    assert list(choice.choices().values()) == [True]
+    assert first._plain_faster == second._plain_faster == {(torch.get_num_threads(), 2): True}
 
 
 @pytest.mark.parametrize("case", ["float32", "fused-activation", "bf16-mixed-with-bias"])
@@ -156,6 +192,8 @@ def test_bf16_mixed_measures_a_layer_without_a_bias_on_a_bf16_copy_kept_only_whe
     layer = onednn.PackedLinear(linear, matmul_dtype=torch.bfloat16)
     x = torch.randn(3, 70, 96)
     with torch.inference_mode():
+        for _ in range(MEASURED_CALLS):
+            layer(x)
         got = layer(x)
         again = layer(x)
         plain = F.linear(x.bfloat16(), linear.weight.bfloat16()).float()
@@ -188,6 +226,8 @@ def test_deterministic_algorithms_keep_the_prepacked_kernel_unmeasured(monkeypat
     assert torch.equal(got, torch.ops.mkldnn._linear_pointwise(x, layer._packed, linear.bias, "none", [], ""))
     assert choice.choices() == {}
     with torch.inference_mode():  # measured once it is off again
+        for _ in range(MEASURED_CALLS):
+            layer(x)
         assert torch.equal(layer(x), F.linear(x, linear.weight, linear.bias))
     assert list(choice.choices().values()) == [True]
 
@@ -205,6 +245,8 @@ def test_bf16_mixed_measures_a_gated_mlps_down_projection_on_its_bf16_input(monk
     fused = onednn.GatedMLP(mlp, torch.bfloat16)
     x = torch.randn(50, 64)
     with torch.inference_mode():
+        for _ in range(MEASURED_CALLS):
+            fused(x)
         got = fused(x)
         expected = mlp.double()(x.double())
     assert got.dtype == torch.float32

@@ -122,17 +122,20 @@ class PackedLinear(nn.Module):
         return self._packed_product(x)
 
     def _choose(self, x: torch.Tensor, key: tuple[int, int]) -> torch.Tensor:
-        """The product of ``x`` by the kernel :data:`PLAIN_OR_PACKED` chooses for this shape (shared
-        by the layers of the same shape), remembered for ``key``; the prepacked one, unmeasured,
-        under ``torch.use_deterministic_algorithms(True)``: a choice measured near a tie may differ
-        between processes, and with it the output's bf16 rounding."""
+        """The product of ``x`` by the kernel :data:`PLAIN_OR_PACKED` runs for this shape (shared
+        by the layers of the same shape), its choice remembered for ``key`` once measured; the
+        prepacked one, unmeasured, under ``torch.use_deterministic_algorithms(True)``: a choice
+        measured near a tie may differ between processes, and with it the output's bf16 rounding."""
         if torch.are_deterministic_algorithms_enabled():
             return self._packed_product(x)
         shape = (self.in_features, self.out_features, self.bias is not None, x.dtype, *key)
-        plain, out = PLAIN_OR_PACKED(shape, lambda: self._packed_product(x), lambda: self._plain_product(x))
-        self._plain_faster[key] = plain
-        if self.weight.dtype != self.matmul_dtype and not any(self._plain_faster.values()):
-            self._plain_weight = None
+        out = PLAIN_OR_PACKED(shape, lambda: self._packed_product(x), lambda: self._plain_product(x),
+                              x.numel() // self.in_features)
+        plain = PLAIN_OR_PACKED.chosen(shape)
+        if plain is not None:
+            self._plain_faster[key] = plain
+            if self.weight.dtype != self.matmul_dtype and not any(self._plain_faster.values()):
+                self._plain_weight = None
         return out
 
     def _packed_product(self, x: torch.Tensor) -> torch.Tensor:
