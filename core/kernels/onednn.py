@@ -23,7 +23,7 @@ products ``F.linear`` hands to MKL run faster than oneDNN's AVX2 kernels.
 
 A bf16 layer without a post-op (in bf16-mixed: without a bias either) runs, for each row count
 (in buckets of 64), whichever of its prepacked product and ``F.linear`` over its plain weight
-(bf16-mixed: a bf16 copy, kept only where chosen) was measured faster on first use
+(bf16-mixed: a bf16 copy, kept only where chosen) was measured faster over its first calls
 (:data:`PLAIN_OR_PACKED`): oneDNN's prepacked kernel wins at most row counts, but for some shapes
 and thread counts, on 2 AMX cores at 320-640 rows ``[768] -> [768]`` and ``[1152] -> [768]``, its
 split of the work leaves a core waiting (1.4-1.7x slower).
