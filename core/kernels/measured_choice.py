@@ -15,7 +15,7 @@ one process to the next, and the outputs with it, to the kernels' rounding.
 Each measured call runs one kernel, not both: the measurement then costs only the slower
 kernel's extra time on its few calls. Running both kernels five times on a bucket's first call,
 as this module first did, cost all-MiniLM-L6-v2 bf16 about 1 s of products on its first
-150 documents served (16 clients, one Zen 4 core: 35.2 against 29.4 CPU ms a document once warm).
+150 documents (16 client threads, one Zen 4 core: 36.1 against 29.4 CPU ms a document once warm).
 """
 
 from __future__ import annotations
