@@ -31,7 +31,8 @@ FORMATS = ("jsonl", "csv", "parquet")
 
 DESCRIPTION = """\
 Tokenize texts with the model's tokenizer, as its requests are tokenized, and write
-each text's token ids in input order. Nothing runs on the model.
+each text's token ids in input order. The model loads (its front end holds the tokenizer,
+the limits and the plugins) but never runs; on the CPU in float32 unless --dtype says otherwise.
 
 input (one source): TEXT arguments, or --input FILE as for `poolrunner embed`.
 
@@ -46,7 +47,7 @@ examples:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser = add_command(subparsers, "tokenize", summary="texts in, their token ids out (no model run)",
+    parser = add_command(subparsers, "tokenize", summary="texts in, their token ids out (the model loads, never runs)",
                          description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("texts", nargs="*", metavar="TEXT", help="texts to tokenize (or use --input)")
     files = parser.add_argument_group("input and output")

@@ -9,7 +9,6 @@ error they raise in that shape, including the body validation FastAPI does befor
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -82,7 +81,7 @@ async def send_error(send: Callable[[dict[str, Any]], Awaitable[None]], status: 
     """Answer :func:`error_body` as JSON through an ASGI ``send``, with ``headers`` besides the
     content type and length: for the layers below FastAPI's exception handlers (the middleware,
     the connection cap, Ray Serve's proxies)."""
-    body = json.dumps(error_body(status, message)).encode()
+    body = error_response(status, message).body  # serialized as every other error
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]})
     await send({"type": "http.response.body", "body": body})

@@ -62,10 +62,15 @@ REQUEST_STATS: ContextVar[RequestStats | None] = ContextVar("poolrunner_request_
 
 class BodyTooLargeError(HTTPException):
     """Raised from ``receive`` once the body passes the limit; FastAPI lets HTTP errors through
-    its body parsing (any other error there becomes a generic 400)."""
+    its body parsing (any other error there becomes a generic 400).
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"the request body is larger than the limit of {limit} bytes (max_request_bytes)")
+    :param size: The body's size, where its ``Content-Length`` gives it (``announced``); else the
+        bytes that had arrived when they passed the limit (the rest is never read).
+    """
+
+    def __init__(self, limit: int, size: int, announced: bool) -> None:
+        super().__init__(413, f"the request body has {'' if announced else 'at least '}{size} bytes, more than the "
+                              f"limit of {limit} bytes (max_request_bytes, the --max-request-bytes flag)")
 
 
 class ServerState:
@@ -163,7 +168,7 @@ class GuardMiddleware:
                 return 401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'"
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
-            return 413, str(BodyTooLargeError(self.max_request_bytes).detail)
+            return 413, str(BodyTooLargeError(self.max_request_bytes, int(length), announced=True).detail)
         return None
 
     def _open(self, method: str, path: str) -> bool:
@@ -180,7 +185,7 @@ class GuardMiddleware:
             if message["type"] == "http.request":
                 stats.body_bytes += len(message.get("body", b""))
                 if stats.body_bytes > self.max_request_bytes:
-                    raise BodyTooLargeError(self.max_request_bytes)
+                    raise BodyTooLargeError(self.max_request_bytes, stats.body_bytes, announced=False)
             return message
 
         return limited
