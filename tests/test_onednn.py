@@ -383,3 +383,22 @@ def test_auto_keeps_the_fastest_candidate_that_holds_the_bar(errors, chosen, bui
     _, got = precision.choose_cpu_precision(lambda p: _FakeEngine(errors[p.name], log, p.name), probes)
     assert got.name == chosen
     assert log == built
+
+
+def test_a_decorated_forward_is_known_by_the_code_it_wraps():
+    """transformers 5 wraps most attention and layer forwards (``deprecate_kwarg``; each layer's
+    gradient-checkpointing wrapper), and a wrapper has the same bytecode and names whatever it
+    wraps: keyed by its wrapper, a BERT layer would pass for a Llama decoder layer, and BERT's
+    encoder for its self-attention."""
+    from transformers.models.bert.modeling_bert import BertEncoder, BertLayer, BertSelfAttention
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from transformers.models.roberta.modeling_roberta import RobertaLayer
+
+    def wrapper_key(kind: type) -> tuple[bytes, tuple[str, ...]]:
+        return kind.forward.__code__.co_code, kind.forward.__code__.co_names
+
+    for one, other in ((BertLayer, LlamaDecoderLayer), (BertEncoder, BertSelfAttention)):
+        assert wrapper_key(one) == wrapper_key(other)
+        assert onednn.code_key(one.forward) != onednn.code_key(other.forward)
+    assert onednn.code_key(BertLayer.forward) == onednn.code_key(RobertaLayer.forward)  # a "Copied from" copy
+    assert onednn.code_key(None) is None

@@ -34,6 +34,7 @@ float32 rounding (or bf16 rounding in bf16), which the architecture tests check 
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 
@@ -401,8 +402,13 @@ def _post_op(activation: object) -> tuple[str, str] | None:
     return None
 
 
-def code_key(function: Callable[..., object]) -> tuple[bytes, tuple[str, ...]] | None:
-    """Bytecode and names of a function: equal for transformers' "Copied from" duplicates."""
+def code_key(function: Callable[..., object] | None) -> tuple[bytes, tuple[str, ...]] | None:
+    """Bytecode and names of a function: equal for transformers' "Copied from" duplicates. A
+    decorated function is keyed by the function it wraps (``__wrapped__``, as ``functools.wraps``
+    sets it): the wrapper's own code is the same whatever it wraps (transformers 5 puts
+    ``deprecate_kwarg`` on most attention and layer forwards)."""
+    if callable(function):
+        function = inspect.unwrap(function)
     code = getattr(function, "__code__", None)
     return None if code is None else (code.co_code, code.co_names)
 
