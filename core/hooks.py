@@ -59,6 +59,10 @@ class Hooks:
         """Every registered plugin, in registration order."""
         return self.manager.plugin_infos()
 
+    def only_builtin(self, hook: str) -> bool:
+        """Whether every plugin implementing ``hook`` ships with poolrunner."""
+        return all(info.source == "builtin" for info in self.plugin_infos() if hook in info.hooks)
+
     def has_plugin(self, name: str) -> bool:
         """Whether a plugin is registered under ``name`` (a disabled one is not)."""
         return self.manager.has_plugin(name)

@@ -43,7 +43,7 @@ from poolrunner.core.kernels import (
     fused_rotary,
     onednn,
 )
-from poolrunner.core.model import families, loader, metadata, siglip, token_logits
+from poolrunner.core.model import families, last_layer, loader, metadata, siglip, token_logits
 from poolrunner.core.model.hf_overrides import apply_hf_overrides
 from poolrunner.core.model.towers import TextImageModel
 from poolrunner.core.plugin_api.options import RequestOptions
@@ -277,6 +277,9 @@ def _build_engine(
     if config.compile == "auto":
         fused_mpnet.fuse_mpnet_attention(model.base_model)
         fused_deberta.fuse_deberta_attention(model.base_model, kernels)
+    # Served adapters slice each layer's rows by adapter: every row stays.
+    first_rows_layer = (config.compile == "auto" and not config.lora_enabled
+                        and last_layer.compute_first_rows_only(model.base_model))
     poolers = {}
     for task in tasks:
         try:
@@ -291,7 +294,8 @@ def _build_engine(
     if device.type == "cpu":
         memory.keep_step_buffers(memory.step_block_bytes(model, budget))
     runner = ModelRunner(model, poolers, hooks, model_config, default_task=tasks[0],
-                         bucket_tokens=device.type == "cpu", native_attention=native_attention)
+                         bucket_tokens=device.type == "cpu", native_attention=native_attention,
+                         first_rows_layer=first_rows_layer)
     scheduler = Scheduler(max_num_batched_tokens=budget, max_num_seqs=config.max_num_seqs,
                           chunked_prefill=runner.causal)
     async_scheduling = device.type == "cuda" if config.async_scheduling is None else config.async_scheduling

@@ -31,6 +31,11 @@ class Pooler(nn.Module, ABC):
     def get_supported_tasks(self) -> frozenset[PoolingTask]:
         """The tasks this pooler can compute."""
 
+    reads_first_rows: bool = False
+    """:meth:`forward` reads only each request's first row of the hidden states (CLS pooling, a
+    head on the CLS row): in a step where every pooler does, the last layer of a model that allows
+    it computes those rows only and leaves the others zero (:mod:`~poolrunner.core.model.last_layer`)."""
+
     accepted_params: frozenset[str] = frozenset()
     """Names of the :class:`PoolingParams` options this pooler honours; others are rejected."""
 

@@ -35,6 +35,7 @@ class ClassifierPooler(Pooler):
         self.head = sequence_classifier_head(model, model_config)
         self.activation = classifier_activation(model_config)
         self.head_dtype = next(model.parameters()).dtype
+        self.reads_first_rows = self.head.reads == "first"
 
     accepted_params = frozenset({"use_activation"})
 

@@ -37,6 +37,7 @@ class EmbeddingPooler(Pooler):
         self.model_config = model_config
         self.method = pooling_method(model_config)
         self.dense = nn.Sequential(*dense_layers)
+        self.reads_first_rows = model_config.pooling_modes == ("CLS",)
 
     @classmethod
     def from_model_config(cls, model_config: ModelConfig) -> EmbeddingPooler:
