@@ -7,7 +7,7 @@ step where every pooler reads only the first rows (:attr:`Pooler.reads_first_row
 ``PackedLayout.first_rows_only``), the last layer of a BERT-code encoder attends as before (its
 keys and values need every row, and so does its self-attention module, run unchanged) and runs the
 rest on the first rows only; its other output rows are left zero, as nothing reads them.
-all-MiniLM-L6-v2 as a CLS embedder, bf16 on 2 Zen 4 cores: 1.09-1.10x (bench/README.md).
+all-MiniLM-L6-v2 as a CLS embedder on 2 Zen 4 cores: 1.10-1.12x, bf16 and float32 (bench/README.md).
 
 Only a backbone whose forward, encoder, last layer, attention block and feed-forward chunk are
 BERT's code (bytecode-identical copies included: RoBERTa, XLM-R, ELECTRA...) and whose layer has
