@@ -27,49 +27,40 @@ def first_rows_steps(monkeypatch):
     return seen
 
 
-def _row(family: str, head: str) -> Row:
-    return Row(next(f for f in FAMILIES if f.id == family), head)
+def _loaded(tmp_path, family: str, head: str, first_rows_steps: list[bool], **options):
+    """The row's tiny folder loaded by poolrunner (float32) and by transformers, and its mixed-length inputs."""
+    row = Row(next(f for f in FAMILIES if f.id == family), head)
+    folder = build_folder(row, tmp_path / family)
+    runtime = Runtime(folder, dtype="float32", load_entrypoints=False, **options)
+    first_rows_steps.clear()  # the load's own forwards (the attention probe)
+    return runtime, load_reference(row, folder), [list(ids) for ids in inputs_for(row).mixed]
+
+
+def _normalized(rows: list[np.ndarray]) -> np.ndarray:
+    stacked = np.stack(rows)
+    return stacked / np.linalg.norm(stacked, axis=-1, keepdims=True)
 
 
 @pytest.mark.parametrize("family", ["bert", "roberta", "xlm-roberta"])
 def test_a_cls_embedder_equals_transformers_with_its_last_layer_on_the_first_rows(tmp_path, family, first_rows_steps):
-    row = _row(family, "model")
-    folder = build_folder(row, tmp_path / family)
-    reference = load_reference(row, folder)
-    runtime = Runtime(folder, dtype="float32", pooling_type="CLS", load_entrypoints=False)
-    batch = [list(ids) for ids in inputs_for(row).mixed]
-    first_rows_steps.clear()  # the load's own forward (the attention probe)
+    runtime, reference, batch = _loaded(tmp_path, family, "model", first_rows_steps, pooling_type="CLS")
     got = runtime.embed(batch)
-    want = np.stack([reference_output(reference, ids)[0] for ids in batch])
-    want /= np.linalg.norm(want, axis=-1, keepdims=True)
-    np.testing.assert_allclose(got, want, atol=2e-6)
+    np.testing.assert_allclose(got, _normalized([reference_output(reference, ids)[0] for ids in batch]), atol=2e-6)
     assert first_rows_steps and all(first_rows_steps)
 
 
 def test_a_cross_encoders_scores_equal_transformers_with_its_last_layer_on_the_first_rows(tmp_path, first_rows_steps):
-    row = _row("bert", "sequence")
-    folder = build_folder(row, tmp_path / "bert")
-    reference = load_reference(row, folder)
-    runtime = Runtime(folder, dtype="float32", load_entrypoints=False)
-    batch = [list(ids) for ids in inputs_for(row).mixed]
-    first_rows_steps.clear()
+    runtime, reference, batch = _loaded(tmp_path, "bert", "sequence", first_rows_steps)
     got = np.stack([result.probs for result in runtime.classify(batch, use_activation=False)])
-    want = np.stack([reference_output(reference, ids) for ids in batch])
-    np.testing.assert_allclose(got, want, atol=2e-5)
+    np.testing.assert_allclose(got, np.stack([reference_output(reference, ids) for ids in batch]), atol=2e-5)
     assert first_rows_steps and all(first_rows_steps)
 
 
 def test_a_pooler_reading_every_row_gets_every_row_computed(tmp_path, first_rows_steps):
-    row = _row("bert", "model")
-    folder = build_folder(row, tmp_path / "bert")
-    reference = load_reference(row, folder)
-    runtime = Runtime(folder, dtype="float32", pooling_type="MEAN", load_entrypoints=False)
-    batch = [list(ids) for ids in inputs_for(row).mixed]
-    first_rows_steps.clear()  # the load's own forward (the attention probe)
+    runtime, reference, batch = _loaded(tmp_path, "bert", "model", first_rows_steps, pooling_type="MEAN")
     got = runtime.embed(batch)
-    want = np.stack([reference_output(reference, ids).mean(0) for ids in batch])
-    want /= np.linalg.norm(want, axis=-1, keepdims=True)
-    np.testing.assert_allclose(got, want, atol=2e-6)
+    np.testing.assert_allclose(got, _normalized([reference_output(reference, ids).mean(0) for ids in batch]),
+                               atol=2e-6)
     assert first_rows_steps and not any(first_rows_steps)
 
 
@@ -86,11 +77,8 @@ def test_a_third_party_pool_hook_gets_every_row(tmp_path, first_rows_steps):
             self.rows_seen.append(hidden_states.clone())
             return (yield)
 
-    row = _row("bert", "model")
-    folder = build_folder(row, tmp_path / "bert")
-    runtime = Runtime(folder, dtype="float32", pooling_type="CLS", load_entrypoints=False, plugins=[Wrapper()])
-    first_rows_steps.clear()
-    runtime.embed([list(ids) for ids in inputs_for(row).mixed])
+    runtime, _, batch = _loaded(tmp_path, "bert", "model", first_rows_steps, pooling_type="CLS", plugins=[Wrapper()])
+    runtime.embed(batch)
     assert first_rows_steps and not any(first_rows_steps)
     assert all(bool((states.abs().sum(-1) > 0).all()) for states in Wrapper.rows_seen)
 

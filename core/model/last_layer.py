@@ -10,7 +10,7 @@ rest on the first rows only; its other output rows are left zero, as nothing rea
 all-MiniLM-L6-v2 as a CLS embedder on 2 Zen 4 cores: 1.10-1.12x, bf16 and float32 (bench/README.md).
 
 Only a backbone whose forward, encoder, last layer, attention block and feed-forward chunk are
-BERT's code (bytecode-identical copies included: RoBERTa, XLM-R, ELECTRA...) and whose layer has
+BERT's code (bytecode-identical copies included: RoBERTa's, XLM-R's) and whose layer has
 no cross-attention gets this forward: their code is self-attention, then row-wise blocks, and the
 encoder's output is the last layer's. Everything else in the step is unchanged.
 """
