@@ -1,6 +1,6 @@
-// What rms_norm.cpp and rotary.cpp share: masked 16-lane bfloat16 loads and roundings on
-// AVX512-BF16 builds, and the dispatch on a tensor's dtype (float32 on every build, bfloat16
-// where AVX512-BF16 is).
+// What rms_norm.cpp, rotary.cpp and packed_attention.cpp share: masked 16-lane bfloat16 loads
+// and roundings on AVX512-BF16 builds, and the dispatch on a tensor's dtype (float32 on every
+// build, bfloat16 where AVX512-BF16 is).
 
 #pragma once
 

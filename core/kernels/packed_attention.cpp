@@ -28,6 +28,8 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
+
+#include "kernel_common.h"
 #ifdef __AMX_BF16__
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -201,10 +203,8 @@ void pack_bf16(const Problem& p, int64_t start, int64_t length, int64_t kv_head,
     const auto* row = reinterpret_cast<const uint32_t*>(k + (start + j) * p.k_token + kv_head * p.k_head);
     for (int64_t t = 0; t < pairs; ++t) panel.key_pairs[t * panel.stride + j] = row[t];
     const c10::BFloat16* vrow = v + (start + j) * p.v_token + kv_head * p.v_head;
-    for (int64_t d = 0; d < p.dim; d += kKeys)  // bf16 -> fp32 is exact: the bits shifted up 16
-      vstore(panel.values.data() + j * p.dim + d,
-             _mm512_castsi512_ps(_mm512_slli_epi32(
-                 _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow + d))), 16)));
+    for (int64_t d = 0; d < p.dim; d += kKeys)  // head_dim is a multiple of 16: whole vectors
+      vstore(panel.values.data() + j * p.dim + d, poolrunner_cpu::load(vrow + d, poolrunner_cpu::lanes(p.dim - d)));
   }
 }
 #endif  // __AVX512BF16__
@@ -292,7 +292,7 @@ void values(int width, const float* const* e, const float* v, int64_t v_token, i
 inline void store(float* dst, Vec x) { vstore(dst, x); }
 #ifdef __AVX512BF16__
 inline void store(c10::BFloat16* dst, Vec x) {  // round to nearest even, as torch's casts do
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(x));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), poolrunner_cpu::to_bf16(x));
 }
 #endif
 

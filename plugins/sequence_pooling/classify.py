@@ -35,9 +35,13 @@ class ClassifierPooler(Pooler):
         self.head = sequence_classifier_head(model, model_config)
         self.activation = classifier_activation(model_config)
         self.head_dtype = next(model.parameters()).dtype
-        self.reads_first_rows = self.head.reads == "first"
 
     accepted_params = frozenset({"use_activation"})
+
+    @property
+    def reads_first_rows(self) -> bool:  # type: ignore[override]
+        """A head on the CLS row reads only each request's first row."""
+        return self.head.reads == "first"
 
     def get_supported_tasks(self) -> frozenset[PoolingTask]:
         return frozenset({"classify"})

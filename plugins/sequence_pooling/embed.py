@@ -37,13 +37,17 @@ class EmbeddingPooler(Pooler):
         self.model_config = model_config
         self.method = pooling_method(model_config)
         self.dense = nn.Sequential(*dense_layers)
-        self.reads_first_rows = model_config.pooling_modes == ("CLS",)
 
     @classmethod
     def from_model_config(cls, model_config: ModelConfig) -> EmbeddingPooler:
         return cls(model_config, [_load_dense(spec) for spec in model_config.dense_layers])
 
     accepted_params = frozenset({"dimensions", "normalize", "use_activation"})
+
+    @property
+    def reads_first_rows(self) -> bool:  # type: ignore[override]
+        """CLS pooling alone reads only each request's first row."""
+        return self.model_config.pooling_modes == ("CLS",)
 
     def get_supported_tasks(self) -> frozenset[PoolingTask]:
         return frozenset({"embed"})
