@@ -89,6 +89,26 @@ def test_a_packed_linear_takes_any_leading_shape(dtype):
     assert _relative_error(got, expected) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_joined_layers_give_each_layers_output_side_by_side(dtype, bias):
+    """Query, key and value as one product (BERT's layers): each block of columns is its layer's
+    output, and each layer, over views of the joined weights, still computes it alone."""
+    torch.manual_seed(0)
+    linears = [nn.Linear(48, width, bias=bias).to(dtype) for width in (32, 16, 16)]
+    x = torch.randn(7, 48).to(dtype)
+    with torch.inference_mode():
+        product, parts = onednn.joined_linear([onednn.PackedLinear(linear) for linear in linears])
+        got = product(x).split([32, 16, 16], dim=-1)
+        alone = [part(x) for part in parts]
+    for linear, part, out, out_alone in zip(linears, parts, got, alone, strict=True):
+        expected = F.linear(x.double(), linear.weight.double(), None if linear.bias is None else linear.bias.double())
+        assert _relative_error(out, expected) < (1e-6 if dtype == torch.float32 else 1e-2)
+        assert _relative_error(out_alone, expected) < (1e-6 if dtype == torch.float32 else 1e-2)
+        assert torch.equal(part.weight, linear.weight) and (part.bias is None) == (not bias)
+        assert part.weight.untyped_storage().data_ptr() == product.weight.untyped_storage().data_ptr()
+
+
 @needs_bf16_products
 def test_bf16_mixed_rounds_the_product_inputs_and_keeps_float32_around_them():
     linear, x = _linear(), torch.randn(9, 48)
@@ -313,7 +333,8 @@ def test_compile_auto_prepacks_the_backbone_and_off_leaves_it(model_path, st_mod
     to torch's; either way the vectors are sentence-transformers'."""
     texts = ["A packed weight changes nothing.", "Bias and GELU run inside the matmul."]
     expected = st_model.encode(texts, convert_to_numpy=True)
-    auto = 37 if onednn.PACK_FLOAT32 else 0  # 6 layers x 6 linear layers, and BERT's pooler
+    # 6 layers x 4 products (query, key and value joined: core/model/bert_layers.py), and BERT's pooler
+    auto = 25 if onednn.PACK_FLOAT32 else 0
     for mode, packed in (("auto", auto), ("off", 0)):
         spy = ModelSpy()  # the model served, as loaded
         runtime = poolrunner.Runtime(model_path, dtype="float32", compile=mode, load_entrypoints=False, plugins=[spy])

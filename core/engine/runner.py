@@ -52,7 +52,7 @@ class ModelRunner:
             poolrunner's CPU kernel (:mod:`~poolrunner.core.kernels.cpu_kernels`, already built),
             on CUDA flash attention's variable-length one (:mod:`~poolrunner.core.kernels.cuda_attention`).
         :param first_rows_layer: The model's last layer can compute only each request's first row
-            (:mod:`~poolrunner.core.model.last_layer`): steps whose poolers read nothing else ask it
+            (:mod:`~poolrunner.core.model.bert_layers`): steps whose poolers read nothing else ask it
             to, unless a plugin that does not ship with poolrunner implements ``pool`` (it is
             promised every row)."""
         self.model = model  # with its heads: what adapters load into

@@ -337,7 +337,7 @@ class PackedLayout:
     :ivar probe: When a list, every attention call appends ``True`` if its layer lets a query
         see a later token (used once at load by :func:`probe_attention`).
     :ivar first_rows_only: Only each request's first row of the last layer's output is read
-        (:func:`first_rows`; :mod:`~poolrunner.core.model.last_layer`).
+        (:func:`first_rows`; :mod:`~poolrunner.core.model.bert_layers`).
     """
 
     num_tokens: int

@@ -35,8 +35,9 @@ float32 rounding (or bf16 rounding in bf16), which the architecture tests check 
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -263,6 +264,26 @@ def _rows(linear: nn.Linear, start: int, stop: int) -> nn.Linear:
     if linear.bias is not None:
         part.bias = nn.Parameter(linear.bias.detach()[start:stop], requires_grad=False)
     return part
+
+
+def joined_linear(linears: Sequence[PackedLinear]) -> tuple[PackedLinear, list[nn.Linear]]:
+    """Layers that read the same input (prepacked alike, all with a bias or none) as one product.
+
+    :returns: A :class:`PackedLinear` whose ``[..., sum of out_features]`` output holds the
+        layers' outputs side by side, and for each layer an ``nn.Linear`` whose ``weight`` and
+        ``bias`` are views of the joined ones (no copy is kept besides the prepacked one): the
+        parameters keep their names, and code that calls a layer alone still gets its output
+        (``F.linear``'s, in the weight's dtype).
+    """
+    first = linears[0]
+    joined = nn.Linear(first.in_features, sum(linear.out_features for linear in linears),
+                       bias=first.bias is not None, device="meta")
+    joined.weight = nn.Parameter(torch.cat([linear.weight.detach() for linear in linears]), requires_grad=False)
+    if first.bias is not None:
+        joined.bias = nn.Parameter(torch.cat([linear.bias.detach() for linear in linears]), requires_grad=False)
+    ends = list(itertools.accumulate(linear.out_features for linear in linears))
+    parts = [_rows(joined, end - linear.out_features, end) for linear, end in zip(linears, ends, strict=True)]
+    return PackedLinear(joined, first.activation, first.matmul_dtype), parts
 
 
 def packed_linear(

@@ -1,0 +1,160 @@
+"""BERT-code encoder layers, each run by one function instead of transformers' module tree.
+
+transformers runs a BERT layer as eight modules (layer, attention block, self-attention,
+self-output, the chunking helper, feed-forward chunk, intermediate, output), three decorated
+forwards and ``apply_chunking_to_forward``, which calls ``inspect.signature`` every layer. With
+the products prepacked that Python is a large part of a small step: all-MiniLM-L6-v2 embedding
+one 31-token paragraph a call spends about 5.7 ms in the backbone, 4 ms of it in operators, on
+2 Zen 4 cores. A layer whose code is all BERT's (bytecode-identical copies included: RoBERTa's,
+XLM-R's, ELECTRA's, ERNIE's, CamemBERT's...) gets :func:`_forward`: the same operations on the
+same modules, in the same order, called directly; only the wrappers and the identity dropouts
+are gone. The layer itself is still called as a module, so hooks on layers (int8's block
+replay, transformers' hidden-state capture) see every call; a layer with hooks on its
+self-attention, in training, given cross-attention inputs or a cache, or chunking its
+feed-forward runs transformers' own forward.
+
+Two more changes ride on it:
+
+- **Query, key and value in one product** (:class:`FusedProjections`), where the three are
+  prepacked alike: one oneDNN call instead of three, which at small row counts is mostly call
+  overhead (``[31, 384] x [384, 384 * 3]`` bf16: 87 us against 140 us for the three). Their
+  weights become one tensor, of which the layers' ``query.weight``, ``key.weight`` and
+  ``value.weight`` are views: no extra memory, the parameter names unchanged (the three become
+  plain ``nn.Linear`` layers over those views, for transformers' forward where it still runs).
+- **The last layer on the first rows only**: in a step where every pooler reads only each
+  request's first row (:attr:`Pooler.reads_first_rows
+  <poolrunner.core.plugin_api.pooler.Pooler.reads_first_rows>`, the runner's decision:
+  ``PackedLayout.first_rows_only``), the last layer attends as before (keys and values need every
+  row) and runs its output block and MLP on those rows only; its other rows are left zero, as
+  nothing reads them. all-MiniLM-L6-v2 as a CLS embedder on 2 Zen 4 cores: 1.10-1.12x, bf16 and
+  float32 (bench/README.md). Only where the backbone's and encoder's forwards are BERT's, so
+  the encoder's output is the last layer's.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.bert import modeling_bert as bert
+
+from poolrunner.core.kernels.attention import LAYOUT_KWARG
+from poolrunner.core.kernels.onednn import PackedLinear, code_key, joined_linear
+
+_LAYER_CODE = {
+    "layer": code_key(bert.BertLayer.forward), "feed_forward": code_key(bert.BertLayer.feed_forward_chunk),
+    "attention": code_key(bert.BertAttention.forward), "self": code_key(bert.BertSelfAttention.forward),
+    "self_output": code_key(bert.BertSelfOutput.forward), "intermediate": code_key(bert.BertIntermediate.forward),
+    "output": code_key(bert.BertOutput.forward),
+}
+_STACK_CODE = {"model": code_key(bert.BertModel.forward), "encoder": code_key(bert.BertEncoder.forward)}
+_FIRST_ROWS = "_poolrunner_first_rows"
+"""A layer's attribute: ``True`` on a last layer whose output is the backbone's (the first-rows step)."""
+
+
+def run_layers_directly(backbone: nn.Module) -> bool:
+    """Give every layer of ``backbone``, where all are BERT-code encoder layers, :func:`_forward`,
+    and query, key and value one product where they are prepacked alike (:class:`FusedProjections`).
+
+    :returns: Whether the last layer can compute only each request's first row (the backbone's
+        and encoder's forwards are BERT's too); ``False`` also when nothing was changed.
+    """
+    encoder = getattr(backbone, "encoder", None)
+    layers = getattr(encoder, "layer", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0 or not all(_is_bert_layer(layer) for layer in layers):
+        return False
+    for layer in layers:
+        FusedProjections.install(layer.attention.self)
+        layer.forward = types.MethodType(_forward, layer)
+    stack = {"model": type(backbone).forward, "encoder": type(encoder).forward}
+    first_rows = all(code_key(function) == _STACK_CODE[name] for name, function in stack.items())
+    setattr(layers[-1], _FIRST_ROWS, first_rows)
+    return first_rows
+
+
+def _is_bert_layer(layer: nn.Module) -> bool:
+    """Whether ``layer`` and its blocks run BERT's code, as a self-attending encoder layer."""
+    attention = getattr(layer, "attention", None)
+    blocks = {"layer": layer, "attention": attention, "self": getattr(attention, "self", None),
+              "self_output": getattr(attention, "output", None), "intermediate": getattr(layer, "intermediate", None),
+              "output": getattr(layer, "output", None)}
+    if any(block is None or code_key(type(block).forward) != _LAYER_CODE[name] for name, block in blocks.items()):
+        return False
+    if code_key(getattr(type(layer), "feed_forward_chunk", None)) != _LAYER_CODE["feed_forward"]:
+        return False
+    return not (getattr(layer, "is_decoder", False) or hasattr(layer, "crossattention")
+                or attention.is_cross_attention)
+
+
+class FusedProjections(nn.Module):
+    """A self-attention's query, key and value projections as one prepacked product.
+
+    ``[..., hidden]`` -> ``[..., 3 * all_head_size]`` (query, key, value side by side), each
+    column what its own layer computes, in the product's dtype and rounding.
+    """
+
+    def __init__(self, product: PackedLinear, sizes: tuple[int, ...]) -> None:
+        super().__init__()
+        self.product = product
+        self.sizes = sizes
+
+    @classmethod
+    def install(cls, attention: nn.Module) -> None:
+        """Put one on ``attention`` (as ``projections``) when its query, key and value are
+        prepacked alike; they become ``nn.Linear`` layers over views of the joined weights."""
+        names = ("query", "key", "value")
+        linears = [getattr(attention, name) for name in names]
+        first = linears[0]
+        if not all(type(linear) is PackedLinear and linear.activation == first.activation
+                   and linear.matmul_dtype == first.matmul_dtype and (linear.bias is None) == (first.bias is None)
+                   for linear in linears):
+            return
+        product, parts = joined_linear(linears)
+        attention.projections = cls(product, tuple(linear.out_features for linear in linears))
+        for name, part in zip(names, parts, strict=True):
+            setattr(attention, name, part)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``[..., hidden]`` -> query, key and value, ``[..., size]`` views of one product each."""
+        return self.product(hidden_states).split(self.sizes, dim=-1)
+
+
+def _forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: Any = None,
+             encoder_hidden_states: torch.Tensor | None = None, encoder_attention_mask: Any = None,
+             cache: Any = None, **kwargs: Any) -> torch.Tensor:
+    """``BertLayer.forward`` with its blocks inlined: ``[batch, tokens, hidden]`` -> the same shape.
+    With the step's layout asking for first rows only (the last layer), those rows as the layer's
+    code computes them and zeros elsewhere."""
+    attention = self.attention.self
+    if (self.training or encoder_hidden_states is not None or cache is not None or self.chunk_size_feed_forward
+            or attention._forward_hooks or attention._forward_pre_hooks):
+        return type(self).forward(self, hidden_states, attention_mask, encoder_hidden_states,
+                                  encoder_attention_mask=encoder_attention_mask, cache=cache, **kwargs)
+    heads = (*hidden_states.shape[:-1], -1, attention.attention_head_size)
+    projections = getattr(attention, "projections", None)
+    qkv = projections(hidden_states) if projections is not None else (
+        attention.query(hidden_states), attention.key(hidden_states), attention.value(hidden_states))
+    query, key, value = (t.view(heads).transpose(1, 2) for t in qkv)
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation, bert.eager_attention_forward)
+    context, _ = attend(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling, **kwargs)
+    context = context.reshape(*hidden_states.shape[:-1], -1).contiguous()
+    layout = kwargs.get(LAYOUT_KWARG)
+    if layout is None or not layout.first_rows_only or not getattr(self, _FIRST_ROWS, False):
+        return _row_blocks(self, context, hidden_states)
+    rows = layout.first_rows(hidden_states.device)
+    computed = _row_blocks(self, context.index_select(1, rows), hidden_states.index_select(1, rows))
+    return hidden_states.new_zeros(hidden_states.shape).index_copy_(1, rows, computed)
+
+
+def _row_blocks(layer: nn.Module, context: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The layer's blocks after attention, each row alone: ``BertSelfOutput``, then the
+    feed-forward chunk (``BertIntermediate``, ``BertOutput``); dropouts are the identity here."""
+    self_output, intermediate, output = layer.attention.output, layer.intermediate, layer.output
+    attended = self_output.LayerNorm(self_output.dense(context) + hidden_states)
+    inner = intermediate.dense(attended)
+    if type(intermediate.intermediate_act_fn) is not nn.Identity:  # nn.Identity: fused into the product
+        inner = intermediate.intermediate_act_fn(inner)
+    return output.LayerNorm(output.dense(inner) + attended)
