@@ -34,7 +34,9 @@ class Pooler(nn.Module, ABC):
     reads_first_rows: bool = False
     """:meth:`forward` reads only each request's first row of the hidden states (CLS pooling, a
     head on the CLS row): in a step where every pooler does, the last layer of a model that allows
-    it computes those rows only and leaves the others zero (:mod:`~poolrunner.core.model.bert_layers`)."""
+    it computes those rows only and leaves the others zero (:mod:`~poolrunner.core.model.bert_layers`).
+    The plugin test kit's conformance suite checks that a pooler's outputs are the same with every
+    row computed."""
 
     accepted_params: frozenset[str] = frozenset()
     """Names of the :class:`PoolingParams` options this pooler honours; others are rejected."""

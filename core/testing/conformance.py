@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from poolrunner.core.plugin_api.hookspec import hookimpl
 from poolrunner.core.testing.pytest_plugin import entry_point_name as installed_name
 from poolrunner.core.testing.pytest_plugin import make_runtime, manager_options
 from poolrunner.core.testing.pytest_plugin import plugin_name as registered_name
@@ -203,6 +204,23 @@ class PoolingPluginConformance:
             for ids, output in zip(prompts, outputs, strict=True):
                 _check_output(task, output, self.output_spec(task, runtime.model_config, len(ids)))
 
+    def test_outputs_equal_those_with_every_row_computed(
+        self, plugin: object, claimed_tasks: set[str], task_models: dict[str, Path], sample_texts: list[str],
+        poolrunner_tiny_model: Callable[..., Path],
+    ) -> None:
+        """A pooler that declares ``reads_first_rows`` is handed, in steps where every pooler
+        does, a last layer computed on each request's first row only (BERT-code models; the
+        other rows zero): its outputs must equal those it gives when every row is computed (as
+        when a plugin of its own implements ``pool``)."""
+        for task in sorted(claimed_tasks):
+            path = task_models.get(task) or poolrunner_tiny_model()
+            first_rows = make_runtime([plugin], model=path, task=task)
+            every_row = make_runtime([plugin, _EveryRow()], model=path, task=task)
+            batch = [list(ids) for ids in first_rows.inputs.encode(sample_texts)]
+            for got, expected in zip(first_rows.encode(batch, task=task), every_row.encode(batch, task=task),
+                                     strict=True):
+                _assert_close(task, got, expected)
+
     def test_declared_request_options_are_taken_and_checked(
         self, plugin: object, plugin_name: str, claimed_tasks: set[str], task_models: dict[str, Path],
         option_values: dict[str, Any], sample_texts: list[str], plugin_hooks,
@@ -292,6 +310,28 @@ class PoolingPluginConformance:
         """)
         result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+class _EveryRow:
+    """A plugin of the test's own implementing ``pool`` (passing it through): the runtime then
+    computes every row of the last layer (``Hooks.only_builtin("pool")``)."""
+
+    @hookimpl(wrapper=True)
+    def pool(self) -> Any:
+        return (yield)
+
+
+def _assert_close(task: str, got: Any, expected: Any) -> None:
+    """Equal to float32 rounding (the products' row blocks differ), part by part for named outputs."""
+    import numpy as np
+
+    if isinstance(expected, Mapping):
+        assert isinstance(got, Mapping) and set(got) == set(expected), (task, type(got))
+        for name in expected:
+            _assert_close(f"{task}[{name}]", got[name], expected[name])
+        return
+    np.testing.assert_allclose(np.asarray(got, dtype=np.float64), np.asarray(expected, dtype=np.float64), rtol=1e-5,
+                               atol=1e-5, err_msg=f"task {task!r}: outputs depend on rows other than the first")
 
 
 _WRONG_TYPE: dict[type, Any] = {int: "1", float: "1.0", bool: 1, str: 1}
