@@ -144,6 +144,27 @@ def test_hooks_on_the_layers_and_their_attention_see_what_transformers_gives_the
     torch.testing.assert_close(plain.last_hidden_state, want.last_hidden_state)
 
 
+def test_a_hook_on_an_inlined_block_sees_its_output():
+    """A user's hook on a block the direct forward does not call as a module (here the MLP's first
+    half) makes the layer run transformers' forward, so the hook fires with that block's output."""
+    import copy
+
+    from poolrunner.core.kernels import onednn
+
+    reference = _tiny_bert()
+    model = copy.deepcopy(reference)
+    onednn.prepack(model)
+    bert_layers.run_layers_directly(model)
+    seen: dict[str, torch.Tensor] = {}
+    for name, net in (("want", reference), ("got", model)):
+        net.encoder.layer[1].intermediate.register_forward_hook(lambda _m, _i, out, name=name: seen.update({name: out}))
+    ids = torch.randint(5, 99, (2, 7))
+    with torch.inference_mode():
+        want, got = reference(ids).last_hidden_state, model(ids).last_hidden_state
+    torch.testing.assert_close(seen["got"], seen["want"])
+    torch.testing.assert_close(got, want)
+
+
 def test_only_a_bert_code_encoder_gets_the_forward():
     from transformers import LlamaConfig, LlamaModel
 

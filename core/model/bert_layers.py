@@ -9,9 +9,10 @@ one 31-token paragraph a call spends about 5.7 ms in the backbone, 4 ms of it in
 XLM-R's, ELECTRA's, ERNIE's, CamemBERT's...) gets :func:`_forward`: the same operations on the
 same modules, in the same order, called directly; only the wrappers and the identity dropouts
 are gone. The layer itself is still called as a module, so hooks on layers (int8's block
-replay, transformers' hidden-state capture) see every call; a layer with hooks on its
-self-attention, in training, given cross-attention inputs or a cache, or chunking its
-feed-forward runs transformers' own forward.
+replay, transformers' hidden-state capture) see every call; a layer with hooks on a block it
+inlines (transformers' attention capture hooks the self-attention) or global module hooks, in
+training, given cross-attention inputs or a cache, or chunking its feed-forward runs
+transformers' own forward.
 
 Two more changes ride on it:
 
@@ -130,7 +131,7 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: Any =
     code computes them and zeros elsewhere."""
     attention = self.attention.self
     if (self.training or encoder_hidden_states is not None or cache is not None or self.chunk_size_feed_forward
-            or attention._forward_hooks or attention._forward_pre_hooks):
+            or _hooked(self)):
         return type(self).forward(self, hidden_states, attention_mask, encoder_hidden_states,
                                   encoder_attention_mask=encoder_attention_mask, cache=cache, **kwargs)
     heads = (*hidden_states.shape[:-1], -1, attention.attention_head_size)
@@ -147,6 +148,14 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: Any =
     rows = layout.first_rows(hidden_states.device)
     computed = _row_blocks(self, context.index_select(1, rows), hidden_states.index_select(1, rows))
     return hidden_states.new_zeros(hidden_states.shape).index_copy_(1, rows, computed)
+
+
+def _hooked(layer: nn.Module) -> bool:
+    """Whether a hook waits on a block this forward does not call as a module (transformers'
+    attention capture hooks the self-attention), or on every module."""
+    blocks = (layer.attention, layer.attention.self, layer.attention.output, layer.intermediate, layer.output)
+    return (any(block._forward_hooks or block._forward_pre_hooks for block in blocks)
+            or bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks))
 
 
 def _row_blocks(layer: nn.Module, context: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
