@@ -73,19 +73,25 @@ def _lora_modules(value: Any) -> dict[str, str]:
     return modules
 
 
+def _upper(value: Any) -> Any:
+    """A name in upper case (``"cls"`` -> ``"CLS"``, as TEI's ``--pooling cls`` is written); anything else as it is."""
+    return value.upper() if isinstance(value, str) else value
+
+
 @frozen(kw_only=True)
 class ModelOverrides:
     """Explicit settings that win over the model folder's own.
 
     :ivar pooling_type: Sequence pooling for ``embed`` (``CLS``, ``MEAN``, ``LAST``, ``MAX``,
-        ``WEIGHTEDMEAN`` or ``MEAN_SQRT_LEN``).
+        ``WEIGHTEDMEAN`` or ``MEAN_SQRT_LEN``; any case).
     :ivar normalize: Default of per-request normalization.
     :ivar max_model_len: Longest accepted prompt, tokens; at most what the model supports.
     :ivar is_matryoshka: Accept ``dimensions`` for a model whose config does not say so.
     :ivar matryoshka_dimensions: The allowed ``dimensions`` (implies ``is_matryoshka``).
     """
 
-    pooling_type: PoolingType | None = field(default=None, validator=one_of(POOLING_TYPES, optional=True))
+    pooling_type: PoolingType | None = field(default=None, converter=_upper,
+                                             validator=one_of(POOLING_TYPES, optional=True))
     normalize: bool | None = field(default=None, validator=optional_bool)
     max_model_len: int | None = field(default=None, validator=positive_int)
     is_matryoshka: bool | None = None

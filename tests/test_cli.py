@@ -176,12 +176,13 @@ def test_usage_errors_are_one_line_and_a_hint(capsys: pytest.CaptureFixture[str]
 
 
 def test_pooling_type_overrides_the_folders_pooling(capsys: pytest.CaptureFixture[str], reference: Reference) -> None:
-    """--pooling-type CLS on all-MiniLM-L6-v2 (a MEAN model) gives sentence-transformers' Pooling(cls)
-    of the same folder; a type that is not one vector per sequence is a usage error."""
+    """--pooling-type cls (any case, as TEI's --pooling cls) on all-MiniLM-L6-v2 (a MEAN model) gives
+    sentence-transformers' Pooling(cls) of the same folder; a type that is not one vector per
+    sequence is a usage error."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
 
-    code, out, err = run_cli(capsys, "embed", "--pooling-type", "CLS", *TEXTS)
+    code, out, err = run_cli(capsys, "embed", "--pooling-type", "cls", *TEXTS)
     assert code == 0, err
     modules = list(reference.model)  # type: ignore[attr-defined]
     cls = SentenceTransformer(modules=[modules[0], Pooling(384, "cls"), Normalize()], device="cpu")

@@ -23,6 +23,12 @@ def test_keywords_and_from_config_load_the_same_settings(model_path, runtime):
     assert (by_keywords.embed(texts) == by_config.embed(texts)).all()
 
 
+def test_a_pooling_type_is_taken_in_any_case():
+    """sentence-transformers and TEI write pooling modes in lower case."""
+    assert RuntimeConfig.from_options(pooling_type="cls").overrides.pooling_type == "CLS"
+    assert ModelOverrides(pooling_type="Mean").pooling_type == "MEAN"
+
+
 def test_an_unknown_option_is_a_type_error_naming_it():
     with pytest.raises(TypeError, match=r"^unknown runtime option\(s\) 'max_batch_tokens'; known: "
                                         r"allowed_media_domains, async_scheduling, "):

@@ -275,7 +275,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, several: str | None = 
                             "unless it is truncated and the kept tokens lie in its first (last, with left "
                             "truncation) N characters (default: 32 per token of --max-embed-len, else of the "
                             "model maximum)")
-    model.add_argument("--pooling-type", choices=SEQUENCE_POOLING_TYPES, default=None,
+    model.add_argument("--pooling-type", type=str.upper, choices=SEQUENCE_POOLING_TYPES, default=None,
                        help="how embed pools a sequence's token states, over the model folder's own setting "
                             "(vLLM's --pooler-config '{\"pooling_type\": ...}'; sentence-transformers' Pooling "
                             "modes cls, mean, lasttoken, max, weightedmean, mean_sqrt_len_tokens)")
