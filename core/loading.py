@@ -43,7 +43,7 @@ from poolrunner.core.kernels import (
     fused_rotary,
     onednn,
 )
-from poolrunner.core.model import bert_layers, families, loader, metadata, siglip, token_logits
+from poolrunner.core.model import bert_layers, decoder_layers, families, loader, metadata, siglip, token_logits
 from poolrunner.core.model.hf_overrides import apply_hf_overrides
 from poolrunner.core.model.towers import TextImageModel
 from poolrunner.core.plugin_api.options import RequestOptions
@@ -277,9 +277,12 @@ def _build_engine(
     if config.compile == "auto":
         fused_mpnet.fuse_mpnet_attention(model.base_model)
         fused_deberta.fuse_deberta_attention(model.base_model, kernels)
-    # Served adapters slice each layer's rows by adapter: every row stays, each layer a module.
-    first_rows_layer = (config.compile == "auto" and not config.lora_enabled
-                        and bert_layers.run_layers_directly(model.base_model))
+    # Served adapters find their layers by name and slice each layer's rows by adapter: every
+    # layer stays transformers' modules, every row is computed.
+    direct = config.compile == "auto" and not config.lora_enabled
+    first_rows_layer = direct and bert_layers.run_layers_directly(model.base_model)
+    if direct:
+        decoder_layers.run_layers_directly(model.base_model)
     poolers = {}
     for task in tasks:
         try:

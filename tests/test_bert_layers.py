@@ -13,6 +13,7 @@ import torch
 
 from poolrunner import Runtime
 from poolrunner.core.model import bert_layers
+from poolrunner.core.model.joined_projections import JoinedProjections
 from tests.models.architectures import FAMILIES, Row, build_folder, inputs_for, load_reference, reference_output
 
 
@@ -91,7 +92,7 @@ def test_a_third_party_pool_hook_gets_every_row(tmp_path, first_rows_steps):
 def test_every_bert_code_family_equals_transformers_with_its_layers_run_directly(tmp_path, family, first_rows_steps):
     runtime, reference, batch = _loaded(tmp_path, family, "model", first_rows_steps, pooling_type="MEAN")
     layers = runtime._engine.runner.backbone.encoder.layer
-    assert all(isinstance(layer.attention.self.projections, bert_layers.FusedProjections) for layer in layers)
+    assert all(isinstance(layer.attention.self.projections, JoinedProjections) for layer in layers)
     got = runtime.embed(batch)
     np.testing.assert_allclose(got, _normalized([reference_output(reference, ids).mean(0) for ids in batch]),
                                atol=2e-6)

@@ -16,12 +16,8 @@ transformers' own forward.
 
 Two more changes ride on it:
 
-- **Query, key and value in one product** (:class:`FusedProjections`), where the three are
-  prepacked alike: one oneDNN call instead of three, which at small row counts is mostly call
-  overhead (``[31, 384] x [384, 384 * 3]`` bf16: 87 us against 140 us for the three). Their
-  weights become one tensor, of which the layers' ``query.weight``, ``key.weight`` and
-  ``value.weight`` are views: no extra memory, the parameter names unchanged (the three become
-  plain ``nn.Linear`` layers over those views, for transformers' forward where it still runs).
+- **Query, key and value in one product**, where the three are prepacked alike
+  (:mod:`~poolrunner.core.model.joined_projections`).
 - **The last layer on the first rows only**: in a step where every pooler reads only each
   request's first row (:attr:`Pooler.reads_first_rows
   <poolrunner.core.plugin_api.pooler.Pooler.reads_first_rows>`, the runner's decision:
@@ -43,7 +39,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bert import modeling_bert as bert
 
 from poolrunner.core.kernels.attention import LAYOUT_KWARG
-from poolrunner.core.kernels.onednn import PackedLinear, code_key, joined_linear
+from poolrunner.core.kernels.onednn import code_key
+from poolrunner.core.model.joined_projections import JoinedProjections, project
 
 _LAYER_CODE = {
     "layer": code_key(bert.BertLayer.forward), "feed_forward": code_key(bert.BertLayer.feed_forward_chunk),
@@ -52,13 +49,14 @@ _LAYER_CODE = {
     "output": code_key(bert.BertOutput.forward),
 }
 _STACK_CODE = {"model": code_key(bert.BertModel.forward), "encoder": code_key(bert.BertEncoder.forward)}
+_PROJECTIONS = ("query", "key", "value")
 _FIRST_ROWS = "_poolrunner_first_rows"
 """A layer's attribute: ``True`` on a last layer whose output is the backbone's (the first-rows step)."""
 
 
 def run_layers_directly(backbone: nn.Module) -> bool:
     """Give every layer of ``backbone``, where all are BERT-code encoder layers, :func:`_forward`,
-    and query, key and value one product where they are prepacked alike (:class:`FusedProjections`).
+    and query, key and value one product where they are prepacked alike.
 
     :returns: Whether the last layer can compute only each request's first row (the backbone's
         and encoder's forwards are BERT's too); ``False`` also when nothing was changed.
@@ -68,7 +66,7 @@ def run_layers_directly(backbone: nn.Module) -> bool:
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0 or not all(_is_bert_layer(layer) for layer in layers):
         return False
     for layer in layers:
-        FusedProjections.install(layer.attention.self)
+        JoinedProjections.install(layer.attention.self, _PROJECTIONS)
         layer.forward = types.MethodType(_forward, layer)
     stack = {"model": type(backbone).forward, "encoder": type(encoder).forward}
     first_rows = all(code_key(function) == _STACK_CODE[name] for name, function in stack.items())
@@ -90,39 +88,6 @@ def _is_bert_layer(layer: nn.Module) -> bool:
                 or attention.is_cross_attention)
 
 
-class FusedProjections(nn.Module):
-    """A self-attention's query, key and value projections as one prepacked product.
-
-    ``[..., hidden]`` -> ``[..., 3 * all_head_size]`` (query, key, value side by side), each
-    column what its own layer computes, in the product's dtype and rounding.
-    """
-
-    def __init__(self, product: PackedLinear, sizes: tuple[int, ...]) -> None:
-        super().__init__()
-        self.product = product
-        self.sizes = sizes
-
-    @classmethod
-    def install(cls, attention: nn.Module) -> None:
-        """Put one on ``attention`` (as ``projections``) when its query, key and value are
-        prepacked alike; they become ``nn.Linear`` layers over views of the joined weights."""
-        names = ("query", "key", "value")
-        linears = [getattr(attention, name) for name in names]
-        first = linears[0]
-        if not all(type(linear) is PackedLinear and linear.activation == first.activation
-                   and linear.matmul_dtype == first.matmul_dtype and (linear.bias is None) == (first.bias is None)
-                   for linear in linears):
-            return
-        product, parts = joined_linear(linears)
-        attention.projections = cls(product, tuple(linear.out_features for linear in linears))
-        for name, part in zip(names, parts, strict=True):
-            setattr(attention, name, part)
-
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``[..., hidden]`` -> query, key and value, ``[..., size]`` views of one product each."""
-        return self.product(hidden_states).split(self.sizes, dim=-1)
-
-
 def _forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: Any = None,
              encoder_hidden_states: torch.Tensor | None = None, encoder_attention_mask: Any = None,
              cache: Any = None, **kwargs: Any) -> torch.Tensor:
@@ -135,10 +100,7 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: Any =
         return type(self).forward(self, hidden_states, attention_mask, encoder_hidden_states,
                                   encoder_attention_mask=encoder_attention_mask, cache=cache, **kwargs)
     heads = (*hidden_states.shape[:-1], -1, attention.attention_head_size)
-    projections = getattr(attention, "projections", None)
-    qkv = projections(hidden_states) if projections is not None else (
-        attention.query(hidden_states), attention.key(hidden_states), attention.value(hidden_states))
-    query, key, value = (t.view(heads).transpose(1, 2) for t in qkv)
+    query, key, value = (t.view(heads).transpose(1, 2) for t in project(attention, _PROJECTIONS, hidden_states))
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation, bert.eager_attention_forward)
     context, _ = attend(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling, **kwargs)
     context = context.reshape(*hidden_states.shape[:-1], -1).contiguous()

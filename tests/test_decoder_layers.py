@@ -1,0 +1,74 @@
+"""Llama-code decoder layers run by one function (``core/model/decoder_layers.py``): Llama's,
+Mistral's, Qwen2's (causal and bidirectional) and Qwen3's (with sliding layers) equal
+transformers' own, each input run alone, with query, key and value in one product; hooks on the
+layers and on their attention still see what transformers' forward gives them; other codes keep
+transformers' forward."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from poolrunner import Runtime
+from poolrunner.core.kernels import onednn
+from poolrunner.core.model import decoder_layers
+from poolrunner.core.model.joined_projections import JoinedProjections
+from tests.models.architectures import FAMILIES, Row, build_folder, inputs_for, load_reference, reference_output
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen2-bidirectional", "qwen3", "qwen3-sliding"])
+def test_a_decoder_embedder_equals_transformers_with_its_layers_run_directly(tmp_path, family):
+    row = Row(next(f for f in FAMILIES if f.id == family), "model")
+    folder = build_folder(row, tmp_path / family)
+    runtime = Runtime(folder, dtype="float32", pooling_type="MEAN", load_entrypoints=False)
+    layers = runtime._engine.runner.backbone.layers
+    assert all("forward" in vars(layer) and isinstance(layer.self_attn.projections, JoinedProjections)
+               for layer in layers)
+    reference = load_reference(row, folder)
+    batch = [list(ids) for ids in inputs_for(row).mixed]
+    expected = np.stack([reference_output(reference, ids).mean(0) for ids in batch])
+    np.testing.assert_allclose(runtime.embed(batch), expected / np.linalg.norm(expected, axis=-1, keepdims=True),
+                               atol=2e-6)
+
+
+def _tiny_llama(**config):
+    from transformers import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 99, "attn_implementation": "eager", **config}
+    return LlamaModel(LlamaConfig(**small)).eval()
+
+
+def test_hooks_on_the_layers_and_their_attention_see_what_transformers_gives_them():
+    """transformers' hidden-state capture hooks the layers (still called as modules), its
+    attention capture the attention modules (whose layers then run transformers' forward, the
+    projections as their own layers again, over views of the joined weights)."""
+    reference = _tiny_llama()
+    model = copy.deepcopy(reference)
+    onednn.prepack(model)
+    assert decoder_layers.run_layers_directly(model) == 2
+    ids = torch.randint(5, 99, (2, 7))
+    with torch.inference_mode():
+        plain = model(ids)
+        want = reference(ids, output_hidden_states=True, output_attentions=True)
+        got = model(ids, output_hidden_states=True, output_attentions=True)
+    for name in ("hidden_states", "attentions"):
+        assert len(got[name]) == len(want[name])
+        for a, b in zip(got[name], want[name], strict=True):
+            torch.testing.assert_close(a, b)
+    torch.testing.assert_close(plain.last_hidden_state, want.last_hidden_state)
+
+
+def test_only_known_codes_get_the_forward():
+    from transformers import BertConfig, BertModel, Gemma2Config, Gemma2Model
+
+    assert decoder_layers.run_layers_directly(_tiny_llama()) == 2
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+    gemma2 = Gemma2Model(Gemma2Config(**small, num_key_value_heads=2, head_dim=8))
+    assert decoder_layers.run_layers_directly(gemma2) == 0
+    assert all("forward" not in vars(layer) for layer in gemma2.layers)
+    assert decoder_layers.run_layers_directly(BertModel(BertConfig(**small))) == 0
