@@ -94,6 +94,22 @@ def normalized(x: np.ndarray) -> np.ndarray:
     return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
 
+def assert_captures_equal(model: Any, reference: Any, ids: Any) -> None:
+    """``model`` (a transformers backbone whose layers poolrunner changed) gives ``reference``'s
+    last hidden state, and, when transformers captures them, its hidden states and attentions."""
+    import torch
+
+    with torch.inference_mode():
+        plain = model(ids)
+        want = reference(ids, output_hidden_states=True, output_attentions=True)
+        got = model(ids, output_hidden_states=True, output_attentions=True)
+    for name in ("hidden_states", "attentions"):
+        assert len(got[name]) == len(want[name])
+        for a, b in zip(got[name], want[name], strict=True):
+            torch.testing.assert_close(a, b)
+    torch.testing.assert_close(plain.last_hidden_state, want.last_hidden_state)
+
+
 @contextlib.contextmanager
 def captured_logs(caplog: Any) -> Iterator[None]:
     """Records of poolrunner's and uvicorn's loggers into ``caplog``, even where an earlier test's

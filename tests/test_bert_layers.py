@@ -14,6 +14,7 @@ import torch
 from poolrunner import Runtime
 from poolrunner.core.model import bert_layers
 from poolrunner.core.model.joined_projections import JoinedProjections
+from tests.helpers import assert_captures_equal
 from tests.models.architectures import FAMILIES, Row, build_folder, inputs_for, load_reference, reference_output
 
 
@@ -133,16 +134,7 @@ def test_hooks_on_the_layers_and_their_attention_see_what_transformers_gives_the
     onednn.prepack(model)
     assert bert_layers.run_layers_directly(model)
     assert all(hasattr(layer.attention.self, "projections") for layer in model.encoder.layer)
-    ids = torch.randint(5, 99, (2, 7))
-    with torch.inference_mode():
-        want = reference(ids, output_hidden_states=True, output_attentions=True)
-        got = model(ids, output_hidden_states=True, output_attentions=True)
-        plain = model(ids)
-    for name in ("hidden_states", "attentions"):
-        assert len(got[name]) == len(want[name])
-        for a, b in zip(got[name], want[name], strict=True):
-            torch.testing.assert_close(a, b)
-    torch.testing.assert_close(plain.last_hidden_state, want.last_hidden_state)
+    assert_captures_equal(model, reference, torch.randint(5, 99, (2, 7)))
 
 
 def test_a_hook_on_an_inlined_block_sees_its_output():
