@@ -275,7 +275,7 @@ def _build_engine(
     fused_norms.fuse_rms_norms(model.base_model, kernels)
     fused_rotary.fuse_rotary(model.base_model, kernels)
     if config.compile == "auto":
-        fused_mpnet.fuse_mpnet_attention(model.base_model)
+        fused_mpnet.fuse_mpnet_attention(model.base_model, join_projections=not config.lora_enabled)
         fused_deberta.fuse_deberta_attention(model.base_model, kernels)
     # Served adapters find their layers by name and slice each layer's rows by adapter: every
     # layer stays transformers' modules, every row is computed.

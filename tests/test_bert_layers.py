@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from poolrunner import Runtime
+from poolrunner.core.kernels.joined_projections import JoinedProjections
 from poolrunner.core.model import bert_layers
-from poolrunner.core.model.joined_projections import JoinedProjections
 from tests.helpers import assert_captures_equal
 from tests.models.architectures import FAMILIES, Row, build_folder, inputs_for, load_reference, reference_output
 

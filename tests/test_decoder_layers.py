@@ -14,8 +14,8 @@ import torch
 
 from poolrunner import Runtime
 from poolrunner.core.kernels import onednn
+from poolrunner.core.kernels.joined_projections import JoinedProjections
 from poolrunner.core.model import decoder_layers
-from poolrunner.core.model.joined_projections import JoinedProjections
 from tests.helpers import assert_captures_equal
 from tests.models.architectures import FAMILIES, Row, build_folder, inputs_for, load_reference, reference_output
 

@@ -37,7 +37,7 @@ def test_mpnet_attention_in_one_sdpa_call_computes_what_the_eager_code_computes(
         eager = [model(ids, attention_mask=mask).last_hidden_state, model(ids).last_hidden_state]
         probabilities = model(ids, attention_mask=mask, output_attentions=True).attentions
         reference = [exact(ids, attention_mask=mask).last_hidden_state, exact(ids).last_hidden_state]
-        assert fuse_mpnet_attention(model) == 3
+        assert fuse_mpnet_attention(model, join_projections=True) == 3
         fused = [model(ids, attention_mask=mask).last_hidden_state, model(ids).last_hidden_state]
         assert all(torch.equal(a, b) for a, b in zip(
             model(ids, attention_mask=mask, output_attentions=True).attentions, probabilities, strict=True))
@@ -47,6 +47,29 @@ def test_mpnet_attention_in_one_sdpa_call_computes_what_the_eager_code_computes(
         if dtype == torch.float32:
             torch.testing.assert_close(got[rows], own[rows], rtol=1e-5, atol=1e-5)
         assert error <= 1.05 * own_error + 1e-6, (error, own_error)
+
+
+def test_prepacked_query_key_and_value_joined_compute_what_the_eager_code_computes():
+    """One product for the three (float32, prepacked); the probabilities, which run the module's
+    own code, still come from the three layers, over views of the joined weights."""
+    from poolrunner.core.kernels import onednn
+    from poolrunner.core.kernels.joined_projections import JoinedProjections
+
+    model, _ = _models(torch.float32)
+    ids = torch.randint(5, 100, (3, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[0, 6:] = 0
+    with torch.inference_mode():
+        eager = model(ids, attention_mask=mask).last_hidden_state
+        probabilities = model(ids, attention_mask=mask, output_attentions=True).attentions
+        onednn.prepack(model)
+        assert fuse_mpnet_attention(model, join_projections=True) == 3
+        assert all(isinstance(layer.attention.attn.projections, JoinedProjections) for layer in model.encoder.layer)
+        joined = model(ids, attention_mask=mask).last_hidden_state
+        again = model(ids, attention_mask=mask, output_attentions=True).attentions
+    torch.testing.assert_close(joined[mask.bool()], eager[mask.bool()], rtol=1e-5, atol=1e-5)
+    for got, want in zip(again, probabilities, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_the_bias_and_mask_are_summed_once_per_forward_and_freed_with_it():

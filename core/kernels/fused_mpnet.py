@@ -14,7 +14,9 @@ Results equal the eager code's to float32 rounding in float32 (the scale, ``1 / 
 is exact for MPNet's 64-wide heads); in bfloat16 SDPA rounds less and comes closer to float32.
 ``output_attentions`` and training run the module's own code. Each module gets the fused forward
 as its own (no global patch), only where its class's forward is ``MPNetSelfAttention.forward``'s
-code.
+code; its query, key and value become one product where they are prepacked alike
+(:mod:`~poolrunner.core.kernels.joined_projections`; mpnet-base's ``[31, 768] x [768, 2304]`` in
+bf16 on 2 Zen 4 cores: 288 us against 339 us for the three).
 """
 
 from __future__ import annotations
@@ -29,21 +31,27 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.mpnet.modeling_mpnet import MPNetSelfAttention
 
+from poolrunner.core.kernels.joined_projections import JoinedProjections, project
 from poolrunner.core.kernels.onednn import code_key
 
 _CODE = code_key(MPNetSelfAttention.forward)
+_PROJECTIONS = ("q", "k", "v")
 
 
-def fuse_mpnet_attention(module: nn.Module) -> int:
+def fuse_mpnet_attention(module: nn.Module, *, join_projections: bool) -> int:
     """Give each ``MPNetSelfAttention``-code module inside ``module`` a forward that attends in one
     SDPA call; the modules of one call share one :class:`_MaskSum`.
 
+    :param join_projections: Query, key and value as one product where they are prepacked alike
+        (:mod:`~poolrunner.core.kernels.joined_projections`); not where adapters find them by name.
     :returns: The number of modules changed.
     """
     masks = _MaskSum()
     changed = 0
     for child in module.modules():
         if code_key(type(child).forward) == _CODE:
+            if join_projections:
+                JoinedProjections.install(child, _PROJECTIONS)
             child.forward = types.MethodType(_attention(masks), child)
             changed += 1
     return changed
@@ -59,7 +67,7 @@ def _attention(masks: _MaskSum) -> Any:
         if output_attentions or self.training:  # the probabilities, or dropout: the module's own code
             return type(self).forward(self, hidden_states, attention_mask, position_bias, output_attentions, **kwargs)
         shape = (*hidden_states.shape[:-1], -1, self.attention_head_size)
-        q, k, v = (layer(hidden_states).view(shape).transpose(1, 2) for layer in (self.q, self.k, self.v))
+        q, k, v = (t.view(shape).transpose(1, 2) for t in project(self, _PROJECTIONS, hidden_states))
         context = F.scaled_dot_product_attention(q, k, v, attn_mask=masks.sum(position_bias, attention_mask),
                                                  scale=1 / math.sqrt(self.attention_head_size))
         context = context.transpose(1, 2).reshape(*hidden_states.shape[:-1], self.all_head_size)

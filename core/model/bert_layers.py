@@ -17,7 +17,7 @@ transformers' own forward.
 Two more changes ride on it:
 
 - **Query, key and value in one product**, where the three are prepacked alike
-  (:mod:`~poolrunner.core.model.joined_projections`).
+  (:mod:`~poolrunner.core.kernels.joined_projections`).
 - **The last layer on the first rows only**: in a step where every pooler reads only each
   request's first row (:attr:`Pooler.reads_first_rows
   <poolrunner.core.plugin_api.pooler.Pooler.reads_first_rows>`, the runner's decision:
@@ -39,8 +39,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bert import modeling_bert as bert
 
 from poolrunner.core.kernels.attention import LAYOUT_KWARG
+from poolrunner.core.kernels.joined_projections import JoinedProjections, project
 from poolrunner.core.kernels.onednn import code_key
-from poolrunner.core.model.joined_projections import JoinedProjections, project
 
 _LAYER_CODE = {
     "layer": code_key(bert.BertLayer.forward), "feed_forward": code_key(bert.BertLayer.feed_forward_chunk),

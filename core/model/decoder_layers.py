@@ -8,7 +8,7 @@ it in operators, on 2 Zen 4 cores (bf16): some 230 us of Python a layer. A layer
 :data:`_ATTENTIONS` (Llama's and its copies: Gemma, Granite, GLM...; Qwen2's, Qwen3's with its
 per-head norms, Mistral's) gets :func:`_forward`: the same operations on the same modules, in the
 same order, with the attention inlined and query, key and value as one product where they are
-prepacked alike (:mod:`~poolrunner.core.model.joined_projections`). The rotary embedding is the
+prepacked alike (:mod:`~poolrunner.core.kernels.joined_projections`). The rotary embedding is the
 one the attention module itself calls (poolrunner's kernel where
 :mod:`~poolrunner.core.kernels.fused_rotary` gave it one).
 
@@ -33,8 +33,8 @@ from transformers.models.mistral.modeling_mistral import MistralAttention
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
+from poolrunner.core.kernels.joined_projections import JoinedProjections, project
 from poolrunner.core.kernels.onednn import code_key
-from poolrunner.core.model.joined_projections import JoinedProjections, project
 
 
 @frozen
