@@ -274,12 +274,12 @@ def _build_engine(
         onednn.prepack(model.base_model, chosen.matmul, fuse=not config.lora_enabled)
     fused_norms.fuse_rms_norms(model.base_model, kernels)
     fused_rotary.fuse_rotary(model.base_model, kernels)
-    if config.compile == "auto":
-        fused_mpnet.fuse_mpnet_attention(model.base_model, join_projections=not config.lora_enabled)
-        fused_deberta.fuse_deberta_attention(model.base_model, kernels)
     # Served adapters find their layers by name and slice each layer's rows by adapter: every
     # layer stays transformers' modules, every row is computed.
     direct = config.compile == "auto" and not config.lora_enabled
+    if config.compile == "auto":
+        fused_mpnet.fuse_mpnet_attention(model.base_model, join_projections=direct)
+        fused_deberta.fuse_deberta_attention(model.base_model, kernels)
     first_rows_layer = direct and bert_layers.run_layers_directly(model.base_model)
     if direct:
         decoder_layers.run_layers_directly(model.base_model)

@@ -41,6 +41,7 @@ from transformers.models.bert import modeling_bert as bert
 from poolrunner.core.kernels.attention import LAYOUT_KWARG
 from poolrunner.core.kernels.joined_projections import JoinedProjections, project
 from poolrunner.core.kernels.onednn import code_key
+from poolrunner.core.model.inlined_blocks import hooked
 
 _LAYER_CODE = {
     "layer": code_key(bert.BertLayer.forward), "feed_forward": code_key(bert.BertLayer.feed_forward_chunk),
@@ -96,7 +97,7 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: Any =
     code computes them and zeros elsewhere."""
     attention = self.attention.self
     if (self.training or encoder_hidden_states is not None or cache is not None or self.chunk_size_feed_forward
-            or _hooked(self)):
+            or hooked((self.attention, attention, self.attention.output, self.intermediate, self.output))):
         return type(self).forward(self, hidden_states, attention_mask, encoder_hidden_states,
                                   encoder_attention_mask=encoder_attention_mask, cache=cache, **kwargs)
     heads = (*hidden_states.shape[:-1], -1, attention.attention_head_size)
@@ -110,14 +111,6 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: Any =
     rows = layout.first_rows(hidden_states.device)
     computed = _row_blocks(self, context.index_select(1, rows), hidden_states.index_select(1, rows))
     return hidden_states.new_zeros(hidden_states.shape).index_copy_(1, rows, computed)
-
-
-def _hooked(layer: nn.Module) -> bool:
-    """Whether a hook waits on a block this forward does not call as a module (transformers'
-    attention capture hooks the self-attention), or on every module."""
-    blocks = (layer.attention, layer.attention.self, layer.attention.output, layer.intermediate, layer.output)
-    return (any(block._forward_hooks or block._forward_pre_hooks for block in blocks)
-            or bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks))
 
 
 def _row_blocks(layer: nn.Module, context: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from poolrunner.core.kernels.joined_projections import JoinedProjections, project
 from poolrunner.core.kernels.onednn import code_key
+from poolrunner.core.model.inlined_blocks import hooked
 
 
 @frozen
@@ -106,7 +107,7 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: Any =
              position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs: Any) -> torch.Tensor:
     """``LlamaDecoderLayer.forward`` with its attention inlined: ``[batch, tokens, hidden]`` -> the same shape."""
     attention, inlined = self.self_attn, self._poolrunner_inlined
-    if self.training or cache is not None or position_embeddings is None or _hooked(attention):
+    if self.training or cache is not None or position_embeddings is None or hooked((attention,)):
         return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                   cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
     residual = hidden_states
@@ -131,9 +132,3 @@ def _window(kind: _Attention, attention: nn.Module) -> dict[str, Any]:
     if kind.window == "config":
         return {"sliding_window": getattr(attention.config, "sliding_window", None)}
     return {}
-
-
-def _hooked(attention: nn.Module) -> bool:
-    """Whether a hook waits on the attention module (inlined here) or on every module."""
-    return bool(attention._forward_hooks or attention._forward_pre_hooks
-                or nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
