@@ -27,7 +27,8 @@ AUTOSCALING_FLAGS = {"min_replicas": "--min-replicas", "max_replicas": "--max-re
                      "target_ongoing_requests": "--target-ongoing-requests"}
 """Flags that set a key of Ray Serve's autoscaling_config, by key."""
 FLAGS = {"replicas": "--replicas", **AUTOSCALING_FLAGS, "autoscaling_config": "--autoscaling-config",
-         "max_ongoing_requests": "--max-ongoing-requests", "cpus_per_replica": "--cpus-per-replica",
+         "max_ongoing_requests": "--max-ongoing-requests", "ray_request_timeout": "--ray-request-timeout",
+         "cpus_per_replica": "--cpus-per-replica",
          "gpus_per_replica": "--gpus-per-replica", "ray_address": "--ray-address", "ray_app_name": "--ray-app-name"}
 """Every flag of the group but --ray-serve itself, by destination; each defaults to None, so
 that one given without --ray-serve is told apart."""
@@ -51,6 +52,9 @@ def add_ray_serve_options(parser: argparse.ArgumentParser) -> None:
                             "three flags above override its keys")
     group.add_argument("--max-ongoing-requests", metavar="N", type=positive_int,
                        help="most requests Ray sends one replica at once; more wait in Ray's router (default: 64)")
+    group.add_argument("--ray-request-timeout", metavar="SECONDS", type=resource_amount(minimum_exclusive=True),
+                       help="seconds Ray's proxies wait for a request's answer, queueing included, before a 504 "
+                            "(default: 600, the OpenAI client's own timeout)")
     group.add_argument("--cpus-per-replica", metavar="N", type=resource_amount(minimum_exclusive=True),
                        help="CPUs Ray reserves per replica, also its torch threads (default: 1)")
     group.add_argument("--gpus-per-replica", metavar="N", type=resource_amount(minimum_exclusive=False),
@@ -128,7 +132,7 @@ def _scaling(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _deploy(args: argparse.Namespace, settings: Any, scaling: dict[str, Any]) -> Any:
-    from poolrunner.core.distributed.replicas import APP_NAME, serve_replicas
+    from poolrunner.core.distributed.replicas import APP_NAME, REQUEST_TIMEOUT, serve_replicas
 
     options = runtime_options(args)  # --device names the replicas' device, unchecked here
     options.update({"is_matryoshka": True if args.is_matryoshka else None})
@@ -136,7 +140,8 @@ def _deploy(args: argparse.Namespace, settings: Any, scaling: dict[str, Any]) ->
     try:
         return serve_replicas(
             model, task=args.task, settings=settings, runtime_options=options, host=args.host, port=args.port,
-            name=args.ray_app_name or APP_NAME, log_level=args.log_level, log_format=args.log_format, **scaling,
+            name=args.ray_app_name or APP_NAME, request_timeout=_or(args.ray_request_timeout, REQUEST_TIMEOUT),
+            log_level=args.log_level, log_format=args.log_format, **scaling,
         )
     except PoolrunnerError:
         raise  # ReplicaStartError (the model did not load...): main() reports it

@@ -8,7 +8,9 @@ engine loop batches the requests Ray's router sends it. A proxy on each node (po
 routes every request to one replica. A replica that dies is replaced, and new requests go to the
 others meanwhile; the requests it was answering are not sent again (Ray Serve does not know a
 request is safe to repeat): with :func:`proxy_middlewares` in the proxies, each gets a JSON 503
-saying so, with ``Retry-After`` (OpenAI's and most clients retry it), else Ray's bare 500.
+saying so, with ``Retry-After`` (OpenAI's and most clients retry it), else Ray's bare 500. No
+request waits longer than the proxies' ``request_timeout`` for its answer (a JSON 504 then):
+Ray's router can lose a request it sends again after a replica's death.
 
 Ray Serve is an optional dependency (``pip install -e '.[ray]'`` in a poolrunner checkout);
 importing this module works without it.
@@ -50,6 +52,13 @@ PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 PROXY_CALLBACK = "poolrunner.core.distributed.replicas.proxy_middlewares"
 REPLICA_LOST_MESSAGE = ("the replica answering this request stopped before it answered (Ray Serve replaces it); "
                         "the request was not answered: send it again")
+REPLICA_TIMEOUT_MESSAGE = ("no replica answered this request within the proxies' request timeout (poolrunner serve "
+                           "--ray-request-timeout; Ray Serve's request_timeout_s); it may not have run: send it again")
+REQUEST_TIMEOUT = 600.0
+"""Seconds Ray Serve's proxies wait for a replica's answer by default before answering 504: the
+OpenAI client's own default timeout, so a request Ray's router lost (it can, when it sends a
+request again after a replica's death) is answered when the client would give up anyway, never
+held forever."""
 MAX_ONGOING_REQUESTS = 64
 """Requests Ray sends one replica at once by default. Ray's own default (5) suits a replica that
 runs one request at a time; a runtime batches concurrent requests into shared steps, so it gets
@@ -111,6 +120,7 @@ def serve_replicas(
     num_cpus_per_replica: float = 1.0,
     num_gpus_per_replica: float = 0.0,
     max_ongoing_requests: int = MAX_ONGOING_REQUESTS,
+    request_timeout: float = REQUEST_TIMEOUT,
     name: str = APP_NAME,
     address: str | None = None,
     log_level: str = "info",
@@ -141,6 +151,9 @@ def serve_replicas(
     :param num_cpus_per_replica: CPUs Ray reserves per replica (torch uses as many threads).
     :param num_gpus_per_replica: GPUs per replica; fractions share a GPU between replicas.
     :param max_ongoing_requests: Most requests one replica is sent at once (:data:`MAX_ONGOING_REQUESTS`).
+    :param request_timeout: Seconds the proxies wait for a request's answer (queueing included)
+        before answering a JSON 504 (:data:`REQUEST_TIMEOUT`; Ray Serve's ``request_timeout_s``).
+        Proxies already running keep their own (logged).
     :param name: The Ray Serve application's name; deploying a name again updates that application.
     :param address: Ray cluster to join (``auto``, ``ray://host:10001``...); ``None``: the one Ray
         is already initialized with, else ``ray.init()``'s default (``$RAY_ADDRESS``, a running
@@ -150,7 +163,7 @@ def serve_replicas(
     :returns: The application: its URL, and ``shutdown()``.
     :raises RayNotInstalledError: without Ray Serve: ``pip install -e '.[ray]'`` in a poolrunner checkout.
     :raises InvalidRequestError: for bad options (replica counts, autoscaling, resources,
-        ``runtime_options``), before Ray is started.
+        ``request_timeout``, ``runtime_options``), before Ray is started.
     :raises ReplicaStartError: when the replicas fail to start (the model does not load in them,
         say), ending with the replica's own error; Ray Serve tries each replica 3 times first.
     """
@@ -167,9 +180,10 @@ def serve_replicas(
                                  num_cpus_per_replica=num_cpus_per_replica, num_gpus_per_replica=num_gpus_per_replica,
                                  max_ongoing_requests=max_ongoing_requests, drain_timeout=settings.drain_timeout)
     options["logging_config"] = {"log_level": log_level.upper()}
+    _check_amount("request_timeout", request_timeout, zero=False)
     started = connect(address)
     try:
-        url = _start_proxies(host, port)
+        url = _start_proxies(host, port, request_timeout)
         _deploy(name, options, (config, plugins, settings, log_level, log_format))
     except BaseException:
         if started:
@@ -294,17 +308,21 @@ def disconnect() -> None:
     ray.shutdown()
 
 
-def _start_proxies(host: str, port: int) -> str:
-    """Start Ray Serve with its proxies on ``host:port``; the URL they listen on.
+def _start_proxies(host: str, port: int, request_timeout: float) -> str:
+    """Start Ray Serve with its proxies on ``host:port`` answering 504 after ``request_timeout``
+    seconds; the URL they listen on.
 
-    A cluster whose Serve already runs keeps its proxies' address (Ray logs a warning), so the
-    URL is read back from Serve rather than assumed.
+    A cluster whose Serve already runs keeps its proxies' settings (Ray logs a warning), so the
+    URL is read back from Serve rather than assumed, and another timeout is logged.
     """
     from ray import serve
     from ray.serve.context import _get_global_client  # the running proxies' address: no public accessor
 
-    serve.start(http_options={"host": host, "port": port})
+    serve.start(http_options={"host": host, "port": port, "request_timeout_s": request_timeout})
     http = _get_global_client().http_config
+    if http.request_timeout_s != request_timeout:
+        logger.warning("Ray Serve's proxies already run with request_timeout_s=%s, kept instead of %g",
+                       http.request_timeout_s, request_timeout)
     shown = "127.0.0.1" if http.host in ("0.0.0.0", "::") else http.host
     return f"http://{shown}:{http.port}"
 
@@ -435,7 +453,9 @@ def proxy_middlewares() -> list[Any]:
 class ReplicaLostMiddleware:
     """In Ray Serve's proxy: a request that got no answer (its replica died, or Ray failed to reach
     it) is answered 503 in the API's error shape, with ``Retry-After: 1``, instead of uvicorn's
-    bare ``500 Internal Server Error``. Every answer a replica starts passes as it is.
+    bare ``500 Internal Server Error``; the proxy's own plain-text 408 at its request timeout
+    becomes a 504 in that shape (the client sent its request in time: no replica answered it;
+    poolrunner's app never answers 408). Every other answer a replica starts passes as it is.
 
     :param app: The proxy's app.
     """
@@ -447,22 +467,23 @@ class ReplicaLostMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
+        started = timed_out = False
 
         async def watched_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
+            nonlocal started, timed_out
+            if message["type"] == "http.response.start" and not started:
+                started = True
+                timed_out = message["status"] == 408
+            if not timed_out:  # the proxy's timeout answer is replaced below
+                await send(message)
 
         await self.app(scope, receive, watched_send)
-        if not started:
-            await _send_unanswered(send)
+        from poolrunner.core.server.errors import send_error  # the app's, loaded in the proxies alone
 
-
-async def _send_unanswered(send: Send) -> None:
-    from poolrunner.core.server.errors import send_error
-
-    await send_error(send, 503, REPLICA_LOST_MESSAGE, [(b"retry-after", b"1")])
+        if timed_out:
+            await send_error(send, 504, REPLICA_TIMEOUT_MESSAGE)
+        elif not started:
+            await send_error(send, 503, REPLICA_LOST_MESSAGE, [(b"retry-after", b"1")])
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

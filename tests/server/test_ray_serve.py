@@ -3,8 +3,9 @@
 
 Every answer must equal the offline :meth:`Runtime.embed` of the same texts, both replicas must
 serve, and when one replica is killed under load every request gets exactly one outcome: its own
-correct answer, or the proxy's JSON 503 saying it was not answered; later requests fail over to
-the other replica, and Ray Serve replaces the dead one.
+correct answer, or the proxy's JSON 503 saying it was not answered (a 504 at the proxies' request
+timeout, for one Ray's router lost); later requests fail over to the other replica, and Ray Serve
+replaces the dead one.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from poolrunner.core.distributed.replicas import (
     PROXY_CALLBACK_ENV,
     REPLICA_HEADER,
     REPLICA_LOST_MESSAGE,
+    REPLICA_TIMEOUT_MESSAGE,
     ReplicaHeaderMiddleware,
     ReplicaLostMiddleware,
     _replica_error,
@@ -51,6 +53,9 @@ CLIENTS = 6
 KEPT_UP_AFTER_KILL = 10
 """Requests answered from :data:`FAIL_OVER_S` after the kill on, before the load stops."""
 FAIL_OVER_S = 2.0
+REQUEST_TIMEOUT_S = 30.0
+"""The proxies' request timeout here: a request Ray's router loses as it sends it again after the
+kill gets its 504 then, well before the clients' own 120 s."""
 """Seconds after the kill within which Ray's proxies stop sending requests to the dead replica
 (they hear of its death within milliseconds; CI's load makes it longer)."""
 
@@ -119,6 +124,25 @@ def test_proxy_answers_a_request_its_replica_never_answered() -> None:
                                                   "param": None, "code": 503}}
 
 
+def test_proxy_timeout_is_a_json_504() -> None:
+    async def timed_out(scope, receive, send) -> None:  # what Ray's proxy sends at its request_timeout_s
+        await send({"type": "http.response.start", "status": 408, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"Request abc timed out after 30.0s."})
+
+    start, body = _call(ReplicaLostMiddleware(timed_out))
+    assert start["status"] == 504
+    assert json.loads(body["body"]) == {"error": {"message": REPLICA_TIMEOUT_MESSAGE, "type": "server_error",
+                                                  "param": None, "code": 504}}
+
+
+def test_bad_request_timeout_is_named_before_ray_starts() -> None:
+    import ray
+
+    with pytest.raises(InvalidRequestError, match=r"^request_timeout must be a number > 0, got 0$"):
+        serve_replicas(request_timeout=0)
+    assert not ray.is_initialized()
+
+
 def test_replica_header_names_the_replica_once_with_one_request_id() -> None:
     async def answer(scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": [(b"x-request-id", b"r1")]})
@@ -133,8 +157,8 @@ def test_replica_header_names_the_replica_once_with_one_request_id() -> None:
 
 
 def test_ray_serve_flags_need_ray_serve(capsys) -> None:
-    assert main(["serve", "--replicas", "2", "--max-replicas", "4"]) == 2
-    assert "--replicas, --max-replicas need --ray-serve" in capsys.readouterr().err
+    assert main(["serve", "--replicas", "2", "--max-replicas", "4", "--ray-request-timeout", "9"]) == 2
+    assert "--replicas, --max-replicas, --ray-request-timeout need --ray-serve" in capsys.readouterr().err
 
 
 def test_bad_autoscaling_flags_fail_before_ray_starts(capsys) -> None:
@@ -187,7 +211,8 @@ def test_command_line_joins_a_cluster_and_serves_until_sigterm(ray_cluster, lee_
     url = f"http://127.0.0.1:{port}"
     process = subprocess.Popen(
         [sys.executable, "-m", "poolrunner", "serve", "--ray-serve", "--ray-address", ray_cluster, "--replicas", "1",
-         "--port", str(port), "--dtype", "float32", "--served-model-name", "minilm", "--api-key", "key"],
+         "--ray-request-timeout", str(REQUEST_TIMEOUT_S), "--port", str(port), "--dtype", "float32",
+         "--served-model-name", "minilm", "--api-key", "key"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_healthy(process, url)
@@ -219,7 +244,8 @@ def _line_starting(process: subprocess.Popen, prefix: str) -> str:
 
 @pytest.fixture(scope="module")
 def replicas(ray_cluster):
-    with serve_replicas(num_replicas=2, port=free_port(), runtime_options={"dtype": "float32"}) as served:
+    with serve_replicas(num_replicas=2, port=free_port(), runtime_options={"dtype": "float32"},
+                        request_timeout=REQUEST_TIMEOUT_S) as served:
         yield served
 
 
@@ -293,11 +319,28 @@ def test_concurrent_requests_equal_the_offline_api_on_both_replicas(replicas, le
     assert len(served) == 2, served
 
 
+def test_a_request_past_the_proxies_timeout_is_a_json_504(replicas, lee_docs, expected) -> None:
+    """Past its timeout (here Ray's per-request ``x-request-timeout-seconds``) a request is
+    answered the JSON 504, not Ray's plain-text 408; the next request is served."""
+    with httpx.Client(timeout=120) as client:
+        response = client.post(f"{replicas.url}/v1/embeddings", json={"input": lee_docs * 8},
+                               headers={"x-request-timeout-seconds": "0.01"})
+        assert response.status_code == 504, response.text
+        assert response.json()["error"]["message"] == REPLICA_TIMEOUT_MESSAGE
+        outcome = Load(replicas.url, lee_docs).request(client, "next", 0)
+    assert outcome["status"] == 200
+    assert_correct("next", outcome, expected)
+
+
 def test_killing_a_replica_under_load(replicas, lee_docs, expected) -> None:
-    """Requests in flight at the killed replica get the proxy's 503; every other request, and every
-    later one, is answered by the other replica; none gets two outcomes; Ray Serve starts a new
-    replica, which serves."""
+    """Requests in flight at the killed replica get the proxy's 503 (or, lost by Ray's router as it
+    sent them again, the 504 of the proxies' timeout: never a hang); every other request, and
+    every later one, is answered by the other replica; none gets two outcomes; Ray Serve starts a
+    new replica, which serves."""
     import ray
+    from ray.serve.context import _get_global_client
+
+    assert _get_global_client().http_config.request_timeout_s == REQUEST_TIMEOUT_S
 
     load = Load(replicas.url, lee_docs)
     threads = load.run()
@@ -317,11 +360,14 @@ def test_killing_a_replica_under_load(replicas, lee_docs, expected) -> None:
         outcome = outcomes[0]
         if outcome.get("status") == 200:
             assert_correct(request_id, outcome, expected)
+            continue
+        assert outcome["started"] < killed_at + FAIL_OVER_S, f"sent after the kill, not failed over: {outcome}"
+        if outcome.get("status") == 504:  # one Ray's router lost as it sent it again after the kill
+            assert outcome["body"]["error"]["message"] == REPLICA_TIMEOUT_MESSAGE
         else:
             assert outcome.get("status") == 503 and outcome["retry_after"] == "1", outcome
             assert outcome["body"]["error"]["message"] == REPLICA_LOST_MESSAGE
-            assert outcome["started"] < killed_at + FAIL_OVER_S, "a request sent after the kill was not failed over"
-            lost.append(request_id)
+        lost.append(request_id)
     assert len(lost) <= CLIENTS, lost  # at most those in flight at the victim
     late = load.answered_by(after=killed_at + FAIL_OVER_S)
     assert late and victim not in {outcome["replica"] for outcome in late}
