@@ -4,7 +4,8 @@ idle connection stays open, and how many connections are served at once.
 uvicorn's h11 protocol closes a connection idle after an answer (``timeout_keep_alive``) but
 waits forever for a first request, and for the rest of a request that trickles in (a slowloris
 client holds its socket with a byte now and then). :class:`GuardedH11Protocol` adds a read
-deadline, and the connection cap: past it a request is answered a JSON 503 in OpenAI's error
+deadline (a request begun but not whole by then is answered a JSON 408 before the connection
+closes), and the connection cap: past it a request is answered a JSON 503 in OpenAI's error
 shape and its connection closed (uvicorn's own ``limit_concurrency`` answers plain text).
 """
 
@@ -19,7 +20,7 @@ import h11
 from attrs import field, frozen
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from poolrunner.core.server.errors import send_error
+from poolrunner.core.server.errors import error_response, send_error
 from poolrunner.core.validators import positive_int
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,8 @@ class GuardedH11Protocol(H11Protocol):
 
     A request's head and body must arrive within ``read_timeout`` seconds of the connection's
     opening or of its previous answer, else the connection is closed (a route waiting for the
-    body sees the client gone). A request arriving while more than ``max_connections``
+    body sees the client gone), after a JSON 408 naming ``--read-timeout`` where part of a request
+    had arrived (:meth:`_read_timed_out`). A request arriving while more than ``max_connections``
     connections are open (this one included), or more requests are running, first closes the
     connections that have sent nothing yet (sockets opened and left silent cost an attacker
     nothing and must not lock real clients out), and is answered by :meth:`refuse` instead of
@@ -121,9 +123,19 @@ class GuardedH11Protocol(H11Protocol):
             self._read_deadline = None
 
     def _read_timed_out(self) -> None:
+        """Close the connection; first answer 408 if a request had begun (its head or body part
+        read), written past h11 and the app (a route waiting for the body then sees the client
+        gone), as nginx answers a body that stalls."""
         self._read_deadline = None
-        if not self.transport.is_closing():
-            self.transport.close()
+        if self.transport.is_closing():
+            return
+        if self.conn.their_state == h11.SEND_BODY or self.conn.trailing_data[0]:
+            message = (f"the request did not arrive whole within {self.read_timeout:g} s (--read-timeout); "
+                       "send it at once, or raise the limit")
+            body = error_response(408, message).body
+            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                                 + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
+        self.transport.close()
 
     async def _admit(self, scope: Any, receive: Any, send: Any) -> None:
         """The app, or :meth:`refuse` past the cap. Runs as the request's task, which

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import select
 import signal
 import socket
 import threading
@@ -62,18 +63,34 @@ def running(runtime, limits: ConnectionLimits, drain_timeout: float = 30.0,
 def closed_after(connection: socket.socket, limit: float) -> float:
     """Seconds until the server closes ``connection`` (read until EOF), at most ``limit``; then
     ``connection`` is closed here too."""
+    return read_until_closed(connection, limit)[0]
+
+
+def read_until_closed(connection: socket.socket, limit: float) -> tuple[float, bytes]:
+    """What the server sends on ``connection`` until it closes it, at most ``limit`` seconds,
+    and how long that took; then ``connection`` is closed here too."""
     began = time.monotonic()
+    received = b""
     connection.settimeout(limit)
     try:
-        while connection.recv(65536):
-            pass
+        while chunk := connection.recv(65536):
+            received += chunk
     except TimeoutError:
         pytest.fail(f"the connection was still open after {limit} s")
     except ConnectionResetError:
         pass
     finally:
         connection.close()
-    return time.monotonic() - began
+    return time.monotonic() - began, received
+
+
+def assert_read_timeout_answer(received: bytes, read_timeout: float) -> None:
+    """``received`` is the JSON 408 naming ``--read-timeout``, and nothing else."""
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 Request Timeout\r\n") and b"connection: close" in head, received
+    assert json.loads(body) == {"error": {
+        "message": f"the request did not arrive whole within {read_timeout:g} s (--read-timeout); send it at once, "
+                   "or raise the limit", "type": "request_timeout", "param": None, "code": 408}}
 
 
 def embed_request(text: str = SANITY_TEXT) -> bytes:
@@ -89,15 +106,18 @@ def test_idle_slow_and_kept_alive_clients_are_disconnected(runtime):
         kept.sendall(embed_request())
         assert kept.recv(65536).startswith(b"HTTP/1.1 200")
         assert 0.3 < closed_after(kept, 5) < 0.5 + SLACK_S  # idle after an answer: the keep-alive timeout
-        idle = socket.create_connection(("127.0.0.1", port))  # sends nothing at all
-        assert 1.2 < closed_after(idle, 5) < 1.5 + SLACK_S
+        idle = socket.create_connection(("127.0.0.1", port))  # sends nothing at all: closed without an answer
+        seconds, received = read_until_closed(idle, 5)
+        assert 1.2 < seconds < 1.5 + SLACK_S and received == b""
         slow = socket.create_connection(("127.0.0.1", port))
         began = time.monotonic()
-        with contextlib.suppress(OSError):  # a byte every 0.1 s (slowloris) until the server hangs up
+        with contextlib.suppress(OSError):  # a byte every 0.1 s (slowloris) until the server answers
             for byte in b"POST /v1/embeddings HTTP/1.1\r\nHost: test\r\nX-Padding: " + b"a" * 100:
                 slow.send(bytes([byte]))
                 time.sleep(0.1)
-        closed_after(slow, 5)
+                if select.select([slow], [], [], 0)[0]:
+                    break
+        assert_read_timeout_answer(read_until_closed(slow, 5)[1], 1.5)
         assert 1.2 < time.monotonic() - began < 1.5 + SLACK_S
         assert httpx.post(f"http://127.0.0.1:{port}/v1/embeddings", json={"input": "still serving"}).status_code == 200
 
@@ -106,7 +126,9 @@ def test_a_request_body_that_stalls_is_cut_at_the_read_timeout(runtime):
     with running(runtime, ConnectionLimits(read_timeout=1.0)) as (server, port, _):
         stalled = socket.create_connection(("127.0.0.1", port))
         stalled.sendall(embed_request()[:-10])  # all but the body's end
-        assert closed_after(stalled, 5) < 1.0 + SLACK_S
+        seconds, received = read_until_closed(stalled, 5)
+        assert seconds < 1.0 + SLACK_S
+        assert_read_timeout_answer(received, 1.0)
         deadline = time.monotonic() + 5
         while server._state.in_flight:  # its request ended (the route saw the client gone)
             assert time.monotonic() < deadline, "the stalled request is still in flight"
