@@ -280,9 +280,8 @@ def _build_engine(
     if config.compile == "auto":
         fused_mpnet.fuse_mpnet_attention(model.base_model, join_projections=direct)
         fused_deberta.fuse_deberta_attention(model.base_model, kernels)
-    first_rows_layer = direct and bert_layers.run_layers_directly(model.base_model)
-    if direct:
-        decoder_layers.run_layers_directly(model.base_model)
+    rows_layer = direct and (bert_layers.run_layers_directly(model.base_model)
+                             or decoder_layers.run_layers_directly(model.base_model))
     poolers = {}
     for task in tasks:
         try:
@@ -298,7 +297,7 @@ def _build_engine(
         memory.keep_step_buffers(memory.step_block_bytes(model, budget))
     runner = ModelRunner(model, poolers, hooks, model_config, default_task=tasks[0],
                          bucket_tokens=device.type == "cpu", native_attention=native_attention,
-                         first_rows_layer=first_rows_layer)
+                         rows_layer=rows_layer)
     scheduler = Scheduler(max_num_batched_tokens=budget, max_num_seqs=config.max_num_seqs,
                           chunked_prefill=runner.causal)
     async_scheduling = device.type == "cuda" if config.async_scheduling is None else config.async_scheduling

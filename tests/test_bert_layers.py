@@ -18,27 +18,12 @@ from tests.helpers import assert_captures_equal
 from tests.models.architectures import FAMILIES, Row, build_folder, inputs_for, load_reference, reference_output
 
 
-@pytest.fixture
-def first_rows_steps(monkeypatch):
-    """Per call of a last layer that can compute the first rows only: whether its step asked it to."""
-    seen: list[bool] = []
-    forward = bert_layers._forward
-
-    def spy(self, hidden_states, *args, **kwargs):
-        if getattr(self, bert_layers._FIRST_ROWS, False):
-            seen.append(kwargs["poolrunner_layout"].first_rows_only)
-        return forward(self, hidden_states, *args, **kwargs)
-
-    monkeypatch.setattr(bert_layers, "_forward", spy)
-    return seen
-
-
-def _loaded(tmp_path, family: str, head: str, first_rows_steps: list[bool], **options):
+def _loaded(tmp_path, family: str, head: str, read_rows_steps: list[str], **options):
     """The row's tiny folder loaded by poolrunner (float32) and by transformers, and its mixed-length inputs."""
     row = Row(next(f for f in FAMILIES if f.id == family), head)
     folder = build_folder(row, tmp_path / family)
     runtime = Runtime(folder, dtype="float32", load_entrypoints=False, **options)
-    first_rows_steps.clear()  # the load's own forwards (the attention probe)
+    read_rows_steps.clear()  # the load's own forwards (the attention probe)
     return runtime, load_reference(row, folder), [list(ids) for ids in inputs_for(row).mixed]
 
 
@@ -48,29 +33,29 @@ def _normalized(rows: list[np.ndarray]) -> np.ndarray:
 
 
 @pytest.mark.parametrize("family", ["bert", "roberta", "xlm-roberta"])
-def test_a_cls_embedder_equals_transformers_with_its_last_layer_on_the_first_rows(tmp_path, family, first_rows_steps):
-    runtime, reference, batch = _loaded(tmp_path, family, "model", first_rows_steps, pooling_type="CLS")
+def test_a_cls_embedder_equals_transformers_with_its_last_layer_on_the_first_rows(tmp_path, family, read_rows_steps):
+    runtime, reference, batch = _loaded(tmp_path, family, "model", read_rows_steps, pooling_type="CLS")
     got = runtime.embed(batch)
     np.testing.assert_allclose(got, _normalized([reference_output(reference, ids)[0] for ids in batch]), atol=2e-6)
-    assert first_rows_steps and all(first_rows_steps)
+    assert read_rows_steps and set(read_rows_steps) == {"first"}
 
 
-def test_a_cross_encoders_scores_equal_transformers_with_its_last_layer_on_the_first_rows(tmp_path, first_rows_steps):
-    runtime, reference, batch = _loaded(tmp_path, "bert", "sequence", first_rows_steps)
+def test_a_cross_encoders_scores_equal_transformers_with_its_last_layer_on_the_first_rows(tmp_path, read_rows_steps):
+    runtime, reference, batch = _loaded(tmp_path, "bert", "sequence", read_rows_steps)
     got = np.stack([result.probs for result in runtime.classify(batch, use_activation=False)])
     np.testing.assert_allclose(got, np.stack([reference_output(reference, ids) for ids in batch]), atol=2e-5)
-    assert first_rows_steps and all(first_rows_steps)
+    assert read_rows_steps and set(read_rows_steps) == {"first"}
 
 
-def test_a_pooler_reading_every_row_gets_every_row_computed(tmp_path, first_rows_steps):
-    runtime, reference, batch = _loaded(tmp_path, "bert", "model", first_rows_steps, pooling_type="MEAN")
+def test_a_pooler_reading_every_row_gets_every_row_computed(tmp_path, read_rows_steps):
+    runtime, reference, batch = _loaded(tmp_path, "bert", "model", read_rows_steps, pooling_type="MEAN")
     got = runtime.embed(batch)
     np.testing.assert_allclose(got, _normalized([reference_output(reference, ids).mean(0) for ids in batch]),
                                atol=2e-6)
-    assert first_rows_steps and not any(first_rows_steps)
+    assert read_rows_steps and set(read_rows_steps) == {"all"}
 
 
-def test_a_third_party_pool_hook_gets_every_row(tmp_path, first_rows_steps):
+def test_a_third_party_pool_hook_gets_every_row(tmp_path, read_rows_steps):
     """The ``pool`` hook is promised every row: a plugin that does not ship with poolrunner and
     implements it keeps the whole last layer."""
     from poolrunner import hookimpl
@@ -83,15 +68,15 @@ def test_a_third_party_pool_hook_gets_every_row(tmp_path, first_rows_steps):
             self.rows_seen.append(hidden_states.clone())
             return (yield)
 
-    runtime, _, batch = _loaded(tmp_path, "bert", "model", first_rows_steps, pooling_type="CLS", plugins=[Wrapper()])
+    runtime, _, batch = _loaded(tmp_path, "bert", "model", read_rows_steps, pooling_type="CLS", plugins=[Wrapper()])
     runtime.embed(batch)
-    assert first_rows_steps and not any(first_rows_steps)
+    assert read_rows_steps and set(read_rows_steps) == {"all"}
     assert all(bool((states.abs().sum(-1) > 0).all()) for states in Wrapper.rows_seen)
 
 
 @pytest.mark.parametrize("family", ["bert", "electra", "ernie"])
-def test_every_bert_code_family_equals_transformers_with_its_layers_run_directly(tmp_path, family, first_rows_steps):
-    runtime, reference, batch = _loaded(tmp_path, family, "model", first_rows_steps, pooling_type="MEAN")
+def test_every_bert_code_family_equals_transformers_with_its_layers_run_directly(tmp_path, family, read_rows_steps):
+    runtime, reference, batch = _loaded(tmp_path, family, "model", read_rows_steps, pooling_type="MEAN")
     layers = runtime._engine.runner.backbone.encoder.layer
     assert all(isinstance(layer.attention.self.projections, JoinedProjections) for layer in layers)
     got = runtime.embed(batch)
@@ -99,8 +84,8 @@ def test_every_bert_code_family_equals_transformers_with_its_layers_run_directly
                                atol=2e-6)
 
 
-def test_the_joined_projections_keep_the_weights_names_and_values_without_a_copy(tmp_path, first_rows_steps):
-    runtime, reference, _ = _loaded(tmp_path, "bert", "model", first_rows_steps)
+def test_the_joined_projections_keep_the_weights_names_and_values_without_a_copy(tmp_path, read_rows_steps):
+    runtime, reference, _ = _loaded(tmp_path, "bert", "model", read_rows_steps)
     backbone = runtime._engine.runner.backbone
     expected = reference.base_model.state_dict()
     for index, layer in enumerate(backbone.encoder.layer):

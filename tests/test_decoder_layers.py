@@ -35,6 +35,37 @@ def test_a_decoder_embedder_equals_transformers_with_its_layers_run_directly(tmp
                                atol=2e-6)
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2-bidirectional", "qwen3-sliding"])
+def test_a_last_token_embedder_equals_transformers_with_its_last_layer_on_the_last_rows(tmp_path, family,
+                                                                                          read_rows_steps):
+    row = Row(next(f for f in FAMILIES if f.id == family), "model")
+    folder = build_folder(row, tmp_path / family)
+    runtime = Runtime(folder, dtype="float32", pooling_type="LAST", load_entrypoints=False)
+    read_rows_steps.clear()  # the load's own forwards (the attention probe)
+    reference = load_reference(row, folder)
+    batch = [list(ids) for ids in inputs_for(row).mixed]
+    expected = np.stack([reference_output(reference, ids)[-1] for ids in batch])
+    np.testing.assert_allclose(runtime.embed(batch), expected / np.linalg.norm(expected, axis=-1, keepdims=True),
+                               atol=2e-6)
+    assert read_rows_steps and set(read_rows_steps) == {"last"}
+
+
+def test_a_prefill_chunk_keeps_every_row_of_the_last_layer(tmp_path, read_rows_steps):
+    """A step holding a prefill chunk (its keys and values kept for the next) computes every row."""
+    row = Row(next(f for f in FAMILIES if f.id == "llama"), "model")
+    folder = build_folder(row, tmp_path / "llama")
+    runtime = Runtime(folder, dtype="float32", pooling_type="LAST", max_num_batched_tokens=16,
+                      load_entrypoints=False)
+    read_rows_steps.clear()
+    reference = load_reference(row, folder)
+    ids = [list(ids) for ids in inputs_for(row).mixed]
+    longest = max(ids, key=len)
+    assert len(longest) > 16
+    expected = reference_output(reference, longest)[-1]
+    np.testing.assert_allclose(runtime.embed([longest])[0], expected / np.linalg.norm(expected), atol=2e-6)
+    assert read_rows_steps and set(read_rows_steps) == {"all"}
+
+
 def _tiny_llama(**config):
     from transformers import LlamaConfig, LlamaModel
 
@@ -51,16 +82,17 @@ def test_hooks_on_the_layers_and_their_attention_see_what_transformers_gives_the
     reference = _tiny_llama()
     model = copy.deepcopy(reference)
     onednn.prepack(model)
-    assert decoder_layers.run_layers_directly(model) == 2
+    assert decoder_layers.run_layers_directly(model)
     assert_captures_equal(model, reference, torch.randint(5, 99, (2, 7)))
 
 
 def test_only_known_codes_get_the_forward():
     from transformers import BertConfig, BertModel, Gemma2Config, Gemma2Model
 
-    assert decoder_layers.run_layers_directly(_tiny_llama()) == 2
+    llama = _tiny_llama()
+    assert decoder_layers.run_layers_directly(llama) and all("forward" in vars(layer) for layer in llama.layers)
     small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
     gemma2 = Gemma2Model(Gemma2Config(**small, num_key_value_heads=2, head_dim=8))
-    assert decoder_layers.run_layers_directly(gemma2) == 0
+    assert not decoder_layers.run_layers_directly(gemma2)
     assert all("forward" not in vars(layer) for layer in gemma2.layers)
-    assert decoder_layers.run_layers_directly(BertModel(BertConfig(**small))) == 0
+    assert not decoder_layers.run_layers_directly(BertModel(BertConfig(**small)))

@@ -42,7 +42,7 @@ class ModelRunner:
     def __init__(
         self, model: nn.Module, poolers: Mapping[PoolingTask, Pooler], hooks: Hooks, model_config: ModelConfig, *,
         default_task: PoolingTask, bucket_tokens: bool = False, native_attention: bool = False,
-        first_rows_layer: bool = False,
+        rows_layer: bool = False,
     ) -> None:
         """:param poolers: The pooler of each served task.
         :param default_task: The task :attr:`pooler` serves (the runtime's default).
@@ -51,9 +51,9 @@ class ModelRunner:
         :param native_attention: Attend in one kernel call per window where a layer's mask allows:
             poolrunner's CPU kernel (:mod:`~poolrunner.core.kernels.cpu_kernels`, already built),
             on CUDA flash attention's variable-length one (:mod:`~poolrunner.core.kernels.cuda_attention`).
-        :param first_rows_layer: The model's last layer can compute only each request's first row
-            (:mod:`~poolrunner.core.model.bert_layers`): steps whose poolers read nothing else ask it
-            to, unless a plugin that does not ship with poolrunner implements ``pool`` (it is
+        :param rows_layer: The model's last layer can compute only each request's first or last
+            row (:mod:`~poolrunner.core.model.inlined_blocks`): steps whose poolers read nothing else
+            ask it to, unless a plugin that does not ship with poolrunner implements ``pool`` (it is
             promised every row)."""
         self.model = model  # with its heads: what adapters load into
         self.backbone = model.base_model  # hidden states; heads belong to poolers
@@ -63,7 +63,7 @@ class ModelRunner:
         self.model_config = model_config
         self.bucket_tokens = bucket_tokens
         self.native_attention = native_attention
-        self.first_rows_layer = first_rows_layer and hooks.only_builtin("pool")
+        self.rows_layer = rows_layer and hooks.only_builtin("pool")
         # transformers derives RoBERTa-family positions from the ids (starting after the padding
         # index) only when none are passed; packed position ids must carry the same offset.
         self.position_offset = position_offset(model_config.model_type, model_config.hf_config.get("pad_token_id"))
@@ -137,7 +137,7 @@ class ModelRunner:
         order = sorted(range(batch.num_reqs),
                        key=lambda i: (caches[i] is not None, adapters[i], batch.num_scheduled_tokens[i]))
         layout = PackedLayout.build([batch.num_scheduled_tokens[i] for i in order], caches=[caches[i] for i in order],
-                                    native=self.native_attention, first_rows_only=self._first_rows_only(batch, caches))
+                                    native=self.native_attention, rows=self._rows_read(batch, caches))
         inputs = {"input_ids": batch.input_ids, "position_ids": batch.positions + self.position_offset, **extra}
         if order == list(range(batch.num_reqs)):
             return self._forward_packed(inputs, layout, batch.num_tokens)
@@ -145,10 +145,13 @@ class ModelRunner:
         inputs = {key: value.index_select(0, tokens) for key, value in inputs.items()}
         return self._forward_packed(inputs, layout, batch.num_tokens).index_select(0, inverse)
 
-    def _first_rows_only(self, batch: InputBatch, caches: Sequence[object]) -> bool:
-        """Whether every request runs whole in this step and its task's pooler reads only its first row."""
-        return (self.first_rows_layer and all(cache is None for cache in caches)
-                and all(self.poolers[state.request.params.task].reads_first_rows for state in batch.requests))
+    def _rows_read(self, batch: InputBatch, caches: Sequence[object]) -> str:
+        """``"first"`` or ``"last"`` where every request runs whole in this step and every task's
+        pooler reads only that row of each request; else ``"all"``."""
+        if not self.rows_layer or any(cache is not None for cache in caches):
+            return "all"
+        reads = {self.poolers[state.request.params.task].reads_rows for state in batch.requests}
+        return reads.pop() if len(reads) == 1 else "all"
 
     def _forward_packed(self, inputs: dict[str, torch.Tensor], layout: PackedLayout, num_tokens: int) -> torch.Tensor:
         """One forward over ``inputs`` (``[num_tokens]`` each, in ``layout``'s order): ``[num_tokens, hidden_size]``."""

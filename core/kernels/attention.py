@@ -336,8 +336,8 @@ class PackedLayout:
 
     :ivar probe: When a list, every attention call appends ``True`` if its layer lets a query
         see a later token (used once at load by :func:`probe_attention`).
-    :ivar first_rows_only: Only each request's first row of the last layer's output is read
-        (:func:`first_rows`; :mod:`~poolrunner.core.model.bert_layers`).
+    :ivar rows: Which rows of the last layer's output are read: ``"all"``, or only each
+        request's ``"first"`` or ``"last"`` (:meth:`read_rows`; :mod:`~poolrunner.core.model.inlined_blocks`).
     """
 
     num_tokens: int
@@ -345,7 +345,7 @@ class PackedLayout:
     cached: tuple[_CachedSpan, ...]
     probe: list[bool] | None = None
     native: bool = False
-    first_rows_only: bool = False
+    rows: str = "all"
     _spans: dict[tuple[_Run, ...], tuple[torch.Tensor, torch.Tensor]] = field(factory=dict, init=False)
     _varlen: dict[tuple[_Run, ...], tuple[slice | torch.Tensor, torch.Tensor, int]] = field(factory=dict, init=False)
     _windowed: dict[tuple[Any, ...], tuple[dict[tuple[int, int], tuple[_Run, ...]], tuple[_Run, ...]]] = field(
@@ -354,7 +354,7 @@ class PackedLayout:
     @classmethod
     def build(
         cls, lengths: Sequence[int], *, caches: Sequence[tuple[KVCache, bool] | None] = (),
-        probe: list[bool] | None = None, native: bool = False, first_rows_only: bool = False,
+        probe: list[bool] | None = None, native: bool = False, rows: str = "all",
     ) -> PackedLayout:
         """Split the step into runs; ``lengths[i]`` tokens belong to request ``i``, in packing order.
 
@@ -363,10 +363,10 @@ class PackedLayout:
         runs with a full, causal or sliding-window mask attend in one kernel call per window:
         poolrunner's CPU kernel (:mod:`~poolrunner.core.kernels.cpu_kernels`, which the caller
         has built), or on CUDA flash attention's (:mod:`~poolrunner.core.kernels.cuda_attention`).
-        ``first_rows_only``: see the attribute; every request whole in the step (no ``caches``).
+        ``rows``: see the attribute; other than ``"all"``, every request whole in the step (no ``caches``).
         """
-        if first_rows_only and any(entry is not None for entry in caches):
-            raise ValueError("first_rows_only needs every request whole in the step, not a prefill chunk")
+        if rows != "all" and any(entry is not None for entry in caches):
+            raise ValueError(f"rows={rows!r} needs every request whole in the step, not a prefill chunk")
         starts = [0]
         for length in lengths:
             starts.append(starts[-1] + length)
@@ -383,12 +383,14 @@ class PackedLayout:
                 runs[-1] = _Run(last.start, last.count + 1, length)
             else:
                 runs.append(_Run(starts[i], 1, length))
-        return cls(num_tokens=starts[-1], runs=tuple(runs), cached=cached, probe=probe, native=native,
-                   first_rows_only=first_rows_only)
+        return cls(num_tokens=starts[-1], runs=tuple(runs), cached=cached, probe=probe, native=native, rows=rows)
 
-    def first_rows(self, device: torch.device) -> torch.Tensor:
-        """Each request's first token in the packed sequence, in packing order: ``[num_reqs]`` int64."""
-        return torch.tensor([start for run in self.runs for start in range(run.start, run.end, run.length)],
+    def read_rows(self, device: torch.device) -> torch.Tensor:
+        """Each request's first (``rows="first"``) or last (``"last"``) token in the packed
+        sequence, in packing order: ``[num_reqs]`` int64."""
+        last = self.rows == "last"
+        return torch.tensor([start + (run.length - 1 if last else 0)
+                             for run in self.runs for start in range(run.start, run.end, run.length)],
                             dtype=torch.int64).to(device, non_blocking=True)
 
     def windowed_runs(

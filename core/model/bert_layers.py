@@ -18,14 +18,11 @@ Two more changes ride on it:
 
 - **Query, key and value in one product**, where the three are prepacked alike
   (:mod:`~poolrunner.core.kernels.joined_projections`).
-- **The last layer on the first rows only**: in a step where every pooler reads only each
-  request's first row (:attr:`Pooler.reads_first_rows
-  <poolrunner.core.plugin_api.pooler.Pooler.reads_first_rows>`, the runner's decision:
-  ``PackedLayout.first_rows_only``), the last layer attends as before (keys and values need every
-  row) and runs its output block and MLP on those rows only; its other rows are left zero, as
-  nothing reads them. all-MiniLM-L6-v2 as a CLS embedder on 2 Zen 4 cores: 1.10-1.12x, bf16 and
-  float32 (bench/README.md). Only where the backbone's and encoder's forwards are BERT's, so
-  the encoder's output is the last layer's.
+- **The last layer on the rows the poolers read** (:mod:`~poolrunner.core.model.inlined_blocks`):
+  its output block and MLP on each request's first row only in a step of CLS poolers.
+  all-MiniLM-L6-v2 as a CLS embedder on 2 Zen 4 cores: 1.10-1.12x, bf16 and float32
+  (bench/README.md). Only where the backbone's and encoder's forwards are BERT's, so the
+  encoder's output is the last layer's.
 """
 
 from __future__ import annotations
@@ -38,10 +35,9 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bert import modeling_bert as bert
 
-from poolrunner.core.kernels.attention import LAYOUT_KWARG
 from poolrunner.core.kernels.joined_projections import JoinedProjections, project
 from poolrunner.core.kernels.onednn import code_key
-from poolrunner.core.model.inlined_blocks import hooked
+from poolrunner.core.model.inlined_blocks import hooked, mark_last_layer, read_rows
 
 _LAYER_CODE = {
     "layer": code_key(bert.BertLayer.forward), "feed_forward": code_key(bert.BertLayer.feed_forward_chunk),
@@ -51,15 +47,13 @@ _LAYER_CODE = {
 }
 _STACK_CODE = {"model": code_key(bert.BertModel.forward), "encoder": code_key(bert.BertEncoder.forward)}
 _PROJECTIONS = ("query", "key", "value")
-_FIRST_ROWS = "_poolrunner_first_rows"
-"""A layer's attribute: ``True`` on a last layer whose output is the backbone's (the first-rows step)."""
 
 
 def run_layers_directly(backbone: nn.Module) -> bool:
     """Give every layer of ``backbone``, where all are BERT-code encoder layers, :func:`_forward`,
     and query, key and value one product where they are prepacked alike.
 
-    :returns: Whether the last layer can compute only each request's first row (the backbone's
+    :returns: Whether the last layer can compute only the rows the poolers read (the backbone's
         and encoder's forwards are BERT's too); ``False`` also when nothing was changed.
     """
     encoder = getattr(backbone, "encoder", None)
@@ -70,9 +64,7 @@ def run_layers_directly(backbone: nn.Module) -> bool:
         JoinedProjections.install(layer.attention.self, _PROJECTIONS)
         layer.forward = types.MethodType(_forward, layer)
     stack = {"model": type(backbone).forward, "encoder": type(encoder).forward}
-    first_rows = all(code_key(function) == _STACK_CODE[name] for name, function in stack.items())
-    setattr(layers[-1], _FIRST_ROWS, first_rows)
-    return first_rows
+    return mark_last_layer(layers, all(code_key(function) == _STACK_CODE[name] for name, function in stack.items()))
 
 
 def _is_bert_layer(layer: nn.Module) -> bool:
@@ -93,8 +85,8 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: Any =
              encoder_hidden_states: torch.Tensor | None = None, encoder_attention_mask: Any = None,
              cache: Any = None, **kwargs: Any) -> torch.Tensor:
     """``BertLayer.forward`` with its blocks inlined: ``[batch, tokens, hidden]`` -> the same shape.
-    With the step's layout asking for first rows only (the last layer), those rows as the layer's
-    code computes them and zeros elsewhere."""
+    With the step's layout asking for some rows only (the last layer, :func:`read_rows`), those
+    rows as the layer's code computes them and zeros elsewhere."""
     attention = self.attention.self
     if (self.training or encoder_hidden_states is not None or cache is not None or self.chunk_size_feed_forward
             or hooked((self.attention, attention, self.attention.output, self.intermediate, self.output))):
@@ -105,10 +97,9 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: Any =
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation, bert.eager_attention_forward)
     context, _ = attend(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling, **kwargs)
     context = context.reshape(*hidden_states.shape[:-1], -1).contiguous()
-    layout = kwargs.get(LAYOUT_KWARG)
-    if layout is None or not layout.first_rows_only or not getattr(self, _FIRST_ROWS, False):
+    rows = read_rows(self, kwargs, hidden_states.device)
+    if rows is None:
         return _row_blocks(self, context, hidden_states)
-    rows = layout.first_rows(hidden_states.device)
     computed = _row_blocks(self, context.index_select(1, rows), hidden_states.index_select(1, rows))
     return hidden_states.new_zeros(hidden_states.shape).index_copy_(1, rows, computed)
 

@@ -10,7 +10,10 @@ per-head norms, Mistral's) gets :func:`_forward`: the same operations on the sam
 same order, with the attention inlined and query, key and value as one product where they are
 prepacked alike (:mod:`~poolrunner.core.kernels.joined_projections`). The rotary embedding is the
 one the attention module itself calls (poolrunner's kernel where
-:mod:`~poolrunner.core.kernels.fused_rotary` gave it one).
+:mod:`~poolrunner.core.kernels.fused_rotary` gave it one). Where the backbone's forward is one of
+:data:`_STACKS`, the last layer runs its output projection and MLP on the rows the poolers read
+only (each request's last token for LAST pooling and decoder score heads:
+:mod:`~poolrunner.core.model.inlined_blocks`).
 
 The layer is still called as a module (int8's block replay, transformers' hidden-state capture);
 a layer whose attention module has hooks (transformers' attention capture), with global module
@@ -28,14 +31,14 @@ import torch
 from attrs import frozen
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer
-from transformers.models.mistral.modeling_mistral import MistralAttention
-from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
-from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaModel
+from transformers.models.mistral.modeling_mistral import MistralAttention, MistralModel
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2Model
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3Model
 
 from poolrunner.core.kernels.joined_projections import JoinedProjections, project
 from poolrunner.core.kernels.onednn import code_key
-from poolrunner.core.model.inlined_blocks import hooked
+from poolrunner.core.model.inlined_blocks import hooked, mark_last_layer, read_rows
 
 
 @frozen
@@ -56,6 +59,8 @@ _ATTENTIONS = {
     code_key(MistralAttention.forward): _Attention(window="config"),
 }
 _LAYER = code_key(LlamaDecoderLayer.forward)
+_STACKS = frozenset(code_key(model.forward) for model in (LlamaModel, MistralModel, Qwen2Model, Qwen3Model))
+"""Backbone forwards whose output is the last layer's but for the final norm (position-wise)."""
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 
 
@@ -68,23 +73,24 @@ class _Inlined:
     eager: Callable[..., Any]  # the attention function of its module, transformers' default
 
 
-def run_layers_directly(backbone: nn.Module) -> int:
+def run_layers_directly(backbone: nn.Module) -> bool:
     """Give every layer of ``backbone``, where all are Llama-code decoder layers with a known
     attention, :func:`_forward`, and query, key and value one product where they are prepacked alike.
 
-    :returns: The number of layers changed (0 or all of them).
+    :returns: Whether the last layer can compute only the rows the poolers read (the backbone's
+        forward is one of :data:`_STACKS`); ``False`` also when nothing was changed.
     """
     layers = getattr(backbone, "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        return 0
+        return False
     inlined = [_inlined(layer) for layer in layers]
     if any(entry is None for entry in inlined):
-        return 0
+        return False
     for layer, entry in zip(layers, inlined, strict=True):
         JoinedProjections.install(layer.self_attn, _PROJECTIONS)
         layer._poolrunner_inlined = entry
         layer.forward = types.MethodType(_forward, layer)
-    return len(layers)
+    return mark_last_layer(layers, code_key(type(backbone).forward) in _STACKS)
 
 
 def _inlined(layer: nn.Module) -> _Inlined | None:
@@ -105,7 +111,9 @@ def _inlined(layer: nn.Module) -> _Inlined | None:
 def _forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: Any = None,
              position_ids: torch.Tensor | None = None, cache: Any = None, use_cache: bool | None = False,
              position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs: Any) -> torch.Tensor:
-    """``LlamaDecoderLayer.forward`` with its attention inlined: ``[batch, tokens, hidden]`` -> the same shape."""
+    """``LlamaDecoderLayer.forward`` with its attention inlined: ``[batch, tokens, hidden]`` -> the same shape.
+    With the step's layout asking for some rows only (the last layer, :func:`read_rows`), those
+    rows as the layer's code computes them and zeros elsewhere."""
     attention, inlined = self.self_attn, self._poolrunner_inlined
     if self.training or cache is not None or position_embeddings is None or hooked((attention,)):
         return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
@@ -121,8 +129,18 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: Any =
     context, _ = attend(attention, query, key, value.transpose(1, 2), attention_mask, dropout=0.0,
                         scaling=attention.scaling, **_window(inlined.kind, attention), position_ids=position_ids,
                         use_cache=use_cache, **kwargs)
-    hidden_states = residual + attention.o_proj(context.reshape(*hidden_states.shape[:-1], -1).contiguous())
-    return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+    context = context.reshape(*hidden_states.shape[:-1], -1).contiguous()
+    rows = read_rows(self, kwargs, hidden_states.device)
+    if rows is None:
+        return _after_attention(self, context, residual)
+    computed = _after_attention(self, context.index_select(1, rows), residual.index_select(1, rows))
+    return residual.new_zeros(residual.shape).index_copy_(1, rows, computed)
+
+
+def _after_attention(layer: nn.Module, context: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """The layer after its attention, each row alone: the output projection and residual, then the MLP block."""
+    hidden_states = residual + layer.self_attn.o_proj(context)
+    return hidden_states + layer.mlp(layer.post_attention_layernorm(hidden_states))
 
 
 def _window(kind: _Attention, attention: nn.Module) -> dict[str, Any]:

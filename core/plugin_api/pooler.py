@@ -31,12 +31,13 @@ class Pooler(nn.Module, ABC):
     def get_supported_tasks(self) -> frozenset[PoolingTask]:
         """The tasks this pooler can compute."""
 
-    reads_first_rows: bool = False
-    """:meth:`forward` reads only each request's first row of the hidden states (CLS pooling, a
-    head on the CLS row): in a step where every pooler does, the last layer of a model that allows
-    it computes those rows only and leaves the others zero (:mod:`~poolrunner.core.model.bert_layers`).
-    The plugin test kit's conformance suite checks that a pooler's outputs are the same with every
-    row computed."""
+    reads_rows: str = "all"
+    """Which rows of the hidden states :meth:`forward` reads: ``"all"``, or only each request's
+    ``"first"`` (CLS pooling, a head on the CLS row) or ``"last"`` (LAST pooling, a decoder's
+    score head on its last token). In a step where every pooler reads the same first or last
+    rows, the last layer of a model that allows it computes those rows only and leaves the others
+    zero (:mod:`~poolrunner.core.model.inlined_blocks`). The plugin test kit's conformance suite
+    checks that a pooler's outputs are the same with every row computed."""
 
     accepted_params: frozenset[str] = frozenset()
     """Names of the :class:`PoolingParams` options this pooler honours; others are rejected."""

@@ -208,16 +208,16 @@ class PoolingPluginConformance:
         self, plugin: object, claimed_tasks: set[str], task_models: dict[str, Path], sample_texts: list[str],
         poolrunner_tiny_model: Callable[..., Path],
     ) -> None:
-        """A pooler that declares ``reads_first_rows`` is handed, in steps where every pooler
-        does, a last layer computed on each request's first row only (BERT-code models; the
-        other rows zero): its outputs must equal those it gives when every row is computed (as
-        when a plugin of its own implements ``pool``)."""
+        """A pooler that declares ``reads_rows`` (``"first"`` or ``"last"``) is handed, in steps
+        where every pooler reads the same rows, a last layer computed on those rows only (BERT-code
+        and Llama-code models; the other rows zero): its outputs must equal those it gives when
+        every row is computed (as when a plugin of its own implements ``pool``)."""
         for task in sorted(claimed_tasks):
             path = task_models.get(task) or poolrunner_tiny_model()
-            first_rows = make_runtime([plugin], model=path, task=task)
+            read_rows = make_runtime([plugin], model=path, task=task)
             every_row = make_runtime([plugin, _EveryRow()], model=path, task=task)
-            batch = [list(ids) for ids in first_rows.inputs.encode(sample_texts)]
-            for got, expected in zip(first_rows.encode(batch, task=task), every_row.encode(batch, task=task),
+            batch = [list(ids) for ids in read_rows.inputs.encode(sample_texts)]
+            for got, expected in zip(read_rows.encode(batch, task=task), every_row.encode(batch, task=task),
                                      strict=True):
                 _assert_close(task, got, expected)
 
@@ -331,7 +331,8 @@ def _assert_close(task: str, got: Any, expected: Any) -> None:
             _assert_close(f"{task}[{name}]", got[name], expected[name])
         return
     np.testing.assert_allclose(np.asarray(got, dtype=np.float64), np.asarray(expected, dtype=np.float64), rtol=1e-5,
-                               atol=1e-5, err_msg=f"task {task!r}: outputs depend on rows other than the first")
+                               atol=1e-5,
+                               err_msg=f"task {task!r}: outputs depend on rows other than those declared (reads_rows)")
 
 
 _WRONG_TYPE: dict[type, Any] = {int: "1", float: "1.0", bool: 1, str: 1}

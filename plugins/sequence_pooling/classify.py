@@ -39,9 +39,9 @@ class ClassifierPooler(Pooler):
     accepted_params = frozenset({"use_activation"})
 
     @property
-    def reads_first_rows(self) -> bool:  # type: ignore[override]
-        """A head on the CLS row reads only each request's first row."""
-        return self.head.reads == "first"
+    def reads_rows(self) -> str:  # type: ignore[override]
+        """A head on the CLS row reads only each request's first row, one on the last token its last."""
+        return self.head.reads if self.head.reads in ("first", "last") else "all"
 
     def get_supported_tasks(self) -> frozenset[PoolingTask]:
         return frozenset({"classify"})

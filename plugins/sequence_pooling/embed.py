@@ -45,9 +45,9 @@ class EmbeddingPooler(Pooler):
     accepted_params = frozenset({"dimensions", "normalize", "use_activation"})
 
     @property
-    def reads_first_rows(self) -> bool:  # type: ignore[override]
-        """CLS pooling alone reads only each request's first row."""
-        return self.model_config.pooling_modes == ("CLS",)
+    def reads_rows(self) -> str:  # type: ignore[override]
+        """CLS pooling alone reads only each request's first row, LAST pooling alone its last."""
+        return {("CLS",): "first", ("LAST",): "last"}.get(self.model_config.pooling_modes, "all")
 
     def get_supported_tasks(self) -> frozenset[PoolingTask]:
         return frozenset({"embed"})

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import importlib_metadata
+import pytest
 
 from poolrunner.core.testing import conformance, pytest_plugin
 
@@ -40,34 +41,33 @@ def test_no_poolrunner_turns_the_kit_off(tmp_path):
     assert off.returncode == 1 and "fixture 'poolrunner_runtime_factory' not found" in off.stdout
 
 
-def _lying_first_rows_plugin():
-    """A plugin whose pooler mean-pools but declares it reads only each request's first row."""
+def _lying_rows_plugin(rows: str):
+    """A plugin whose pooler mean-pools but declares it reads only each request's first or last row."""
     import types
 
     from poolrunner.core import hookimpl
     from poolrunner.plugins.sequence_pooling.embed import EmbeddingPooler
     from poolrunner.plugins.sequence_pooling.methods import mean_pool
 
-    class FirstRowsClaimed(EmbeddingPooler):
-        reads_first_rows = True
+    class RowsClaimed(EmbeddingPooler):
+        reads_rows = rows
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.method = mean_pool  # whatever the folder's pooling type: every row read
 
-    plugin = types.ModuleType("lying_first_rows")
+    plugin = types.ModuleType(f"lying_{rows}_rows")
     plugin.supported_tasks = hookimpl(lambda: frozenset({"embed"}))
-    plugin.get_pooler = hookimpl(lambda model_config, task: FirstRowsClaimed.from_model_config(model_config)
+    plugin.get_pooler = hookimpl(lambda model_config, task: RowsClaimed.from_model_config(model_config)
                                  if task == "embed" else None)
     return plugin
 
 
-def test_the_kit_catches_a_pooler_that_reads_more_than_the_first_rows_it_declares(poolrunner_tiny_model):
-    import pytest
-
+@pytest.mark.parametrize("rows", ["first", "last"])
+def test_the_kit_catches_a_pooler_that_reads_more_than_the_rows_it_declares(poolrunner_tiny_model, rows):
     suite = conformance.PoolingPluginConformance()
     check = conformance.PoolingPluginConformance.test_outputs_equal_those_with_every_row_computed
     model = poolrunner_tiny_model()
     texts = ["A cat sat on the mat.", "Paris is the capital of France.", "ok"]
-    with pytest.raises(AssertionError, match="outputs depend on rows other than the first"):
-        check(suite, _lying_first_rows_plugin(), {"embed"}, {"embed": model}, texts, poolrunner_tiny_model)
+    with pytest.raises(AssertionError, match=r"outputs depend on rows other than those declared \(reads_rows\)"):
+        check(suite, _lying_rows_plugin(rows), {"embed"}, {"embed": model}, texts, poolrunner_tiny_model)
