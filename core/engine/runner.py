@@ -18,6 +18,7 @@ from attrs import frozen
 from torch import nn
 
 from poolrunner.core.engine.buckets import bucket_num_tokens
+from poolrunner.core.errors import ModelLoadError
 from poolrunner.core.hooks import Hooks
 from poolrunner.core.kernels.attention import ATTENTION_NAME, LAYOUT_KWARG, KVCache, PackedLayout, probe_attention
 from poolrunner.core.model.metadata import position_offset
@@ -54,7 +55,12 @@ class ModelRunner:
         :param rows_layer: The model's last layer can compute only each request's first or last
             row (:mod:`~poolrunner.core.model.inlined_blocks`): steps whose poolers read nothing else
             ask it to, unless a plugin that does not ship with poolrunner implements ``pool`` (it is
-            promised every row)."""
+            promised every row).
+        :raises ModelLoadError: for a pooler whose ``reads_rows`` is not ``all``, ``first`` or ``last``."""
+        for task, pooler in poolers.items():
+            if pooler.reads_rows not in ("all", "first", "last"):
+                raise ModelLoadError(f"the {task!r} pooler {type(pooler).__qualname__} declares reads_rows="
+                                     f"{pooler.reads_rows!r}; it must be 'all', 'first' or 'last'")
         self.model = model  # with its heads: what adapters load into
         self.backbone = model.base_model  # hidden states; heads belong to poolers
         self.poolers = dict(poolers)

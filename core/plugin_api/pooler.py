@@ -36,8 +36,8 @@ class Pooler(nn.Module, ABC):
     ``"first"`` (CLS pooling, a head on the CLS row) or ``"last"`` (LAST pooling, a decoder's
     score head on its last token). In a step where every pooler reads the same first or last
     rows, the last layer of a model that allows it computes those rows only and leaves the others
-    zero (:mod:`~poolrunner.core.model.inlined_blocks`). The plugin test kit's conformance suite
-    checks that a pooler's outputs are the same with every row computed."""
+    zero (:mod:`~poolrunner.core.model.inlined_blocks`). Another value fails the load. The plugin
+    test kit's conformance suite checks that a pooler's outputs are the same with every row computed."""
 
     accepted_params: frozenset[str] = frozenset()
     """Names of the :class:`PoolingParams` options this pooler honours; others are rejected."""

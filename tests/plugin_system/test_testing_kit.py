@@ -71,3 +71,12 @@ def test_the_kit_catches_a_pooler_that_reads_more_than_the_rows_it_declares(pool
     texts = ["A cat sat on the mat.", "Paris is the capital of France.", "ok"]
     with pytest.raises(AssertionError, match=r"outputs depend on rows other than those declared \(reads_rows\)"):
         check(suite, _lying_rows_plugin(rows), {"embed"}, {"embed": model}, texts, poolrunner_tiny_model)
+
+
+def test_a_pooler_declaring_other_rows_fails_the_load(poolrunner_tiny_model):
+    from poolrunner.core import ModelLoadError
+    from poolrunner.core.testing.pytest_plugin import make_runtime
+
+    with pytest.raises(ModelLoadError, match=r"^the 'embed' pooler _lying_rows_plugin.<locals>.RowsClaimed declares "
+                                             r"reads_rows='middle'; it must be 'all', 'first' or 'last'$"):
+        make_runtime([_lying_rows_plugin("middle")], model=poolrunner_tiny_model(), task="embed")
