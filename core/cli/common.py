@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -110,6 +111,18 @@ def at_least(minimum: int) -> Callable[[str], int]:
 
 positive_int = at_least(1)
 """argparse ``type`` for options that must be >= 1."""
+
+
+def seconds(value: str, *, allow_zero: bool = False) -> float:
+    """argparse ``type`` for a finite, positive number of seconds (``allow_zero``: or 0)."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds {'>= 0' if allow_zero else '> 0'}, "
+                                         f"got {value!r}")
+    return number
 
 
 def boolean(value: str) -> bool:

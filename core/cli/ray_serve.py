@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from poolrunner.core.cli.common import CliError, at_least, json_object, positive_int, runtime_options
+from poolrunner.core.cli.common import CliError, at_least, json_object, positive_int, runtime_options, seconds
 from poolrunner.core.cli.ray_job import ray_cli_error, resource_amount
 from poolrunner.core.errors import PoolrunnerError
 
@@ -52,7 +52,7 @@ def add_ray_serve_options(parser: argparse.ArgumentParser) -> None:
                             "three flags above override its keys")
     group.add_argument("--max-ongoing-requests", metavar="N", type=positive_int,
                        help="most requests Ray sends one replica at once; more wait in Ray's router (default: 64)")
-    group.add_argument("--ray-request-timeout", metavar="SECONDS", type=resource_amount(minimum_exclusive=True),
+    group.add_argument("--ray-request-timeout", metavar="SECONDS", type=seconds,
                        help="seconds Ray's proxies wait for a request's answer, queueing included, before a 504 "
                             "(default: 600, the OpenAI client's own timeout)")
     group.add_argument("--cpus-per-replica", metavar="N", type=resource_amount(minimum_exclusive=True),

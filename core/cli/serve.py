@@ -6,7 +6,6 @@ import argparse
 import functools
 import importlib.util
 import ipaddress
-import math
 import os
 import sys
 from typing import Any
@@ -19,6 +18,7 @@ from poolrunner.core.cli.common import (
     add_task_option,
     boolean,
     positive_int,
+    seconds,
 )
 from poolrunner.core.cli.environment import check_environment, read_environment
 from poolrunner.core.cli.model_specs import load_served_models, model_keys, model_specs
@@ -110,7 +110,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "that would pass it waits its turn (default: a quarter of the memory at 48 bytes a "
                              "value, at least --max-output-values)")
     server.add_argument("--drain-timeout", metavar="SECONDS", default=30.0,
-                        type=functools.partial(_seconds, allow_zero=True),
+                        type=functools.partial(seconds, allow_zero=True),
                         help="how long requests in flight may take to finish after SIGTERM; then their "
                              "connections are closed and the process exits")
     server.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
@@ -119,9 +119,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--max-connections", metavar="N", type=positive_int, default=1024,
                         help="most connections (and requests running) at once; a request past it is answered 503 "
                              "and its connection closed")
-    server.add_argument("--keep-alive-timeout", metavar="SECONDS", type=_seconds, default=5.0,
+    server.add_argument("--keep-alive-timeout", metavar="SECONDS", type=seconds, default=5.0,
                         help="how long an idle connection stays open after an answer")
-    server.add_argument("--read-timeout", metavar="SECONDS", type=_seconds, default=30.0,
+    server.add_argument("--read-timeout", metavar="SECONDS", type=seconds, default=30.0,
                         help="how long a client may take to send a whole request (head and body), from the "
                              "connection's opening or its previous answer; then the connection is closed")
     server.add_argument("--auto-truncate", metavar="BOOL", nargs="?", type=boolean, const=True, default=True,
@@ -262,15 +262,3 @@ def _allowed_hosts(args: argparse.Namespace) -> list[str] | None:
     except ValueError:  # a name
         loopback = args.host.lower() == "localhost"
     return list(LOOPBACK_HOSTS) if loopback else None
-
-
-def _seconds(value: str, *, allow_zero: bool = False) -> float:
-    """argparse ``type`` for a finite, positive number of seconds (``allow_zero``: or 0)."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
-        raise argparse.ArgumentTypeError(f"expected a finite number of seconds {'>= 0' if allow_zero else '> 0'}, "
-                                         f"got {value!r}")
-    return seconds

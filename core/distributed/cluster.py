@@ -10,7 +10,13 @@ on purpose), so the token is what keeps others out. A cluster the user names is 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
+
+SETTLE_S = 0.2
+"""Seconds a local cluster's GCS gets to act on a stop signal this process got too."""
+ANSWER_S = 1.0
+"""Seconds within which a live GCS answers (it takes milliseconds)."""
 
 
 def init_options(address: str | None) -> dict[str, Any]:
@@ -26,3 +32,26 @@ def init(address: str | None, **options: Any) -> Any:
     import ray
 
     return ray.init(**init_options(address), **options)
+
+
+def lost() -> bool:
+    """Whether the local cluster this process started no longer answers: a stop signal sent to the
+    whole process group (``timeout``, systemd's control-group kill, ``kill -- -PGID``) reaches
+    Ray's processes too, and a call to the cluster would then wait a minute for its GCS and end
+    this process. ``False`` at once for a cluster this process joined.
+
+    The signal reaches the GCS as it reaches this process, so the GCS gets :data:`SETTLE_S` to
+    act on it; then it must answer within :data:`ANSWER_S`.
+    """
+    import ray.exceptions
+    from ray._private import ray_constants, worker  # the node this process started, its GCS: no public accessor
+
+    node = worker._global_node
+    if node is None or not node.all_processes.get(ray_constants.PROCESS_TYPE_GCS_SERVER):
+        return False
+    time.sleep(SETTLE_S)
+    try:
+        worker.global_worker.gcs_client.internal_kv_get(b"poolrunner", None, timeout=ANSWER_S)
+    except ray.exceptions.RpcError:
+        return True
+    return False

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import logging.config
+import math
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -96,9 +97,11 @@ class ServedReplicas:
 
         if not ray.is_initialized():
             return
-        serve.delete(self.name)
+        gone = cluster.lost()  # nothing is left to remove, and Ray would wait a minute for its GCS
+        if not gone:
+            serve.delete(self.name)
         if self.started_ray:
-            disconnect()
+            disconnect(gone)
 
     def __enter__(self) -> ServedReplicas:
         return self
@@ -180,7 +183,7 @@ def serve_replicas(
                                  num_cpus_per_replica=num_cpus_per_replica, num_gpus_per_replica=num_gpus_per_replica,
                                  max_ongoing_requests=max_ongoing_requests, drain_timeout=settings.drain_timeout)
     options["logging_config"] = {"log_level": log_level.upper()}
-    _check_amount("request_timeout", request_timeout, zero=False)
+    _check_seconds("request_timeout", request_timeout)
     started = connect(address)
     try:
         url = _start_proxies(host, port, request_timeout)
@@ -235,6 +238,12 @@ def _check_amount(option: str, value: Any, *, zero: bool) -> None:
     number = isinstance(value, int | float) and not isinstance(value, bool)
     if not number or value < 0 or (value == 0 and not zero) or value != value:
         raise InvalidRequestError(f"{option} must be a number {'>=' if zero else '>'} 0, got {value!r}")
+
+
+def _check_seconds(option: str, value: Any) -> None:
+    """:raises InvalidRequestError: unless ``value`` is a finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise InvalidRequestError(f"{option} must be a finite number of seconds > 0, got {value!r}")
 
 
 def _autoscaling(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -299,12 +308,15 @@ def _proxy_callback() -> Iterator[None]:
         os.environ.pop(PROXY_CALLBACK_ENV, None)
 
 
-def disconnect() -> None:
-    """Shut down Ray Serve and this process's Ray connection (a local cluster it started stops)."""
+def disconnect(lost: bool | None = None) -> None:
+    """Shut down Ray Serve and this process's Ray connection (a local cluster it started stops);
+    Ray alone where the cluster no longer answers (``lost``, else :func:`cluster.lost
+    <poolrunner.core.distributed.cluster.lost>`: the stop signal reached it too)."""
     import ray
     from ray import serve
 
-    serve.shutdown()
+    if not (cluster.lost() if lost is None else lost):
+        serve.shutdown()
     ray.shutdown()
 
 
@@ -454,8 +466,9 @@ class ReplicaLostMiddleware:
     """In Ray Serve's proxy: a request that got no answer (its replica died, or Ray failed to reach
     it) is answered 503 in the API's error shape, with ``Retry-After: 1``, instead of uvicorn's
     bare ``500 Internal Server Error``; the proxy's own plain-text 408 at its request timeout
-    becomes a 504 in that shape (the client sent its request in time: no replica answered it;
-    poolrunner's app never answers 408). Every other answer a replica starts passes as it is.
+    becomes a 504 in that shape, with ``Retry-After: 1`` too (the client sent its request in
+    time: no replica answered it; poolrunner's app never answers 408 through Ray). Every other
+    answer a replica starts passes as it is.
 
     :param app: The proxy's app.
     """
@@ -481,7 +494,7 @@ class ReplicaLostMiddleware:
         from poolrunner.core.server.errors import send_error  # the app's, loaded in the proxies alone
 
         if timed_out:
-            await send_error(send, 504, REPLICA_TIMEOUT_MESSAGE)
+            await send_error(send, 504, REPLICA_TIMEOUT_MESSAGE, [(b"retry-after", b"1")])
         elif not started:
             await send_error(send, 503, REPLICA_LOST_MESSAGE, [(b"retry-after", b"1")])
 

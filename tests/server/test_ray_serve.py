@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -130,16 +131,27 @@ def test_proxy_timeout_is_a_json_504() -> None:
         await send({"type": "http.response.body", "body": b"Request abc timed out after 30.0s."})
 
     start, body = _call(ReplicaLostMiddleware(timed_out))
-    assert start["status"] == 504
+    assert start["status"] == 504 and (b"retry-after", b"1") in start["headers"]
     assert json.loads(body["body"]) == {"error": {"message": REPLICA_TIMEOUT_MESSAGE, "type": "server_error",
                                                   "param": None, "code": 504}}
 
 
-def test_bad_request_timeout_is_named_before_ray_starts() -> None:
+@pytest.mark.parametrize("timeout", [0, -1, float("inf"), float("nan"), "5", True])
+def test_bad_request_timeout_is_named_before_ray_starts(timeout) -> None:
     import ray
 
-    with pytest.raises(InvalidRequestError, match=r"^request_timeout must be a number > 0, got 0$"):
-        serve_replicas(request_timeout=0)
+    with pytest.raises(InvalidRequestError, match=rf"^request_timeout must be a finite number of seconds > 0, "
+                                                  rf"got {re.escape(repr(timeout))}$"):
+        serve_replicas(request_timeout=timeout)
+    assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1", "inf", "nan", "abc"])
+def test_bad_request_timeout_flag_is_named_before_ray_starts(timeout, capsys) -> None:
+    import ray
+
+    assert main(["serve", "--ray-serve", "--ray-request-timeout", timeout]) == 2
+    assert f"expected a finite number of seconds > 0, got '{timeout}'" in capsys.readouterr().err
     assert not ray.is_initialized()
 
 
@@ -176,6 +188,27 @@ def test_serve_help_imports_neither_ray_nor_torch() -> None:
             "print(json.dumps(['--ray-serve' in out.getvalue(), [m for m in ('ray', 'torch') if m in sys.modules]]))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert json.loads(result.stdout.splitlines()[-1]) == [True, []]
+
+
+def test_the_command_stops_cleanly_when_its_whole_process_group_is_signalled() -> None:
+    """SIGTERM to the process group (``timeout``, systemd's control-group kill) reaches the local
+    Ray instance the command started too: the command still exits 0, in seconds, not after Ray's
+    minute of waiting for a GCS that is gone (exit 1)."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "poolrunner", "serve", "--ray-serve", "--replicas", "1", "--port", str(port),
+         "--dtype", "float32"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _line_starting(process, "poolrunner: serving on")
+        began = time.monotonic()
+        os.killpg(process.pid, signal.SIGTERM)
+        _, stderr = process.communicate(timeout=50)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    assert process.returncode == 0, stderr[-3000:]
+    assert time.monotonic() - began < 40 and "Failed to connect to GCS" not in stderr
 
 
 # --------------------------------------------------------------------------- two replicas on a local cluster
