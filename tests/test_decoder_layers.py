@@ -50,20 +50,25 @@ def test_a_last_token_embedder_equals_transformers_with_its_last_layer_on_the_la
     assert read_rows_steps and set(read_rows_steps) == {"last"}
 
 
-def test_a_prefill_chunk_keeps_every_row_of_the_last_layer(tmp_path, read_rows_steps):
-    """A step holding a prefill chunk (its keys and values kept for the next) computes every row."""
+def test_prefill_chunks_read_the_last_row_of_their_last_chunk(tmp_path, read_rows_steps):
+    """Prompts longer than the step run in chunks: a step where no request finishes computes every
+    row; one where some do (chunks beside whole prompts) computes the last row of each finishing
+    one, and the embeddings still equal transformers'."""
     row = Row(next(f for f in FAMILIES if f.id == "llama"), "model")
     folder = build_folder(row, tmp_path / "llama")
     runtime = Runtime(folder, dtype="float32", pooling_type="LAST", max_num_batched_tokens=16,
                       load_entrypoints=False)
-    read_rows_steps.clear()
     reference = load_reference(row, folder)
-    ids = [list(ids) for ids in inputs_for(row).mixed]
-    longest = max(ids, key=len)
-    assert len(longest) > 16
-    expected = reference_output(reference, longest)[-1]
-    np.testing.assert_allclose(runtime.embed([longest])[0], expected / np.linalg.norm(expected), atol=2e-6)
-    assert read_rows_steps and set(read_rows_steps) == {"all"}
+    batch = [list(ids) for ids in inputs_for(row).mixed]
+    assert max(len(ids) for ids in batch) > 16
+    for inputs in ([max(batch, key=len)], batch):
+        read_rows_steps.clear()
+        expected = np.stack([reference_output(reference, ids)[-1] for ids in inputs])
+        np.testing.assert_allclose(runtime.embed(inputs), expected / np.linalg.norm(expected, axis=-1, keepdims=True),
+                                   atol=2e-6)
+        if len(inputs) == 1:  # 30 tokens in 16-token steps: a chunk alone, then its last chunk
+            assert read_rows_steps == ["all", "last"]
+        assert set(read_rows_steps) == {"all", "last"}
 
 
 def _tiny_llama(**config):

@@ -143,7 +143,7 @@ class ModelRunner:
         order = sorted(range(batch.num_reqs),
                        key=lambda i: (caches[i] is not None, adapters[i], batch.num_scheduled_tokens[i]))
         layout = PackedLayout.build([batch.num_scheduled_tokens[i] for i in order], caches=[caches[i] for i in order],
-                                    native=self.native_attention, rows=self._rows_read(batch, caches))
+                                    native=self.native_attention, rows=self._rows_read(batch, caches, finishing))
         inputs = {"input_ids": batch.input_ids, "position_ids": batch.positions + self.position_offset, **extra}
         if order == list(range(batch.num_reqs)):
             return self._forward_packed(inputs, layout, batch.num_tokens)
@@ -151,13 +151,18 @@ class ModelRunner:
         inputs = {key: value.index_select(0, tokens) for key, value in inputs.items()}
         return self._forward_packed(inputs, layout, batch.num_tokens).index_select(0, inverse)
 
-    def _rows_read(self, batch: InputBatch, caches: Sequence[object]) -> str:
-        """``"first"`` or ``"last"`` where every request runs whole in this step and every task's
-        pooler reads only that row of each request; else ``"all"``."""
-        if not self.rows_layer or any(cache is not None for cache in caches):
-            return "all"
+    def _rows_read(self, batch: InputBatch, caches: Sequence[object], finishing: Sequence[bool]) -> str:
+        """``"first"`` or ``"last"`` where every task's pooler in this step reads only that row of
+        each request; else ``"all"``. A first row is read only where every request runs whole in
+        the step (an earlier chunk's rows are kept for the pooler as they are); a last row, that of
+        a request's last chunk, where some request finishes in the step (else no row is read)."""
         reads = {self.poolers[state.request.params.task].reads_rows for state in batch.requests}
-        return reads.pop() if len(reads) == 1 else "all"
+        if not self.rows_layer or len(reads) != 1:
+            return "all"
+        (rows,) = reads
+        if rows == "first" and any(cache is not None for cache in caches):
+            return "all"
+        return rows if rows != "last" or any(finishing) else "all"
 
     def _forward_packed(self, inputs: dict[str, torch.Tensor], layout: PackedLayout, num_tokens: int) -> torch.Tensor:
         """One forward over ``inputs`` (``[num_tokens]`` each, in ``layout``'s order): ``[num_tokens, hidden_size]``."""

@@ -337,7 +337,8 @@ class PackedLayout:
     :ivar probe: When a list, every attention call appends ``True`` if its layer lets a query
         see a later token (used once at load by :func:`probe_attention`).
     :ivar rows: Which rows of the last layer's output are read: ``"all"``, or only each
-        request's ``"first"`` or ``"last"`` (:meth:`read_rows`; :mod:`~poolrunner.core.model.inlined_blocks`).
+        request's ``"first"`` or ``"last"`` (:meth:`read_rows`; :mod:`~poolrunner.core.model.inlined_blocks`):
+        a prefill chunk's last row where it is its request's last chunk, none of an earlier one.
     """
 
     num_tokens: int
@@ -363,10 +364,10 @@ class PackedLayout:
         runs with a full, causal or sliding-window mask attend in one kernel call per window:
         poolrunner's CPU kernel (:mod:`~poolrunner.core.kernels.cpu_kernels`, which the caller
         has built), or on CUDA flash attention's (:mod:`~poolrunner.core.kernels.cuda_attention`).
-        ``rows``: see the attribute; other than ``"all"``, every request whole in the step (no ``caches``).
+        ``rows``: see the attribute; ``"first"`` needs every request whole in the step (no ``caches``).
         """
-        if rows != "all" and any(entry is not None for entry in caches):
-            raise ValueError(f"rows={rows!r} needs every request whole in the step, not a prefill chunk")
+        if rows == "first" and any(entry is not None for entry in caches):
+            raise ValueError("rows='first' needs every request whole in the step, not a prefill chunk")
         starts = [0]
         for length in lengths:
             starts.append(starts[-1] + length)
@@ -386,12 +387,13 @@ class PackedLayout:
         return cls(num_tokens=starts[-1], runs=tuple(runs), cached=cached, probe=probe, native=native, rows=rows)
 
     def read_rows(self, device: torch.device) -> torch.Tensor:
-        """Each request's first (``rows="first"``) or last (``"last"``) token in the packed
-        sequence, in packing order: ``[num_reqs]`` int64."""
+        """Each whole request's first (``rows="first"``) or last (``"last"``) token in the packed
+        sequence, then the last token of each request's last prefill chunk: ``[rows]`` int64."""
         last = self.rows == "last"
-        return torch.tensor([start + (run.length - 1 if last else 0)
-                             for run in self.runs for start in range(run.start, run.end, run.length)],
-                            dtype=torch.int64).to(device, non_blocking=True)
+        rows = [start + (run.length - 1 if last else 0) for run in self.runs
+                for start in range(run.start, run.end, run.length)]
+        rows += [span.end - 1 for span in self.cached if not span.store]
+        return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
 
     def windowed_runs(
         self, rule: MaskRule, q: torch.Tensor, k: torch.Tensor, takes: Callable[[_Run, tuple[int, int]], bool],
