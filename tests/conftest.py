@@ -676,15 +676,15 @@ def token_reference() -> Callable[..., TokenReference]:
 def read_rows_steps(monkeypatch) -> list[str]:
     """Per call of a backbone's last layer that may compute some rows only (BERT-code and
     Llama-code layers): the rows its step asked for, ``first``, ``last`` or ``all``."""
-    from poolrunner.core.model import bert_layers, decoder_layers, inlined_blocks
+    from poolrunner.core.model import inlined_blocks
 
     seen: list[str] = []
+    read_rows = inlined_blocks.read_rows
 
     def spy(layer, kwargs, device):
         if getattr(layer, inlined_blocks._LAST_LAYER, False):
             seen.append(kwargs["poolrunner_layout"].rows)
-        return inlined_blocks.read_rows(layer, kwargs, device)
+        return read_rows(layer, kwargs, device)
 
-    for module in (bert_layers, decoder_layers):
-        monkeypatch.setattr(module, "read_rows", spy)
+    monkeypatch.setattr(inlined_blocks, "read_rows", spy)
     return seen

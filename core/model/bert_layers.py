@@ -37,7 +37,7 @@ from transformers.models.bert import modeling_bert as bert
 
 from poolrunner.core.kernels.joined_projections import JoinedProjections, project
 from poolrunner.core.kernels.onednn import code_key
-from poolrunner.core.model.inlined_blocks import hooked, mark_last_layer, read_rows
+from poolrunner.core.model.inlined_blocks import after_attention, hooked, mark_last_layer
 
 _LAYER_CODE = {
     "layer": code_key(bert.BertLayer.forward), "feed_forward": code_key(bert.BertLayer.feed_forward_chunk),
@@ -85,8 +85,8 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: Any =
              encoder_hidden_states: torch.Tensor | None = None, encoder_attention_mask: Any = None,
              cache: Any = None, **kwargs: Any) -> torch.Tensor:
     """``BertLayer.forward`` with its blocks inlined: ``[batch, tokens, hidden]`` -> the same shape.
-    With the step's layout asking for some rows only (the last layer, :func:`read_rows`), those
-    rows as the layer's code computes them and zeros elsewhere."""
+    With the step's layout asking for some rows only (the last layer, :func:`after_attention`),
+    those rows as the layer's code computes them and zeros elsewhere."""
     attention = self.attention.self
     if (self.training or encoder_hidden_states is not None or cache is not None or self.chunk_size_feed_forward
             or hooked((self.attention, attention, self.attention.output, self.intermediate, self.output))):
@@ -96,12 +96,7 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: Any =
     query, key, value = (t.view(heads).transpose(1, 2) for t in project(attention, _PROJECTIONS, hidden_states))
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation, bert.eager_attention_forward)
     context, _ = attend(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling, **kwargs)
-    context = context.reshape(*hidden_states.shape[:-1], -1).contiguous()
-    rows = read_rows(self, kwargs, hidden_states.device)
-    if rows is None:
-        return _row_blocks(self, context, hidden_states)
-    computed = _row_blocks(self, context.index_select(1, rows), hidden_states.index_select(1, rows))
-    return hidden_states.new_zeros(hidden_states.shape).index_copy_(1, rows, computed)
+    return after_attention(self, kwargs, context, hidden_states, _row_blocks)
 
 
 def _row_blocks(layer: nn.Module, context: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:

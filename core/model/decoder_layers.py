@@ -38,7 +38,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3Model
 
 from poolrunner.core.kernels.joined_projections import JoinedProjections, project
 from poolrunner.core.kernels.onednn import code_key
-from poolrunner.core.model.inlined_blocks import hooked, mark_last_layer, read_rows
+from poolrunner.core.model.inlined_blocks import after_attention, hooked, mark_last_layer
 
 
 @frozen
@@ -112,8 +112,8 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: Any =
              position_ids: torch.Tensor | None = None, cache: Any = None, use_cache: bool | None = False,
              position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs: Any) -> torch.Tensor:
     """``LlamaDecoderLayer.forward`` with its attention inlined: ``[batch, tokens, hidden]`` -> the same shape.
-    With the step's layout asking for some rows only (the last layer, :func:`read_rows`), those
-    rows as the layer's code computes them and zeros elsewhere."""
+    With the step's layout asking for some rows only (the last layer, :func:`after_attention`),
+    those rows as the layer's code computes them and zeros elsewhere."""
     attention, inlined = self.self_attn, self._poolrunner_inlined
     if self.training or cache is not None or position_embeddings is None or hooked((attention,)):
         return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
@@ -129,15 +129,10 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: Any =
     context, _ = attend(attention, query, key, value.transpose(1, 2), attention_mask, dropout=0.0,
                         scaling=attention.scaling, **_window(inlined.kind, attention), position_ids=position_ids,
                         use_cache=use_cache, **kwargs)
-    context = context.reshape(*hidden_states.shape[:-1], -1).contiguous()
-    rows = read_rows(self, kwargs, hidden_states.device)
-    if rows is None:
-        return _after_attention(self, context, residual)
-    computed = _after_attention(self, context.index_select(1, rows), residual.index_select(1, rows))
-    return residual.new_zeros(residual.shape).index_copy_(1, rows, computed)
+    return after_attention(self, kwargs, context, residual, _row_blocks)
 
 
-def _after_attention(layer: nn.Module, context: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+def _row_blocks(layer: nn.Module, context: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """The layer after its attention, each row alone: the output projection and residual, then the MLP block."""
     hidden_states = residual + layer.self_attn.o_proj(context)
     return hidden_states + layer.mlp(layer.post_attention_layernorm(hidden_states))

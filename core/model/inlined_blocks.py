@@ -18,7 +18,7 @@ position-wise steps (a final norm).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -41,6 +41,20 @@ def mark_last_layer(layers: nn.ModuleList, known_stack: bool) -> bool:
     backbone's forward is known code); ``known_stack``."""
     setattr(layers[-1], _LAST_LAYER, known_stack)
     return known_stack
+
+
+def after_attention(layer: nn.Module, kwargs: Mapping[str, Any], context: torch.Tensor, residual: torch.Tensor,
+                    blocks: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``blocks(layer, context, residual)``, what follows ``layer``'s attention (each row alone), on
+    every row, or on the rows :func:`read_rows` names and zeros elsewhere: ``context`` the
+    attention's ``[batch, tokens, heads, head_dim]`` output, ``residual`` ``[batch, tokens, hidden]``
+    -> ``[batch, tokens, hidden]``."""
+    context = context.reshape(*residual.shape[:-1], -1).contiguous()
+    rows = read_rows(layer, kwargs, residual.device)
+    if rows is None:
+        return blocks(layer, context, residual)
+    computed = blocks(layer, context.index_select(1, rows), residual.index_select(1, rows))
+    return residual.new_zeros(residual.shape).index_copy_(1, rows, computed)
 
 
 def read_rows(layer: nn.Module, kwargs: Mapping[str, Any], device: torch.device) -> torch.Tensor | None:
