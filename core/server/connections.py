@@ -28,8 +28,9 @@ logger = logging.getLogger(__name__)
 HEALTH_PATH = "/health"
 """Answered whatever the connection count: an orchestrator's probe must not fail under load."""
 MAX_HEAD_BYTES = 16 * 1024
-"""Largest request head (request line and headers), bytes: h11's default, set explicitly; a
-larger head is answered 400 and the connection closed."""
+"""Largest request head (request line and headers), bytes: h11's default, set explicitly (h11
+counts only a head still incomplete); a larger head, whole or in pieces, is answered a JSON 431
+and the connection closed (:meth:`GuardedH11Protocol.data_received`)."""
 
 
 def _positive(_instance: object, attribute: Any, value: float) -> None:
@@ -90,7 +91,18 @@ class GuardedH11Protocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.silent = False
+        if self.conn.their_state == h11.IDLE and self._head_too_large(data):
+            self._answer_and_close(431, "Request Header Fields Too Large",
+                                   f"the request head (request line and headers) is larger than {MAX_HEAD_BYTES} bytes")
+            return
         super().data_received(data)
+
+    def _head_too_large(self, data: bytes) -> bool:
+        """Whether the head arriving (what h11 holds unparsed, then ``data``) passes :data:`MAX_HEAD_BYTES`."""
+        buffered = self.conn.trailing_data[0]
+        received = buffered + data if buffered else data
+        end = received.find(b"\r\n\r\n")
+        return (end if end >= 0 else len(received)) > MAX_HEAD_BYTES
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -130,11 +142,18 @@ class GuardedH11Protocol(H11Protocol):
         if self.transport.is_closing():
             return
         if self.conn.their_state == h11.SEND_BODY or self.conn.trailing_data[0]:
-            message = (f"the request did not arrive whole within {self.read_timeout:g} s (--read-timeout); "
-                       "send it at once, or raise the limit")
-            body = error_response(408, message).body
-            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                                 + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
+            self._answer_and_close(408, "Request Timeout",
+                                   f"the request did not arrive whole within {self.read_timeout:g} s (--read-timeout); "
+                                   "send it at once, or raise the limit")
+        else:
+            self.transport.close()
+
+    def _answer_and_close(self, status: int, reason: str, message: str) -> None:
+        """Write a JSON error answer past h11 and the app, then close the connection (the app, if a
+        request of this connection runs, sees the client gone)."""
+        body = error_response(status, message).body
+        self.transport.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: "
+                             f"{len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
         self.transport.close()
 
     async def _admit(self, scope: Any, receive: Any, send: Any) -> None:

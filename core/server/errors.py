@@ -41,6 +41,7 @@ ERROR_TYPES = {
     405: "invalid_request_error",
     408: "request_timeout",
     413: "request_too_large",
+    431: "request_too_large",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",

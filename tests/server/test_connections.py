@@ -136,6 +136,31 @@ def test_a_request_body_that_stalls_is_cut_at_the_read_timeout(runtime):
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
 
 
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_a_request_head_over_16_kib_is_a_json_431_whole_or_in_pieces(runtime, pieces):
+    """h11's own limit counts only a head still incomplete: a whole big head would pass it."""
+    def head(size: int) -> bytes:
+        return b"GET /health HTTP/1.1\r\nHost: test\r\nX-Big: " + b"a" * size + b"\r\n\r\n"
+
+    with running(runtime, ConnectionLimits()) as (_, port, _):
+        big = head(17_000)
+        connection = socket.create_connection(("127.0.0.1", port))
+        step = -(-len(big) // pieces)
+        for start in range(0, len(big), step):
+            connection.sendall(big[start:start + step])
+            time.sleep(0.05)
+        received = read_until_closed(connection, 5)[1]
+        status, _, body = received.partition(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"), received[:200]
+        assert json.loads(body)["error"] == {
+            "message": "the request head (request line and headers) is larger than 16384 bytes",
+            "type": "request_too_large", "param": None, "code": 431}
+        fits = socket.create_connection(("127.0.0.1", port))
+        fits.sendall(head(16_000))
+        assert fits.recv(65536).startswith(b"HTTP/1.1 200")
+        fits.close()
+
+
 def test_connections_past_the_cap_are_refused_with_a_json_503_then_served_again(runtime, caplog):
     """The cap counts open connections that have sent something (here, half a request head): the
     4th of 4 is served, the 5th gets OpenAI's error shape and is closed after the answer (read to
