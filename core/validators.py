@@ -6,6 +6,7 @@ They raise :class:`~poolrunner.core.errors.InvalidRequestError` (a ``ValueError`
 from __future__ import annotations
 
 import json
+import math
 import re
 import reprlib
 from collections.abc import Collection
@@ -63,6 +64,13 @@ def task_name(builtin: Collection[str], plugin_pattern: re.Pattern[str], *, opti
         )
 
     return check
+
+
+def check_seconds(name: str, value: Any, *, zero: bool) -> None:
+    """:raises InvalidRequestError: unless ``value`` is a finite number of seconds > 0 (``zero``: >= 0)."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        raise InvalidRequestError(f"{name} must be a finite number of seconds {'>=' if zero else '>'} 0, got {value!r}")
 
 
 def positive_int(_instance: object, attribute: Attribute, value: Any) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import logging.config
-import math
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -34,6 +33,7 @@ from poolrunner.core.distributed.job import runtime_config
 from poolrunner.core.errors import InvalidRequestError, RayNotInstalledError, ReplicaStartError
 from poolrunner.core.server.settings import ServerSettings
 from poolrunner.core.types import PoolingTask
+from poolrunner.core.validators import check_seconds
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -183,7 +183,7 @@ def serve_replicas(
                                  num_cpus_per_replica=num_cpus_per_replica, num_gpus_per_replica=num_gpus_per_replica,
                                  max_ongoing_requests=max_ongoing_requests, drain_timeout=settings.drain_timeout)
     options["logging_config"] = {"log_level": log_level.upper()}
-    _check_seconds("request_timeout", request_timeout)
+    check_seconds("request_timeout", request_timeout, zero=False)
     started = connect(address)
     try:
         url = _start_proxies(host, port, request_timeout)
@@ -238,12 +238,6 @@ def _check_amount(option: str, value: Any, *, zero: bool) -> None:
     number = isinstance(value, int | float) and not isinstance(value, bool)
     if not number or value < 0 or (value == 0 and not zero) or value != value:
         raise InvalidRequestError(f"{option} must be a number {'>=' if zero else '>'} 0, got {value!r}")
-
-
-def _check_seconds(option: str, value: Any) -> None:
-    """:raises InvalidRequestError: unless ``value`` is a finite number > 0."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-        raise InvalidRequestError(f"{option} must be a finite number of seconds > 0, got {value!r}")
 
 
 def _autoscaling(config: Mapping[str, Any]) -> dict[str, Any]:

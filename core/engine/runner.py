@@ -156,8 +156,10 @@ class ModelRunner:
         each request; else ``"all"``. A first row is read only where every request runs whole in
         the step (an earlier chunk's rows are kept for the pooler as they are); a last row, that of
         a request's last chunk, where some request finishes in the step (else no row is read)."""
+        if not self.rows_layer:
+            return "all"
         reads = {self.poolers[state.request.params.task].reads_rows for state in batch.requests}
-        if not self.rows_layer or len(reads) != 1:
+        if len(reads) != 1:
             return "all"
         (rows,) = reads
         if rows == "first" and any(cache is not None for cache in caches):

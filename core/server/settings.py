@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from attrs import Attribute, field, frozen
 
 from poolrunner.core.server.admission import default_budget
-from poolrunner.core.validators import one_of, positive_int
+from poolrunner.core.validators import check_seconds, one_of, positive_int
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 """vLLM's ``--scheduling-policy``: first come first served (a request's ``priority`` must be 0 or
@@ -55,9 +54,8 @@ def optional_truncation(_instance: object, attribute: Attribute, value: int | No
 
 
 def non_negative_seconds(_instance: object, attribute: Attribute, value: float) -> None:
-    """:raises ValueError: for a negative, infinite or NaN number of seconds."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{attribute.name} must be a finite number of seconds >= 0, got {value!r}")
+    """:raises InvalidRequestError: (a ``ValueError``) for a negative, infinite or NaN number of seconds."""
+    check_seconds(attribute.name, value, zero=True)
 
 
 def check_token_id_inputs(_instance: object, _attribute: object, spec: str | None) -> None:
