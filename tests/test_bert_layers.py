@@ -14,7 +14,7 @@ import torch
 from poolrunner import Runtime
 from poolrunner.core.kernels.joined_projections import JoinedProjections
 from poolrunner.core.model import bert_layers
-from tests.helpers import assert_captures_equal
+from tests.helpers import assert_captures_equal, normalized
 from tests.models.architectures import FAMILIES, Row, build_folder, inputs_for, load_reference, reference_output
 
 
@@ -27,16 +27,12 @@ def _loaded(tmp_path, family: str, head: str, read_rows_steps: list[str], **opti
     return runtime, load_reference(row, folder), [list(ids) for ids in inputs_for(row).mixed]
 
 
-def _normalized(rows: list[np.ndarray]) -> np.ndarray:
-    stacked = np.stack(rows)
-    return stacked / np.linalg.norm(stacked, axis=-1, keepdims=True)
-
-
 @pytest.mark.parametrize("family", ["bert", "roberta", "xlm-roberta"])
 def test_a_cls_embedder_equals_transformers_with_its_last_layer_on_the_first_rows(tmp_path, family, read_rows_steps):
     runtime, reference, batch = _loaded(tmp_path, family, "model", read_rows_steps, pooling_type="CLS")
     got = runtime.embed(batch)
-    np.testing.assert_allclose(got, _normalized([reference_output(reference, ids)[0] for ids in batch]), atol=2e-6)
+    expected = normalized(np.stack([reference_output(reference, ids)[0] for ids in batch]))
+    np.testing.assert_allclose(got, expected, atol=2e-6)
     assert read_rows_steps and set(read_rows_steps) == {"first"}
 
 
@@ -50,7 +46,7 @@ def test_a_cross_encoders_scores_equal_transformers_with_its_last_layer_on_the_f
 def test_a_pooler_reading_every_row_gets_every_row_computed(tmp_path, read_rows_steps):
     runtime, reference, batch = _loaded(tmp_path, "bert", "model", read_rows_steps, pooling_type="MEAN")
     got = runtime.embed(batch)
-    np.testing.assert_allclose(got, _normalized([reference_output(reference, ids).mean(0) for ids in batch]),
+    np.testing.assert_allclose(got, normalized(np.stack([reference_output(reference, ids).mean(0) for ids in batch])),
                                atol=2e-6)
     assert read_rows_steps and set(read_rows_steps) == {"all"}
 
@@ -80,7 +76,7 @@ def test_every_bert_code_family_equals_transformers_with_its_layers_run_directly
     layers = runtime._engine.runner.backbone.encoder.layer
     assert all(isinstance(layer.attention.self.projections, JoinedProjections) for layer in layers)
     got = runtime.embed(batch)
-    np.testing.assert_allclose(got, _normalized([reference_output(reference, ids).mean(0) for ids in batch]),
+    np.testing.assert_allclose(got, normalized(np.stack([reference_output(reference, ids).mean(0) for ids in batch])),
                                atol=2e-6)
 
 

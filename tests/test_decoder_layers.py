@@ -16,7 +16,7 @@ from poolrunner import Runtime
 from poolrunner.core.kernels import onednn
 from poolrunner.core.kernels.joined_projections import JoinedProjections
 from poolrunner.core.model import decoder_layers
-from tests.helpers import assert_captures_equal
+from tests.helpers import assert_captures_equal, normalized
 from tests.models.architectures import FAMILIES, Row, build_folder, inputs_for, load_reference, reference_output
 
 
@@ -31,7 +31,7 @@ def test_a_decoder_embedder_equals_transformers_with_its_layers_run_directly(tmp
     reference = load_reference(row, folder)
     batch = [list(ids) for ids in inputs_for(row).mixed]
     expected = np.stack([reference_output(reference, ids).mean(0) for ids in batch])
-    np.testing.assert_allclose(runtime.embed(batch), expected / np.linalg.norm(expected, axis=-1, keepdims=True),
+    np.testing.assert_allclose(runtime.embed(batch), normalized(expected),
                                atol=2e-6)
 
 
@@ -45,7 +45,7 @@ def test_a_last_token_embedder_equals_transformers_with_its_last_layer_on_the_la
     reference = load_reference(row, folder)
     batch = [list(ids) for ids in inputs_for(row).mixed]
     expected = np.stack([reference_output(reference, ids)[-1] for ids in batch])
-    np.testing.assert_allclose(runtime.embed(batch), expected / np.linalg.norm(expected, axis=-1, keepdims=True),
+    np.testing.assert_allclose(runtime.embed(batch), normalized(expected),
                                atol=2e-6)
     assert read_rows_steps and set(read_rows_steps) == {"last"}
 
@@ -64,7 +64,7 @@ def test_prefill_chunks_read_the_last_row_of_their_last_chunk(tmp_path, read_row
     for inputs in ([max(batch, key=len)], batch):
         read_rows_steps.clear()
         expected = np.stack([reference_output(reference, ids)[-1] for ids in inputs])
-        np.testing.assert_allclose(runtime.embed(inputs), expected / np.linalg.norm(expected, axis=-1, keepdims=True),
+        np.testing.assert_allclose(runtime.embed(inputs), normalized(expected),
                                    atol=2e-6)
         if len(inputs) == 1:  # 30 tokens in 16-token steps: a chunk alone, then its last chunk
             assert read_rows_steps == ["all", "last"]
