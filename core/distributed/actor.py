@@ -32,9 +32,11 @@ class RuntimeActor:
         self, config: RuntimeConfig, plugins: Sequence[object], request_options: Mapping[str, Any], on_error: str,
         images: bool = False,
     ) -> None:
+        from poolrunner.core.gc_heap import freeze_loaded_objects
         from poolrunner.core.runtime import Runtime
 
         self.runtime = Runtime.from_config(config, plugins=plugins)
+        freeze_loaded_objects()  # the actor's process is Ray's worker, this model's alone
         self.request_options = dict(request_options)
         self.on_error = on_error
         self.images = images

@@ -398,11 +398,13 @@ class PoolrunnerReplica:
     def __serve_build_asgi_app__(self) -> FastAPI:
         from ray import serve
 
+        from poolrunner.core.gc_heap import freeze_loaded_objects
         from poolrunner.core.server.app import create_app
 
         app = create_app(self.runtime, self.settings)
         app.add_middleware(ReplicaHeaderMiddleware, replica=serve.get_replica_context().replica_id.unique_id)
         self.server_app = app
+        freeze_loaded_objects()  # the replica's process is Ray's worker, this model's alone
         return app
 
     def check_health(self) -> None:

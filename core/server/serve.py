@@ -9,6 +9,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from poolrunner.core.gc_heap import freeze_loaded_objects
 from poolrunner.core.server.connections import MAX_HEAD_BYTES, ConnectionLimits, ensure_open_files
 from poolrunner.core.server.logs import log_config
 from poolrunner.core.server.memory_trace import start_from_environment
@@ -88,10 +89,13 @@ def serve(
     """Serve ``app`` until SIGTERM/SIGINT (drained as :class:`DrainingServer` says), with the
     connection ``limits`` (default :class:`~.connections.ConnectionLimits`), the open-file limit
     raised to fit them, logging as :func:`server_config` says; memory traced when
-    ``POOLRUNNER_TRACEMALLOC_DIR`` is set (:mod:`.memory_trace`, for debugging)."""
+    ``POOLRUNNER_TRACEMALLOC_DIR`` is set (:mod:`.memory_trace`, for debugging). The objects
+    loaded so far (the models') are frozen out of the garbage collector's reach
+    (:mod:`~poolrunner.core.gc_heap`): this process is the command's own."""
     limits = limits or ConnectionLimits()
     start_from_environment()
     ensure_open_files(limits.max_connections)
     config = server_config(app, host=host, port=port, drain_timeout=drain_timeout, limits=limits,
                            log_level=log_level, log_format=log_format)
+    freeze_loaded_objects()
     DrainingServer(config, app, drain_timeout).run()

@@ -170,3 +170,23 @@ def test_docs_pages_load_their_assets_from_the_server_without_the_key(request, f
     assert httpx.get(f"{running.url}/openapi.json").json()["info"]["title"] == "poolrunner"
     assert httpx.post(f"{running.url}/v1/embeddings", json={"input": "x"}).status_code == (
         401 if fixture == "guarded" else 200)
+
+
+def test_the_serve_command_freezes_the_loaded_models_before_it_listens(runtime, monkeypatch):
+    import gc
+
+    from poolrunner.core.server import create_app
+    from poolrunner.core.server import serve as serving
+
+    seen = {}
+
+    def run(server) -> None:  # instead of listening: is the loaded model out of the collector's reach?
+        seen["collectable"] = any(obj is runtime for generation in range(3) for obj in gc.get_objects(generation))
+
+    monkeypatch.setattr(serving.DrainingServer, "run", run)
+    monkeypatch.setattr(serving, "log_config", lambda *args: None)  # pytest's logging stays as it is
+    try:
+        serving.serve(create_app(runtime), host="127.0.0.1", port=0, drain_timeout=1.0)
+    finally:
+        gc.unfreeze()
+    assert seen == {"collectable": False}
