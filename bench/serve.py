@@ -9,7 +9,10 @@ environment for vLLM and infinity: ``peers.py``), serving all-MiniLM-L6-v2 in ``
 for every profile and client count runs a *driver*: a separate process (``--client-processes``
 of them, the concurrent clients split among them) of ``openai.AsyncOpenAI`` clients, each
 sending one text per ``embeddings.create`` call and the next as soon as the answer is decoded (a
-closed loop), until every text of the profile has been sent once. The OpenAI client asks for
+closed loop), until every text of the profile has been sent once. Each client first sends one
+request outside the cell (its connection opened, the client's first-call work done), and the
+driver processes then start together, so the latencies are those of a server under load, not
+of clients starting. The OpenAI client asks for
 base64 and decodes it, as a user's code does. poolrunner and vLLM get ``truncate_prompt_tokens:
 -1`` (a document is cut at the model maximum); infinity cuts by itself. Then the server stops
 and the next starts, so load elsewhere on the machine hits every system alike.
@@ -24,7 +27,8 @@ clients (``pip install py-spy``) and prints the functions with the most samples.
 Per system, profile and client count: requests/s and tokens/s (the texts' useful tokens, from
 the model's tokenizer cut at its maximum, over the time from the first request sent to the last
 answer), p50 and p99 latency of one request, the server's CPU time per request (user + system
-seconds of its process tree over the cell, divided by the requests: on a busy machine this moves
+seconds of its process tree from the drivers' start to the last answer, divided by the
+requests: on a busy machine this moves
 far less than the wall-clock figures, so it is the one to compare before / after a change), and
 the server's peak resident memory (its whole process tree, sampled every 50 ms from start to
 stop; vLLM runs several processes). With
@@ -169,10 +173,11 @@ def stop(process: subprocess.Popen) -> None:
             os.killpg(process.pid, 9)
 
 
-def _drive_part(base_url: str, texts: list[str], clients: int, extra_body: dict, queue,
+def _drive_part(base_url: str, texts: list[str], clients: int, extra_body: dict, queue, ready,
                 cpus: set[int] | None) -> None:
     """One driver process (on ``cpus`` when given): ``clients`` closed-loop OpenAI clients over
-    ``texts`` (each sent once); puts ``(first_sent, last_answered, latencies, failures)`` on ``queue``."""
+    ``texts`` (each sent once), started when every driver process is warm (the ``ready``
+    barrier); puts ``(first_sent, last_answered, latencies, failures)`` on ``queue``."""
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
     from openai import AsyncOpenAI
@@ -180,6 +185,14 @@ def _drive_part(base_url: str, texts: list[str], clients: int, extra_body: dict,
     async def main() -> tuple[float, float, list[float], list[str]]:
         client = AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600)
         latencies, failures, cursor = [], [], iter(range(len(texts)))
+        # Warm, outside the cell: each client's connection opened and the client's first-call
+        # work done (lazy imports, its response models). Then the processes start together: one
+        # still importing while another sends would slow the sender (they share the client CPUs).
+        # Left in, that cold start was the cell's 99th percentile for every server alike.
+        await asyncio.gather(*(client.embeddings.create(model=SERVED_NAME, input=[texts[0]],
+                                                        extra_body=extra_body or None) for _ in range(clients)),
+                             return_exceptions=True)  # a failing server fails the cell's own requests
+        ready.wait()
 
         async def one_client() -> None:
             for i in cursor:
@@ -203,24 +216,31 @@ def _drive_part(base_url: str, texts: list[str], clients: int, extra_body: dict,
     queue.put(asyncio.run(main()))
 
 
-def drive(server: Server, texts: list[str], clients: int, processes: int, cpus: set[int] | None = None) -> dict:
+def drive(server: Server, texts: list[str], clients: int, processes: int, cpus: set[int] | None = None,
+          pid: int | None = None) -> dict:
     """Every text sent once by ``clients`` concurrent clients in ``processes`` driver processes
-    (texts and clients split among them, started together, on ``cpus`` when given); the cell's figures."""
+    (texts and clients split among them, started together once warm, on ``cpus`` when given);
+    the cell's figures, with ``cpu_s``, the CPU seconds of process ``pid``'s tree over the cell,
+    when given."""
     processes = max(1, min(processes, clients))
     context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
+    queue, ready = context.Queue(), context.Barrier(processes + 1)  # this process starts the clock
     workers = [context.Process(target=_drive_part, args=(server.base_url, texts[k::processes],
                                                          clients // processes + (k < clients % processes),
-                                                         server.extra_body, queue, cpus))
+                                                         server.extra_body, queue, ready, cpus))
                for k in range(processes)]
     for worker in workers:
         worker.start()
+    ready.wait()
+    cpu = None if pid is None else tree_cpu_seconds(pid)
     parts = [queue.get() for _ in workers]
+    if cpu is not None:
+        cpu = tree_cpu_seconds(pid) - cpu
     for worker in workers:
         worker.join()
     latencies = sorted(x for part in parts for x in part[2])
     seconds = max(p[1] for p in parts) - min(p[0] for p in parts)
-    return {"seconds": seconds, "requests": len(latencies), "latencies": latencies,
+    return {"seconds": seconds, "requests": len(latencies), "latencies": latencies, "cpu_s": cpu,
             "failures": [f for part in parts for f in part[3]]}
 
 
@@ -361,10 +381,8 @@ def run_system(system: str, args: argparse.Namespace, model: dict, workload: dic
             for clients in args.clients:
                 spy = profiler(process.pid, workdir / f"{system}-{profile}-{clients}.raw") \
                     if system in args.py_spy and clients == args.py_spy_clients else None
-                cpu = tree_cpu_seconds(process.pid)
                 cells[f"{profile}/{clients}"] = drive(server, texts, clients, args.client_processes
-                                                      if clients > 1 else 1, args.client_cpus)
-                cells[f"{profile}/{clients}"]["cpu_s"] = tree_cpu_seconds(process.pid) - cpu
+                                                      if clients > 1 else 1, args.client_cpus, process.pid)
                 if spy is not None:
                     print(spy_summary(spy, args.py_spy_top), flush=True)
                 cell = cells[f"{profile}/{clients}"]
