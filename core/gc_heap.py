@@ -1,8 +1,8 @@
 """Python's cyclic garbage collector in a process that serves: its loaded objects frozen.
 
-Once torch, transformers and a model are loaded, a process holds a million or more objects the
-collector tracks, and every full (generation 2) collection walks all of them: about 200 ms with
-all-MiniLM-L6-v2 loaded, on one Zen 4 core. Requests leave enough cyclic garbage behind to start
+Once torch, transformers and a model are loaded, a process holds hundreds of thousands of objects
+the collector tracks (about 400,000 with all-MiniLM-L6-v2), and every full (generation 2)
+collection walks all of them: about 200 ms on one Zen 4 core. Requests leave enough cyclic garbage behind to start
 one every several seconds under load, and it holds the GIL throughout, so every request in
 flight waits: served alone, that pause set the 99th percentile latency of 16 clients (about 300
 ms against 120). ``gc.freeze()`` moves every object tracked so far to a generation no
