@@ -148,6 +148,12 @@ class GuardedH11Protocol(H11Protocol):
         else:
             self.transport.close()
 
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes h11 cannot parse as HTTP/1.1 (a garbage request line, a
+        negative ``Content-Length``...), in the server's JSON error shape instead of plain text."""
+        self._answer_and_close(400, "Bad Request",
+                               "the request is not valid HTTP/1.1: its request line or a header could not be parsed")
+
     def _answer_and_close(self, status: int, reason: str, message: str) -> None:
         """Write a JSON error answer past h11 and the app, then close the connection (the app, if a
         request of this connection runs, sees the client gone)."""

@@ -161,6 +161,27 @@ def test_a_request_head_over_16_kib_is_a_json_431_whole_or_in_pieces(runtime, pi
         fits.close()
 
 
+@pytest.mark.parametrize("request_bytes", [
+    b"HELLO\r\n\r\n",
+    b"POST /v1/embeddings HTTP/1.1\r\nHost: test\r\nContent-Length: -5\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: test\r\nBad Header Name: x\r\n\r\n",
+], ids=["request line", "negative length", "header name"])
+def test_bytes_that_are_not_http_get_a_json_400_and_the_server_serves_on(runtime, request_bytes):
+    with running(runtime, ConnectionLimits()) as (_, port, _):
+        connection = socket.create_connection(("127.0.0.1", port))
+        connection.sendall(request_bytes)
+        received = read_until_closed(connection, 5)[1]
+        head, _, body = received.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 Bad Request\r\n") and b"connection: close" in head, received[:200]
+        assert json.loads(body)["error"] == {
+            "message": "the request is not valid HTTP/1.1: its request line or a header could not be parsed",
+            "type": "invalid_request_error", "param": None, "code": 400}
+        good = socket.create_connection(("127.0.0.1", port))
+        good.sendall(embed_request())
+        assert good.recv(65536).startswith(b"HTTP/1.1 200")
+        good.close()
+
+
 def test_connections_past_the_cap_are_refused_with_a_json_503_then_served_again(runtime, caplog):
     """The cap counts open connections that have sent something (here, half a request head): the
     4th of 4 is served, the 5th gets OpenAI's error shape and is closed after the answer (read to
