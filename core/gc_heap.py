@@ -2,13 +2,13 @@
 
 Once torch, transformers and a model are loaded, a process holds hundreds of thousands of objects
 the collector tracks (about 400,000 with all-MiniLM-L6-v2), and every full (generation 2)
-collection walks all of them: about 200 ms on one Zen 4 core. Requests leave enough cyclic garbage behind to start
-one every several seconds under load, and it holds the GIL throughout, so every request in
-flight waits: served alone, that pause set the 99th percentile latency of 16 clients (about 300
-ms against 120). ``gc.freeze()`` moves every object tracked so far to a generation no
-collection visits (they are still freed by reference counting; only their cycles stay), so a
-full collection walks only what was allocated since. vLLM freezes its server's and engine's
-start-up heap the same way (``freeze_gc_heap``).
+collection walks all of them: about 200 ms on one Zen 4 core, holding the GIL throughout. Under
+load, requests leave enough garbage behind to start one every several seconds, and every request
+in flight waits for it: with 16 clients that pause was the server's 99th percentile latency
+(about 300 ms against 120). ``gc.freeze()`` moves every object tracked so far to a generation no
+collection visits (reference counting still frees them; only a cycle among them would stay), so a
+full collection walks only what was allocated since: about 5 ms. vLLM freezes its server's and
+engine's start-up heap the same way (``freeze_gc_heap``).
 
 Only processes poolrunner owns call it, once their models load: ``poolrunner serve``, a Ray
 Serve replica, a Ray Data actor. A library user's process is theirs to tune.

@@ -3,6 +3,7 @@ that never hold a request's text or key, CORS, open metrics, request ids, local 
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -15,7 +16,8 @@ import numpy as np
 import pytest
 
 from poolrunner.core.cli.main import build_parser, main
-from poolrunner.core.server import ServerSettings
+from poolrunner.core.server import ServerSettings, create_app
+from poolrunner.core.server import serve as serving
 from poolrunner.core.testing.server import ServerThread
 from tests.helpers import MIN_COSINE, cosine_rows
 from tests.server.process import free_port, wait_healthy
@@ -173,11 +175,6 @@ def test_docs_pages_load_their_assets_from_the_server_without_the_key(request, f
 
 
 def test_the_serve_command_freezes_the_loaded_models_before_it_listens(runtime, monkeypatch):
-    import gc
-
-    from poolrunner.core.server import create_app
-    from poolrunner.core.server import serve as serving
-
     seen = {}
 
     def run(server) -> None:  # instead of listening: is the loaded model out of the collector's reach?
