@@ -347,7 +347,7 @@ def _deploy(name: str, options: Mapping[str, Any], arguments: tuple[Any, ...]) -
         serve.run(_deployment(options).bind(*arguments), name=name, route_prefix="/")
     except BaseException as exc:  # Ctrl-C too: a new application does not stay half deployed
         reason = _replica_error(name) if isinstance(exc, RuntimeError) else None
-        if new:
+        if new and not cluster.lost():  # a signal to the process group stopped the cluster too
             serve.delete(name)
         if isinstance(exc, RuntimeError):  # Ray Serve's "Deploying application ... failed"
             raise ReplicaStartError(f"Ray Serve could not start the replicas of {name!r}: {reason or exc}") from None

@@ -190,16 +190,20 @@ def test_serve_help_imports_neither_ray_nor_torch() -> None:
     assert json.loads(result.stdout.splitlines()[-1]) == [True, []]
 
 
-def test_the_command_stops_cleanly_when_its_whole_process_group_is_signalled() -> None:
+@pytest.mark.parametrize("signalled_at", ["poolrunner: serving on", "poolrunner.core.loading: loaded"],
+                         ids=["serving", "replica starting"])
+def test_the_command_stops_cleanly_when_its_whole_process_group_is_signalled(signalled_at) -> None:
     """SIGTERM to the process group (``timeout``, systemd's control-group kill) reaches the local
     Ray instance the command started too: the command still exits 0, in seconds, not after Ray's
-    minute of waiting for a GCS that is gone (exit 1)."""
+    minute of waiting for a GCS that is gone (exit 1); also while the replica is still starting
+    (its model loaded, the deployment not yet done), when the half-deployed application would be
+    removed."""
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "poolrunner", "serve", "--ray-serve", "--replicas", "1", "--port", str(port),
          "--dtype", "float32"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        _line_starting(process, "poolrunner: serving on")
+        _line_with(process, signalled_at)
         began = time.monotonic()
         os.killpg(process.pid, signal.SIGTERM)
         _, stderr = process.communicate(timeout=50)
@@ -249,7 +253,7 @@ def test_command_line_joins_a_cluster_and_serves_until_sigterm(ray_cluster, lee_
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_healthy(process, url)
-        serving = _line_starting(process, "poolrunner: serving on")  # the replicas are up: SIGTERM removes them
+        serving = _line_with(process, "poolrunner: serving on")  # the replicas are up: SIGTERM removes them
         assert serving.startswith(f"poolrunner: serving on {url} (Ray Serve application 'poolrunner')")
         response = httpx.post(f"{url}/v1/embeddings", headers={"Authorization": "Bearer key"},
                               json={"model": "minilm", "input": [lee_docs[3]]}, timeout=60)
@@ -267,12 +271,13 @@ def test_command_line_joins_a_cluster_and_serves_until_sigterm(ray_cluster, lee_
     assert "poolrunner" not in serve.status().applications
 
 
-def _line_starting(process: subprocess.Popen, prefix: str) -> str:
-    """The first line of the process's stderr (read from where it is) that starts with ``prefix``."""
+def _line_with(process: subprocess.Popen, text: str) -> str:
+    """The first line of the process's stderr (read from where it is) that holds ``text`` (a
+    replica's log lines, which Ray forwards, begin with the replica's name)."""
     while line := process.stderr.readline():
-        if line.startswith(prefix):
+        if text in line:
             return line
-    raise AssertionError(f"the process ended without a line starting {prefix!r}")
+    raise AssertionError(f"the process ended without a line holding {text!r}")
 
 
 @pytest.fixture(scope="module")
