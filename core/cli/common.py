@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -37,6 +36,7 @@ from poolrunner.core.files import (
 from poolrunner.core.manager import PoolrunnerPluginManager
 from poolrunner.core.manager import build_plugin_manager as _build_plugin_manager
 from poolrunner.core.types import POOLING_TASKS, SEQUENCE_POOLING_TYPES
+from poolrunner.core.validators import check_seconds
 
 if TYPE_CHECKING:
     from poolrunner.core.frontend.requests import Request
@@ -114,14 +114,14 @@ positive_int = at_least(1)
 
 
 def seconds(value: str, *, allow_zero: bool = False) -> float:
-    """argparse ``type`` for a finite, positive number of seconds (``allow_zero``: or 0)."""
+    """argparse ``type`` for a finite, positive number of seconds (``allow_zero``: or 0), as
+    :func:`~poolrunner.core.validators.check_seconds` checks it, argparse's way of saying no."""
     try:
         number = float(value)
-    except ValueError:
-        number = math.nan
-    if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
+        check_seconds("value", number, zero=allow_zero)
+    except ValueError:  # not a number, or InvalidRequestError (a ValueError)
         raise argparse.ArgumentTypeError(f"expected a finite number of seconds {'>= 0' if allow_zero else '> 0'}, "
-                                         f"got {value!r}")
+                                         f"got {value!r}") from None
     return number
 
 
