@@ -133,6 +133,34 @@ def test_ray_init_options(address, environment, options, monkeypatch) -> None:
     assert cluster.init_options(address) == options
 
 
+def test_a_started_cluster_found_gone_is_not_asked_again(monkeypatch) -> None:
+    """Each shutdown step asks whether the GCS still answers; once it did not, it is not asked
+    (nor waited for) again, while a live one is asked every time."""
+    import ray.exceptions
+    from ray._private import ray_constants, worker
+
+    class Node:
+        all_processes = {ray_constants.PROCESS_TYPE_GCS_SERVER: ["gcs"]}
+
+    class Gcs:
+        asked, answers = 0, True
+
+        def internal_kv_get(self, *args, **kwargs):
+            Gcs.asked += 1
+            if not Gcs.answers:
+                raise ray.exceptions.RpcError("the GCS is gone")
+
+    node = Node()
+    monkeypatch.setattr(worker, "_global_node", node)
+    monkeypatch.setattr(worker.global_worker, "gcs_client", Gcs(), raising=False)
+    monkeypatch.setattr(cluster, "SETTLE_S", 0.0)
+    assert [cluster.lost(), cluster.lost()] == [False, False] and Gcs.asked == 2
+    Gcs.answers = False
+    assert [cluster.lost(), cluster.lost()] == [True, True] and Gcs.asked == 3
+    monkeypatch.setattr(worker, "_global_node", Node())  # another cluster started since
+    assert cluster.lost() and Gcs.asked == 4
+
+
 def test_bad_options_fail_before_any_work(tmp_path) -> None:
     (tmp_path / "a.txt").write_text("one\n", encoding="utf-8")
     with pytest.raises(InvalidRequestError, match=r"^unknown request_options: bogus \(known: "):

@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from typing import Any
 
 SETTLE_S = 0.2
 """Seconds a local cluster's GCS gets to act on a stop signal this process got too."""
 ANSWER_S = 1.0
 """Seconds within which a live GCS answers (it takes milliseconds)."""
+
+_lost_node: weakref.ref[Any] | None = None
+"""The local node whose GCS :func:`lost` found gone: a stopped GCS does not come back, so the
+next shutdown step asking again is answered at once."""
 
 
 def init_options(address: str | None) -> dict[str, Any]:
@@ -41,17 +46,22 @@ def lost() -> bool:
     this process. ``False`` at once for a cluster this process joined.
 
     The signal reaches the GCS as it reaches this process, so the GCS gets :data:`SETTLE_S` to
-    act on it; then it must answer within :data:`ANSWER_S`.
+    act on it; then it must answer within :data:`ANSWER_S`. A GCS found gone is remembered (the
+    shutdown steps each ask).
     """
+    global _lost_node
     import ray.exceptions
     from ray._private import ray_constants, worker  # the node this process started, its GCS: no public accessor
 
     node = worker._global_node
     if node is None or not node.all_processes.get(ray_constants.PROCESS_TYPE_GCS_SERVER):
         return False
+    if _lost_node is not None and _lost_node() is node:
+        return True
     time.sleep(SETTLE_S)
     try:
         worker.global_worker.gcs_client.internal_kv_get(b"poolrunner", None, timeout=ANSWER_S)
     except ray.exceptions.RpcError:
+        _lost_node = weakref.ref(node)
         return True
     return False
