@@ -28,7 +28,7 @@ from poolrunner.core.inputs.images import (
     positive_seconds,
 )
 from poolrunner.core.types import PLUGIN_TASK_NAME, POOLING_TASKS, POOLING_TYPES, PoolingTask, PoolingType
-from poolrunner.core.validators import json_object, one_of, optional_bool, positive_int, task_name
+from poolrunner.core.validators import fraction, json_object, one_of, optional_bool, positive_int, task_name
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "bf16-mixed", "int8")
 COMPILE_MODES = ("auto", "off")
@@ -136,6 +136,13 @@ class RuntimeConfig:
     :ivar max_num_batched_tokens: Token budget of one step (one forward pass); ``None`` picks
         :func:`default_token_budget` for the device (and, on the CPU, the products' dtype).
     :ivar max_num_seqs: Most requests in one step.
+    :ivar batch_wait_fraction: While serving (:meth:`~poolrunner.Runtime.serving`: the server, Ray
+        Serve replicas), how long a step may wait for the callers of the last one to send again,
+        as a fraction of that step's duration: when the engine has run out of work and fewer
+        requests are pending than were during the last step, the next step waits until as many
+        are, or they fill a step; a lone caller never waits
+        (:class:`~poolrunner.core.engine.loop.EngineLoop`). ``0`` (default): never wait; 0.25
+        helps closed-loop clients that come back fast (bench/README.md, "the batch wait").
     :ivar max_embed_len: Accept ``embed`` inputs longer than the model's ``max_model_len``, up to
         this many tokens: each runs in windows of ``max_model_len`` tokens whose vectors are
         combined (vLLM's chunked processing; MEAN pooling only; see
@@ -196,6 +203,7 @@ class RuntimeConfig:
     async_scheduling: bool | None = field(default=None, validator=optional_bool, metadata={SPEED_ONLY: True})
     max_num_batched_tokens: int | None = field(default=None, validator=positive_int, metadata={SPEED_ONLY: True})
     max_num_seqs: int = field(default=256, validator=positive_int, metadata={SPEED_ONLY: True})
+    batch_wait_fraction: float = field(default=0.0, validator=fraction, metadata={SPEED_ONLY: True})
     max_embed_len: int | None = field(default=None, validator=positive_int)
     max_input_chars: int | None = field(default=None, validator=positive_int)
     hf_overrides: dict[str, Any] = field(factory=dict, converter=_copied_dict, validator=json_object, hash=False)

@@ -66,7 +66,7 @@ class Runtime:
     :param plugins: Extra plugin objects to register, beside built-ins and entry points.
     :param options: Any field of :class:`~poolrunner.core.config.RuntimeConfig` (``revision``,
         ``task``, ``dtype``, ``device``, ``compile``, ``load_entrypoints``, ``disable_plugins``,
-        ``pooler_plugin``, ``max_num_batched_tokens``, ``max_num_seqs``, ``async_scheduling``,
+        ``pooler_plugin``, ``max_num_batched_tokens``, ``max_num_seqs``, ``batch_wait_fraction``, ``async_scheduling``,
         ``max_embed_len``, ``max_input_chars``, ``hf_overrides``, ``score_template``) or
         of :class:`~poolrunner.core.config.ModelOverrides` (``pooling_type``, ``normalize``,
         ``max_model_len``, ``is_matryoshka``, ``matryoshka_dimensions``). ``dtype="auto"``: on
@@ -445,7 +445,8 @@ class Runtime:
             :class:`~poolrunner.core.errors.QueueFullError`. ``None``: no limit.
         :param observer: Receives per-step and per-request measurements (the server's metrics).
         """
-        loop = EngineLoop(self._engine, max_pending=max_pending, observer=observer).start()
+        loop = EngineLoop(self._engine, max_pending=max_pending, observer=observer,
+                          batch_wait_fraction=self.config.batch_wait_fraction).start()
         with self._engine_lock:  # waits for a call driving the engine directly to finish
             self._loop = loop
         try:

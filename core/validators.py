@@ -80,6 +80,14 @@ def positive_int(_instance: object, attribute: Attribute, value: Any) -> None:
                                   param=attribute.name)
 
 
+def fraction(_instance: object, attribute: Attribute, value: Any) -> None:
+    """A number from 0 to 1."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not 0 <= value <= 1:
+        raise InvalidRequestError(f"{attribute.name} must be a number from 0 to 1, got {value!r}",
+                                  param=attribute.name)
+
+
 def optional_bool(_instance: object, attribute: Attribute, value: Any) -> None:
     if value is not None and not isinstance(value, bool):
         raise InvalidRequestError(f"{attribute.name} must be true, false or None, got {value!r}",

@@ -153,6 +153,11 @@ def test_bad_option_value_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -
     assert "--max-num-seqs/--batch-size: expected a positive integer, got '0'" in err  # one option, two names
 
 
+def test_a_runtime_setting_out_of_range_is_a_usage_error_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "embed", "--batch-wait-fraction", "2", "x")
+    assert_user_error(code, out, err, "batch_wait_fraction must be a number from 0 to 1, got 2.0")
+
+
 @pytest.mark.parametrize(("argv", "prog", "message"), [
     (["embed", "--dtype", "nope", "x"], "poolrunner embed",
      "argument --dtype: invalid choice: 'nope' (choose from 'auto', 'float32', 'bfloat16', 'float16', "

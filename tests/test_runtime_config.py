@@ -37,10 +37,12 @@ def test_an_unknown_option_is_a_type_error_naming_it():
 
 def test_recorded_settings_leave_out_speed_and_defaults():
     config = RuntimeConfig.from_options("m", dtype="float32", device="cpu", max_num_batched_tokens=64,
-                                        max_num_seqs=4, async_scheduling=True, normalize=False)
+                                        max_num_seqs=4, async_scheduling=True, batch_wait_fraction=0.25,
+                                        normalize=False)
     assert config.recorded() == {"dtype": "float32", "model": "m", "normalize": False}
     speed = sorted(a.name for a in RuntimeConfig.__attrs_attrs__ if a.metadata.get(SPEED_ONLY))
-    assert speed == ["async_scheduling", "compile", "device", "max_num_batched_tokens", "max_num_seqs"]
+    assert speed == ["async_scheduling", "batch_wait_fraction", "compile", "device", "max_num_batched_tokens",
+                     "max_num_seqs"]
 
 
 class _Captured(Exception):
@@ -57,10 +59,11 @@ def test_the_command_line_builds_the_config_the_python_api_would(monkeypatch, ca
     monkeypatch.setattr(Runtime, "from_config", classmethod(capture))
     with pytest.raises(_Captured):
         main(["embed", "--model", "some/folder", "--dtype", "float32", "--max-num-seqs", "8",
-              "--max-num-batched-tokens", "512", "--revision", "v1", "--disable-plugin", "async_output", "x"])
+              "--max-num-batched-tokens", "512", "--batch-wait-fraction", "0.5", "--revision", "v1",
+              "--disable-plugin", "async_output", "x"])
     assert seen == [RuntimeConfig.from_options(
         "some/folder", revision="v1", dtype="float32", max_num_seqs=8, max_num_batched_tokens=512,
-        disable_plugins=("async_output",), task="embed",
+        batch_wait_fraction=0.5, disable_plugins=("async_output",), task="embed",
     )]
 
 

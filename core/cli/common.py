@@ -273,6 +273,11 @@ def add_model_options(parser: argparse.ArgumentParser, *, several: str | None = 
                        dest="max_num_seqs",
                        help="most inputs (sequences) in one forward pass; --batch-size is the same option, as "
                             "sentence-transformers' batch_size")
+    model.add_argument("--batch-wait-fraction", metavar="F", type=float, default=0.0,
+                       help="while serving, how long a forward pass may wait for the clients the last one answered "
+                            "to send again, as a fraction of that pass's time (default: 0, never; 0.25 helps many "
+                            "fast clients, not OpenAI SDK clients sharing a core); a lone client never waits, and "
+                            "clients slower than the wait soon stop being waited for")
     model.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="launch each forward pass before collecting the last one's results (default: on "
                             "with CUDA, off on the CPU)")
@@ -446,6 +451,7 @@ def runtime_options(args: argparse.Namespace) -> dict[str, Any]:
         "compile": args.compile,
         "load_entrypoints": args.load_entrypoints, "disable_plugins": disabled_plugins(args.disable_plugin),
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
+        "batch_wait_fraction": args.batch_wait_fraction,
         "async_scheduling": args.async_scheduling, "max_model_len": args.max_model_len,
         "max_embed_len": args.max_embed_len,
         "max_input_chars": args.max_input_chars, "hf_overrides": args.hf_overrides or {},

@@ -6,6 +6,14 @@ admits what was submitted, then steps while work exists, and hands each group's 
 submission is one group of the scheduler's turns, so a short call is not queued behind a huge one. Only
 the loop thread touches the engine: two drivers of one engine would hand a step's results to
 the wrong caller.
+
+Between steps the loop can wait a little for more requests (``batch_wait_fraction``, off by
+default). Clients that wait for each answer before sending again, answered by one step, send
+their next requests at about the same time; without the wait the first of them starts a step
+while the others queue behind it, and on a busy CPU the clients settle into two groups that take
+turns in half-size steps, each costing more per request. The wait pays only where the clients
+come back fast (bench/README.md, "the batch wait"); where they are slower than it, it stops
+trying for a while.
 """
 
 from __future__ import annotations
@@ -81,6 +89,11 @@ def _settle(future: Future[list[RequestOutput]], *, result: object = None, error
         pass
 
 
+MAX_WAITS_SKIPPED = 64
+"""Most chances to wait for a batch skipped after a wait ran out (doubling from 1 each time one
+runs out again): callers that cannot come back in time cost at most one wait in this many steps."""
+
+
 class EngineLoop:
     """Drives one :class:`Engine` from a daemon thread for any number of callers.
 
@@ -88,11 +101,20 @@ class EngineLoop:
     :param max_pending: Most requests submitted and not yet finished (queued or running); a
         submission that would pass it raises :class:`QueueFullError` at once. ``None``: no limit.
     :param observer: Optional receiver of per-step and per-request measurements.
+    :param batch_wait_fraction: When the engine has run out of work and fewer requests are pending
+        than were at once since the last step began, the next step waits until as many are, or
+        until they fill a step (``max_num_batched_tokens`` or ``max_num_seqs``), for at most this
+        fraction of the last step's duration; ``0``: a step starts as soon as a request is pending.
+        A lone caller never waits: it was the only one pending. After a wait that ran out, the
+        next 1, 2, 4... up to :data:`MAX_WAITS_SKIPPED` chances to wait are skipped.
     """
 
-    def __init__(self, engine: Engine, *, max_pending: int | None = None, observer: LoopObserver | None = None) -> None:
+    def __init__(self, engine: Engine, *, max_pending: int | None = None, observer: LoopObserver | None = None,
+                 batch_wait_fraction: float = 0.0) -> None:
         if max_pending is not None and max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+        if not 0 <= batch_wait_fraction <= 1:
+            raise ValueError(f"batch_wait_fraction must be from 0 to 1, got {batch_wait_fraction}")
         self.engine = engine
         self.max_pending = max_pending
         self._observer = observer
@@ -103,6 +125,11 @@ class EngineLoop:
         self._closing = False
         self._owner: dict[str, tuple[Submission, int]] = {}  # request id -> (submission, index)
         self._started_at: dict[str, float] = {}
+        self.batch_wait_fraction = batch_wait_fraction
+        self._peak = 0  # most requests pending at once since the last step began
+        self._last_step = 0.0  # seconds
+        self._waits_to_skip = 0
+        self._skip_after_timeout = 1
         self._thread = threading.Thread(target=self._run, name="poolrunner-engine-loop", daemon=True)
 
     @property
@@ -149,6 +176,7 @@ class EngineLoop:
                     "(max_waiting_requests); retry later"
                 )
             self._pending += len(submission.requests)
+            self._peak = max(self._peak, self._pending)
             self._inbox.append(submission)
             self._cond.notify()
         submission.future.add_done_callback(lambda future: future.cancelled() and self.abort(submission))
@@ -195,6 +223,9 @@ class EngineLoop:
         with self._cond:
             while not (self._inbox or self._aborts or self._closing or self.engine.has_unfinished_requests()):
                 self._cond.wait()
+            if not self.engine.has_unfinished_requests():
+                self._wait_for_batch()
+            self._peak = self._pending
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
         for submission in aborts:
@@ -206,6 +237,30 @@ class EngineLoop:
             return True
         with self._cond:
             return not (self._closing and not self._inbox and not self._aborts)
+
+    def _wait_for_batch(self) -> None:
+        """With the lock held and the engine out of work: wait, as ``batch_wait_fraction`` says,
+        for the callers pending during the last step to be pending again."""
+        if not self.batch_wait_fraction:
+            return
+        if self._waits_to_skip:
+            self._waits_to_skip -= 1
+            return
+        deadline = time.monotonic() + self.batch_wait_fraction * self._last_step
+        while self._pending < self._peak and not (self._closing or self._aborts or self._inbox_fills_a_step()):
+            left = deadline - time.monotonic()
+            if left <= 0:  # ran out: these callers come back slower than the wait
+                self._waits_to_skip = self._skip_after_timeout
+                self._skip_after_timeout = min(2 * self._skip_after_timeout, MAX_WAITS_SKIPPED)
+                return
+            self._cond.wait(left)
+        self._skip_after_timeout = 1
+
+    def _inbox_fills_a_step(self) -> bool:
+        scheduler = self.engine.scheduler
+        requests = [request for submission in self._inbox for request in submission.requests]
+        return (len(requests) >= scheduler.max_num_seqs
+                or sum(len(request.prompt_token_ids) for request in requests) >= scheduler.max_num_batched_tokens)
 
     def _admit(self, submission: Submission) -> None:
         if submission.aborted:
@@ -245,6 +300,7 @@ class EngineLoop:
             self._fail_step(exc)
             return
         now = time.monotonic()
+        self._last_step = now - began
         self._observe_step(states, computed, began)
         for request_id, exc in self.engine.take_failures():  # one request's own failure: its submission alone
             owner = self._owner.get(request_id)
