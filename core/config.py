@@ -138,9 +138,9 @@ class RuntimeConfig:
     :ivar max_num_seqs: Most requests in one step.
     :ivar batch_wait_fraction: While serving (:meth:`~poolrunner.Runtime.serving`: the server, Ray
         Serve replicas), how long a step may wait for the callers of the last one to send again,
-        as a fraction of that step's duration: when the engine has run out of work and fewer
-        requests are pending than were during the last step, the next step waits until as many
-        are, or they fill a step; a lone caller never waits
+        as a fraction of that step's duration: when the engine has run out of work and fewer calls
+        are pending than were during the last step, the next step waits until as many are, or
+        their requests fill a step; a lone caller never waits
         (:class:`~poolrunner.core.engine.loop.EngineLoop`). ``0`` (default): never wait; 0.25
         helps closed-loop clients that come back fast (bench/README.md, "the batch wait").
     :ivar max_embed_len: Accept ``embed`` inputs longer than the model's ``max_model_len``, up to

@@ -66,8 +66,8 @@ class Runtime:
     :param plugins: Extra plugin objects to register, beside built-ins and entry points.
     :param options: Any field of :class:`~poolrunner.core.config.RuntimeConfig` (``revision``,
         ``task``, ``dtype``, ``device``, ``compile``, ``load_entrypoints``, ``disable_plugins``,
-        ``pooler_plugin``, ``max_num_batched_tokens``, ``max_num_seqs``, ``batch_wait_fraction``, ``async_scheduling``,
-        ``max_embed_len``, ``max_input_chars``, ``hf_overrides``, ``score_template``) or
+        ``pooler_plugin``, ``max_num_batched_tokens``, ``max_num_seqs``, ``batch_wait_fraction``,
+        ``async_scheduling``, ``max_embed_len``, ``max_input_chars``, ``hf_overrides``, ``score_template``) or
         of :class:`~poolrunner.core.config.ModelOverrides` (``pooling_type``, ``normalize``,
         ``max_model_len``, ``is_matryoshka``, ``matryoshka_dimensions``). ``dtype="auto"``: on
         CUDA the config's half dtype; on a CPU with native bf16 (AVX512-BF16, AMX) the first of

@@ -101,12 +101,13 @@ class EngineLoop:
     :param max_pending: Most requests submitted and not yet finished (queued or running); a
         submission that would pass it raises :class:`QueueFullError` at once. ``None``: no limit.
     :param observer: Optional receiver of per-step and per-request measurements.
-    :param batch_wait_fraction: When the engine has run out of work and fewer requests are pending
-        than were at once since the last step began, the next step waits until as many are, or
-        until they fill a step (``max_num_batched_tokens`` or ``max_num_seqs``), for at most this
-        fraction of the last step's duration; ``0``: a step starts as soon as a request is pending.
-        A lone caller never waits: it was the only one pending. After a wait that ran out, the
-        next 1, 2, 4... up to :data:`MAX_WAITS_SKIPPED` chances to wait are skipped.
+    :param batch_wait_fraction: When the engine has run out of work and fewer submissions (callers'
+        calls, an HTTP request each) are pending than were at once since the last step began, the
+        next step waits until as many are, or until their requests fill a step
+        (``max_num_batched_tokens`` or ``max_num_seqs``), for at most this fraction of the last
+        step's duration; ``0``: a step starts as soon as a request is pending. A lone caller never
+        waits: it was the only one pending. After a wait that ran out, the next 1, 2, 4... up to
+        :data:`MAX_WAITS_SKIPPED` chances to wait are skipped.
     """
 
     def __init__(self, engine: Engine, *, max_pending: int | None = None, observer: LoopObserver | None = None,
@@ -126,7 +127,8 @@ class EngineLoop:
         self._owner: dict[str, tuple[Submission, int]] = {}  # request id -> (submission, index)
         self._started_at: dict[str, float] = {}
         self.batch_wait_fraction = batch_wait_fraction
-        self._peak = 0  # most requests pending at once since the last step began
+        self._callers = 0  # submissions pending: their callers wait for them
+        self._peak = 0  # most submissions pending at once since the last step began
         self._last_step = 0.0  # seconds
         self._waits_to_skip = 0
         self._skip_after_timeout = 1
@@ -176,7 +178,8 @@ class EngineLoop:
                     "(max_waiting_requests); retry later"
                 )
             self._pending += len(submission.requests)
-            self._peak = max(self._peak, self._pending)
+            self._callers += 1
+            self._peak = max(self._peak, self._callers)
             self._inbox.append(submission)
             self._cond.notify()
         submission.future.add_done_callback(lambda future: future.cancelled() and self.abort(submission))
@@ -225,7 +228,7 @@ class EngineLoop:
                 self._cond.wait()
             if not self.engine.has_unfinished_requests():
                 self._wait_for_batch()
-            self._peak = self._pending
+            self._peak = self._callers
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
         for submission in aborts:
@@ -247,7 +250,7 @@ class EngineLoop:
             self._waits_to_skip -= 1
             return
         deadline = time.monotonic() + self.batch_wait_fraction * self._last_step
-        while self._pending < self._peak and not (self._closing or self._aborts or self._inbox_fills_a_step()):
+        while self._callers < self._peak and not (self._closing or self._aborts or self._inbox_fills_a_step()):
             left = deadline - time.monotonic()
             if left <= 0:  # ran out: these callers come back slower than the wait
                 self._waits_to_skip = self._skip_after_timeout
@@ -289,6 +292,7 @@ class EngineLoop:
             if not submission.released:
                 submission.released = True
                 self._pending -= len(submission.requests)
+                self._callers -= 1
 
     def _step(self) -> None:
         states = list(self.engine.requests.values())
