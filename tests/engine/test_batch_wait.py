@@ -6,6 +6,7 @@ step's time) and records when each step ran and how many requests it held.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -65,7 +66,7 @@ def test_a_lone_caller_never_waits(runtime, monkeypatch):
     with runtime.serving():
         _call(runtime, "alone", times=3).join(30)
     assert [count for _, _, count in steps.ran] == [1, 1, 1]
-    gaps = [began - ended for (_, ended, _), (began, _, _) in zip(steps.ran, steps.ran[1:])]
+    gaps = [began - ended for (_, ended, _), (began, _, _) in itertools.pairwise(steps.ran)]
     assert max(gaps) < 0.6 * STEP  # a wait would have lasted STEP
 
 
