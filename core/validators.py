@@ -80,12 +80,16 @@ def positive_int(_instance: object, attribute: Attribute, value: Any) -> None:
                                   param=attribute.name)
 
 
-def fraction(_instance: object, attribute: Attribute, value: Any) -> None:
-    """A number from 0 to 1."""
+def check_fraction(name: str, value: Any) -> None:
+    """:raises InvalidRequestError: unless ``value`` is a number from 0 to 1."""
     number = isinstance(value, int | float) and not isinstance(value, bool)
     if not number or not 0 <= value <= 1:
-        raise InvalidRequestError(f"{attribute.name} must be a number from 0 to 1, got {value!r}",
-                                  param=attribute.name)
+        raise InvalidRequestError(f"{name} must be a number from 0 to 1, got {value!r}", param=name)
+
+
+def fraction(_instance: object, attribute: Attribute, value: Any) -> None:
+    """attrs validator: :func:`check_fraction`."""
+    check_fraction(attribute.name, value)
 
 
 def optional_bool(_instance: object, attribute: Attribute, value: Any) -> None:

@@ -153,9 +153,12 @@ def test_bad_option_value_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -
     assert "--max-num-seqs/--batch-size: expected a positive integer, got '0'" in err  # one option, two names
 
 
-def test_a_runtime_setting_out_of_range_is_a_usage_error_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run_cli(capsys, "embed", "--batch-wait-fraction", "2", "x")
-    assert_user_error(code, out, err, "batch_wait_fraction must be a number from 0 to 1, got 2.0")
+@pytest.mark.parametrize("value", ["2", "-0.5", "nan", "abc"])
+def test_a_fraction_outside_0_to_1_is_a_usage_error_naming_the_range(capsys: pytest.CaptureFixture[str],
+                                                                      value: str) -> None:
+    code, out, err = run_cli(capsys, "embed", "--batch-wait-fraction", value, "x")
+    assert code == 2
+    assert f"argument --batch-wait-fraction: expected a number from 0 to 1, got '{value}'" in err
 
 
 @pytest.mark.parametrize(("argv", "prog", "message"), [

@@ -36,7 +36,7 @@ from poolrunner.core.files import (
 from poolrunner.core.manager import PoolrunnerPluginManager
 from poolrunner.core.manager import build_plugin_manager as _build_plugin_manager
 from poolrunner.core.types import POOLING_TASKS, SEQUENCE_POOLING_TYPES
-from poolrunner.core.validators import check_seconds
+from poolrunner.core.validators import check_fraction, check_seconds
 
 if TYPE_CHECKING:
     from poolrunner.core.frontend.requests import Request
@@ -122,6 +122,17 @@ def seconds(value: str, *, allow_zero: bool = False) -> float:
     except ValueError:  # not a number, or InvalidRequestError (a ValueError)
         raise argparse.ArgumentTypeError(f"expected a finite number of seconds {'>= 0' if allow_zero else '> 0'}, "
                                          f"got {value!r}") from None
+    return number
+
+
+def fraction(value: str) -> float:
+    """argparse ``type`` for a number from 0 to 1, as :func:`~poolrunner.core.validators.check_fraction`
+    checks it, argparse's way of saying no."""
+    try:
+        number = float(value)
+        check_fraction("value", number)
+    except ValueError:  # not a number, or InvalidRequestError (a ValueError)
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {value!r}") from None
     return number
 
 
@@ -273,7 +284,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, several: str | None = 
                        dest="max_num_seqs",
                        help="most inputs (sequences) in one forward pass; --batch-size is the same option, as "
                             "sentence-transformers' batch_size")
-    model.add_argument("--batch-wait-fraction", metavar="F", type=float, default=0.0,
+    model.add_argument("--batch-wait-fraction", metavar="F", type=fraction, default=0.0,
                        help="while serving, how long a forward pass may wait for the clients the last one answered "
                             "to send again, as a fraction of that pass's time (default: 0, never; 0.25 helps many "
                             "fast clients, not OpenAI SDK clients sharing a core); a lone client never waits, and "
