@@ -30,6 +30,7 @@ from poolrunner.core.errors import LoopClosedError, QueueFullError, StepFailedEr
 from poolrunner.core.plugin_api.output import RequestOutput
 from poolrunner.core.plugin_api.request import RequestState
 from poolrunner.core.types import PoolingRequest
+from poolrunner.core.validators import check_fraction
 
 
 class LoopObserver(Protocol):
@@ -114,8 +115,7 @@ class EngineLoop:
                  batch_wait_fraction: float = 0.0) -> None:
         if max_pending is not None and max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
-        if not 0 <= batch_wait_fraction <= 1:
-            raise ValueError(f"batch_wait_fraction must be from 0 to 1, got {batch_wait_fraction}")
+        check_fraction("batch_wait_fraction", batch_wait_fraction)
         self.engine = engine
         self.max_pending = max_pending
         self._observer = observer
