@@ -165,6 +165,11 @@ def _http_detail(exc: HTTPException) -> str:
     return str(exc.detail)
 
 
+EXTRA_FIELDS_HINT = "a field this server does not know is refused; --allow-extra-fields drops such fields instead"
+"""Said after a body's unknown field: clients written for a server that ignores them (vLLM's way)
+work once the operator allows it."""
+
+
 def _describe(errors: Any, request: Request | None) -> tuple[str, str | None]:
     """One sentence per pydantic error, naming the field: ``body.input: Input should be ...``; for
     a body that was not read as JSON, the content type it came with (:func:`_not_json`)."""
@@ -184,6 +189,9 @@ def _describe(errors: Any, request: Request | None) -> tuple[str, str | None]:
         fields.append(location)
         lines.append(f"{location or 'body'}: {error.get('msg')}")
     more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    if any(error.get("type") == "extra_forbidden" and len([p for p in error.get("loc", ()) if p != "body"]) == 1
+           for error in errors):  # a field of the body itself: the ones --allow-extra-fields drops
+        more += f" ({EXTRA_FIELDS_HINT})"
     return "; ".join(lines) + more, fields[0].split(".")[0] or None
 
 

@@ -206,7 +206,9 @@ BAD_REQUESTS = [
      "input 1: expected a text, a list of token ids or a (text, text_pair) pair, got None"),
     ("pair to embeddings", "/v1/embeddings", {"input": ["a", ["b", "c", "d"]]},
      "input 1: expected a text, a list of token ids or a (text, text_pair) pair, got ['b', 'c', 'd']"),
-    ("unknown field", "/v1/embeddings", {"input": "a", "colour": "red"}, "colour: Extra inputs are not permitted"),
+    ("unknown field", "/v1/embeddings", {"input": "a", "colour": "red"},
+     "colour: Extra inputs are not permitted (a field this server does not know is refused; "
+     "--allow-extra-fields drops such fields instead)"),
     ("empty input", "/classify", {"input": []}, "input is empty"),
     ("unknown task", "/pooling", {"input": "a", "task": "Not a task!"}, "task must be one of"),
     ("plugin task not served", "/pooling", {"input": "a", "task": "nope"},

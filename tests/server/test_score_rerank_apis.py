@@ -247,7 +247,9 @@ def test_max_tokens_per_doc_keeps_a_long_document_within_the_model(server, runti
      'documents: item 1 is an object without a "text" string; send a text or {"text": ...}', "documents"),
     ({"query": "q", "documents": ["d", None]}, "documents[1] must be a string, got None", "documents"),
     ({"query": "q", "documents": 5}, "documents must be a list of strings, got 5", "documents"),
-    ({"query": "q", "documents": ["d"], "rank_fields": ["text"]}, "rank_fields: Extra inputs are not permitted",
+    ({"query": "q", "documents": ["d"], "rank_fields": ["text"]},
+     "rank_fields: Extra inputs are not permitted (a field this server does not know is refused; "
+     "--allow-extra-fields drops such fields instead)",
      "rank_fields"),
     ({"query": "q", "documents": ["d"], "texts": ["d"]}, "documents cannot be combined with TEI's fields (texts): "
                                                          "send documents (vLLM, Jina, Cohere, infinity) or texts (TEI)",

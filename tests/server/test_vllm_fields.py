@@ -309,7 +309,8 @@ BAD_FIELDS = [
     ("no chat template", {"input": None, "messages": MESSAGES},
      "the tokenizer of model {name} has no chat template, so messages cannot be rendered; send the text "
      "as input instead, or start the server with --chat-template"),
-    ("unknown field", {"colour": "red"}, "colour: Extra inputs are not permitted"),
+    ("unknown field", {"colour": "red"}, "colour: Extra inputs are not permitted (a field this server does not "
+     "know is refused; --allow-extra-fields drops such fields instead)"),
     ("empty messages", {"input": None, "messages": []}, "messages is empty: send at least one message"),
     ("image part", {"input": None, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
@@ -499,7 +500,8 @@ def test_served_model_name_and_allow_extra_fields_flags():
 def test_allow_extra_fields_accepts_and_logs_unknown_fields(runtime, server, caplog):
     body = {"input": TEXTS, "colour": "red", "mm_processor_kwargs": {"x": 1}}
     assert _error(httpx.post(f"{server.url}/v1/embeddings", json=body)) == (
-        "colour: Extra inputs are not permitted; mm_processor_kwargs: Extra inputs are not permitted")
+        "colour: Extra inputs are not permitted; mm_processor_kwargs: Extra inputs are not permitted "
+        "(a field this server does not know is refused; --allow-extra-fields drops such fields instead)")
     with ServerThread(runtime, ServerSettings(allow_extra_fields=True)) as running:
         caplog.set_level(logging.WARNING, logger="poolrunner.core.server")
         vectors = _vectors(_ok(httpx.post(f"{running.url}/v1/embeddings", json=body)))
