@@ -113,27 +113,28 @@ positive_int = at_least(1)
 """argparse ``type`` for options that must be >= 1."""
 
 
-def seconds(value: str, *, allow_zero: bool = False) -> float:
-    """argparse ``type`` for a finite, positive number of seconds (``allow_zero``: or 0), as
-    :func:`~poolrunner.core.validators.check_seconds` checks it, argparse's way of saying no."""
+def _checked_number(value: str, check: Callable[[float], object], expected: str) -> float:
+    """``value`` as a float that ``check`` (one of :mod:`~poolrunner.core.validators`' checks,
+    raising a ``ValueError``) accepts; else argparse's way of saying no: ``expected ..., got ...``."""
     try:
         number = float(value)
-        check_seconds("value", number, zero=allow_zero)
+        check(number)
     except ValueError:  # not a number, or InvalidRequestError (a ValueError)
-        raise argparse.ArgumentTypeError(f"expected a finite number of seconds {'>= 0' if allow_zero else '> 0'}, "
-                                         f"got {value!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value!r}") from None
     return number
+
+
+def seconds(value: str, *, allow_zero: bool = False) -> float:
+    """argparse ``type`` for a finite, positive number of seconds (``allow_zero``: or 0), as
+    :func:`~poolrunner.core.validators.check_seconds` checks it."""
+    return _checked_number(value, lambda number: check_seconds("value", number, zero=allow_zero),
+                           f"a finite number of seconds {'>= 0' if allow_zero else '> 0'}")
 
 
 def fraction(value: str) -> float:
     """argparse ``type`` for a number from 0 to 1, as :func:`~poolrunner.core.validators.check_fraction`
-    checks it, argparse's way of saying no."""
-    try:
-        number = float(value)
-        check_fraction("value", number)
-    except ValueError:  # not a number, or InvalidRequestError (a ValueError)
-        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {value!r}") from None
-    return number
+    checks it."""
+    return _checked_number(value, lambda number: check_fraction("value", number), "a number from 0 to 1")
 
 
 def boolean(value: str) -> bool:

@@ -260,10 +260,12 @@ class EngineLoop:
         self._skip_after_timeout = 1
 
     def _inbox_fills_a_step(self) -> bool:
+        """Whether the submitted requests (all that is pending: the engine is out of work) fill
+        one step's ``max_num_seqs`` or ``max_num_batched_tokens``."""
         scheduler = self.engine.scheduler
-        requests = [request for submission in self._inbox for request in submission.requests]
-        return (len(requests) >= scheduler.max_num_seqs
-                or sum(len(request.prompt_token_ids) for request in requests) >= scheduler.max_num_batched_tokens)
+        return (self._pending >= scheduler.max_num_seqs
+                or sum(len(request.prompt_token_ids) for submission in self._inbox for request in submission.requests)
+                >= scheduler.max_num_batched_tokens)
 
     def _admit(self, submission: Submission) -> None:
         if submission.aborted:
