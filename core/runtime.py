@@ -445,8 +445,11 @@ class Runtime:
             :class:`~poolrunner.core.errors.QueueFullError`. ``None``: no limit.
         :param observer: Receives per-step and per-request measurements (the server's metrics).
         """
-        loop = EngineLoop(self._engine, max_pending=max_pending, observer=observer,
-                          batch_wait_fraction=self.config.batch_wait_fraction).start()
+        wait = self.config.batch_wait_fraction
+        if wait:  # off by default; an operator reading the start-up log sees that it is on
+            logger.info("%s: a step may wait up to %g of the last step's time for the callers of the last "
+                        "(batch_wait_fraction)", self.model_config.name, wait)
+        loop = EngineLoop(self._engine, max_pending=max_pending, observer=observer, batch_wait_fraction=wait).start()
         with self._engine_lock:  # waits for a call driving the engine directly to finish
             self._loop = loop
         try:

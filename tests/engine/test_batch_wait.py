@@ -7,6 +7,7 @@ step's time) and records when each step ran and how many requests it held.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 
@@ -39,6 +40,19 @@ class Steps:
 
         monkeypatch.setattr(runtime._engine.runner, "execute", slow)
         monkeypatch.setattr(runtime, "config", attrs.evolve(runtime.config, batch_wait_fraction=1.0))
+
+
+def test_serving_with_the_wait_on_says_so_in_the_log_and_without_it_says_nothing(runtime, monkeypatch, caplog):
+    with caplog.at_level(logging.INFO, logger="poolrunner.core.runtime"), runtime.serving():
+        pass
+    assert not caplog.records
+    expected = runtime.embed("served")
+    monkeypatch.setattr(runtime, "config", attrs.evolve(runtime.config, batch_wait_fraction=0.25))
+    with caplog.at_level(logging.INFO, logger="poolrunner.core.runtime"), runtime.serving():
+        assert (runtime.embed("served") == expected).all()  # a lone caller, served through the loop
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{runtime.model_config.name}: a step may wait up to 0.25 of the last step's time for the callers of the "
+        "last (batch_wait_fraction)"]
 
 
 def _call(runtime, text: str, times: int = 1) -> threading.Thread:
