@@ -56,6 +56,15 @@ def test_dimensions_apply_before_quantizing(matryoshka_runtime):
     ({"precision": "int8"}, "int8 needs ranges, or at least two embeddings in the call to calibrate them on; got 1"),
     ({"precision": "uint8", "ranges": np.zeros((2, 3))},
      "ranges must have shape [2, 384] (minima, maxima per dimension), got [2, 3]"),
+    # sentence-transformers computes codes from such ranges anyway (NaN -> all one bucket): refused
+    ({"precision": "int8", "ranges": [[float("nan")] * 384, [1.0] * 384]},
+     "ranges[0][0] is nan: ranges must be finite numbers within float32's range (magnitude at most 3.403e+38)"),
+    ({"precision": "uint8", "ranges": [[0.0] * 384, [1.0] * 383 + [float("-inf")]]},
+     "ranges[1][383] is -inf: ranges must be finite numbers within float32's range (magnitude at most 3.403e+38)"),
+    ({"precision": "int8", "ranges": [[-1e39] * 384, [1.0] * 384]},
+     "ranges[0][0] is -1e+39: ranges must be finite numbers within float32's range (magnitude at most 3.403e+38)"),
+    ({"precision": "int8", "ranges": [[0.0, 0.5, *[0.0] * 382], [1.0, 0.25, *[1.0] * 382]]},
+     "ranges: dimension 1's minimum 0.5 is above its maximum 0.25"),
 ])
 def test_bad_precision_options_are_refused(runtime, options, message):
     with pytest.raises(InvalidRequestError) as caught:

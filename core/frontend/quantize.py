@@ -34,6 +34,34 @@ def check_ranges(precision: str, ranges: object) -> None:
         raise InvalidRequestError(f"ranges applies to precision int8 or uint8, not {precision}", param="ranges")
 
 
+def as_ranges(ranges: object) -> np.ndarray:
+    """``ranges`` as float32 ``[2, d]``-shaped minima and maxima, checked before any work: the
+    shape against the embeddings' width comes later (:func:`quantize`).
+
+    :raises InvalidRequestError: for ragged lists, a value that is not a finite float32 (NaN, an
+        infinity, or past float32's range: its codes would all be one bucket), or a minimum above
+        its maximum.
+    """
+    try:
+        exact = np.asarray(ranges, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"ranges must be two lists of d numbers (minima, maxima): {exc}",
+                                  param="ranges") from None
+    with np.errstate(over="ignore"):  # past float32's range: an infinity, refused below
+        array = exact.astype(np.float32)
+    bad = np.argwhere(~np.isfinite(array))
+    if len(bad):
+        where = "][".join(str(int(i)) for i in bad[0])
+        raise InvalidRequestError(f"ranges[{where}] is {exact[tuple(bad[0])]:g}: ranges must be finite numbers "
+                                  f"within float32's range (magnitude at most {np.finfo(np.float32).max:.4g})",
+                                  param="ranges")
+    if array.ndim == 2 and len(array) == 2 and (inverted := np.flatnonzero(array[0] > array[1])).size:
+        d = int(inverted[0])
+        raise InvalidRequestError(f"ranges: dimension {d}'s minimum {exact[0, d]:g} is above its maximum "
+                                  f"{exact[1, d]:g}", param="ranges")
+    return array
+
+
 def quantize(embeddings: np.ndarray, precision: Precision, ranges: np.ndarray | None = None) -> np.ndarray:
     """``embeddings`` ``[n, d]`` float32 at ``precision``.
 

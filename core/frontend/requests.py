@@ -22,7 +22,7 @@ import numpy as np
 from attrs import field, frozen
 
 from poolrunner.core.errors import InvalidRequestError
-from poolrunner.core.frontend.quantize import Precision, check_precision, check_ranges
+from poolrunner.core.frontend.quantize import Precision, as_ranges, check_precision, check_ranges
 from poolrunner.core.inputs.images import ImageURL as ImageURL  # re-exported: surfaces reach images through here
 from poolrunner.core.inputs.images import is_image
 from poolrunner.core.types import PoolingTask, PromptInput, TruncationSide
@@ -256,17 +256,12 @@ class EncodeRequest(_Request):
                 "step_tag_id": self.step_tag_id, "returned_token_ids": self.returned_token_ids}
 
     def calibration(self) -> np.ndarray | None:
-        """:attr:`ranges` as a float32 array.
+        """:attr:`ranges` as a float32 array (:func:`~poolrunner.core.frontend.quantize.as_ranges`).
 
-        :raises InvalidRequestError: for ragged lists.
+        :raises InvalidRequestError: for ragged lists, values that are not finite float32 numbers,
+            or a minimum above its maximum.
         """
-        if self.ranges is None:
-            return None
-        try:
-            return np.asarray(self.ranges, dtype=np.float32)
-        except ValueError as exc:
-            raise InvalidRequestError(f"ranges must be two lists of d numbers (minima, maxima): {exc}",
-                                      param="ranges") from None
+        return None if self.ranges is None else as_ranges(self.ranges)
 
 
 def pairs_as_tuples(value: Any) -> Any:

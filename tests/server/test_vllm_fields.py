@@ -298,6 +298,8 @@ BAD_FIELDS = [
      "int8 needs ranges, or at least two embeddings in the call to calibrate them on; got 1"),
     ("ranges shape", {"precision": "uint8", "ranges": [[0.0, 0.1], [0.2, 0.3]]},
      "ranges must have shape [2, 384] (minima, maxima per dimension), got [2, 2]"),
+    ("ranges NaN", {"precision": "int8", "ranges": [[0.0] * 384, [float("nan")] * 384]},
+     "ranges[1][0] is nan: ranges must be finite numbers within float32's range (magnitude at most 3.403e+38)"),
     ("ranges without int8", {"precision": "binary", "ranges": [[0.0], [1.0]]},
      "ranges applies to precision int8 or uint8, not binary"),
     ("embed_dtype of codes", {"precision": "int8", "embed_dtype": "float16"},
