@@ -9,6 +9,7 @@ error they raise in that shape, including the body validation FastAPI does befor
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -187,12 +188,29 @@ def _describe(errors: Any, request: Request | None) -> tuple[str, str | None]:
     for error in errors[:5]:
         location = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
         fields.append(location)
-        lines.append(f"{location or 'body'}: {error.get('msg')}")
+        lines.append(f"{location or 'body'}: {error.get('msg')}{_given(error, location)}")
     more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
     if any(error.get("type") == "extra_forbidden" and len([p for p in error.get("loc", ()) if p != "body"]) == 1
            for error in errors):  # a field of the body itself: the ones --allow-extra-fields drops
         more += f" ({EXTRA_FIELDS_HINT})"
     return "; ".join(lines) + more, fields[0].split(".")[0] or None
+
+
+SHOWN_CHARS = 60
+"""Most characters of a refused value an error repeats (a huge string is cut)."""
+
+
+def _given(error: dict[str, Any], location: str) -> str:
+    """What the client sent where pydantic refused a value of one piece (a number, a string, a
+    boolean, null), as JSON: ``, got NaN``; nothing for a missing or unknown field, or a list or
+    object (too long to repeat). A missing body says so."""
+    kind, value = error.get("type"), error.get("input")
+    if kind == "missing":
+        return "" if location else " (the request has no body: send a JSON object)"
+    if kind == "extra_forbidden" or not (value is None or isinstance(value, str | int | float | bool)):
+        return ""
+    shown = json.dumps(value, ensure_ascii=False)
+    return f", got {shown if len(shown) <= SHOWN_CHARS else shown[:SHOWN_CHARS] + '...'}"
 
 
 def _not_json(error: dict[str, Any], request: Request | None) -> str | None:

@@ -190,6 +190,7 @@ BAD_REQUESTS = [
     ("malformed JSON", "/v1/embeddings", b'{"input": ["a",',
      "the request body is not valid JSON: Expecting value (at character 15)"),
     ("empty lone string", "/v1/embeddings", {"input": ""}, "input is an empty string"),
+    ("no body", "/v1/embeddings", b"", "body: Field required (the request has no body: send a JSON object)"),
     ("not UTF-8", "/v1/embeddings", b'{"input": "\xff"}',
      "the request body is not valid JSON: 'utf-8' codec can't decode byte 0xff in position 11: invalid start byte"),
     ("nested too deeply", "/v1/embeddings", b"[" * 100_000,

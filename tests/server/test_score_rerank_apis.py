@@ -241,7 +241,7 @@ def test_max_tokens_per_doc_keeps_a_long_document_within_the_model(server, runti
     ({"query": "q", "documents": ["d"], "max_tokens_per_doc": -1}, "max_tokens_per_doc must be a positive integer, "
                                                                    "got -1", "max_tokens_per_doc"),
     ({"query": "q", "documents": ["d"], "max_tokens_per_doc": 1.5},
-     "max_tokens_per_doc: Input should be a valid integer", "max_tokens_per_doc"),
+     "max_tokens_per_doc: Input should be a valid integer, got 1.5", "max_tokens_per_doc"),
     ({"query": "q"}, "send documents (vLLM, Jina, Cohere, infinity) or texts (TEI)", "documents"),
     ({"query": "q", "documents": ["d", {"title": "no text"}]},
      'documents: item 1 is an object without a "text" string; send a text or {"text": ...}', "documents"),
@@ -467,7 +467,7 @@ def test_vllm_tokenize_and_detokenize(server, hf_tokenizer):
 
 @pytest.mark.parametrize(("path", "body", "message", "param"), [
     ("/detokenize", {"tokens": [101, 30522]}, "tokens[1] = 30522 is outside the vocabulary [0, 30522)", "tokens"),
-    ("/detokenize", {"tokens": ["a"]}, "tokens.0: Input should be a valid integer", "tokens"),
+    ("/detokenize", {"tokens": ["a"]}, "tokens.0: Input should be a valid integer, got \"a\"", "tokens"),
     ("/tokenize", {"prompt": "a", "inputs": "b"}, "send prompt (vLLM) or inputs (TEI), exactly one of them", "inputs"),
     ("/tokenize", {}, "send prompt (vLLM) or inputs (TEI), exactly one of them", "prompt"),
     ("/tokenize", {"inputs": "a", "return_token_strs": True},
