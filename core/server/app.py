@@ -25,7 +25,7 @@ from fastapi_offline import FastAPIOffline
 
 from poolrunner.core.runtime import Runtime
 from poolrunner.core.server.admission import OutputBudget
-from poolrunner.core.server.errors import install_handlers
+from poolrunner.core.server.errors import TeiRoute, install_handlers
 from poolrunner.core.server.metrics import ServerMetrics
 from poolrunner.core.server.middleware import OPEN_PATHS, GuardMiddleware, ServerState
 from poolrunner.core.server.models import ModelRouter, ServedModel, served_models
@@ -87,8 +87,9 @@ def create_app(models: Runtime | Sequence[ServedModel], settings: ServerSettings
     endpoints = frozenset(path for route in every_route(app.routes)
                           if isinstance(path := getattr(route, "path", None), str))
     open_paths = OPEN_PATHS if settings.protect_metrics else OPEN_PATHS | {"/metrics"}
+    tei_paths = frozenset(route.path for route in every_route(app.routes) if isinstance(route, TeiRoute))
     app.add_middleware(GuardMiddleware, state=state, metrics=metrics, settings=settings, endpoints=endpoints,
-                       open_paths=open_paths)
+                       open_paths=open_paths, tei_paths=tei_paths)
     if settings.allowed_origins:  # added last, so outermost: preflights need no API key
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["x-request-id"])

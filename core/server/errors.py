@@ -80,11 +80,14 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
 
 
 async def send_error(send: Callable[[dict[str, Any]], Awaitable[None]], status: int, message: str,
-                     headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+                     headers: Sequence[tuple[bytes, bytes]] = (), tei_error_type: TeiErrorType | None = None) -> None:
     """Answer :func:`error_body` as JSON through an ASGI ``send``, with ``headers`` besides the
     content type and length: for the layers below FastAPI's exception handlers (the middleware,
-    the connection cap, Ray Serve's proxies)."""
-    body = error_response(status, message).body  # serialized as every other error
+    the connection cap, Ray Serve's proxies). With ``tei_error_type``, TEI's body instead
+    (``{"error", "error_type"}``, for TEI's own routes), the status unchanged."""
+    # serialized as every other error
+    body = (error_response(status, message) if tei_error_type is None
+            else JSONResponse({"error": message, "error_type": tei_error_type}, status_code=status)).body
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]})
     await send({"type": "http.response.body", "body": body})
@@ -209,7 +212,8 @@ def _given(error: dict[str, Any], location: str) -> str:
         return "" if location else " (the request has no body: send a JSON object)"
     if kind == "extra_forbidden" or not (value is None or isinstance(value, str | int | float | bool)):
         return ""
-    shown = json.dumps(value, ensure_ascii=False)
+    # a lone surrogate (JSON's "\ud800") stays escaped: the answer itself must encode as UTF-8
+    shown = json.dumps(value, ensure_ascii=False).encode("utf-8", "backslashreplace").decode()
     return f", got {shown if len(shown) <= SHOWN_CHARS else shown[:SHOWN_CHARS] + '...'}"
 
 

@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from poolrunner.core.memory import TRIM_AFTER_CHARS, release_memory
 from poolrunner.core.server.admission import Lease
-from poolrunner.core.server.errors import send_error
+from poolrunner.core.server.errors import TeiErrorType, send_error
 from poolrunner.core.server.metrics import ServerMetrics
 from poolrunner.core.server.protocol import BODY_SETTINGS
 from poolrunner.core.server.settings import ServerSettings
@@ -92,10 +92,13 @@ class GuardMiddleware:
     request's body models read ``settings`` (:data:`~.protocol.BODY_SETTINGS`).
 
     :param open_paths: Paths answered without the API key.
+    :param tei_paths: TEI's own routes: their refusals in TEI's shape (as their other errors),
+        but for the 401 (TEI answers it without a body).
     """
 
     def __init__(self, app: ASGIApp, *, state: ServerState, metrics: ServerMetrics, settings: ServerSettings,
-                 endpoints: frozenset[str], open_paths: frozenset[str] = OPEN_PATHS) -> None:
+                 endpoints: frozenset[str], open_paths: frozenset[str] = OPEN_PATHS,
+                 tei_paths: frozenset[str] = frozenset()) -> None:
         self.app = app
         self.state = state
         self.metrics = metrics
@@ -104,6 +107,7 @@ class GuardMiddleware:
         self.open_paths = open_paths
         self.max_request_bytes = settings.max_request_bytes
         self.endpoints = endpoints
+        self.tei_paths = tei_paths
         self.allowed_hosts = settings.allowed_hosts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -131,7 +135,7 @@ class GuardMiddleware:
         try:
             refusal = self._refusal(scope, path)
             if refusal is not None:
-                await _send_error(counted_send, *refusal)
+                await _send_error(counted_send, *refusal, tei=path in self.tei_paths)
                 return
             await self.app(scope, self._limited(receive, stats), counted_send)
         except Exception:
@@ -230,5 +234,10 @@ _REFUSAL_HEADERS = {401: [(b"www-authenticate", b"Bearer")],
                     503: [(b"connection", b"close")]}
 
 
-async def _send_error(send: Any, status: int, message: str) -> None:
-    await send_error(send, status, message, _REFUSAL_HEADERS.get(status, []))
+_TEI_REFUSALS: dict[int, TeiErrorType] = {400: "Validation", 413: "Validation", 503: "Unhealthy"}
+"""The middleware's refusals in TEI's terms (its 401 stays OpenAI's)."""
+
+
+async def _send_error(send: Any, status: int, message: str, tei: bool = False) -> None:
+    await send_error(send, status, message, _REFUSAL_HEADERS.get(status, []),
+                     tei_error_type=_TEI_REFUSALS.get(status) if tei else None)

@@ -308,6 +308,10 @@ def test_limits_name_the_limit(runtime, poolrunner_step_recorder):
         assert _error(announced, 413) == (f"the request body has {size} bytes, more than the limit of 2000 bytes "
                                           "(max_request_bytes, the --max-request-bytes flag)")
         assert announced.content.startswith(b'{"error":{')  # serialized as every other error
+        tei = client.post("/embed", json={"inputs": ["x" * 3000]})  # TEI's route: TEI's shape, as its other errors
+        assert (tei.status_code, tei.json()) == (413, {"error": (
+            f"the request body has {len(tei.request.content)} bytes, more than the limit of 2000 bytes "
+            "(max_request_bytes, the --max-request-bytes flag)"), "error_type": "Validation"})
 
         def chunks():  # no Content-Length: the limit is enforced while reading
             yield b'{"input": ["'

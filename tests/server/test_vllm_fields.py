@@ -291,6 +291,9 @@ BAD_FIELDS = [
      "embed_dtype: Input should be 'float32', 'float16', 'bfloat16', 'fp8_e4m3' or 'fp8_e5m2', got \"float64\""),
     ("endianness", {"endianness": "middle"}, "endianness: Input should be 'native', 'big' or 'little', got \"middle\""),
     ("dimensions NaN", {"dimensions": float("nan")}, "dimensions: Input should be a valid integer, got NaN"),
+    ("lone surrogate echoed escaped", {"encoding_format": "\ud800"},
+     "encoding_format: Input should be a valid string, unable to parse raw data as a unicode string, "
+     "got \"\\ud800\""),
     ("long value cut", {"encoding_format": "b" * 100},
      "encoding_format: Input should be 'float', 'base64', 'bytes' or 'bytes_only', got \"" + "b" * 59 + "..."),
     ("encoding_format", {"encoding_format": "npy"},
