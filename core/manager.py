@@ -74,8 +74,9 @@ class PoolrunnerPluginManager(pluggy.PluginManager):
         try:
             self.register(plugin, name)
         except pluggy.PluginValidationError as exc:
+            described = self._describe(name)  # while its origin is known: an entry point's names its distribution
             del self._origins[name]
-            raise PluginLoadError(f"plugin {self._describe(name)} is invalid: {exc}") from exc
+            raise PluginLoadError(f"plugin {described} is invalid: {exc}") from exc
 
     def register(self, plugin: object, name: str | None = None) -> str | None:
         self._check_not_frozen()

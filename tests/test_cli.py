@@ -166,7 +166,10 @@ def test_a_fraction_outside_0_to_1_is_a_usage_error_naming_the_range(capsys: pyt
      "argument --dtype: invalid choice: 'nope' (choose from 'auto', 'float32', 'bfloat16', 'float16', "
      "'bf16-mixed', 'int8')"),
     (["serve", "--port", "x"], "poolrunner serve", "argument --port: invalid int value: 'x'"),
-    (["embed", "--no-such-flag", "x"], "poolrunner", "unrecognized arguments: --no-such-flag"),
+    # the command's own --help lists its options (the top-level one does not)
+    (["embed", "--no-such-flag", "x"], "poolrunner embed", "unrecognized arguments: --no-such-flag"),
+    (["--no-such-flag", "embed", "x"], "poolrunner embed", "unrecognized arguments: --no-such-flag"),
+    (["--no-such-flag"], "poolrunner", "unrecognized arguments: --no-such-flag"),
     (["nope"], "poolrunner", "argument COMMAND: invalid choice: 'nope' (choose from 'embed', 'classify', 'score', "
                              "'rerank', 'encode', 'tokenize', 'serve', 'plugins')"),
 ])

@@ -78,7 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # the command's parser says it, so that the hint names the command's --help
+            _parser_of(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as exc:  # --help (0) or a usage error (2), already printed (ArgumentParser.error)
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
     try:
@@ -159,10 +161,19 @@ def _hint(exc: PoolrunnerError) -> str | None:
 
 
 def _commands(parser: argparse.ArgumentParser) -> list[str]:
+    return list(_subparsers(parser))
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            return list(action.choices)
-    return []
+            return dict(action.choices)
+    return {}
+
+
+def _parser_of(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
+    """``command``'s own parser (the top-level one without a command)."""
+    return _subparsers(parser).get(command, parser) if command else parser
 
 
 def _silence_stdout() -> None:

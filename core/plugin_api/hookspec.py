@@ -60,7 +60,7 @@ def claim_model_folder(folder: Path, architecture: str) -> str | None:
     :returns: What in the folder makes it yours, for messages (``"modules.json lists
         sentence_transformers.sparse_encoder.models.SpladePooling"``), or ``None``.
 
-    .. versionadded:: 0.2
+    .. versionadded:: 0.1
     """
 
 
@@ -110,13 +110,14 @@ def request_options(model_config: ModelConfig) -> Iterable[RequestOption]:
     option is taken by ``Runtime.encode(..., NAME=VALUE)``, ``poolrunner encode --option
     NAME=VALUE`` and as a body field of ``/pooling`` (shown in the OpenAPI schema); it is
     checked against its type and rule, defaults are filled in, and the pooler reads it from
-    ``params.extra_kwargs[NAME]``. A request setting an option its task does not take, or an
-    unknown one, is refused naming the option and the plugin.
+    ``params.extra_kwargs`` (``None`` when no option is set or defaulted: read
+    ``(params.extra_kwargs or {}).get(NAME)``). A request setting an option its task does not
+    take, or an unknown one, is refused naming the option and the plugin.
 
     :param model_config: Frozen description of the loaded model.
     :returns: :class:`~poolrunner.core.plugin_api.options.RequestOption` objects, possibly none.
 
-    .. versionadded:: 0.3
+    .. versionadded:: 0.1
     """
 
 
@@ -237,7 +238,7 @@ def load_adapter(model: nn.Module, model_config: ModelConfig, lora: LoraRequest,
         this plugin does not load adapters.
     :raises ModelLoadError: for a folder refused, naming the file, the field or the tensor.
 
-    .. versionadded:: 0.5
+    .. versionadded:: 0.1
     """
 
 
@@ -252,7 +253,7 @@ def unload_adapter(model: nn.Module, lora_id: int) -> bool | None:
     :param lora_id: Its number.
     :returns: ``True`` when it was dropped, ``None`` when this plugin does not load adapters.
 
-    .. versionadded:: 0.5
+    .. versionadded:: 0.1
     """
 
 
@@ -281,9 +282,9 @@ def score_outputs(
     :param options: The score call's request options for ``task`` (``Runtime.score(...,
         NAME=VALUE)``), checked and with every declared default filled in, as the pooler saw
         them in ``params.extra_kwargs``; empty when the task takes none. Per-call scoring
-        settings (BGE-M3's mode weights) are read here.
+        settings (BGE-M3's mode weights) are read here. An implementation may leave this
+        argument out (pluggy passes only the arguments it names).
     :returns: ``[num_pairs]`` float32 scores, higher meaning more relevant, or ``None``.
 
     .. versionadded:: 0.1
-    .. versionchanged:: 0.4 ``options``.
     """

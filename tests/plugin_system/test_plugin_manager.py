@@ -316,6 +316,16 @@ def test_hookimpl_argument_missing_from_the_spec_fails_the_build():
     assert isinstance(excinfo.value.__cause__, pluggy.PluginValidationError)
 
 
+def test_an_entry_point_plugin_with_a_wrong_hook_argument_is_named_by_its_distribution():
+    """As ``load_entrypoints`` registers it: the message names the distribution to fix or
+    disable, never "programmatic"."""
+    pm = PoolrunnerPluginManager()
+    with pytest.raises(PluginLoadError) as excinfo:
+        pm.register_plugin(UnknownArgument(), "badarg", source="entrypoint", dist="poolrunner-badarg", version="1.0")
+    assert str(excinfo.value).startswith("plugin badarg (poolrunner-badarg 1.0) is invalid: ")
+    assert not pm.has_plugin("badarg") and pm.plugin_infos() == []
+
+
 def test_disabling_an_invalid_plugin_lets_the_build_succeed():
     pm = build_plugin_manager(plugins=[MisspelledHook(), UnknownArgument()], load_entrypoints=False,
                               disable=["MisspelledHook", "UnknownArgument"])
