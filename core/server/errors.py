@@ -85,9 +85,9 @@ async def send_error(send: Callable[[dict[str, Any]], Awaitable[None]], status: 
     content type and length: for the layers below FastAPI's exception handlers (the middleware,
     the connection cap, Ray Serve's proxies). With ``tei_error_type``, TEI's body instead
     (``{"error", "error_type"}``, for TEI's own routes), the status unchanged."""
-    # serialized as every other error
-    body = (error_response(status, message) if tei_error_type is None
-            else JSONResponse({"error": message, "error_type": tei_error_type}, status_code=status)).body
+    answer = (error_response(status, message) if tei_error_type is None
+              else JSONResponse({"error": message, "error_type": tei_error_type}, status_code=status))
+    body = answer.body  # serialized as every other error
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]})
     await send({"type": "http.response.body", "body": body})
