@@ -9,17 +9,17 @@ error they raise in that shape, including the body validation FastAPI does befor
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from pydantic_core.core_schema import ErrorType
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
@@ -199,22 +199,22 @@ def _describe(errors: Any, request: Request | None) -> tuple[str, str | None]:
     return "; ".join(lines) + more, fields[0].split(".")[0] or None
 
 
-SHOWN_CHARS = 60
-"""Most characters of a refused value an error repeats (a huge string is cut)."""
+_PYDANTIC_ERRORS = frozenset(get_args(ErrorType)) - {"missing", "extra_forbidden", "value_error", "assertion_error"}
+"""pydantic's own refusals of a value, whose messages do not repeat it (``Input should be a valid
+integer``); the server's own messages (custom error types, validators' ``ValueError``) name it."""
 
 
 def _given(error: dict[str, Any], location: str) -> str:
-    """What the client sent where pydantic refused a value of one piece (a number, a string, a
-    boolean, null), as JSON: ``, got NaN``; nothing for a missing or unknown field, or a list or
-    object (too long to repeat). A missing body says so."""
+    """What the client sent where pydantic itself refused a value of one piece (a number, a
+    string, a boolean, null), as the server's other messages show a value (:func:`shown`: cut
+    short, a lone surrogate escaped): ``, got nan``; nothing for a missing or unknown field, a
+    list or object, or a message of the server's own. A missing body says so."""
     kind, value = error.get("type"), error.get("input")
-    if kind == "missing":
-        return "" if location else " (the request has no body: send a JSON object)"
-    if kind == "extra_forbidden" or not (value is None or isinstance(value, str | int | float | bool)):
+    if kind == "missing" and not location:
+        return " (the request has no body: send a JSON object)"
+    if kind not in _PYDANTIC_ERRORS or not (value is None or isinstance(value, str | int | float | bool)):
         return ""
-    # a lone surrogate (JSON's "\ud800") stays escaped: the answer itself must encode as UTF-8
-    shown = json.dumps(value, ensure_ascii=False).encode("utf-8", "backslashreplace").decode()
-    return f", got {shown if len(shown) <= SHOWN_CHARS else shown[:SHOWN_CHARS] + '...'}"
+    return f", got {shown(value)}"
 
 
 def _not_json(error: dict[str, Any], request: Request | None) -> str | None:

@@ -288,18 +288,19 @@ def test_dimensions_apply_before_quantizing_and_are_checked_against_the_float_si
 
 BAD_FIELDS = [
     ("embed_dtype", {"embed_dtype": "float64"},
-     "embed_dtype: Input should be 'float32', 'float16', 'bfloat16', 'fp8_e4m3' or 'fp8_e5m2', got \"float64\""),
-    ("endianness", {"endianness": "middle"}, "endianness: Input should be 'native', 'big' or 'little', got \"middle\""),
-    ("dimensions NaN", {"dimensions": float("nan")}, "dimensions: Input should be a valid integer, got NaN"),
+     "embed_dtype: Input should be 'float32', 'float16', 'bfloat16', 'fp8_e4m3' or 'fp8_e5m2', got 'float64'"),
+    ("endianness", {"endianness": "middle"}, "endianness: Input should be 'native', 'big' or 'little', got 'middle'"),
+    ("dimensions NaN", {"dimensions": float("nan")}, "dimensions: Input should be a valid integer, got nan"),
     ("lone surrogate echoed escaped", {"encoding_format": "\ud800"},
      "encoding_format: Input should be a valid string, unable to parse raw data as a unicode string, "
-     "got \"\\ud800\""),
+     "got '\\ud800'"),
     ("long value cut", {"encoding_format": "b" * 100},
-     "encoding_format: Input should be 'float', 'base64', 'bytes' or 'bytes_only', got \"" + "b" * 59 + "..."),
+     "encoding_format: Input should be 'float', 'base64', 'bytes' or 'bytes_only', got '" + "b" * 17 + "..."
+     + "b" * 18 + "'"),
     ("encoding_format", {"encoding_format": "npy"},
-     "encoding_format: Input should be 'float', 'base64', 'bytes' or 'bytes_only', got \"npy\""),
+     "encoding_format: Input should be 'float', 'base64', 'bytes' or 'bytes_only', got 'npy'"),
     ("precision", {"precision": "int4"},
-     "precision: Input should be 'float32', 'int8', 'uint8', 'binary' or 'ubinary', got \"int4\""),
+     "precision: Input should be 'float32', 'int8', 'uint8', 'binary' or 'ubinary', got 'int4'"),
     ("one text to calibrate", {"input": "one text", "precision": "int8"},
      "int8 needs ranges, or at least two embeddings in the call to calibrate them on; got 1"),
     ("ranges shape", {"precision": "uint8", "ranges": [[0.0, 0.1], [0.2, 0.3]]},
