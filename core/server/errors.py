@@ -86,7 +86,7 @@ async def send_error(send: Callable[[dict[str, Any]], Awaitable[None]], status: 
     the connection cap, Ray Serve's proxies). With ``tei_error_type``, TEI's body instead
     (``{"error", "error_type"}``, for TEI's own routes), the status unchanged."""
     answer = (error_response(status, message) if tei_error_type is None
-              else JSONResponse({"error": message, "error_type": tei_error_type}, status_code=status))
+              else tei_error_response(TeiError(tei_error_type, message, status=status)))
     body = answer.body  # serialized as every other error
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]})
@@ -189,14 +189,19 @@ def _describe(errors: Any, request: Request | None) -> tuple[str, str | None]:
         return f"the request body is not valid JSON: {reason}{where}", None
     lines, fields = [], []
     for error in errors[:5]:
-        location = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
+        location = ".".join(_location(error))
         fields.append(location)
         lines.append(f"{location or 'body'}: {error.get('msg')}{_given(error, location)}")
     more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
-    if any(error.get("type") == "extra_forbidden" and len([p for p in error.get("loc", ()) if p != "body"]) == 1
+    if any(error.get("type") == "extra_forbidden" and len(_location(error)) == 1
            for error in errors):  # a field of the body itself: the ones --allow-extra-fields drops
         more += f" ({EXTRA_FIELDS_HINT})"
     return "; ".join(lines) + more, fields[0].split(".")[0] or None
+
+
+def _location(error: dict[str, Any]) -> list[str]:
+    """Where in the body pydantic's ``error`` is: its ``loc`` without FastAPI's leading ``body``."""
+    return [str(part) for part in error.get("loc", ()) if part != "body"]
 
 
 _PYDANTIC_ERRORS = frozenset(get_args(ErrorType)) - {"missing", "extra_forbidden", "value_error", "assertion_error"}
@@ -271,10 +276,11 @@ class TeiError(Exception):
         self.status = status or TEI_STATUS[error_type]
 
 
-def tei_error_response(error: TeiError, request: Request) -> JSONResponse:
-    """``{"error": message, "error_type": type}`` with the error's status (:func:`public_text`)."""
-    return JSONResponse({"error": public_text(request, str(error)), "error_type": error.error_type},
-                        status_code=error.status)
+def tei_error_response(error: TeiError, request: Request | None = None) -> JSONResponse:
+    """``{"error": message, "error_type": type}`` with the error's status (the message as
+    :func:`public_text` makes it, where a request is given)."""
+    message = str(error) if request is None else public_text(request, str(error))
+    return JSONResponse({"error": message, "error_type": error.error_type}, status_code=error.status)
 
 
 def public_text(request: Request, text: str) -> str:
