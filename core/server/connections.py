@@ -163,9 +163,13 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
     async def _admit(self, scope: Any, receive: Any, send: Any) -> None:
-        """The app, or :meth:`refuse` past the cap. Runs as the request's task, which
-        ``self.tasks`` already holds, as ``self.connections`` holds this connection."""
-        if scope.get("path") != HEALTH_PATH and self._over_cap():
+        """The app, or :meth:`refuse` past the cap, or a 400 for a request framed twice
+        (:func:`_framed_twice`). Runs as the request's task, which ``self.tasks`` already holds, as
+        ``self.connections`` holds this connection."""
+        if _framed_twice(scope):
+            await send_error(send, 400, "the request has both Content-Length and Transfer-Encoding headers: send "
+                                        "one of them (RFC 9112, section 6.3)", [(b"connection", b"close")])
+        elif scope.get("path") != HEALTH_PATH and self._over_cap():
             await self.refuse(send)
         else:
             await self._app(scope, receive, send)
@@ -194,6 +198,16 @@ class GuardedH11Protocol(H11Protocol):
         message = (f"the server is at its limit of {self.max_connections} connections (--max-connections); "
                    "try again later")
         await send_error(send, 503, message, [(b"connection", b"close")])
+
+
+def _framed_twice(scope: Any) -> bool:
+    """Whether a request carries both ``Content-Length`` and ``Transfer-Encoding``: h11 reads the
+    body as the latter says, but a proxy in front may have read it as the former, and the bytes
+    between the two readings are a request smuggled past the proxy. RFC 9112 (section 6.3) lets a
+    server refuse such a request and has it close the connection whatever it answers; it is
+    refused, as nginx does."""
+    names = {name.lower() for name, _ in scope.get("headers", ())}
+    return b"content-length" in names and b"transfer-encoding" in names
 
 
 FILE_RESERVE = 256

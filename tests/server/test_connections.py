@@ -161,6 +161,27 @@ def test_a_request_head_over_16_kib_is_a_json_431_whole_or_in_pieces(runtime, pi
         fits.close()
 
 
+def test_a_request_framed_by_both_length_and_chunks_is_refused_and_its_connection_closed(runtime):
+    """RFC 9112 section 6.3: the two framings may disagree (request smuggling past a proxy)."""
+    body = json.dumps({"input": SANITY_TEXT}).encode()
+    chunked = f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+    with running(runtime, ConnectionLimits()) as (_, port, _):
+        connection = socket.create_connection(("127.0.0.1", port))
+        connection.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked)
+        received = read_until_closed(connection, 5)[1]  # closed: nothing more is read from it
+        head, _, answer = received.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 Bad Request\r\n") and b"connection: close" in head, received[:200]
+        assert json.loads(answer)["error"] == {
+            "message": "the request has both Content-Length and Transfer-Encoding headers: send one of them "
+                       "(RFC 9112, section 6.3)",
+            "type": "invalid_request_error", "param": None, "code": 400}
+        good = socket.create_connection(("127.0.0.1", port))
+        good.sendall(embed_request())
+        assert good.recv(65536).startswith(b"HTTP/1.1 200")
+        good.close()
+
+
 @pytest.mark.parametrize("request_bytes", [
     b"HELLO\r\n\r\n",
     b"POST /v1/embeddings HTTP/1.1\r\nHost: test\r\nContent-Length: -5\r\n\r\n",
