@@ -7,14 +7,17 @@ import re
 
 from fastapi import APIRouter, Request
 
-from poolrunner.core.errors import InvalidRequestError
+from poolrunner.core.errors import InputTooLongError, InvalidRequestError, PromptTooLongError
 from poolrunner.core.server import cohere_protocol as c
+from poolrunner.core.server.errors import ApiError
 from poolrunner.core.server.routes.answers import answer_id
 from poolrunner.core.server.routes.dependencies import Served
 
 router = APIRouter()
 
-_INPUT = re.compile(r"^input (\d+)\b")
+_INPUT = re.compile(r"^input(?: (\d+))?\b")
+_FIELDS = {"dimensions": "output_dimension", "truncate_prompt_tokens": "max_tokens"}
+"""The core's request fields, by the name of the Cohere field that sets them."""
 
 
 @router.post("/v2/embed", response_model=c.CohereEmbedResponse, response_model_exclude_none=True)
@@ -26,15 +29,27 @@ async def embed(body: c.CohereEmbedRequest, request: Request, served: Served) ->
     try:
         vectors, num_tokens = await service.answer(request, body.to_request(items), priority=body.priority)
         embeddings = c.by_type(vectors, body.embedding_types or ["float"])
-    except InvalidRequestError as exc:
-        raise _named(exc, body.source()) from None
+    except (InvalidRequestError, ApiError) as exc:
+        raise _named(exc, body.source(), truncating=body.truncate != "NONE") from None
     images = sum(1 for item in items if not isinstance(item, str))
     return c.CohereEmbedResponse(
         id=answer_id("embed", None), embeddings=embeddings, texts=body.texts,
         meta=c.EmbedMeta(billed_units=c.BilledUnits(input_tokens=num_tokens, images=images)))
 
 
-def _named(error: InvalidRequestError, field: str) -> InvalidRequestError:
-    """``error`` naming ``field[i]`` where it says ``input i``."""
-    text = _INPUT.sub(lambda match: f"{field}[{match.group(1)}]", str(error), count=1)
-    return InvalidRequestError(text, param=error.param or field)
+def _named(error: InvalidRequestError | ApiError, field: str, *, truncating: bool) -> InvalidRequestError | ApiError:
+    """``error`` in the body's names: ``field[i]`` for ``input i`` (``field`` for ``input``),
+    ``output_dimension`` for ``dimensions``, ``max_tokens`` for ``truncate_prompt_tokens``; an
+    over-long input's advice is Cohere's ``truncate`` when it is ``NONE``."""
+    text = _INPUT.sub(lambda match: field if match.group(1) is None else f"{field}[{match.group(1)}]", str(error),
+                      count=1)
+    param = error.param if error.param not in (None, "input") else field
+    if param in _FIELDS:
+        text = text.replace(f"{param}=", f"{_FIELDS[param]}=")
+        text = _FIELDS[param] + text[len(param):] if text.startswith(f"{param} ") else text
+        param = _FIELDS[param]
+    if isinstance(error, InputTooLongError | PromptTooLongError) and not truncating:
+        text = f'{text.partition(";")[0]}; shorten it or send "truncate": "END" (or "START")'
+    if isinstance(error, ApiError):
+        return ApiError(error.status, text, param=param)
+    return type(error)(text, param=param)
