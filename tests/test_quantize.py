@@ -9,6 +9,7 @@ from sentence_transformers.util import quantize_embeddings
 
 import poolrunner
 from poolrunner import InvalidRequestError
+from poolrunner.core.frontend.requests import EncodeRequest
 from tests.test_cli import parse_jsonl, run_cli
 
 TEXTS = ["A cat sat on the mat.", "Paris is the capital of France.", "The stock market fell sharply.",
@@ -71,6 +72,19 @@ def test_bad_precision_options_are_refused(runtime, options, message):
         runtime.embed([TEXTS[0]], **options)
     assert str(caught.value) == message
     assert runtime.embed(TEXTS[:2], precision="int8").dtype == np.int8  # still serves
+
+
+def test_ranges_of_another_width_are_refused_by_the_plan_before_any_work(matryoshka_runtime):
+    """The width is the request's ``dimensions`` (else the model's): checked when the plan is made."""
+    request = EncodeRequest.of(inputs=TEXTS, dimensions=64, precision="int8", ranges=np.zeros((2, 384)))
+    with pytest.raises(InvalidRequestError) as caught:
+        matryoshka_runtime.frontend.plan(request)
+    assert str(caught.value) == "ranges must have shape [2, 64] (minima, maxima per dimension), got [2, 384]"
+    assert caught.value.param == "ranges"
+    ranges = np.stack([-np.ones(64), np.ones(64)])
+    codes = matryoshka_runtime.embed(TEXTS, dimensions=64, precision="int8", ranges=ranges)
+    floats = matryoshka_runtime.embed(TEXTS, dimensions=64)
+    np.testing.assert_array_equal(codes, quantize_embeddings(floats, precision="int8", ranges=ranges))
 
 
 def test_empty_input_keeps_the_precision_shape(runtime):

@@ -162,6 +162,10 @@ class Frontend:
             raise InvalidRequestError(f"precision={request.precision} applies to task 'embed', not {params.task!r}",
                                       param="precision")
         ranges = request.calibration()
+        width = params.dimensions or self.model_config.embedding_size  # every embed pooler's width (the kit's check)
+        if ranges is not None and ranges.shape != (2, width):
+            raise InvalidRequestError(f"ranges must have shape [2, {width}] (minima, maxima per dimension), got "
+                                      f"{list(ranges.shape)}", param="ranges")
         return Plan(self.prepare(request.inputs, params, request.tokenization),
                     functools.partial(outputs.results, precision=request.precision, ranges=ranges))
 

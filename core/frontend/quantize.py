@@ -35,8 +35,8 @@ def check_ranges(precision: str, ranges: object) -> None:
 
 
 def as_ranges(ranges: object) -> np.ndarray:
-    """``ranges`` as float32 ``[2, d]``-shaped minima and maxima, checked before any work: the
-    shape against the embeddings' width comes later (:func:`quantize`).
+    """``ranges`` as float32 ``[2, d]``-shaped minima and maxima, checked before any work (the
+    shape against the embeddings' width is the plan's check, which knows the model).
 
     :raises InvalidRequestError: for ragged lists, a value that is not a finite float32 (NaN, an
         infinity, or past float32's range: its codes would all be one bucket), or a minimum above
@@ -89,7 +89,7 @@ def _ranges(embeddings: np.ndarray, precision: str, ranges: np.ndarray | None) -
         ranges = np.asarray(ranges, dtype=np.float32)
         if ranges.shape != (2, embeddings.shape[-1]):
             raise InvalidRequestError(f"ranges must have shape [2, {embeddings.shape[-1]}] (minima, maxima per "
-                                      f"dimension), got {list(ranges.shape)}")
+                                      f"dimension), got {list(ranges.shape)}", param="ranges")
         return ranges[0], ranges[1]
     if embeddings.shape[0] < 2:
         raise InvalidRequestError(f"{precision} needs ranges, or at least two embeddings in the call to calibrate "

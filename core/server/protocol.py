@@ -305,9 +305,10 @@ class EmbeddingRequest(_Request, _Chat, _Encoding, _Quantize):
 
 
 class PoolingHttpRequest(_Request, _Chat, _Encoding, _Quantize):
-    """vLLM's ``/pooling``: any task this server's runtime serves, per-token outputs included."""
+    """vLLM's ``/pooling``: any task this server's runtime serves, per-token outputs included;
+    ``[text, text_pair]`` pairs as ``/classify`` takes them (a cross-encoder's ``classify``)."""
 
-    input: Inputs = None
+    input: PairInputs = None
     task: StrictStr | None = Field(default=None, description="Defaults to the served task.")
     dimensions: StrictInt | None = None
     normalize: StrictBool | None = None

@@ -216,6 +216,21 @@ def test_vllm_scoring_fields_on_a_cross_encoder(cross_encoder, classifier_refere
     _still_serves(running.url, runtime)
 
 
+def test_pooling_takes_pairs_as_classify_does(cross_encoder, classifier_reference, minilm_classifier_folder):
+    """JSON has no tuples: ``[text, text_pair]`` items are pairs on ``/pooling`` too."""
+    running, runtime = cross_encoder
+    pairs = [[QUERY, document] for document in DOCUMENTS]
+    pooled = _ok(httpx.post(f"{running.url}/pooling", json={"input": pairs, "task": "classify"}))
+    classified = _ok(httpx.post(f"{running.url}/classify", json={"input": pairs}))
+    reference = classifier_reference(minilm_classifier_folder(1)).scores([tuple(pair) for pair in pairs])
+    np.testing.assert_allclose([item["data"] for item in pooled["data"]], reference, atol=1e-5)
+    assert [item["data"] for item in pooled["data"]] == [item["probs"] for item in classified["data"]]
+    message, param = _error(httpx.post(f"{running.url}/pooling", json={"input": [[QUERY, 5]], "task": "classify"}))
+    assert (message, param) == ("input 0: expected a text, a list of token ids or a (text, text_pair) pair, got "
+                                f"[{QUERY!r}, 5]", "input")
+    _still_serves(running.url, runtime)
+
+
 def test_max_tokens_per_doc_on_a_cross_encoder(cross_encoder, hf_tokenizer):
     running, runtime = cross_encoder
     cut = [_first_tokens(hf_tokenizer, document, 4) for document in DOCUMENTS]
