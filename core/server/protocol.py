@@ -581,46 +581,59 @@ _RERANK_FIELDS = ("documents", "top_n", "return_documents", "max_tokens_per_doc"
                   "use_activation")
 
 
-class TokenizeRequest(_Body):
-    """vLLM's ``/tokenize`` (``prompt``), or TEI's (``inputs``: a text or texts); the answer
-    follows the body."""
+class TokenizeRequest(_Chat):
+    """vLLM's ``/tokenize``: ``prompt``, or its chat form ``messages`` (rendered with the model's
+    chat template; vLLM's defaults there: the generation prompt added, no special tokens); or
+    TEI's (``inputs``: a text or texts). The answer follows the body."""
 
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     inputs: StrictStr | list[StrictStr] | None = None
-    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = Field(
+        default=True, description="messages: end with the template's generation prompt (vLLM's tokenize default).")
+    add_special_tokens: StrictBool | None = Field(
+        default=None, description="Add the tokenizer's special tokens (default true for prompt and inputs, false "
+                                  "for messages: the chat template writes its own).")
     return_token_strs: StrictBool | None = Field(default=None, description="vLLM: also answer each token's string.")
     prompt_name: StrictStr | None = Field(default=None, description="TEI: the model's prompt of this name goes "
                                                                       "first; spans count from its start.")
 
     def api(self) -> Literal["tei", "vllm"]:
-        """``"tei"`` for ``inputs``, ``"vllm"`` for ``prompt``.
+        """``"tei"`` for ``inputs``, ``"vllm"`` for ``prompt`` or ``messages``.
 
-        :raises ApiError: 400 unless exactly one of them is sent, or for TEI with vLLM's fields.
+        :raises ApiError: 400 unless exactly one of them is sent, for TEI with vLLM's fields, or
+            for the chat fields without ``messages``.
         """
-        if (self.prompt is None) == (self.inputs is None):
-            raise ApiError(400, "send prompt (vLLM) or inputs (TEI), exactly one of them",
-                           param="inputs" if self.inputs is not None else "prompt")
+        given = [name for name in ("prompt", "messages", "inputs") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ApiError(400, "send prompt or messages (vLLM) or inputs (TEI), exactly one of them",
+                           param=given[1] if len(given) > 1 else "prompt")
         if self.inputs is not None and self.return_token_strs is not None:
-            raise ApiError(400, "return_token_strs belongs to vLLM's body, which sends prompt",
+            raise ApiError(400, "return_token_strs belongs to vLLM's body, which sends prompt or messages",
                            param="return_token_strs")
-        if self.prompt is not None and self.prompt_name is not None:
+        if self.inputs is None and self.prompt_name is not None:
             raise ApiError(400, "prompt_name belongs to TEI's body, which sends inputs", param="prompt_name")
+        chat_fields = [name for name in ("add_generation_prompt", "continue_final_message", "chat_template",
+                                         "chat_template_kwargs") if name in self.model_fields_set]
+        if self.messages is None and chat_fields:
+            raise ApiError(400, f"{chat_fields[0]} applies to messages, not to {given[0]}", param=chat_fields[0])
         return "tei" if self.inputs is not None else "vllm"
 
-    def to_request(self) -> fr.TokenizeRequest:
-        """vLLM's (``prompt``: ids, and token strings when asked) or TEI's (``inputs``: tokens
-        with spans) tokenization.
+    def to_request(self, chat: tuple[str, bool] | None = None) -> fr.TokenizeRequest:
+        """vLLM's (``prompt``, or ``chat``: ``messages`` rendered and whether to add special tokens;
+        ids, and token strings when asked) or TEI's (``inputs``: tokens with spans) tokenization.
 
         :raises ApiError: as :meth:`api`.
         """
+        special = self.add_special_tokens is not False
         if self.api() == "tei":
             texts = [self.inputs] if isinstance(self.inputs, str) else self.inputs
             return fr.TokenizeRequest(texts=texts, with_tokens=True,  # type: ignore[arg-type]
-                                      tokenization=fr.Tokenization(add_special_tokens=self.add_special_tokens,
+                                      tokenization=fr.Tokenization(add_special_tokens=special,
                                                                    prompt_name=self.prompt_name))
-        return fr.TokenizeRequest(texts=[self.prompt], with_tokens=bool(self.return_token_strs),  # type: ignore[list-item]
-                                  tokenization=fr.Tokenization(add_special_tokens=self.add_special_tokens))
+        text, special = chat if chat is not None else (self.prompt, special)
+        return fr.TokenizeRequest(texts=[text], with_tokens=bool(self.return_token_strs),  # type: ignore[list-item]
+                                  tokenization=fr.Tokenization(add_special_tokens=special))
 
 
 class DetokenizeRequest(_Body):

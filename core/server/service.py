@@ -100,6 +100,15 @@ class PoolingService:
             return self.inputs(body.input), body.add_special_tokens is not False
         if body.input is not None:
             raise ApiError(400, "send input or messages, not both", param="messages")
+        prompt, add_special_tokens = await self.chat_prompt(body)
+        return [prompt], add_special_tokens
+
+    async def chat_prompt(self, body: Any) -> tuple[Input, bool]:
+        """``body.messages`` as one prompt, and whether to add special tokens (see :meth:`prompts`).
+
+        :raises ApiError: 400 for ``chat_template``, or no messages.
+        :raises InvalidRequestError: when the messages cannot be rendered (no chat template...).
+        """
         if body.chat_template is not None:
             raise ApiError(400, "chat_template is not accepted: messages are rendered with the model's chat "
                                 "template (the server's --chat-template, else the tokenizer's)",
@@ -107,13 +116,13 @@ class PoolingService:
         if not body.messages:
             raise ApiError(400, "messages is empty: send at least one message", param="messages")
         if self.frontend.images is not None or any(message.image_urls() for message in body.messages):
-            return [text_image_prompt(body.messages)], body.add_special_tokens is not False
+            return text_image_prompt(body.messages), body.add_special_tokens is not False
         text = await run_in_threadpool(
             self.frontend.inputs.render_chat, [message.for_template() for message in body.messages],
             add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
             chat_template_kwargs=body.chat_template_kwargs,
         )
-        return [text], bool(body.add_special_tokens)
+        return text, bool(body.add_special_tokens)
 
     def inputs(self, value: str | list[Any], what: str = "input") -> list[Input]:
         """A text, texts, token ids or token-id lists as a list of inputs, within the limits."""

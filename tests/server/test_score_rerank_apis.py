@@ -483,10 +483,15 @@ def test_vllm_tokenize_and_detokenize(server, hf_tokenizer):
 @pytest.mark.parametrize(("path", "body", "message", "param"), [
     ("/detokenize", {"tokens": [101, 30522]}, "tokens[1] = 30522 is outside the vocabulary [0, 30522)", "tokens"),
     ("/detokenize", {"tokens": ["a"]}, "tokens.0: Input should be a valid integer, got 'a'", "tokens"),
-    ("/tokenize", {"prompt": "a", "inputs": "b"}, "send prompt (vLLM) or inputs (TEI), exactly one of them", "inputs"),
-    ("/tokenize", {}, "send prompt (vLLM) or inputs (TEI), exactly one of them", "prompt"),
+    ("/tokenize", {"prompt": "a", "inputs": "b"}, "send prompt or messages (vLLM) or inputs (TEI), exactly one of "
+     "them", "inputs"),
+    ("/tokenize", {}, "send prompt or messages (vLLM) or inputs (TEI), exactly one of them", "prompt"),
     ("/tokenize", {"inputs": "a", "return_token_strs": True},
-     "return_token_strs belongs to vLLM's body, which sends prompt", "return_token_strs"),
+     "return_token_strs belongs to vLLM's body, which sends prompt or messages", "return_token_strs"),
+    ("/tokenize", {"inputs": "a", "messages": [{"role": "user", "content": "b"}]},
+     "send prompt or messages (vLLM) or inputs (TEI), exactly one of them", "inputs"),
+    ("/tokenize", {"inputs": "a", "add_generation_prompt": False}, "add_generation_prompt applies to messages, not "
+     "to inputs", "add_generation_prompt"),
 ])
 def test_bad_tokenize_bodies(server, runtime, path, body, message, param):
     assert _error(httpx.post(f"{server.url}{path}", json=body)) == (message, param)

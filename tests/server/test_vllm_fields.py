@@ -400,6 +400,30 @@ def test_embedding_messages_are_rendered_with_the_chat_template(chat_server, hf_
         _still_serves(running.url, runtime)
 
 
+def test_tokenize_messages_as_vllm_does(chat_server):
+    """vLLM's chat form of /tokenize: the generation prompt added and no special tokens by default."""
+    running, runtime, tokenizer = chat_server
+    rendered = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    body = _ok(httpx.post(f"{running.url}/tokenize", json={"messages": MESSAGES, "return_token_strs": True}))
+    assert body == {"count": len(ids), "max_model_len": 256, "tokens": ids,
+                    "token_strs": tokenizer.convert_ids_to_tokens(ids)}
+    plain = tokenizer.apply_chat_template(MESSAGES, tokenize=False)
+    body = _ok(httpx.post(f"{running.url}/tokenize", json={"messages": MESSAGES, "add_generation_prompt": False,
+                                                           "add_special_tokens": True}))
+    assert body["tokens"] == tokenizer(plain)["input_ids"]
+    for fields, message in [
+        ({"continue_final_message": True},  # vLLM refuses it too: its generation prompt is on by default
+         "add_generation_prompt and continue_final_message cannot both be true"),
+        ({"prompt": "a"}, "send prompt or messages (vLLM) or inputs (TEI), exactly one of them"),
+        ({"messages": []}, "messages is empty: send at least one message"),
+    ]:
+        assert _error(httpx.post(f"{running.url}/tokenize", json={"messages": MESSAGES, **fields})) == message
+        _still_serves(running.url, runtime)
+    assert _error(httpx.post(f"{running.url}/tokenize", json={"prompt": "a", "add_generation_prompt": True})) == (
+        "add_generation_prompt applies to messages, not to prompt")
+
+
 def test_the_chat_template_setting_is_read_from_a_file_and_checked(tmp_path):
     """``--chat-template`` (and ``POOLRUNNER_CHAT_TEMPLATE``) takes a file or the Jinja text, as
     vLLM's; text that is not a template is refused when the settings are made, before loading."""

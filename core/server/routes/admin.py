@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
 from poolrunner.core.server import protocol as p
-from poolrunner.core.server.errors import SHARED_WITH_TEI, in_tei_shape
+from poolrunner.core.server.errors import SHARED_WITH_TEI, ApiError, in_tei_shape
 from poolrunner.core.server.middleware import HEALTH_PATHS
 from poolrunner.core.server.routes.dependencies import Created, Metrics, Served
 from poolrunner.core.server.service import PoolingService
@@ -90,8 +90,18 @@ def _adapter_card(service: PoolingService, name: str, created: int) -> p.ModelCa
 
 
 async def _vllm_tokens(service: PoolingService, body: p.TokenizeRequest, request: Request) -> p.TokenizeResponse:
-    """vLLM's tokenize answer for ``body.prompt``: ids, and each token's string when asked."""
-    tokenize = body.to_request()
+    """vLLM's tokenize answer for ``body.prompt`` or ``body.messages``: ids, and each token's
+    string when asked.
+
+    :raises ApiError: 400 for messages that make an image (a text-image model's chat).
+    """
+    chat = None
+    if body.messages is not None:
+        prompt, add_special_tokens = await service.chat_prompt(body)
+        if not isinstance(prompt, str):
+            raise ApiError(400, "messages make an image here: /tokenize tokenizes text", param="messages")
+        chat = prompt, add_special_tokens
+    tokenize = body.to_request(chat)
     [tokens], _ = await service.answer(request, tokenize)
     ids = [token.id for token in tokens] if tokenize.with_tokens else tokens
     return p.TokenizeResponse(count=len(ids), max_model_len=service.runtime.model_config.max_model_len, tokens=ids,
