@@ -29,7 +29,8 @@ _KEY = re.compile(r":([a-z][a-z-]*)=")
 def model_keys(group: argparse._ArgumentGroup) -> dict[str, Callable[[str], Any]]:
     """The keys a ``--model`` value may set: ``name`` (repeatable), and every other flag of the
     command's ``model`` group by its long name (``dtype``, ``max-model-len``, ``hf-overrides``...),
-    each read as the flag reads its value (a switch takes true / false)."""
+    each read as the flag reads its value (a switch takes true / false; a flag of several values,
+    ``lora-modules``, one value a key, the key repeatable)."""
     keys: dict[str, Callable[[str], Any]] = {"name": str}
     for action in group._group_actions:
         long_names = [option[2:] for option in action.option_strings if option.startswith("--")]
@@ -41,6 +42,9 @@ def model_keys(group: argparse._ArgumentGroup) -> dict[str, Callable[[str], Any]
 def _reader(action: argparse.Action) -> Callable[[str], Any]:
     """How ``action``'s flag reads one value: its ``type`` (a switch: true / false), then its ``choices``."""
     read = boolean if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction) else action.type or str
+    if action.nargs in ("+", "*") or isinstance(action, argparse._AppendAction | argparse._ExtendAction):
+        item = read
+        read = lambda value: [item(value)]  # noqa: E731 - a list, as the flag's values make one
     if action.choices is None:
         return read
 
@@ -99,6 +103,8 @@ def parse_model_spec(text: str, keys: dict[str, Callable[[str], Any]]) -> ModelS
             if not value:
                 raise CliError(f"--model {text!r}: name is empty")
             names.append(value)
+        elif isinstance(converted, list):  # a flag of several values: each key adds one
+            options.setdefault(key.replace("-", "_"), []).extend(converted)
         elif key.replace("-", "_") in options:
             raise CliError(f"--model {text!r} sets {key} twice")
         else:

@@ -159,6 +159,9 @@ def test_served_models_refuses_a_shared_name(runtime):
     ("./m:async-scheduling=false:max-num-seqs=8:score-template=qwen3_reranker:device=cpu",
      ModelSpec("./m", (), {"async_scheduling": False, "max_num_seqs": 8, "score_template": "qwen3_reranker",
                            "device": "cpu"})),
+    # a flag of several values: one a key, the key repeated (both of --lora-modules' forms)
+    ('./m:lora-modules=legal=/a/legal:lora-modules={"name": "med", "path": "/b/med"}:max-loras=2',
+     ModelSpec("./m", (), {"lora_modules": [("legal", "/a/legal"), ("med", "/b/med")], "max_loras": 2})),
 ])
 def test_model_spec_parsing(text, expected):
     assert parse_model_spec(text, KEYS) == expected
