@@ -21,6 +21,7 @@ from pathlib import Path
 from poolrunner.core.errors import InvalidRequestError, ModelLoadError, QueueFullError
 from poolrunner.core.model.st_metadata import read_st_metadata
 from poolrunner.core.types import LoraRequest, ModelConfig, PoolingRequest
+from poolrunner.core.validators import check_adapter_name
 
 
 class AdaptersBusyError(QueueFullError):
@@ -88,6 +89,7 @@ class LoraAdapters:
         :raises ModelLoadError: for a folder refused (:func:`st_prompts` too); nothing is
             registered then.
         """
+        check_adapter_name(name)
         prompts = st_prompts(path, model_config)
         with self._lock:
             if not self.capacity:

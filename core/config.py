@@ -28,7 +28,15 @@ from poolrunner.core.inputs.images import (
     positive_seconds,
 )
 from poolrunner.core.types import PLUGIN_TASK_NAME, POOLING_TASKS, POOLING_TYPES, PoolingTask, PoolingType
-from poolrunner.core.validators import fraction, json_object, one_of, optional_bool, positive_int, task_name
+from poolrunner.core.validators import (
+    check_adapter_name,
+    fraction,
+    json_object,
+    one_of,
+    optional_bool,
+    positive_int,
+    task_name,
+)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "bf16-mixed", "int8")
 COMPILE_MODES = ("auto", "off")
@@ -67,8 +75,10 @@ def _lora_modules(value: Any) -> dict[str, str]:
     """``{name: path}`` (paths as strings); a name must be a non-empty string."""
     modules = dict(value or {})
     for name, path in modules.items():
-        if not isinstance(name, str) or not name.strip():
-            raise InvalidRequestError(f"lora_modules: an adapter name must be a non-empty string, got {name!r}")
+        try:
+            check_adapter_name(name)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"lora_modules: {exc}") from None
         modules[name] = os.fspath(path)
     return modules
 

@@ -149,3 +149,24 @@ def check_text(text: str, where: str, *, param: str | None = None) -> None:
             f"{where} is not valid Unicode text: character {position} is U+{ord(text[position]):04X}, a lone "
             "surrogate (half of a UTF-16 pair); send whole characters", param=param,
         )
+
+
+MAX_ADAPTER_NAME_CHARS = 256
+"""Longest LoRA adapter name: it is a served model's name too (``/v1/models``, ``model`` fields)."""
+
+
+def check_adapter_name(name: Any) -> None:
+    """Refuse a LoRA adapter name that is not a printable name a request can send: not a string,
+    empty or only spaces, holding a control character (NUL, a line break), or longer than
+    :data:`MAX_ADAPTER_NAME_CHARS`.
+
+    :raises InvalidRequestError: (param ``lora``) naming the value and the rule.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidRequestError(f"a LoRA adapter name must be a non-empty string, got {shown(name)}", param="lora")
+    if len(name) > MAX_ADAPTER_NAME_CHARS:
+        raise InvalidRequestError(f"a LoRA adapter name has at most {MAX_ADAPTER_NAME_CHARS} characters, got "
+                                  f"{len(name)}: {shown(name)}", param="lora")
+    if any(not character.isprintable() for character in name):
+        raise InvalidRequestError(f"a LoRA adapter name must be printable (no control characters), got "
+                                  f"{shown(name)}", param="lora")

@@ -192,6 +192,18 @@ def test_bad_adapters_are_refused_and_the_runtime_serves_on(bert, tmp_path):
         assert name not in runtime.lora_adapters
     with pytest.raises(InvalidRequestError, match="lora 'nope' is not loaded; loaded adapters"):
         runtime.embed(TEXTS, lora="nope")
+    for name, message in [
+        ("", "a LoRA adapter name must be a non-empty string, got ''"),
+        (" ", "a LoRA adapter name must be a non-empty string, got ' '"),
+        (None, "a LoRA adapter name must be a non-empty string, got None"),
+        ("x\x00y", "a LoRA adapter name must be printable (no control characters), got 'x\\x00y'"),
+        ("n" * 257, "a LoRA adapter name has at most 256 characters, got 257: 'nnnnn"),
+    ]:
+        with pytest.raises(InvalidRequestError) as caught:
+            runtime.load_lora(name, good)
+        assert str(caught.value).startswith(message) and caught.value.param == "lora"
+    with pytest.raises(InvalidRequestError, match="lora_modules: a LoRA adapter name must be a non-empty string"):
+        Runtime(base, lora_modules={" ": good})
     runtime.load_lora("good", good)  # the next adapter loads and serves
     reference = peft_hidden(base, good, TEXTS[:1])[0].last_hidden_state[0, 0]
     np.testing.assert_allclose(runtime.embed(TEXTS[0], lora="good"), normalized(reference), atol=ATOL)
@@ -377,6 +389,10 @@ def test_http_model_selects_the_adapter(bert, tmp_path):
         bad = httpx.post(server.url + "/v1/load_lora_adapter", headers=headers,
                          json={"lora_name": "bad", "lora_path": str(tmp_path / "nowhere")})
         assert bad.status_code == 400 and "adapter_config.json is missing" in bad.text, bad.text
+        unnamed = httpx.post(server.url + "/v1/load_lora_adapter", headers=headers,
+                             json={"lora_name": "", "lora_path": str(adapters["all"])})
+        assert unnamed.status_code == 400 and unnamed.json()["error"]["message"] == (
+            "a LoRA adapter name must be a non-empty string, got ''"), unnamed.text
         assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "all"},
                           headers=headers).status_code == 200
         gone = httpx.post(server.url + "/v1/embeddings", json={"model": "all", "input": TEXTS}, headers=headers)
