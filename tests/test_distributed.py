@@ -26,6 +26,7 @@ from poolrunner.core.cli.main import main
 from poolrunner.core.distributed import cluster
 from poolrunner.core.distributed.actor import output_columns
 from poolrunner.core.distributed.shards import list_shards
+from poolrunner.core.errors import ModelLoadError
 from poolrunner.distributed import JobConflictError, RayNotInstalledError, run_job
 from tests.helpers import MIN_COSINE, cosine_rows
 
@@ -133,6 +134,13 @@ def test_ray_init_options(address, environment, options, monkeypatch) -> None:
     assert cluster.init_options(address) == options
 
 
+def test_an_address_ray_cannot_read_is_a_clear_error() -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        cluster.init("nope-address")
+    assert str(caught.value) == ("Ray address 'nope-address': Invalid address format: nope-address (expected "
+                                 "HOST:PORT of a cluster's head, auto, or local)")
+
+
 def test_a_started_cluster_found_gone_is_not_asked_again(monkeypatch) -> None:
     """Each shutdown step asks whether the GCS still answers; once it did not, it is not asked
     (nor waited for) again, while a live one is asked every time."""
@@ -167,6 +175,8 @@ def test_bad_options_fail_before_any_work(tmp_path) -> None:
         run_job(str(tmp_path / "a.txt"), str(tmp_path / "out"), request_options={"bogus": 1})
     with pytest.raises(InvalidRequestError, match="^input '.*missing.jsonl' does not exist$"):
         run_job(str(tmp_path / "missing.jsonl"), str(tmp_path / "out"))
+    with pytest.raises(InvalidRequestError, match=r"^lora 'nope' is not one of lora_modules \(--lora-modules\): none$"):
+        run_job(str(tmp_path / "a.txt"), str(tmp_path / "out"), lora="nope")
     with pytest.raises(InvalidRequestError, match=r"^inputs mix formats \(jsonl: .*, text: .*\)"):
         (tmp_path / "b.jsonl").write_text('{"text": "two"}\n', encoding="utf-8")
         run_job(str(tmp_path), str(tmp_path / "out"))
@@ -420,6 +430,18 @@ def test_a_failure_of_ray_itself_is_one_line(tmp_path, monkeypatch, capsys) -> N
     assert (code, capsys.readouterr().err) == (2, "poolrunner: error: the Ray job failed: OSError: the node died\n"
                                                   "poolrunner: hint: Ray's own logs are in "
                                                   "/tmp/ray/session_latest/logs on each node\n")
+
+
+def test_a_model_the_actors_cannot_load_fails_the_job_in_one_line(ray_cluster, tmp_path, capsys) -> None:
+    """The actors' ModelLoadError, not Ray's report of their death (a traceback of ~300 lines)."""
+    (tmp_path / "a.txt").write_text("one\n", encoding="utf-8")
+    missing = tmp_path / "nowhere"
+    with pytest.raises(ModelLoadError, match=f"^model '{re.escape(str(missing))}' is not a local model folder"):
+        run_job(str(tmp_path / "a.txt"), str(tmp_path / "api"), model=str(missing))
+    code = main(["embed", "--ray", "--model", str(missing), "--input", str(tmp_path / "a.txt"), "--output",
+                 str(tmp_path / "cli")])
+    lines = capsys.readouterr().err.splitlines()
+    assert code != 0 and lines[-1].startswith(f"poolrunner: error: model '{missing}' is not a local model folder")
 
 
 # PEFT 0.21 reads transformers' deprecated is_gradient_checkpointing: the reference's warning, not ours.

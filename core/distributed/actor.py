@@ -12,6 +12,7 @@ import pyarrow as pa
 
 from poolrunner.core.config import RuntimeConfig
 from poolrunner.core.distributed.shards import ERROR, PLACE, TEXT
+from poolrunner.core.errors import PoolrunnerError
 from poolrunner.core.files import run_each, to_arrow
 
 
@@ -35,7 +36,14 @@ class RuntimeActor:
         from poolrunner.core.gc_heap import freeze_loaded_objects
         from poolrunner.core.runtime import Runtime
 
-        self.runtime = Runtime.from_config(config, plugins=plugins)
+        # Ray reports an error raised here as the actor's death, with the error's text in a
+        # traceback and not the error itself; raised by the first call instead, it reaches the
+        # driver whole (run_job's one-line ModelLoadError).
+        self.load_error: PoolrunnerError | None = None
+        try:
+            self.runtime = Runtime.from_config(config, plugins=plugins)
+        except PoolrunnerError as exc:
+            self.load_error = exc
         freeze_loaded_objects()  # the actor's process is Ray's worker, this model's alone
         self.request_options = dict(request_options)
         self.on_error = on_error
@@ -56,7 +64,12 @@ class RuntimeActor:
         """The batch's rows, in order, without ``_text`` and ``_place``, with the results of the good
         ones (null for bad ones). A row the runtime refuses becomes a bad row: its ``_error`` names
         it and says why, and (``on_error="fail"``) its ``row`` is null, which fails its file.
-        Nothing is raised for a refused row."""
+        Nothing is raised for a refused row.
+
+        :raises PoolrunnerError: the model's load error (a :class:`ModelLoadError`...), if it failed.
+        """
+        if self.load_error is not None:
+            raise self.load_error
         errors = batch.column(ERROR).to_pylist()
         todo = [index for index, error in enumerate(errors) if error is None]
         rows = batch.column("row").to_pylist()

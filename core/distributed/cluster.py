@@ -14,6 +14,8 @@ import time
 import weakref
 from typing import Any
 
+from poolrunner.core.errors import InvalidRequestError
+
 SETTLE_S = 0.2
 """Seconds a local cluster's GCS gets to act on a stop signal this process got too."""
 ANSWER_S = 1.0
@@ -33,10 +35,19 @@ def init_options(address: str | None) -> dict[str, Any]:
 
 
 def init(address: str | None, **options: Any) -> Any:
-    """``ray.init`` with :func:`init_options` and ``options`` (``num_cpus``...); Ray's context."""
+    """``ray.init`` with :func:`init_options` and ``options`` (``num_cpus``...); Ray's context.
+
+    :raises InvalidRequestError: for an address Ray cannot read (it raises a bare ``ValueError``).
+    """
     import ray
 
-    return ray.init(**init_options(address), **options)
+    try:
+        return ray.init(**init_options(address), **options)
+    except ValueError as exc:
+        if "address" not in str(exc).lower():
+            raise
+        raise InvalidRequestError(f"Ray address {address!r}: {exc} (expected HOST:PORT of a cluster's head, "
+                                  "auto, or local)", param="address") from None
 
 
 def lost() -> bool:

@@ -266,6 +266,11 @@ def _request_options(options: Mapping[str, Any] | None, config: RuntimeConfig,
     if unknown:
         raise InvalidRequestError(
             f"unknown request_options: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    lora = options.get("lora")
+    if lora is not None and lora not in config.lora_modules:  # a job's adapters are its lora_modules
+        loaded = ", ".join(map(repr, config.lora_modules)) or "none"
+        raise InvalidRequestError(f"lora {lora!r} is not one of lora_modules (--lora-modules): {loaded}",
+                                  param="lora")
     return options
 
 
