@@ -134,7 +134,7 @@ async def tei_rerank(service: PoolingService, body: p.RerankRequest, request: Re
     if not body.texts:
         raise TeiError("Empty", "texts is empty: send at least one text")
     service.check_count(len(body.texts), "texts")
-    ranked, _ = await service.answer(request, body.to_tei_request(service.settings.auto_truncate))
+    ranked = await answer(service, request, body.to_tei_request(service.settings.auto_truncate))
     return [p.TeiRank(index=r.index, score=r.score, text=r.document) for r in ranked]
 
 
