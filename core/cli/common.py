@@ -351,7 +351,8 @@ def lora_module(value: str) -> tuple[str, str]:
         return parsed["name"], parsed["path"]
     name, equals, path = value.partition("=")
     if not equals or not name or not path:
-        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r} (it takes every value that follows: "
+                                         "put texts before --lora-modules, or end its values with --)")
     return name, path
 
 
