@@ -43,8 +43,7 @@ def _reader(action: argparse.Action) -> Callable[[str], Any]:
     """How ``action``'s flag reads one value: its ``type`` (a switch: true / false), then its ``choices``."""
     read = boolean if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction) else action.type or str
     if action.nargs in ("+", "*") or isinstance(action, argparse._AppendAction | argparse._ExtendAction):
-        item = read
-        read = lambda value: [item(value)]  # noqa: E731 - a list, as the flag's values make one
+        read = _listed(read)
     if action.choices is None:
         return read
 
@@ -55,6 +54,14 @@ def _reader(action: argparse.Action) -> Callable[[str], Any]:
         return converted
 
     return chosen
+
+
+def _listed(read: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    """``read`` of one value of a flag of several, as the one-item list the flag's values extend."""
+    def one(value: str) -> list[Any]:
+        return [read(value)]
+
+    return one
 
 
 @frozen

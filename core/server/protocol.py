@@ -231,6 +231,11 @@ class _Chat(_Body):
         default=None, description="Add the tokenizer's special tokens to each text (default true for input, "
                                   "false for messages: the chat template writes its own).")
 
+    def chat_fields(self) -> list[str]:
+        """The fields of the chat form this body sets: they apply to ``messages`` only."""
+        return [name for name in ("add_generation_prompt", "continue_final_message", "chat_template",
+                                  "chat_template_kwargs") if name in self.model_fields_set]
+
 
 class _Encoding(_Body):
     encoding_format: EncodingFormat = "float"
@@ -613,8 +618,7 @@ class TokenizeRequest(_Chat):
                            param="return_token_strs")
         if self.inputs is None and self.prompt_name is not None:
             raise ApiError(400, "prompt_name belongs to TEI's body, which sends inputs", param="prompt_name")
-        chat_fields = [name for name in ("add_generation_prompt", "continue_final_message", "chat_template",
-                                         "chat_template_kwargs") if name in self.model_fields_set]
+        chat_fields = self.chat_fields()
         if self.messages is None and chat_fields:
             raise ApiError(400, f"{chat_fields[0]} applies to messages, not to {given[0]}", param=chat_fields[0])
         return "tei" if self.inputs is not None else "vllm"

@@ -90,8 +90,7 @@ class PoolingService:
         :raises ApiError: 400 for both or neither of ``input`` and ``messages``, or ``chat_template``.
         :raises InvalidRequestError: when the messages cannot be rendered (no chat template...).
         """
-        chat_fields = [name for name in ("add_generation_prompt", "continue_final_message", "chat_template",
-                                         "chat_template_kwargs") if name in body.model_fields_set]
+        chat_fields = body.chat_fields()
         if body.messages is None:
             if body.input is None:
                 raise ApiError(400, "send input (texts or token ids) or messages (a chat)", param="input")
