@@ -432,16 +432,24 @@ def test_a_failure_of_ray_itself_is_one_line(tmp_path, monkeypatch, capsys) -> N
                                                   "/tmp/ray/session_latest/logs on each node\n")
 
 
-def test_a_model_the_actors_cannot_load_fails_the_job_in_one_line(ray_cluster, tmp_path, capsys) -> None:
-    """The actors' ModelLoadError, not Ray's report of their death (a traceback of ~300 lines)."""
+def test_a_model_that_cannot_load_fails_the_job_in_one_line(ray_cluster, tmp_path, capsys) -> None:
+    """A folder that cannot be read is refused by the driver before Ray starts; one whose weights
+    the actors cannot load fails the job with the actors' ModelLoadError, not Ray's report of
+    their death (a traceback of ~300 lines)."""
+    from poolrunner.core.testing.tiny_models import tiny_model_folder
+
     (tmp_path / "a.txt").write_text("one\n", encoding="utf-8")
     missing = tmp_path / "nowhere"
     with pytest.raises(ModelLoadError, match=f"^model '{re.escape(str(missing))}' is not a local model folder"):
         run_job(str(tmp_path / "a.txt"), str(tmp_path / "api"), model=str(missing))
-    code = main(["embed", "--ray", "--model", str(missing), "--input", str(tmp_path / "a.txt"), "--output",
+    assert not (tmp_path / "api").exists()
+    no_weights = tiny_model_folder(tmp_path / "base", "bert", "model")
+    (no_weights / "model.safetensors").unlink()
+    code = main(["embed", "--ray", "--model", str(no_weights), "--input", str(tmp_path / "a.txt"), "--output",
                  str(tmp_path / "cli")])
     lines = capsys.readouterr().err.splitlines()
-    assert code != 0 and lines[-1].startswith(f"poolrunner: error: model '{missing}' is not a local model folder")
+    assert code != 0 and lines[-1].startswith(f"poolrunner: error: cannot load the weights of {no_weights} as "
+                                              "BertModel"), lines[-3:]
 
 
 # PEFT 0.21 reads transformers' deprecated is_gradient_checkpointing: the reference's warning, not ours.

@@ -26,10 +26,16 @@ _lost_node: weakref.ref[Any] | None = None
 next shutdown step asking again is answered at once."""
 
 
+def starts_local(address: str | None) -> bool:
+    """Whether :func:`init` with ``address`` starts a cluster on this machine (else it joins one,
+    whose nodes may see other files than this one)."""
+    return address in (None, "", "local") and not os.environ.get("RAY_ADDRESS")
+
+
 def init_options(address: str | None) -> dict[str, Any]:
     """``ray.init`` keywords for ``address``: a cluster poolrunner starts has no dashboard;
     joining one adds nothing."""
-    if address not in (None, "", "local") or os.environ.get("RAY_ADDRESS"):
+    if not starts_local(address):
         return {"address": address}
     return {"address": None, "include_dashboard": False}
 

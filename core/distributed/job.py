@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     import pyarrow.fs
     import pyarrow.parquet as pq
 
+    from poolrunner.core.plugin_api.options import RequestOptions
+
 logger = logging.getLogger(__name__)
 
 LEFT_OUT_SHOWN = 10
@@ -154,8 +156,11 @@ def run_job(
     start = time.perf_counter()
     runtime_options = _with_option(runtime_options, "lora_modules", lora_modules, "runtime_options")
     config, plugins = runtime_config(task, model, runtime_options)
+    # On a cluster started here the actors read this machine's folder: read it first, so that a
+    # bad one fails in one line before Ray starts (a cluster joined may hold the folder elsewhere).
+    declared = _declared(config, plugins) if cluster.starts_local(address) else None
     request_options = _request_options(_with_option(request_options, "lora", lora, "request_options"), config,
-                                       plugins)
+                                       plugins, declared)
     for name, value in (("num_actors", num_actors), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
@@ -251,17 +256,26 @@ def _with_option(options: Mapping[str, Any] | None, name: str, value: Any, where
     return {**(options or {}), name: value}
 
 
-def _request_options(options: Mapping[str, Any] | None, config: RuntimeConfig,
-                     plugins: Sequence[object]) -> dict[str, Any]:
-    """``options`` checked by name: an :class:`EncodeRequest` field, or a plugin's request option
-    for this model (which the plugins declare once its folder is read; no weights are loaded)."""
-    from poolrunner.core.frontend.requests import EncodeRequest
+def _declared(config: RuntimeConfig, plugins: Sequence[object]) -> RequestOptions:
+    """The request options the plugins declare for ``config``'s model, its folder read (no weights).
+
+    :raises ModelLoadError: if the folder cannot be read or is refused.
+    """
     from poolrunner.core.loading import declared_options
+
+    return declared_options(config, plugins)
+
+
+def _request_options(options: Mapping[str, Any] | None, config: RuntimeConfig, plugins: Sequence[object],
+                     declared: RequestOptions | None) -> dict[str, Any]:
+    """``options`` checked by name: an :class:`EncodeRequest` field, or a plugin's request option
+    for this model (``declared``, else read from its folder when an option needs it)."""
+    from poolrunner.core.frontend.requests import EncodeRequest
 
     options = dict(options or {})
     known = set(EncodeRequest.field_names()) - {"task"}
     if set(options) - known:  # the rest must be request options the plugins declare for this model
-        known |= {entry.option.name for entry in declared_options(config, plugins)}
+        known |= {entry.option.name for entry in (declared if declared is not None else _declared(config, plugins))}
     unknown = sorted(set(options) - known)
     if unknown:
         raise InvalidRequestError(
