@@ -212,6 +212,20 @@ def test_bad_adapters_are_refused_and_the_runtime_serves_on(bert, tmp_path):
         runtime.embed(TEXTS, lora="good")
 
 
+def test_a_served_name_an_adapter_also_has_is_refused(bert):
+    """A request's ``model`` names a served model or an adapter: one name cannot be both, nor two
+    models' adapters."""
+    from poolrunner.core.server.models import ServedModel, served_models
+
+    _, _, runtime = bert
+    adapter = runtime.lora_adapters[0]
+    with pytest.raises(ValueError, match=f"^model 0 and a LoRA adapter of model 0 are both named '{adapter}'"):
+        served_models(runtime, [adapter])
+    with pytest.raises(ValueError, match=f"^a LoRA adapter of model 0 and a LoRA adapter of model 1 are both named "
+                                         f"'{adapter}'"):
+        served_models([ServedModel(runtime, "one"), ServedModel(runtime, "two")], None)
+
+
 def _peft_embeddings(base: Path, adapters: dict[str, Path], name: str | None) -> np.ndarray:
     return np.stack([normalized(out.last_hidden_state[0, 0]) for out in peft_hidden(base, adapters.get(name), TEXTS)])
 
@@ -393,6 +407,11 @@ def test_http_model_selects_the_adapter(bert, tmp_path):
                              json={"lora_name": "", "lora_path": str(adapters["all"])})
         assert unnamed.status_code == 400 and unnamed.json()["error"]["message"] == (
             "a LoRA adapter name must be a non-empty string, got ''"), unnamed.text
+        assert unnamed.json()["error"]["param"] == "lora_name"
+        again = httpx.post(server.url + "/v1/load_lora_adapter", headers=headers,
+                           json={"lora_name": "names", "lora_path": str(adapters["all"])})
+        assert again.status_code == 400 and again.json()["error"]["message"] == (
+            "lora_name 'names' is loaded already; unload it first"), again.text
         assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "all"},
                           headers=headers).status_code == 200
         gone = httpx.post(server.url + "/v1/embeddings", json={"model": "all", "input": TEXTS}, headers=headers)

@@ -226,8 +226,12 @@ def _serve(args: argparse.Namespace) -> None:
     models = load_served_models(args, specs)
     limits = ConnectionLimits(keep_alive_timeout=args.keep_alive_timeout, read_timeout=args.read_timeout,
                               max_connections=args.max_connections)
-    serve(create_app(models, settings), host=args.host, port=args.port, drain_timeout=args.drain_timeout,
-          limits=limits, log_level=args.log_level, log_format=args.log_format)
+    try:
+        app = create_app(models, settings)
+    except ValueError as exc:  # a name a model shares with another's adapter, known once they loaded
+        raise CliError(str(exc)) from exc
+    serve(app, host=args.host, port=args.port, drain_timeout=args.drain_timeout, limits=limits,
+          log_level=args.log_level, log_format=args.log_format)
 
 
 SERVER_MODULES = ("fastapi", "uvicorn", "prometheus_client", "fastapi_offline", "pythonjsonlogger", "psutil")

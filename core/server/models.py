@@ -60,21 +60,26 @@ def served_models(models: Runtime | Sequence[ServedModel], names: Sequence[str] 
     """``models`` as a list: a lone runtime is served under ``names`` (default: its folder's name).
 
     :raises ValueError: for no model, ``names`` given with a list (each :class:`ServedModel` has
-        its own), or a name two models share.
+        its own), or a name two models share, or that a model shares with a LoRA adapter (a
+        request's ``model`` names either).
     """
     if isinstance(models, Runtime):
-        return [ServedModel(models, names or (default_model_name(models),))]
-    if not models:
+        served = [ServedModel(models, names or (default_model_name(models),))]
+    elif not models:
         raise ValueError("a server needs at least one model")
-    if names is not None:
+    elif names is not None:
         raise ValueError("served_model_name applies to a single runtime; name each ServedModel instead")
-    seen: dict[str, int] = {}
-    for index, model in enumerate(models):
-        for name in model.names:
+    else:
+        served = list(models)
+    seen: dict[str, str] = {}
+    for index, model in enumerate(served):
+        named = [(name, f"model {index}") for name in model.names]
+        for name, what in named + [(name, f"a LoRA adapter of model {index}") for name in model.runtime.lora_adapters]:
             if name in seen:
-                raise ValueError(f"models {seen[name]} and {index} are both named {name!r}: give each its own name")
-            seen[name] = index
-    return list(models)
+                raise ValueError(f"{seen[name]} and {what} are both named {name!r}: a request's model must name "
+                                 "one of them; give each its own name")
+            seen[name] = what
+    return served
 
 
 class ModelRouter:

@@ -791,7 +791,7 @@ class ModelCard(BaseModel):
     parent: str | None = None  # a LoRA adapter's base model (vLLM's card)
 
 
-class LoadLoraAdapterRequest(BaseModel):
+class LoadLoraAdapterRequest(_Body):
     """vLLM's ``POST /v1/load_lora_adapter`` body (``model``: which served model, default the first)."""
 
     lora_name: str
@@ -799,7 +799,7 @@ class LoadLoraAdapterRequest(BaseModel):
     model: str | None = None
 
 
-class UnloadLoraAdapterRequest(BaseModel):
+class UnloadLoraAdapterRequest(_Body):
     """vLLM's ``POST /v1/unload_lora_adapter`` body."""
 
     lora_name: str

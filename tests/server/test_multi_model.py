@@ -139,7 +139,7 @@ def test_a_task_the_named_model_does_not_serve_is_its_own_error(three, reference
 
 
 def test_served_models_refuses_a_shared_name(runtime):
-    with pytest.raises(ValueError, match="models 0 and 1 are both named 'a'"):
+    with pytest.raises(ValueError, match="model 0 and model 1 are both named 'a'"):
         served_models([ServedModel(runtime, "a"), ServedModel(runtime, ["b", "a"])], None)
     with pytest.raises(ValueError, match="served_model_name applies to a single runtime"):
         served_models([ServedModel(runtime, "a")], ["x"])

@@ -10,7 +10,7 @@ from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 
-from poolrunner.core.errors import ModelLoadError
+from poolrunner.core.errors import InvalidRequestError, ModelLoadError
 from poolrunner.core.server import protocol as p
 from poolrunner.core.server.errors import ApiError
 from poolrunner.core.server.routes.dependencies import Served
@@ -27,10 +27,15 @@ async def load_lora_adapter(body: p.LoadLoraAdapterRequest, served: Served) -> s
     service = served.pick(body.model)
     if body.lora_name in {name for s in served.services for name in s.model_names}:
         raise ApiError(400, f"lora_name {body.lora_name!r} is a served model's name", param="lora_name")
+    if body.lora_name in {name for name, _ in served.adapters()}:  # of this model or another's
+        raise ApiError(400, f"lora_name {body.lora_name!r} is loaded already; unload it first", param="lora_name")
     try:
         await run_in_threadpool(service.runtime.load_lora, body.lora_name, body.lora_path)
     except ModelLoadError as exc:
         raise ApiError(400, served.public_text(str(exc)), param="lora_path") from None
+    except InvalidRequestError as exc:  # the name: the Python API's field is lora, this body's lora_name
+        param = "lora_name" if exc.param == "lora" else exc.param
+        raise ApiError(400, served.public_text(str(exc)), param=param) from None
     return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
 
