@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
+from poolrunner.core.errors import PromptTooLongError
 from poolrunner.core.server import protocol as p
 from poolrunner.core.server.errors import SHARED_WITH_TEI, ApiError, in_tei_shape
 from poolrunner.core.server.middleware import HEALTH_PATHS
@@ -93,7 +94,8 @@ async def _vllm_tokens(service: PoolingService, body: p.TokenizeRequest, request
     """vLLM's tokenize answer for ``body.prompt`` or ``body.messages``: ids, and each token's
     string when asked.
 
-    :raises ApiError: 400 for messages that make an image (a text-image model's chat).
+    :raises ApiError: 400 for messages that make an image (a text-image model's chat), or a prompt
+        longer than the model takes (as a request of it would be refused).
     """
     chat = None
     if body.messages is not None:
@@ -102,7 +104,12 @@ async def _vllm_tokens(service: PoolingService, body: p.TokenizeRequest, request
             raise ApiError(400, "messages make an image here: /tokenize tokenizes text", param="messages")
         chat = prompt, add_special_tokens
     tokenize = body.to_request(chat)
-    [tokens], _ = await service.answer(request, tokenize)
+    try:
+        [tokens], _ = await service.answer(request, tokenize)
+    except PromptTooLongError as exc:  # the core's advice names a field this body has not
+        reason = str(exc).partition(";")[0]
+        raise ApiError(400, f"{reason}; shorten it: /tokenize refuses what a request of this text without "
+                            "truncate_prompt_tokens would be refused", param="prompt") from None
     ids = [token.id for token in tokens] if tokenize.with_tokens else tokens
     return p.TokenizeResponse(count=len(ids), max_model_len=service.runtime.model_config.max_model_len, tokens=ids,
                               token_strs=[token.token for token in tokens] if tokenize.with_tokens else None)
