@@ -22,6 +22,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, Field, StrictInt, StrictStr
 
+from poolrunner.core.errors import InvalidRequestError
 from poolrunner.core.frontend import requests as fr
 from poolrunner.core.frontend.quantize import quantize
 from poolrunner.core.server.errors import ApiError
@@ -116,6 +117,10 @@ def by_type(vectors: list[np.ndarray], types: list[EmbeddingType]) -> dict[str, 
             answer[kind] = matrix.tolist()
         elif kind == "base64":
             answer[kind] = [base64.b64encode(row.astype("<f4").tobytes()).decode() for row in matrix]
+        elif kind in ("int8", "uint8") and len(matrix) < 2:  # the core's advice names ranges, not sent here
+            raise InvalidRequestError(f"embedding_types {kind} needs two inputs or more: its codes are calibrated on "
+                                      "the request's own vectors (sentence-transformers' quantize_embeddings), and "
+                                      "one vector has no range", param="embedding_types")
         else:
             answer[kind] = quantize(matrix, kind).tolist()
     return answer

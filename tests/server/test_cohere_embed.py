@@ -36,14 +36,19 @@ def test_cohere_client_embeds_texts_as_sentence_transformers(server, st_model, h
      'texts[1] has 10000 characters, more than the limit of 8192 per input (max_input_chars, the --max-input-chars '
      'flag); shorten it or send "truncate": "END" (or "START")', "texts"),
     ({"texts": ["a b", "word " * 300], "truncate": "NONE"},
-     'texts[1] has 302 tokens, more than the maximum of 256', "texts"),
-], ids=["dimension", "not-matryoshka", "max-tokens", "count", "chars", "tokens"])
+     'texts[1] has 302 tokens, more than the maximum of 256 (max_model_len of all-MiniLM-L6-v2); shorten it or send '
+     '"truncate": "END" (or "START")', "texts"),
+    ({"embedding_types": ["float", "int8"]}, "embedding_types int8 needs two inputs or more: its codes are "
+     "calibrated on the request's own vectors (sentence-transformers' quantize_embeddings), and one vector has no "
+     "range", "embedding_types"),
+], ids=["dimension", "not-matryoshka", "max-tokens", "count", "chars", "tokens", "one-int8"])
 def test_errors_name_the_cohere_fields_and_the_server_serves_on(server, sanity_reference, fields, message, param):
     body = {"input_type": "search_query", "texts": ["a b"], **fields}
     refused = httpx.post(f"{server.url}/v2/embed", json=body)
     assert refused.status_code == 400, refused.text
     error = refused.json()["error"]
     assert message in error["message"] and error["param"] == param, error
+    assert "--truncate-prompt-tokens" not in error["message"] and "ranges" not in error["message"]
     assert "dimensions=" not in error["message"] and "truncate_prompt_tokens" not in error["message"]
     good = httpx.post(f"{server.url}/v2/embed", json={"input_type": "search_query", "texts": [SANITY_TEXT]})
     assert cosine_rows(good.json()["embeddings"]["float"], sanity_reference)[0] >= MIN_COSINE

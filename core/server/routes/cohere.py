@@ -50,6 +50,7 @@ def _named(error: InvalidRequestError | ApiError, field: str, *, truncating: boo
         param = _FIELDS[param]
     if isinstance(error, InputTooLongError | PromptTooLongError) and not truncating:
         text = f'{text.partition(";")[0]}; shorten it or send "truncate": "END" (or "START")'
+        return InvalidRequestError(text, param=param)  # not the server's advice of --truncate-prompt-tokens
     if isinstance(error, ApiError):
         return ApiError(error.status, text, param=param)
     return type(error)(text, param=param)
