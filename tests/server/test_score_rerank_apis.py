@@ -481,8 +481,8 @@ def test_vllm_tokenize_and_detokenize(server, hf_tokenizer):
             "prompt": hf_tokenizer.decode(tokens)}
     message, param = _error(httpx.post(f"{server.url}/tokenize", json={"prompt": "word " * 300}))
     assert message.startswith("input 0 has 302 tokens, more than the maximum of 256 (max_model_len of ")
-    assert message.endswith("; shorten it: /tokenize refuses what a request of this text without "
-                            "truncate_prompt_tokens would be refused") and param == "prompt"
+    assert message.endswith("; shorten it (/tokenize refuses a text that requests refuse without "
+                            "truncate_prompt_tokens)") and param == "prompt"
 
 
 @pytest.mark.parametrize(("path", "body", "message", "param"), [

@@ -108,8 +108,8 @@ async def _vllm_tokens(service: PoolingService, body: p.TokenizeRequest, request
         [tokens], _ = await service.answer(request, tokenize)
     except PromptTooLongError as exc:  # the core's advice names a field this body has not
         reason = str(exc).partition(";")[0]
-        raise ApiError(400, f"{reason}; shorten it: /tokenize refuses what a request of this text without "
-                            "truncate_prompt_tokens would be refused", param="prompt") from None
+        raise ApiError(400, f"{reason}; shorten it (/tokenize refuses a text that requests refuse without "
+                            "truncate_prompt_tokens)", param="prompt") from None
     ids = [token.id for token in tokens] if tokenize.with_tokens else tokens
     return p.TokenizeResponse(count=len(ids), max_model_len=service.runtime.model_config.max_model_len, tokens=ids,
                               token_strs=[token.token for token in tokens] if tokenize.with_tokens else None)
