@@ -24,7 +24,7 @@ from poolrunner.core.errors import InputTooLongError, PromptTooLongError
 from poolrunner.core.frontend import requests as fr
 from poolrunner.core.server import protocol as p
 from poolrunner.core.server import tei_protocol as t
-from poolrunner.core.server.errors import TeiError
+from poolrunner.core.server.errors import TeiError, with_advice
 from poolrunner.core.server.models import ModelRouter
 from poolrunner.core.server.service import PoolingService
 from poolrunner.core.server.settings import ServerSettings
@@ -108,8 +108,8 @@ async def answer(service: PoolingService, request: Request, frontend_request: fr
     except (PromptTooLongError, InputTooLongError) as exc:
         if frontend_request.tokenization.truncate_prompt_tokens is not None:
             raise TeiError("Validation", str(exc)) from exc  # truncating already: the core's advice stands
-        reason = str(exc).partition(";")[0]  # the core's advice names truncate_prompt_tokens, not TEI's field
-        raise TeiError("Validation", f'{reason}; shorten it or send "truncate": true') from exc
+        # the core's advice names truncate_prompt_tokens, not TEI's field
+        raise TeiError("Validation", with_advice(str(exc), 'shorten it or send "truncate": true')) from exc
     return result
 
 

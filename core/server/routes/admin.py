@@ -13,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from poolrunner.core.errors import PromptTooLongError
 from poolrunner.core.server import protocol as p
-from poolrunner.core.server.errors import SHARED_WITH_TEI, ApiError, in_tei_shape
+from poolrunner.core.server.errors import SHARED_WITH_TEI, ApiError, in_tei_shape, with_advice
 from poolrunner.core.server.middleware import HEALTH_PATHS
 from poolrunner.core.server.routes.dependencies import Created, Metrics, Served
 from poolrunner.core.server.service import PoolingService
@@ -107,9 +107,8 @@ async def _vllm_tokens(service: PoolingService, body: p.TokenizeRequest, request
     try:
         [tokens], _ = await service.answer(request, tokenize)
     except PromptTooLongError as exc:  # the core's advice names a field this body has not
-        reason = str(exc).partition(";")[0]
-        raise ApiError(400, f"{reason}; shorten it (/tokenize refuses a text that requests refuse without "
-                            "truncate_prompt_tokens)", param="prompt") from None
+        raise ApiError(400, with_advice(str(exc), "shorten it (/tokenize refuses a text that requests refuse "
+                                                  "without truncate_prompt_tokens)"), param="prompt") from None
     ids = [token.id for token in tokens] if tokenize.with_tokens else tokens
     return p.TokenizeResponse(count=len(ids), max_model_len=service.runtime.model_config.max_model_len, tokens=ids,
                               token_strs=[token.token for token in tokens] if tokenize.with_tokens else None)

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 
 from poolrunner.core.errors import InputTooLongError, InvalidRequestError, PromptTooLongError
 from poolrunner.core.server import cohere_protocol as c
-from poolrunner.core.server.errors import ApiError
+from poolrunner.core.server.errors import ApiError, with_advice
 from poolrunner.core.server.routes.answers import answer_id
 from poolrunner.core.server.routes.dependencies import Served
 
@@ -49,7 +49,7 @@ def _named(error: InvalidRequestError | ApiError, field: str, *, truncating: boo
         text = _FIELDS[param] + text[len(param):] if text.startswith(f"{param} ") else text
         param = _FIELDS[param]
     if isinstance(error, InputTooLongError | PromptTooLongError) and not truncating:
-        text = f'{text.partition(";")[0]}; shorten it or send "truncate": "END" (or "START")'
+        text = with_advice(text, 'shorten it or send "truncate": "END" (or "START")')
         return InvalidRequestError(text, param=param)  # not the server's advice of --truncate-prompt-tokens
     if isinstance(error, ApiError):
         return ApiError(error.status, text, param=param)
