@@ -6,7 +6,10 @@ adapters are resident (in the model) now.
 vLLM's semantics: every adapter named by ``lora_modules`` or ``load_lora`` is registered with its
 folder; at most ``max_loras`` are resident at once (vLLM's ``--max-loras`` slots). A request
 naming a registered adapter that is not resident loads it from its folder again, unloading the
-least recently used resident adapter that has no request in flight.
+least recently used resident adapter that has no request in flight. When every resident adapter
+has requests in flight, the request waits its turn (first come, first served, as vLLM's scheduler
+queues a request whose adapter finds no slot), and callers arriving after it wait behind it, so
+steady traffic on one adapter cannot starve another.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -25,8 +28,20 @@ from poolrunner.core.validators import check_adapter_name
 
 
 class AdaptersBusyError(QueueFullError):
-    """Every one of the ``max_loras`` resident adapters has requests in flight, so the adapter a
-    request needs cannot be loaded now (HTTP 429, as a full queue: retry later)."""
+    """Every one of the ``max_loras`` resident adapters has requests in flight, so an adapter
+    loaded at run time (:meth:`LoraAdapters.register`) cannot be made resident now (HTTP 429, as a
+    full queue: retry later). Requests wait for a slot instead (:meth:`LoraAdapters.hold`)."""
+
+
+class AdapterTurn:
+    """A caller's place in the queue for adapter slots.
+
+    :param wake: Called (from any thread, holding the registry's lock: it must not block) when the
+        caller should call :meth:`LoraAdapters.hold` again.
+    """
+
+    def __init__(self, wake: Callable[[], object]) -> None:
+        self.wake = wake
 
 
 class LoraAdapters:
@@ -53,6 +68,7 @@ class LoraAdapters:
         self._ids = itertools.count(1)
         self._lock = threading.Condition()
         self._in_flight: Counter[int] = Counter()
+        self._turns: deque[AdapterTurn] = deque()  # callers waiting for slots, first come first
 
     def __contains__(self, name: object) -> bool:
         return name in self._by_name
@@ -65,6 +81,12 @@ class LoraAdapters:
         """The names of the adapters in the model now, least recently used first."""
         with self._lock:
             return [lora.name for lora in self._resident.values()]
+
+    @property
+    def waiting(self) -> int:
+        """Callers waiting for a slot (:meth:`hold`)."""
+        with self._lock:
+            return len(self._turns)
 
     def get(self, name: str) -> LoraRequest:
         """The adapter registered as ``name`` (resident or not: :meth:`using` loads it).
@@ -115,34 +137,66 @@ class LoraAdapters:
             self._lock.wait_for(lambda: self._in_flight[lora.lora_id] <= 0)
             if self._resident.pop(lora.lora_id, None) is not None:
                 self._unload(lora.lora_id)
+                self._wake_first()
             return lora
 
     @contextlib.contextmanager
     def using(self, requests: Sequence[PoolingRequest]) -> Iterator[None]:
-        """:meth:`hold` ``requests``' adapters while the block runs, then :meth:`release` them."""
-        held = self.hold(requests)
+        """:meth:`hold` ``requests``' adapters while the block runs (waiting in this thread for
+        its turn), then :meth:`release` them."""
+        woken = threading.Event()
+        turn = AdapterTurn(woken.set)
+        try:
+            while (held := self.hold(requests, turn)) is None:
+                woken.wait()
+                woken.clear()
+        finally:
+            self.leave(turn)
         try:
             yield
         finally:
             self.release(held)
 
-    def hold(self, requests: Sequence[PoolingRequest]) -> list[int]:
+    def hold(self, requests: Sequence[PoolingRequest], turn: AdapterTurn) -> list[int] | None:
         """Make ``requests``' adapters resident and count them in use until :meth:`release`: they
         are neither evicted nor unloaded meanwhile (:meth:`remove` waits). Loading an evicted
         adapter reads its folder: callers on an event loop run this in a thread.
 
-        :returns: The adapter numbers held, for :meth:`release`.
+        When an adapter must be loaded and every resident one is busy, or earlier callers are
+        waiting, ``turn`` joins the queue and ``None`` is returned: call again once ``turn.wake``
+        was called, and :meth:`leave` when giving up (or done: it is then a no-op).
+
+        :returns: The adapter numbers held, for :meth:`release`; ``None``: wait.
         :raises InvalidRequestError: (param ``lora``) for an adapter unloaded since the request
-            was planned, or more adapters than ``capacity`` in one call.
-        :raises AdaptersBusyError: when an adapter must be loaded and every resident one is busy.
-            An evicted adapter whose folder no longer loads raises the ``InvalidRequestError`` too.
+            was planned, or more adapters than ``capacity`` in one call. An evicted adapter whose
+            folder no longer loads raises it too.
         """
         ids = [request.params.lora_id for request in requests if request.params.lora_id is not None]
-        if ids:
-            with self._lock:
+        if not ids:
+            return ids
+        with self._lock:
+            if self._turns and self._turns[0] is not turn:  # first come, first served
+                if turn not in self._turns:
+                    self._turns.append(turn)
+                return None
+            try:
                 self._admit(sorted(set(ids)))
-                self._in_flight.update(ids)
-        return ids
+            except AdaptersBusyError:
+                if not self._turns:
+                    self._turns.append(turn)
+                return None
+            self._in_flight.update(ids)
+            self.leave(turn)  # the next caller may fit in the slots left
+            return ids
+
+    def leave(self, turn: AdapterTurn) -> None:
+        """Take ``turn`` out of the queue (held, failed or cancelled); the next caller is woken."""
+        with self._lock:
+            if turn in self._turns:
+                first = self._turns[0] is turn
+                self._turns.remove(turn)
+                if first:
+                    self._wake_first()
 
     def release(self, ids: list[int]) -> None:
         """Stop counting the adapters :meth:`hold` returned as in use."""
@@ -150,6 +204,11 @@ class LoraAdapters:
             with self._lock:
                 self._in_flight.subtract(ids)
                 self._lock.notify_all()
+                self._wake_first()
+
+    def _wake_first(self) -> None:
+        if self._turns:
+            self._turns[0].wake()
 
     def _admit(self, ids: list[int]) -> None:
         adapters = []

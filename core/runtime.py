@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -16,7 +17,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from poolrunner.core import similarity
-from poolrunner.core.adapters import LoraAdapters
+from poolrunner.core.adapters import AdapterTurn, LoraAdapters
 from poolrunner.core.config import RuntimeConfig
 from poolrunner.core.engine import compute
 from poolrunner.core.engine.loop import EngineLoop, LoopObserver
@@ -549,7 +550,9 @@ class Serving:
         :raises StepFailedError: when the step running one of them failed.
 
         A long ``embed`` input (:class:`~poolrunner.core.frontend.chunking.WindowedRequest`) runs as its
-        windows (each counts towards ``max_pending``) and is answered by their combination.
+        windows (each counts towards ``max_pending``) and is answered by their combination. Requests
+        naming a LoRA adapter that finds no free slot wait their turn first
+        (:meth:`~poolrunner.core.adapters.LoraAdapters.hold`).
         """
         held = await self._hold_adapters(requests)  # an adapter's unloading waits for these
         try:
@@ -565,17 +568,36 @@ class Serving:
 
     async def _hold_adapters(self, requests: list[PoolingRequest]) -> list[int]:
         """:meth:`LoraAdapters.hold` in a worker thread (reloading an evicted adapter reads its
-        folder, which must not stall the event loop); a caller cancelled meanwhile releases what
-        the thread took."""
+        folder, which must not stall the event loop), waiting on the event loop for the turn when
+        every slot is busy; a caller cancelled meanwhile leaves the queue and releases what the
+        thread took."""
         if all(request.params.lora_id is None for request in requests):
             return []
-        hold = asyncio.ensure_future(asyncio.to_thread(self._adapters.hold, requests))
-        try:
-            return await asyncio.shield(hold)
-        except asyncio.CancelledError:
-            def release_late(done: asyncio.Future[list[int]]) -> None:
-                if not done.cancelled() and done.exception() is None:
-                    self._adapters.release(done.result())
+        loop = asyncio.get_running_loop()
+        woken = asyncio.Event()
 
-            hold.add_done_callback(release_late)
-            raise
+        def wake() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: the caller's finally left the queue
+                loop.call_soon_threadsafe(woken.set)
+
+        turn = AdapterTurn(wake)
+        try:
+            while True:
+                woken.clear()
+                hold = asyncio.ensure_future(asyncio.to_thread(self._adapters.hold, requests, turn))
+                try:
+                    held = await asyncio.shield(hold)
+                except asyncio.CancelledError:
+                    hold.add_done_callback(functools.partial(self._release_late, turn))
+                    raise
+                if held is not None:
+                    return held
+                await woken.wait()
+        finally:
+            self._adapters.leave(turn)
+
+    def _release_late(self, turn: AdapterTurn, hold: asyncio.Future[list[int] | None]) -> None:
+        """What a cancelled caller's :meth:`LoraAdapters.hold` took, given back once it returns."""
+        if not hold.cancelled() and hold.exception() is None and hold.result() is not None:
+            self._adapters.release(hold.result())
+        self._adapters.leave(turn)

@@ -252,7 +252,11 @@ def test_lru_eviction_reloads_adapters_from_their_folders(bert):
 
 def test_eviction_never_drops_an_adapter_in_flight(bert, tmp_path):
     """An adapter with requests in flight is never the one evicted; when every resident adapter
-    has some, a request needing another is refused (429) naming max_loras, and serving goes on."""
+    has some, a request needing another waits for a slot, first come first served: a later caller
+    of a resident adapter waits behind it (vLLM's scheduler queues them so; no starvation).
+    Loading an adapter at run time then is refused (429) naming max_loras, and serving goes on."""
+    import concurrent.futures
+
     from poolrunner.core.adapters import AdaptersBusyError
 
     base, adapters, _ = bert
@@ -260,22 +264,29 @@ def test_eviction_never_drops_an_adapter_in_flight(bert, tmp_path):
     registry = runtime.frontend.adapters
     expected = {name: _peft_embeddings(base, adapters, name) for name in adapters}
     in_flight = runtime.frontend.plan(planned("embed", TEXTS, "names")).requests  # least recently used
-    with registry.using(in_flight):  # what Serving.run and Runtime calls hold while their requests run
+    with registry.using(in_flight), concurrent.futures.ThreadPoolExecutor(2) as callers:
         assert registry.resident() == ["all", "names"]  # made resident for them, in place of 'regex'
         np.testing.assert_allclose(runtime.embed(TEXTS, lora="regex"), expected["regex"], atol=ATOL)
         assert registry.resident() == ["names", "regex"]  # 'all' went, 'names' (in flight) stayed
         with registry.using(runtime.frontend.plan(planned("embed", TEXTS, "regex")).requests):
+            waiting = callers.submit(runtime.embed, TEXTS, lora="all")
+            while not registry.waiting:
+                time.sleep(0.001)
+            later = callers.submit(runtime.embed, TEXTS, lora="regex")  # resident, but it came second
+            time.sleep(0.2)
+            assert not waiting.done() and not later.done() and registry.waiting == 2
             with pytest.raises(AdaptersBusyError, match=re.escape(
-                    "cannot load lora 'all': max_loras 2 (--max-loras) adapters are resident and ['names', "
+                    "cannot load lora 'more': max_loras 2 (--max-loras) adapters are resident and ['names', "
                     "'regex'] have requests in flight; retry when they finish")):
-                runtime.embed(TEXTS, lora="all")
-        np.testing.assert_allclose(runtime.embed(TEXTS, lora="all"), expected["all"], atol=ATOL)
-        assert registry.resident() == ["names", "all"]
+                runtime.load_lora("more", adapters["all"])
+        np.testing.assert_allclose(waiting.result(timeout=60), expected["all"], atol=ATOL)
+        np.testing.assert_allclose(later.result(timeout=60), expected["regex"], atol=ATOL)
+        assert registry.resident() == ["names", "regex"] and registry.waiting == 0
     gone = tmp_path / "gone"
     shutil.copytree(adapters["all"], gone)
     runtime.load_lora("gone", gone)  # in place of 'names'
-    runtime.embed(TEXTS, lora="regex")  # of 'all'
-    runtime.embed(TEXTS, lora="names")  # of 'gone'
+    runtime.embed(TEXTS, lora="regex")  # resident: now the most recently used
+    runtime.embed(TEXTS, lora="names")  # in place of 'gone'
     assert registry.resident() == ["regex", "names"]
     shutil.rmtree(gone)
     with pytest.raises(InvalidRequestError, match=re.escape(
@@ -452,9 +463,38 @@ def test_unload_waits_for_requests_in_flight(tmp_path_factory):
     assert runtime.lora_adapters == []
 
 
-def test_serve_lora_modules_16_mixed_clients(bert):
+def test_a_cancelled_caller_leaves_the_adapter_queue(bert):
+    """A served caller waiting for a slot that goes away (a client disconnecting cancels its task)
+    leaves the queue: the caller behind it gets the slot and PEFT's answers."""
+    base, adapters, _ = bert
+    runtime = Runtime(base, dtype="float32", lora_modules=adapters, max_loras=1, max_lora_rank=8)
+    registry = runtime.frontend.adapters
+    plan = {name: runtime.frontend.plan(planned("embed", TEXTS, name)).requests for name in ("names", "regex")}
+
+    async def scenario(serving):
+        with registry.using(plan["regex"]):  # the only slot, busy
+            gone = asyncio.ensure_future(serving.run(plan["names"]))
+            behind = asyncio.ensure_future(serving.run(plan["names"]))
+            while registry.waiting < 2:
+                await asyncio.sleep(0.001)
+            gone.cancel()
+            while registry.waiting > 1:
+                await asyncio.sleep(0.001)
+        return await asyncio.wait_for(behind, 60)
+
+    with runtime.serving() as serving:
+        outputs = asyncio.run(scenario(serving))
+    np.testing.assert_allclose(np.stack([o.numpy() for o in outputs]), _peft_embeddings(base, adapters, "names"),
+                               atol=ATOL)
+    assert registry.waiting == 0 and registry.resident() == ["names"]
+
+
+@pytest.mark.parametrize("max_loras", [[], ["--max-loras", "1"]], ids=["both-resident", "one-slot"])
+def test_serve_lora_modules_16_mixed_clients(bert, max_loras):
     """``serve --lora-modules a=... b=...`` as the command line builds it: 16 concurrent clients
-    mixing ``model: a``, ``b`` and the base, each answer PEFT's (transformers' for the base)."""
+    mixing ``model: a``, ``b`` and the base, each answer PEFT's (transformers' for the base). With
+    one slot for the two adapters, requests wait for it in turn: every answer a 200 (vLLM queues
+    them; no 429)."""
     import concurrent.futures
 
     import httpx
@@ -466,7 +506,7 @@ def test_serve_lora_modules_16_mixed_clients(bert):
     base, adapters, _ = bert
     args = build_parser().parse_args(["serve", "--model", str(base), "--served-model-name", "base", "--dtype",
                                       "float32", "--max-lora-rank", "8", "--lora-modules",
-                                      f"a={adapters['names']}", f"b={adapters['regex']}"])
+                                      f"a={adapters['names']}", f"b={adapters['regex']}", *max_loras])
     expected = {"a": _peft_embeddings(base, adapters, "names"), "b": _peft_embeddings(base, adapters, "regex"),
                 "base": _peft_embeddings(base, adapters, None)}
     with ServerThread(load_served_models(args, model_specs(args))) as server, httpx.Client(timeout=60) as client:
@@ -476,8 +516,8 @@ def test_serve_lora_modules_16_mixed_clients(bert):
             return model, np.array([item["embedding"] for item in answer.json()["data"]], dtype=np.float32)
 
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
-            answers = list(pool.map(embed, ["a", "b", "base", "b"] * 4))
-    assert len(answers) == 16
+            answers = list(pool.map(embed, ["a", "b", "base", "b"] * 8))
+    assert len(answers) == 32
     for model, vectors in answers:
         np.testing.assert_allclose(vectors, expected[model], atol=ATOL, err_msg=model)
 
