@@ -413,12 +413,14 @@ class Runtime:
             truncation_side=truncation_side, lora=lora, **options))
 
     def tokenize(self, texts: str | Sequence[str], *, add_special_tokens: bool = True) -> list[list[int]]:
-        """Each text's ``prompt_token_ids``, as the model's requests see them (vLLM's ``/tokenize``).
+        """Each text's ``prompt_token_ids``, as the model's requests see them (vLLM's ``/tokenize``),
+        untruncated: a text longer than ``max_model_len`` is counted whole (compare ``len`` with
+        ``model_config.max_model_len``), as vLLM's ``/tokenize`` does.
 
         :param add_special_tokens: ``False`` leaves out the tokenizer's special tokens.
         :returns: One list of ids per text, in order (one list for one text too).
-        :raises InvalidRequestError: for text that is not valid Unicode, or (special tokens
-            added) longer than ``max_model_len``.
+        :raises InvalidRequestError: for text that is not valid Unicode, or over ``max_input_chars``
+            characters.
         """
         return self.execute(TokenizeRequest.of(texts=[texts] if isinstance(texts, str) else texts,
                                                 add_special_tokens=add_special_tokens))

@@ -199,11 +199,15 @@ class Frontend:
     @plan.register
     def _(self, request: TokenizeRequest) -> Plan[list[Any]]:
         tokenization = request.tokenization
-        if request.with_tokens or not tokenization.add_special_tokens:
-            tokens = self._tokens(self.prompted(request), tokenization.add_special_tokens)
-            answer: list[Any] = tokens if request.with_tokens else [[token.id for token in row] for row in tokens]
-        else:  # the requests' own path: checked against the model maximum
-            answer = [list(ids) for ids in self.inputs.encode(request.texts, **tokenization.encoding())]
+        truncated = tokenization.truncate_prompt_tokens is not None
+        if request.with_tokens:
+            if truncated:
+                raise InvalidRequestError("truncate_prompt_tokens applies to token ids, not to with_tokens' token "
+                                          "strings and spans", param="truncate_prompt_tokens")
+            answer: list[Any] = self._tokens(self.prompted(request), tokenization.add_special_tokens)
+        else:  # the requests' own path; untruncated, any length is counted, as vLLM's /tokenize does
+            inputs = self.inputs if truncated else self._unlimited_inputs
+            answer = [list(ids) for ids in inputs.encode(request.texts, **tokenization.encoding())]
         return Plan([], lambda _: answer)
 
     def prompted(self, request: TokenizeRequest) -> list[str]:
@@ -560,6 +564,12 @@ class Frontend:
             raise InvalidRequestError(f"tokens[{bad}] = {shown(ids[bad])} is outside the vocabulary [0, {vocab_size})",
                                       param="tokens")
         return self._span_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def _unlimited_inputs(self) -> InputProcessor:
+        """:attr:`inputs` without the ``max_model_len`` limit: a tokenize request counts a text
+        of any length (within ``max_input_chars``)."""
+        return self.inputs.without_length_limit()
 
     @functools.cached_property
     def _span_tokenizer(self) -> Any:

@@ -387,11 +387,14 @@ class RerankRequest(_Request):
 
 @frozen(kw_only=True)
 class TokenizeRequest(_Request):
-    """Each text's ``prompt_token_ids`` (vLLM's ``/tokenize``), untruncated.
+    """Each text's ``prompt_token_ids`` (vLLM's ``/tokenize``): untruncated unless the
+    tokenization's ``truncate_prompt_tokens`` says otherwise, and of any length (within
+    ``max_input_chars``): a text longer than ``max_model_len`` is counted, not refused, as vLLM's
+    ``/tokenize`` counts it.
 
     :ivar texts: The texts.
     :ivar with_tokens: Also each token's string and character span (TEI's ``/tokenize``,
-        vLLM's ``return_token_strs``); tokenized without the model-length check then.
+        vLLM's ``return_token_strs``); never truncated.
     """
 
     input_fields: ClassVar[tuple[str, ...]] = ("texts",)

@@ -141,13 +141,19 @@ async def tei_rerank(service: PoolingService, body: p.RerankRequest, request: Re
 async def tei_tokens(service: PoolingService, body: p.TokenizeRequest, request: Request) -> list[list[p.TeiToken]]:
     """TEI's tokenize: a list of tokens per input (one list for one text), spans in UTF-8 bytes
     and the input's own text for each token (counted from the start of ``prompt_name``'s prompt,
-    as TEI's); a special token's text is the token itself."""
+    as TEI's); a special token's text is the token itself.
+
+    :raises TeiError: 422 Validation for a text over ``max_input_chars``.
+    """
     tokenize = body.to_request()
     if not tokenize.texts:
         raise TeiError("Empty", "inputs is empty: send at least one text")
     service.check_count(len(tokenize.texts), "inputs")
     answer = []
-    tokens_of_texts, _ = await service.answer(request, tokenize)
+    try:
+        tokens_of_texts, _ = await service.answer(request, tokenize)
+    except InputTooLongError as exc:  # the core's advice names truncate_prompt_tokens, which this body has not
+        raise TeiError("Validation", with_advice(str(exc), "shorten it")) from exc
     for text, tokens in zip(service.frontend.prompted(tokenize), tokens_of_texts, strict=True):
         row = []
         for token in tokens:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
+from poolrunner.core import InvalidRequestError
 from poolrunner.core.testing.server import ServerThread
 from tests.operations.surfaces import assert_close, cli_records, post
 
@@ -87,3 +88,28 @@ def test_the_api_embeds_tokenized_ids_as_it_embeds_the_text(server, runtime):
     assert_close(runtime.embed(ids), runtime.embed(TEXTS))
     vectors = post(server.url, "/v1/embeddings", {"input": ids})["data"]
     assert_close([item["embedding"] for item in vectors], runtime.embed(TEXTS))
+
+
+def test_a_text_past_max_model_len_is_counted_whole_on_every_surface(server, runtime, folder, reference, tmp_path):
+    """vLLM's ``/tokenize`` counts a prompt of any length (``count`` beside ``max_model_len``):
+    so do the API, the command line and both ``/tokenize`` bodies; ``truncate_prompt_tokens``
+    (the request object's) still cuts, with or without special tokens."""
+    from poolrunner.core.frontend.requests import TokenizeRequest
+
+    limit = runtime.model_config.max_model_len
+    text = "cat " * (limit + 20)
+    want = reference(text)["input_ids"]
+    assert len(want) == limit + 22
+    assert runtime.tokenize(text) == [want]
+    assert cli_records(["tokenize", "--model", str(folder), text], tmp_path / "ids.jsonl") == [
+        {"index": 0, "token_ids": want}]
+    assert post(server.url, "/tokenize", {"prompt": text}) == {"count": len(want), "max_model_len": limit,
+                                                               "tokens": want}
+    assert [token["id"] for token in post(server.url, "/tokenize", {"inputs": text})[0]] == want
+    for special in (True, False):
+        cut = runtime.execute(TokenizeRequest.of(texts=[text], truncate_prompt_tokens=5, add_special_tokens=special))
+        assert cut == [reference(text, add_special_tokens=special, truncation=True, max_length=5)["input_ids"]]
+    with pytest.raises(InvalidRequestError, match="^truncate_prompt_tokens applies to token ids, not to "
+                                                  "with_tokens' token strings and spans$"):
+        runtime.execute(TokenizeRequest.of(texts=[text], truncate_prompt_tokens=5, with_tokens=True))
+    assert runtime.tokenize(TEXTS[0]) == [reference(TEXTS[0])["input_ids"]]  # serving on

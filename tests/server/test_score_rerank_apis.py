@@ -479,10 +479,16 @@ def test_vllm_tokenize_and_detokenize(server, hf_tokenizer):
     for tokens in (old["tokens"], ids):
         assert _ok(httpx.post(f"{server.url}/detokenize", json={"tokens": tokens})) == {
             "prompt": hf_tokenizer.decode(tokens)}
-    message, param = _error(httpx.post(f"{server.url}/tokenize", json={"prompt": "word " * 300}))
-    assert message.startswith("input 0 has 302 tokens, more than the maximum of 256 (max_model_len of ")
-    assert message.endswith("; shorten it (/tokenize refuses a text that requests refuse without "
-                            "truncate_prompt_tokens)") and param == "prompt"
+    long = _ok(httpx.post(f"{server.url}/tokenize", json={"prompt": "word " * 300}))  # counted whole, as vLLM's
+    assert long == {"count": 302, "max_model_len": 256, "tokens": hf_tokenizer("word " * 300)["input_ids"]}
+    message, param = _error(httpx.post(f"{server.url}/tokenize", json={"prompt": "w" * 8193}))
+    assert (message, param) == ("input 0 has 8193 characters, more than the limit of 8192 per input "
+                                "(max_input_chars, the --max-input-chars flag); shorten it", "prompt")
+    tei = httpx.post(f"{server.url}/tokenize", json={"inputs": "w" * 8193})
+    assert (tei.status_code, tei.json()) == (422, {"error": "input 0 has 8193 characters, more than the limit of "
+                                                   "8192 per input (max_input_chars, the --max-input-chars flag); "
+                                                   "shorten it", "error_type": "Validation"})
+    assert _ok(httpx.post(f"{server.url}/tokenize", json={"prompt": SANITY_TEXT})) == old  # serving on
 
 
 @pytest.mark.parametrize(("path", "body", "message", "param"), [

@@ -422,6 +422,16 @@ def test_tokenize_messages_as_vllm_does(chat_server):
         _still_serves(running.url, runtime)
     assert _error(httpx.post(f"{running.url}/tokenize", json={"prompt": "a", "add_generation_prompt": True})) == (
         "add_generation_prompt applies to messages, not to prompt")
+    long = [{"role": "user", "content": "word " * 300}]  # past max_model_len 256: counted whole, as vLLM's
+    rendered = tokenizer.apply_chat_template(long, tokenize=False, add_generation_prompt=True)
+    body = _ok(httpx.post(f"{running.url}/tokenize", json={"messages": long}))
+    assert body["tokens"] == tokenizer(rendered, add_special_tokens=False)["input_ids"] and body["count"] > 256
+    huge = [{"role": "user", "content": "w" * 8193}]
+    chars = len(tokenizer.apply_chat_template(huge, tokenize=False, add_generation_prompt=True))
+    assert _error(httpx.post(f"{running.url}/tokenize", json={"messages": huge})) == (
+        f"input 0 has {chars} characters, more than the limit of 8192 per input (max_input_chars, the "
+        "--max-input-chars flag); shorten it")
+    _still_serves(running.url, runtime)
 
 
 def test_the_chat_template_setting_is_read_from_a_file_and_checked(tmp_path):

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
-from poolrunner.core.errors import PromptTooLongError
+from poolrunner.core.errors import InputTooLongError
 from poolrunner.core.server import protocol as p
 from poolrunner.core.server.errors import SHARED_WITH_TEI, ApiError, in_tei_shape, with_advice
 from poolrunner.core.server.middleware import HEALTH_PATHS
@@ -94,8 +94,9 @@ async def _vllm_tokens(service: PoolingService, body: p.TokenizeRequest, request
     """vLLM's tokenize answer for ``body.prompt`` or ``body.messages``: ids, and each token's
     string when asked.
 
-    :raises ApiError: 400 for messages that make an image (a text-image model's chat), or a prompt
-        longer than the model takes (as a request of it would be refused).
+    :raises ApiError: 400 for messages that make an image (a text-image model's chat), or a text
+        over ``max_input_chars``. A prompt longer than the model takes is answered whole, as
+        vLLM's: ``count`` beside ``max_model_len``.
     """
     chat = None
     if body.messages is not None:
@@ -106,9 +107,9 @@ async def _vllm_tokens(service: PoolingService, body: p.TokenizeRequest, request
     tokenize = body.to_request(chat)
     try:
         [tokens], _ = await service.answer(request, tokenize)
-    except PromptTooLongError as exc:  # the core's advice names a field this body has not
-        raise ApiError(400, with_advice(str(exc), "shorten it (/tokenize refuses a text that requests refuse "
-                                                  "without truncate_prompt_tokens)"), param="prompt") from None
+    except InputTooLongError as exc:  # the core's advice names truncate_prompt_tokens, which this body has not
+        field = "prompt" if chat is None else "messages"
+        raise ApiError(400, with_advice(str(exc), "shorten it"), param=field) from None
     ids = [token.id for token in tokens] if tokenize.with_tokens else tokens
     return p.TokenizeResponse(count=len(ids), max_model_len=service.runtime.model_config.max_model_len, tokens=ids,
                               token_strs=[token.token for token in tokens] if tokenize.with_tokens else None)
