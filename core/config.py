@@ -179,7 +179,8 @@ class RuntimeConfig:
         (an adapter's term comes before the activation), and ``dtype="int8"`` is refused.
     :ivar max_loras: Most adapters resident in the model at once (vLLM's ``--max-loras``);
         ``lora_modules`` may name more: past it the least recently used idle one is unloaded and
-        loaded again from its folder when a request names it. ``None``: as many as
+        loaded again from its folder when a request names it; while every resident one has
+        requests in flight, a request needing another waits its turn. ``None``: as many as
         ``lora_modules`` (at least 1).
     :ivar max_lora_rank: Largest adapter rank served (vLLM's default, 16).
     :ivar max_image_bytes: Most bytes of one encoded image (a file, bytes, a data URL's payload,

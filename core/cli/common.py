@@ -329,7 +329,8 @@ def add_model_options(parser: argparse.ArgumentParser, *, several: str | None = 
                             "(--lora, or the HTTP body's model)")
     model.add_argument("--max-loras", metavar="N", type=positive_int, default=None,
                        help="most LoRA adapters resident at once (default: as many as --lora-modules); more are "
-                            "loaded again from their folders as requests name them, least recently used out")
+                            "loaded again from their folders as requests name them, least recently used out; while all "
+                            "have requests in flight, a request for another waits its turn")
     model.add_argument("--max-lora-rank", metavar="R", type=positive_int, default=16,
                        help="largest LoRA rank served; an adapter of a larger rank is refused")
     add_image_options(parser)
