@@ -141,6 +141,30 @@ def test_an_address_ray_cannot_read_is_a_clear_error() -> None:
                                  "HOST:PORT of a cluster's head, auto, or local)")
 
 
+@pytest.mark.parametrize("form", ["{}", "ray://{}", "env"])
+def test_an_address_nothing_listens_at_is_refused_at_once(form, monkeypatch) -> None:
+    """Ray retries such an address for minutes; it is refused before ``ray.init``, naming it."""
+    import socket
+    import time
+
+    with socket.socket() as unused:  # a port of this machine that nothing listens at
+        unused.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{unused.getsockname()[1]}"
+    named = address if form == "env" else form.format(address)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    if form == "env":
+        monkeypatch.setenv("RAY_ADDRESS", address)
+    start = time.monotonic()
+    with pytest.raises(InvalidRequestError) as caught:
+        cluster.init(None if form == "env" else named)
+    assert time.monotonic() - start < cluster.CONNECT_S
+    source, instead = ("$RAY_ADDRESS ", "unset RAY_ADDRESS") if form == "env" else ("", "leave the address out")
+    assert (str(caught.value), caught.value.param) == (
+        f"Ray address {source}{named!r}: nothing accepts a connection at {address} (Connection refused); start "
+        f"the cluster's head there (`ray start --head --port {address.rpartition(':')[2]}`), or {instead} to "
+        "start a cluster on this machine", "address")
+
+
 def test_a_started_cluster_found_gone_is_not_asked_again(monkeypatch) -> None:
     """Each shutdown step asks whether the GCS still answers; once it did not, it is not asked
     (nor waited for) again, while a live one is asked every time."""

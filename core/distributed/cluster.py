@@ -10,6 +10,7 @@ on purpose), so the token is what keeps others out. A cluster the user names is 
 from __future__ import annotations
 
 import os
+import socket
 import time
 import weakref
 from typing import Any
@@ -20,6 +21,9 @@ SETTLE_S = 0.2
 """Seconds a local cluster's GCS gets to act on a stop signal this process got too."""
 ANSWER_S = 1.0
 """Seconds within which a live GCS answers (it takes milliseconds)."""
+CONNECT_S = 5.0
+"""Seconds a named cluster's head gets to accept a connection before the address is refused
+(Ray itself would keep retrying for minutes)."""
 
 _lost_node: weakref.ref[Any] | None = None
 """The local node whose GCS :func:`lost` found gone: a stopped GCS does not come back, so the
@@ -43,10 +47,15 @@ def init_options(address: str | None) -> dict[str, Any]:
 def init(address: str | None, **options: Any) -> Any:
     """``ray.init`` with :func:`init_options` and ``options`` (``num_cpus``...); Ray's context.
 
-    :raises InvalidRequestError: for an address Ray cannot read (it raises a bare ``ValueError``).
+    :raises InvalidRequestError: for an address Ray cannot read (it raises a bare ``ValueError``),
+        or one where nothing accepts a connection (:func:`check_reachable`).
     """
     import ray
 
+    if address not in (None, "", "local"):
+        check_reachable(address)
+    elif os.environ.get("RAY_ADDRESS"):  # ray.init joins it
+        check_reachable(os.environ["RAY_ADDRESS"], from_environment=True)
     try:
         return ray.init(**init_options(address), **options)
     except ValueError as exc:
@@ -54,6 +63,27 @@ def init(address: str | None, **options: Any) -> Any:
             raise
         raise InvalidRequestError(f"Ray address {address!r}: {exc} (expected HOST:PORT of a cluster's head, "
                                   "auto, or local)", param="address") from None
+
+
+def check_reachable(address: str, *, from_environment: bool = False) -> None:
+    """Refuse at once a cluster address (``HOST:PORT``, ``ray://HOST:PORT``; ``from_environment``:
+    ``$RAY_ADDRESS``'s) where nothing accepts a TCP connection within :data:`CONNECT_S`:
+    ``ray.init`` would retry for minutes (3 and more, measured) before failing. A value that is not
+    ``HOST:PORT`` (``auto``) is left to Ray, which names what it expects.
+
+    :raises InvalidRequestError: (param ``address``) naming the address and the socket's error.
+    """
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_S).close()
+    except OSError as exc:
+        source, instead = ("$RAY_ADDRESS ", "unset RAY_ADDRESS") if from_environment else ("", "leave the address out")
+        raise InvalidRequestError(
+            f"Ray address {source}{address!r}: nothing accepts a connection at {host}:{port} "
+            f"({exc.strerror or type(exc).__name__}); start the cluster's head there (`ray start --head --port "
+            f"{port}`), or {instead} to start a cluster on this machine", param="address") from None
 
 
 def lost() -> bool:
