@@ -21,16 +21,15 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from poolrunner.core.errors import InvalidRequestError, ModelLoadError, QueueFullError
+from poolrunner.core.errors import InvalidRequestError, ModelLoadError
 from poolrunner.core.model.st_metadata import read_st_metadata
 from poolrunner.core.types import LoraRequest, ModelConfig, PoolingRequest
 from poolrunner.core.validators import check_adapter_name
 
 
-class AdaptersBusyError(QueueFullError):
-    """Every one of the ``max_loras`` resident adapters has requests in flight, so an adapter
-    loaded at run time (:meth:`LoraAdapters.register`) cannot be made resident now (HTTP 429, as a
-    full queue: retry later). Requests wait for a slot instead (:meth:`LoraAdapters.hold`)."""
+class _SlotsBusy(Exception):
+    """Every one of the ``max_loras`` resident adapters has requests in flight: a caller needing
+    another waits its turn (:meth:`LoraAdapters.hold`)."""
 
 
 class AdapterTurn:
@@ -103,11 +102,13 @@ class LoraAdapters:
 
     def register(self, name: str, path: Path, model_config: ModelConfig) -> tuple[LoraRequest, str]:
         """Register adapter ``name`` at ``path`` and load it (checking the folder), unloading the
-        least recently used idle adapter when ``capacity`` are resident.
+        least recently used idle adapter when ``capacity`` are resident. When every resident
+        adapter has requests in flight (or callers wait for slots), the folder is checked by
+        loading it all the same, and it leaves the model again until a request names it: a
+        registration never waits, as vLLM's ``/v1/load_lora_adapter`` does not.
 
         :returns: The adapter and the loader's description.
         :raises InvalidRequestError: when ``name`` is registered already or no adapters are served.
-        :raises AdaptersBusyError: when every resident adapter has requests in flight.
         :raises ModelLoadError: for a folder refused (:func:`st_prompts` too); nothing is
             registered then.
         """
@@ -121,7 +122,13 @@ class LoraAdapters:
                 raise InvalidRequestError(f"lora {name!r} is loaded already; unload it first", param="lora")
             lora = LoraRequest(name=name, lora_id=next(self._ids), path=path,
                                prompts=prompts[0] if prompts else None, default_prompt_name=prompts and prompts[1])
-            described = self._make_resident([lora])[0]
+            try:
+                if self._turns:  # callers waiting for slots come first
+                    raise _SlotsBusy
+                described = self._make_resident([lora])[0]
+            except _SlotsBusy:
+                described = self._load(lora)
+                self._unload(lora.lora_id)
             self._by_name[name] = self._by_id[lora.lora_id] = lora
             return lora, described
 
@@ -181,7 +188,7 @@ class LoraAdapters:
                 return None
             try:
                 self._admit(sorted(set(ids)))
-            except AdaptersBusyError:
+            except _SlotsBusy:
                 if not self._turns:
                     self._turns.append(turn)
                 return None
@@ -237,10 +244,7 @@ class LoraAdapters:
         idle = [i for i in self._resident if i not in keep and self._in_flight[i] <= 0]
         evict = len(self._resident) + len(missing) - self.capacity
         if evict > len(idle):
-            busy = [lora.name for i, lora in self._resident.items() if i not in idle]
-            raise AdaptersBusyError(
-                f"cannot load lora {missing[0].name!r}: max_loras {self.capacity} (--max-loras) adapters are "
-                f"resident and {busy} have requests in flight; retry when they finish")
+            raise _SlotsBusy
         for lora_id in idle[:max(evict, 0)]:
             del self._resident[lora_id]
             self._unload(lora_id)

@@ -136,7 +136,6 @@ class Runtime:
 
         :raises InvalidRequestError: (param ``lora``) when ``name`` is loaded already, or this
             runtime serves no adapters.
-        :raises AdaptersBusyError: when all ``max_loras`` resident adapters have requests in flight.
         :raises ModelLoadError: for a folder refused (naming the file, the field or the tensor):
             another base model, DoRA, a bias, an embedding layer, a rank above ``max_lora_rank``,
             a sentence-transformers pipeline pooling otherwise than the base model's (the folder's

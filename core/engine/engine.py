@@ -10,7 +10,7 @@ from attrs import frozen
 
 from poolrunner.core.engine.runner import ModelRunner
 from poolrunner.core.engine.scheduler import Scheduler
-from poolrunner.core.errors import InvalidRequestError, PoolrunnerError, PromptTooLongError
+from poolrunner.core.errors import InvalidRequestError, NonFiniteOutputError, PoolrunnerError, PromptTooLongError
 from poolrunner.core.hooks import Hooks
 from poolrunner.core.plugin_api.batch import InputBatch
 from poolrunner.core.plugin_api.output import OutputHandle, RequestOutput
@@ -221,7 +221,11 @@ class Engine:
         results = []
         for state, output in zip(inflight.finished, outputs, strict=True):
             if self.requests.get(state.request_id) is state:  # not aborted (nor its id reused) meanwhile
-                results.append((state.request_id, output))
+                error = _non_finite(state.request_id, output)
+                if error is None:
+                    results.append((state.request_id, output))
+                else:
+                    self._failures[state.request_id] = error
                 self._release(state)
         return results
 
@@ -234,3 +238,17 @@ class Engine:
             self.scheduler.remove(state)
             self.runner.free(state.request_id)
             self.hooks.remove_request(state=state)
+
+
+def _non_finite(request_id: str, output: RequestOutput) -> NonFiniteOutputError | None:
+    """The error for an output holding NaN or an infinity (its floating tensors), else ``None``."""
+    tensors = output.values() if isinstance(output, dict) else (output,)
+    floats = [tensor for tensor in tensors if tensor.is_floating_point()]
+    bad = sum(int((~torch.isfinite(tensor)).sum()) for tensor in floats)
+    if not bad:
+        return None
+    total = sum(tensor.numel() for tensor in floats)
+    return NonFiniteOutputError(
+        f"the model's output holds NaN or infinite values ({bad} of {total}): the model overflowed on an input "
+        "at its dtype, or its weights (or a LoRA adapter's) hold such values; the request is refused rather "
+        "than answered with values that are not numbers", request_id)

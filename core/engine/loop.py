@@ -26,7 +26,7 @@ from typing import Protocol
 
 from poolrunner.core.engine import compute
 from poolrunner.core.engine.engine import Engine
-from poolrunner.core.errors import LoopClosedError, QueueFullError, StepFailedError
+from poolrunner.core.errors import LoopClosedError, NonFiniteOutputError, QueueFullError, StepFailedError
 from poolrunner.core.plugin_api.output import RequestOutput
 from poolrunner.core.plugin_api.request import RequestState
 from poolrunner.core.types import PoolingRequest
@@ -311,8 +311,10 @@ class EngineLoop:
         for request_id, exc in self.engine.take_failures():  # one request's own failure: its submission alone
             owner = self._owner.get(request_id)
             if owner is not None:
-                error = StepFailedError(f"the engine step running this request failed: {exc!r}")
-                error.__cause__ = exc
+                error = exc if isinstance(exc, NonFiniteOutputError) else StepFailedError(
+                    f"the engine step running this request failed: {exc!r}")
+                if error is not exc:
+                    error.__cause__ = exc
                 self._drop(owner[0], error)
         for request_id, output in finished:
             owner = self._owner.pop(request_id, None)

@@ -26,6 +26,7 @@ from starlette.responses import Response
 from poolrunner.core.errors import (
     InvalidRequestError,
     LoopClosedError,
+    NonFiniteOutputError,
     PromptTooLongError,
     QueueFullError,
     StepFailedError,
@@ -42,6 +43,7 @@ ERROR_TYPES = {
     405: "invalid_request_error",
     408: "request_timeout",
     413: "request_too_large",
+    422: "unprocessable_entity",
     431: "request_too_large",
     429: "rate_limit_error",
     500: "server_error",
@@ -122,6 +124,7 @@ def install_handlers(app: FastAPI) -> None:
                                                         "(the default of clients that cannot send it)"),
                               exc.param or "truncate_prompt_tokens")
 
+    app.add_exception_handler(NonFiniteOutputError, _status_handler(422))
     app.add_exception_handler(QueueFullError, _status_handler(429))
     app.add_exception_handler(LoopClosedError, _status_handler(503))
 
@@ -309,6 +312,8 @@ def as_tei_error(exc: Exception, request: Request | None) -> TeiError | None:
         return TeiError("Validation", str(exc))
     if isinstance(exc, QueueFullError):
         return TeiError("Overloaded", str(exc))
+    if isinstance(exc, NonFiniteOutputError):  # TEI's inference failures are the backend's (424)
+        return TeiError("Backend", str(exc))
     if isinstance(exc, StepFailedError):  # TEI: an inference failure is the backend's (424)
         return TeiError("Backend", step_failure_text(request, exc))
     if isinstance(exc, LoopClosedError):

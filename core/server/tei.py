@@ -28,6 +28,7 @@ from poolrunner.core.server.errors import TeiError, with_advice
 from poolrunner.core.server.models import ModelRouter
 from poolrunner.core.server.service import PoolingService
 from poolrunner.core.server.settings import ServerSettings
+from poolrunner.core.validators import shown
 
 TASK_USES = {
     "embed": "embeddings",
@@ -130,7 +131,12 @@ def _model_type(service: PoolingService) -> dict[str, t.EmbeddingModel | t.Class
 
 async def tei_rerank(service: PoolingService, body: p.RerankRequest, request: Request) -> list[p.TeiRank]:
     """TEI's rerank: every text, best first; ``raw_scores`` skips the cross-encoder's activation,
-    ``truncate`` (default: the server's ``auto_truncate``) keeps the model maximum of each pair."""
+    ``truncate`` (default: the server's ``auto_truncate``) keeps the model maximum of each pair.
+
+    :raises TeiError: 422 Validation for ``texts`` that is not a list; 400 Empty for an empty one.
+    """
+    if not isinstance(body.texts, list):  # TEI's texts is a list; its items are checked by the core
+        raise TeiError("Validation", f"texts must be a list of texts, got {shown(body.texts)}")
     if not body.texts:
         raise TeiError("Empty", "texts is empty: send at least one text")
     service.check_count(len(body.texts), "texts")

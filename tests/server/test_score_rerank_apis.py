@@ -373,6 +373,11 @@ def test_tei_root_of_a_reranker_is_its_rerank(cross_encoder):
     empty = httpx.post(f"{running.url}/rerank", json={"query": QUERY, "texts": []})
     assert (empty.status_code, empty.json()) == (400, {"error": "texts is empty: send at least one text",
                                                        "error_type": "Empty"})
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank", "/invocations", "/"):
+        for texts, shown in ((5, "5"), (True, "True"), ("a text", "'a text'")):
+            answer = httpx.post(f"{running.url}{path}", json={"query": QUERY, "texts": texts})
+            assert (answer.status_code, answer.json()) == (422, {
+                "error": f"texts must be a list of texts, got {shown}", "error_type": "Validation"}), path
     _still_serves(running.url, runtime)
 
 

@@ -22,8 +22,8 @@ router = APIRouter()
 async def load_lora_adapter(body: p.LoadLoraAdapterRequest, served: Served) -> str:
     """Load the PEFT folder ``lora_path`` as adapter ``lora_name`` of model ``model`` (default: the
     first); a request then selects it by ``model: lora_name``. 400 for a folder refused (naming
-    the file and field or tensor) or a name taken; 429 when all ``max_loras`` resident adapters
-    have requests in flight (otherwise the least recently used idle one makes room)."""
+    the file and field or tensor) or a name taken. The least recently used idle adapter makes
+    room; when every resident one is busy, the folder is checked and loaded when a request names it."""
     service = served.pick(body.model)
     if body.lora_name in {name for s in served.services for name in s.model_names}:
         raise ApiError(400, f"lora_name {body.lora_name!r} is a served model's name", param="lora_name")
