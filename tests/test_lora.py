@@ -219,7 +219,10 @@ def test_a_served_name_an_adapter_also_has_is_refused(bert):
 
     _, _, runtime = bert
     adapter = runtime.lora_adapters[0]
-    with pytest.raises(ValueError, match=f"^model 0 and a LoRA adapter of model 0 are both named '{adapter}'"):
+    with pytest.raises(ValueError, match=re.escape(
+            f"model 0 and a LoRA adapter of model 0 are both named '{adapter}': a request's model must name one of "
+            "them; rename one (a model: --served-model-name, or PATH:name=NAME of --model; an adapter: NAME of "
+            "--lora-modules NAME=PATH)")):
         served_models(runtime, [adapter])
     with pytest.raises(ValueError, match=f"^a LoRA adapter of model 0 and a LoRA adapter of model 1 are both named "
                                          f"'{adapter}'"):
@@ -402,6 +405,10 @@ def test_http_model_selects_the_adapter(bert, tmp_path):
             assert two.status_code == 200, two.text
             np.testing.assert_allclose([item[field] for item in two.json()["data"]], expected["names"][:2],
                                        atol=ATOL)
+        for model, name in (("names", "names"), ("base", None), ("elsewhere", None)):  # TEI ignores others
+            tei = httpx.post(server.url + "/embed", json={"model": model, "inputs": TEXTS}, headers=headers)
+            assert tei.status_code == 200, tei.text
+            np.testing.assert_allclose(tei.json(), expected[name], atol=ATOL)
         cards = httpx.get(server.url + "/v1/models", headers=headers).json()["data"]
         assert [(card["id"], card["parent"]) for card in cards] == [("base", None), ("names", "base"),
                                                                      ("regex", "base")]
@@ -430,7 +437,7 @@ def test_http_model_selects_the_adapter(bert, tmp_path):
         assert "LoRA adapters 'names', 'regex'" in gone.text, gone.text  # what is served instead
         np.testing.assert_allclose(embed("names")[1], expected["names"], atol=ATOL)  # still serving
         metrics = httpx.get(server.url + "/metrics").text
-        assert 'poolrunner_lora_requests_total{lora="names"} 11.0' in metrics
+        assert 'poolrunner_lora_requests_total{lora="names"} 12.0' in metrics  # the TEI request too
         assert 'poolrunner_lora_requests_total{lora="all"} 1.0' in metrics
     with ServerThread(runtime) as plain:  # without allow_runtime_lora the routes are not there
         assert httpx.post(plain.url + "/v1/load_lora_adapter", json=load).status_code == 404

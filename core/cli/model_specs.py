@@ -182,7 +182,7 @@ def load_served_models(args: argparse.Namespace, specs: Sequence[ModelSpec]) -> 
     try:
         return served_models(served, None)
     except ValueError as exc:
-        raise CliError(str(exc), hint="give each model its own name: --model PATH:name=NAME") from exc
+        raise CliError(str(exc)) from exc  # it says which names to change
 
 
 def _cuda_memory(device: Any) -> str:

@@ -353,6 +353,10 @@ class InputProcessor:
         position = None
         if isinstance(item, list | tuple):  # one pass on the good path; the error path looks again
             position = next((p for p, t in enumerate(item) if not isinstance(t, Integral) or isinstance(t, bool)), None)
+        if isinstance(item, list) and item and all(isinstance(t, str) for t in item):
+            raise InvalidRequestError(f"input {index}: {shown(item)} is a list of texts, not one input: send texts as "
+                                      "one flat list (a (text, text_pair) pair is a tuple in Python, a two-text "
+                                      "list where the route reads pairs: /classify, /pooling)", param="input")
         if not isinstance(item, list | tuple) or (
                 position is not None and not all(t is None or isinstance(t, Number) for t in item)):
             raise InvalidRequestError(f"input {index}: expected a text, a list of token ids or a (text, text_pair) "

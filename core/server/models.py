@@ -77,7 +77,8 @@ def served_models(models: Runtime | Sequence[ServedModel], names: Sequence[str] 
         for name, what in named + [(name, f"a LoRA adapter of model {index}") for name in model.runtime.lora_adapters]:
             if name in seen:
                 raise ValueError(f"{seen[name]} and {what} are both named {name!r}: a request's model must name "
-                                 "one of them; give each its own name")
+                                 "one of them; rename one (a model: --served-model-name, or PATH:name=NAME of "
+                                 "--model; an adapter: NAME of --lora-modules NAME=PATH)")
             seen[name] = what
     return served
 
@@ -118,6 +119,10 @@ class ModelRouter:
         adapters = dict(self.adapters())
         ADAPTER.set(model if model is not None and model not in self._by_name and model in adapters else None)
         return service
+
+    def knows(self, name: str) -> bool:
+        """Whether ``name`` is a served model's or a loaded LoRA adapter's."""
+        return name in self._by_name or name in dict(self.adapters())
 
     def adapters(self) -> list[tuple[str, PoolingService]]:
         """Each loaded LoRA adapter's name and the model it runs on (its ``parent``)."""

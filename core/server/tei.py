@@ -42,12 +42,14 @@ TEI_POOLING = {"CLS": "cls", "MEAN": "mean", "LAST": "last_token"}
 """TEI's names of the pooling types it shares with poolrunner (``/info``); others are lowercased."""
 
 
-def answering(served: ModelRouter, task: str, route: str) -> PoolingService:
-    """The model answering TEI's ``route``, which needs ``task``.
+def answering(served: ModelRouter, task: str, route: str, model: object = None) -> PoolingService:
+    """The model answering TEI's ``route``, which needs ``task``: the body's ``model`` where it
+    names a served model or LoRA adapter (TEI serves one model and has no such field), else the
+    first model serving ``task``.
 
     :raises TeiError: 424 Backend, as TEI answers a route the model type cannot serve.
     """
-    service = served.pick(None, task)
+    service = served.pick(model if isinstance(model, str) and served.knows(model) else None, task)
     if task not in service.frontend.tasks:
         raise TeiError("Backend", f"{route} needs a model that serves the task {task!r} ({TASK_USES[task]}); "
                                   f"this one serves {sorted(service.frontend.tasks)}")

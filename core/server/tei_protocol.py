@@ -8,7 +8,7 @@ may send ``encoding_format``). Types are strict, so ``"1"`` is never taken for a
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
@@ -33,6 +33,10 @@ _PROMPT_NAME = Field(default=None, description="A prompt of the model's sentence
 
 class _TeiRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    model: Any = Field(default=None, description="Not TEI's: the name of a served model or LoRA adapter picks it, "
+                                                 "as on the other routes; any other value is ignored, as TEI "
+                                                 "ignores fields it does not know.")
 
 
 def tei_tokenization(truncate: bool | None, direction: str | None, auto_truncate: bool,

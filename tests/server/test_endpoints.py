@@ -206,7 +206,8 @@ BAD_REQUESTS = [
     ("null item", "/pooling", {"input": ["a", None]},
      "input 1: expected a text, a list of token ids or a (text, text_pair) pair, got None"),
     ("pair to embeddings", "/v1/embeddings", {"input": ["a", ["b", "c", "d"]]},
-     "input 1: expected a text, a list of token ids or a (text, text_pair) pair, got ['b', 'c', 'd']"),
+     "input 1: ['b', 'c', 'd'] is a list of texts, not one input: send texts as one flat list (a (text, text_pair) "
+     "pair is a tuple in Python, a two-text list where the route reads pairs: /classify, /pooling)"),
     ("unknown field", "/v1/embeddings", {"input": "a", "colour": "red"},
      "colour: Extra inputs are not permitted (a field this server does not know is refused; "
      "--allow-extra-fields drops such fields instead)"),

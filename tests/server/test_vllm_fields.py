@@ -475,7 +475,7 @@ def test_classify_takes_text_pairs(chat_classifier, classifier_reference):
     assert [item["label"] for item in body["data"]] == [result.label for result in offline]
     for bad, message in [
         ({"input": [["only one"]]},
-         "input 0: expected a text, a list of token ids or a (text, text_pair) pair, got ['only one']"),
+         "input 0: ['only one'] is a list of texts, not one input: send texts as one flat list"),
         ({"input": [["a", ""]]}, "input[0][1] is an empty string"),
     ]:
         assert _error(httpx.post(f"{running.url}/classify", json=bad)).startswith(message)

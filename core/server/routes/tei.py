@@ -33,7 +33,7 @@ async def embed(body: t.EmbedRequest, request: Request, served: Served) -> list[
     """One pooled ``[d]`` vector per input, ``[[...]]`` for a single input too (TEI's
     ``EmbedResponse``); ``normalize`` defaults to true, ``dimensions`` slices first."""
     items = tei.batch(served.settings, body.inputs)
-    service = tei.answering(served, "embed", "/embed")
+    service = tei.answering(served, "embed", "/embed", body.model)
     vectors = await tei.answer(service, request, body.to_request(items, served.settings.auto_truncate))
     return [vector.tolist() for vector in vectors]
 
@@ -44,7 +44,7 @@ async def embed_all(body: t.TokenRequest, request: Request, served: Served) -> R
     input (task ``token_embed``), special tokens included, as TEI's ``/embed_all``; written
     from the arrays in a worker thread (:func:`~poolrunner.core.server.payload.json_response`)."""
     items = tei.batch(served.settings, body.inputs)
-    service = tei.answering(served, "token_embed", "/embed_all")
+    service = tei.answering(served, "token_embed", "/embed_all", body.model)
     results = await tei.answer(service, request, body.to_request(items, served.settings.auto_truncate, "token_embed"))
     return await json_response(results)
 
@@ -54,7 +54,7 @@ async def embed_sparse(body: t.TokenRequest, request: Request, served: Served) -
     """The non-zero entries of each input's vocabulary-sized SPLADE vector (task
     ``sparse_embed``), by ascending token id as TEI lists them: ``[{"index", "value"}, ...]``."""
     items = tei.batch(served.settings, body.inputs)
-    service = tei.answering(served, "sparse_embed", "/embed_sparse")
+    service = tei.answering(served, "sparse_embed", "/embed_sparse", body.model)
     results = await tei.answer(service, request,
                                body.to_request(items, served.settings.auto_truncate, "sparse_embed"))
     return [tei.sparse(result) for result in results]
@@ -68,7 +68,7 @@ async def predict(body: t.PredictRequest, request: Request,
     ``PredictResponse``. ``raw_scores`` returns the logits instead of probabilities."""
     items, single = tei.predict_items(body.inputs)
     tei.check_items(served.settings, items)
-    service = tei.answering(served, "classify", "/predict")
+    service = tei.answering(served, "classify", "/predict", body.model)
     results = await tei.answer(service, request, body.to_request(items, served.settings.auto_truncate))
     ranked = [tei.ranked(result.probs, result.labels) for result in results]
     return ranked[0] if single else ranked
@@ -82,7 +82,7 @@ async def similarity(body: t.SimilarityRequest, request: Request, served: Served
         raise TeiError("Empty", "inputs.sentences is empty: send at least one sentence")
     embeddings = body.to_request(served.settings.auto_truncate)
     tei.check_items(served.settings, list(embeddings.inputs))
-    service = tei.answering(served, "embed", "/similarity")
+    service = tei.answering(served, "embed", "/similarity", body.model)
     vectors = np.stack(await tei.answer(service, request, embeddings))
     return cosine(np.repeat(vectors[:1], len(vectors) - 1, axis=0), vectors[1:]).tolist()
 
