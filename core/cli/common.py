@@ -411,12 +411,21 @@ def template_text(value: str | None, flag: str) -> str | None:
 
     :raises CliError: for a file that cannot be read, naming ``flag``.
     """
-    if value is None or not Path(value).is_file():
+    if value is None or not _is_file(value):
         return value
     try:
         return Path(value).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise CliError(f"{flag} {value!r}: cannot read the file: {exc}") from None
+
+
+def _is_file(value: str) -> bool:
+    """Whether ``value`` names a file; Jinja text longer than a file name may be is not one
+    (``is_file`` raises for it: ``ENAMETOOLONG``)."""
+    try:
+        return Path(value).is_file()
+    except OSError:
+        return False
 
 
 def add_truncation_options(group: argparse._ArgumentGroup, *, pairs: bool = False) -> None:

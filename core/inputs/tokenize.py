@@ -235,6 +235,7 @@ class InputProcessor:
         add_generation_prompt: bool = False,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """The text of a chat conversation, rendered with the tokenizer's own chat template
         (``tokenizer.apply_chat_template(..., tokenize=False)``), as vLLM renders the ``messages``
@@ -244,6 +245,8 @@ class InputProcessor:
         :param messages: ``{"role", "content", ...}`` mappings; ``content`` a string.
         :param chat_template_kwargs: Extra variables for the template (e.g. ``enable_thinking``);
             none may be a parameter of ``apply_chat_template`` itself.
+        :param tools: Tool definitions (OpenAI's ``{"type": "function", "function": {...}}``) the
+            template renders, as ``apply_chat_template(tools=...)`` does (vLLM's tokenize).
         :raises InvalidRequestError: when the tokenizer has no chat template, both
             ``add_generation_prompt`` and ``continue_final_message`` are set, a variable is
             reserved, or the template fails on these messages (its message is kept).
@@ -263,7 +266,8 @@ class InputProcessor:
         try:
             text = self.tokenizer.apply_chat_template(
                 [dict(message) for message in messages], tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **variables,
+                continue_final_message=continue_final_message, tools=[dict(tool) for tool in tools] if tools else None,
+                **variables,
             )
         except Exception as exc:  # jinja2's TemplateError, transformers' ValueError: the messages don't fit
             raise InvalidRequestError(f"the chat template of model {self.model_config.name} cannot render these "

@@ -11,7 +11,8 @@ they need two inputs or more; Cohere's own codes come from its trained models); 
 float32 vector's little-endian bytes. ``truncate`` is Cohere's: ``END`` (its default) keeps the
 start of an over-long text, ``START`` its end, ``NONE`` answers a 400; ``max_tokens`` keeps that
 many tokens. ``output_dimension`` is ``dimensions`` (Matryoshka models only). ``input_type`` is
-required, as Cohere requires it, and does not change the vectors (no prompt is applied).
+optional (Cohere requires it, vLLM's ``/v2/embed`` does not) and does not change the vectors (no
+prompt is applied).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class CohereEmbedRequest(_Body):
     """Cohere's v2 embed body (see the module's docstring)."""
 
     model: StrictStr | None = None
-    input_type: InputType
+    input_type: InputType | None = None
     texts: list[StrictStr] | None = None
     images: list[StrictStr] | None = None
     inputs: list[CohereInput] | None = None
@@ -135,9 +136,14 @@ class ApiVersion(BaseModel):
     version: str = "2"
 
 
+class MetaTokens(BaseModel):
+    input_tokens: int
+
+
 class EmbedMeta(BaseModel):
     api_version: ApiVersion = ApiVersion()
     billed_units: BilledUnits
+    tokens: MetaTokens
 
 
 class CohereEmbedResponse(BaseModel):

@@ -91,6 +91,9 @@ class ModelRouter:
         self.services = tuple(services)
         self.settings = settings
         self._by_name = {name: service for service in self.services for name in service.model_names}
+        for service in self.services:  # vLLM's default id, the --model argument as given: accepted, not listed
+            if service.runtime.config.model is not None:
+                self._by_name.setdefault(str(service.runtime.config.model), service)
         if settings.any_model_name and len(self.services) > 1:
             raise ValueError("any_model_name (--any-model-name) needs a single model: with several, a request's "
                              "model must say which; serve clients' default names as aliases instead")

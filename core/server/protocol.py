@@ -234,7 +234,7 @@ class _Chat(_Body):
     def chat_fields(self) -> list[str]:
         """The fields of the chat form this body sets: they apply to ``messages`` only."""
         return [name for name in ("add_generation_prompt", "continue_final_message", "chat_template",
-                                  "chat_template_kwargs") if name in self.model_fields_set]
+                                  "chat_template_kwargs", "tools") if name in self.model_fields_set]
 
 
 class _Encoding(_Body):
@@ -600,6 +600,8 @@ class TokenizeRequest(_Chat):
         default=None, description="Add the tokenizer's special tokens (default true for prompt and inputs, false "
                                   "for messages: the chat template writes its own).")
     return_token_strs: StrictBool | None = Field(default=None, description="vLLM: also answer each token's string.")
+    tools: list[dict[str, Any]] | None = Field(
+        default=None, description="messages: tool definitions the chat template renders (vLLM's tokenize).")
     prompt_name: StrictStr | None = Field(default=None, description="TEI: the model's prompt of this name goes "
                                                                       "first; spans count from its start.")
 
@@ -648,8 +650,12 @@ class DetokenizeRequest(_Body):
 
 
 class Usage(BaseModel):
+    """OpenAI's usage, with vLLM's ``completion_tokens`` (always 0: pooling generates nothing),
+    which clients written for vLLM read."""
+
     prompt_tokens: int
     total_tokens: int
+    completion_tokens: int = 0
 
 
 class EmbeddingData(BaseModel):

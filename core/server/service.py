@@ -119,7 +119,7 @@ class PoolingService:
         text = await run_in_threadpool(
             self.frontend.inputs.render_chat, [message.for_template() for message in body.messages],
             add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
-            chat_template_kwargs=body.chat_template_kwargs,
+            chat_template_kwargs=body.chat_template_kwargs, tools=getattr(body, "tools", None),
         )
         return text, bool(body.add_special_tokens)
 

@@ -135,10 +135,11 @@ async def tei_rerank(service: PoolingService, body: p.RerankRequest, request: Re
     """TEI's rerank: every text, best first; ``raw_scores`` skips the cross-encoder's activation,
     ``truncate`` (default: the server's ``auto_truncate``) keeps the model maximum of each pair.
 
-    :raises TeiError: 422 Validation for ``texts`` that is not a list; 400 Empty for an empty one.
+    :raises TeiError: 422 Validation for ``texts`` that is neither a list nor a text; 400 Empty for an
+        empty one.
     """
-    if not isinstance(body.texts, list):  # TEI's texts is a list; its items are checked by the core
-        raise TeiError("Validation", f"texts must be a list of texts, got {shown(body.texts)}")
+    if not isinstance(body.texts, list | str):  # a list (or one text) is checked by the core, naming the item
+        raise TeiError("Validation", f"texts must be a list of strings, got {shown(body.texts)}")
     if not body.texts:
         raise TeiError("Empty", "texts is empty: send at least one text")
     service.check_count(len(body.texts), "texts")

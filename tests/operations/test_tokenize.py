@@ -56,7 +56,8 @@ def test_the_api_the_cli_and_http_answer_the_reference_ids(server, runtime, fold
 def test_vllm_tokenize_answers_the_reference_ids(server, runtime, reference, text):
     ids = reference(text)["input_ids"]
     answer = post(server.url, "/tokenize", {"prompt": text})
-    assert answer == {"count": len(ids), "max_model_len": runtime.model_config.max_model_len, "tokens": ids}
+    assert answer == {"count": len(ids), "max_model_len": runtime.model_config.max_model_len, "tokens": ids,
+                      "token_strs": None}  # vLLM's null unless asked
     plain = post(server.url, "/tokenize", {"prompt": text, "add_special_tokens": False, "return_token_strs": True})
     plain_ids = reference(text, add_special_tokens=False)["input_ids"]
     assert (plain["tokens"], plain["token_strs"]) == (plain_ids, reference.convert_ids_to_tokens(plain_ids))
@@ -104,7 +105,7 @@ def test_a_text_past_max_model_len_is_counted_whole_on_every_surface(server, run
     assert cli_records(["tokenize", "--model", str(folder), text], tmp_path / "ids.jsonl") == [
         {"index": 0, "token_ids": want}]
     assert post(server.url, "/tokenize", {"prompt": text}) == {"count": len(want), "max_model_len": limit,
-                                                               "tokens": want}
+                                                               "tokens": want, "token_strs": None}
     assert [token["id"] for token in post(server.url, "/tokenize", {"inputs": text})[0]] == want
     for special in (True, False):
         cut = runtime.execute(TokenizeRequest.of(texts=[text], truncate_prompt_tokens=5, add_special_tokens=special))

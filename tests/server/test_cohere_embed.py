@@ -24,7 +24,16 @@ def test_cohere_client_embeds_texts_as_sentence_transformers(server, st_model, h
     assert cosine_rows(floats, st_model.encode(TEXTS)).min() >= MIN_COSINE
     np.testing.assert_array_equal(answer.embeddings.int8, quantize_embeddings(floats, precision="int8"))
     np.testing.assert_array_equal(answer.embeddings.ubinary, quantize_embeddings(floats, precision="ubinary"))
-    assert answer.meta.billed_units.input_tokens == sum(len(hf_tokenizer(text)["input_ids"]) for text in TEXTS)
+    tokens = sum(len(hf_tokenizer(text)["input_ids"]) for text in TEXTS)
+    assert answer.meta.billed_units.input_tokens == answer.meta.tokens.input_tokens == tokens
+
+
+def test_input_type_may_be_left_out_as_vllm_allows(server, st_model):
+    """vLLM's /v2/embed takes a body without input_type (Cohere requires it; it applies no prompt
+    here either way): the same vectors."""
+    answer = httpx.post(f"{server.url}/v2/embed", json={"texts": TEXTS, "embedding_types": ["float"]})
+    assert answer.status_code == 200, answer.text
+    assert cosine_rows(np.array(answer.json()["embeddings"]["float"]), st_model.encode(TEXTS)).min() >= MIN_COSINE
 
 
 @pytest.mark.parametrize(("fields", "message", "param"), [

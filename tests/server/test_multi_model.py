@@ -131,6 +131,17 @@ def test_an_unknown_model_is_a_404_naming_the_served_ones_and_the_server_still_s
     _check("embed", _embed(three.url, "embed"), references)
 
 
+def test_the_model_argument_as_given_names_its_model_as_vllm_s_default_id(three, references,
+                                                                          minilm_classifier_folder):
+    """vLLM serves a model under its ``--model`` argument (a path, a hub id) unless named: a client
+    configured with it reaches the model here too, though /v1/models lists the served names."""
+    folder = str(minilm_classifier_folder(3))
+    body = _ok(httpx.post(f"{three.url}/classify", json={"input": TEXTS, "model": folder}))
+    assert body["model"] == "labels"
+    np.testing.assert_allclose([item["probs"] for item in body["data"]], references["labels"], atol=1e-5)
+    assert folder not in [card["id"] for card in _ok(httpx.get(f"{three.url}/v1/models"))["data"]]
+
+
 def test_a_task_the_named_model_does_not_serve_is_its_own_error(three, references):
     answer = httpx.post(f"{three.url}/classify", json={"input": "x", "model": "embed"})
     assert answer.status_code == 400

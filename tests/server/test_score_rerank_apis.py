@@ -374,10 +374,11 @@ def test_tei_root_of_a_reranker_is_its_rerank(cross_encoder):
     assert (empty.status_code, empty.json()) == (400, {"error": "texts is empty: send at least one text",
                                                        "error_type": "Empty"})
     for path in ("/rerank", "/v1/rerank", "/v2/rerank", "/invocations", "/"):
-        for texts, shown in ((5, "5"), (True, "True"), ("a text", "'a text'")):
+        for texts, wrong in ((5, "got 5"), (True, "got True"), ({"a": 1}, "got {'a': 1}"),
+                             ("a text", "not one string")):
             answer = httpx.post(f"{running.url}{path}", json={"query": QUERY, "texts": texts})
             assert (answer.status_code, answer.json()) == (422, {
-                "error": f"texts must be a list of texts, got {shown}", "error_type": "Validation"}), path
+                "error": f"texts must be a list of strings, {wrong}", "error_type": "Validation"}), path
     _still_serves(running.url, runtime)
 
 
@@ -475,7 +476,8 @@ def test_tei_tokenize_of_no_text_is_tei_empty_error(server, hf_tokenizer):
 
 def test_vllm_tokenize_and_detokenize(server, hf_tokenizer):
     old = _ok(httpx.post(f"{server.url}/tokenize", json={"prompt": SANITY_TEXT}))
-    assert old == {"count": len(old["tokens"]), "max_model_len": 256, "tokens": hf_tokenizer(SANITY_TEXT)["input_ids"]}
+    assert old == {"count": len(old["tokens"]), "max_model_len": 256, "tokens": hf_tokenizer(SANITY_TEXT)["input_ids"],
+                   "token_strs": None}  # vLLM answers null unless asked
     bare = _ok(httpx.post(f"{server.url}/tokenize", json={"prompt": SANITY_TEXT, "add_special_tokens": False,
                                                           "return_token_strs": True}))
     ids = hf_tokenizer(SANITY_TEXT, add_special_tokens=False)["input_ids"]
@@ -485,7 +487,8 @@ def test_vllm_tokenize_and_detokenize(server, hf_tokenizer):
         assert _ok(httpx.post(f"{server.url}/detokenize", json={"tokens": tokens})) == {
             "prompt": hf_tokenizer.decode(tokens)}
     long = _ok(httpx.post(f"{server.url}/tokenize", json={"prompt": "word " * 300}))  # counted whole, as vLLM's
-    assert long == {"count": 302, "max_model_len": 256, "tokens": hf_tokenizer("word " * 300)["input_ids"]}
+    assert long == {"count": 302, "max_model_len": 256, "tokens": hf_tokenizer("word " * 300)["input_ids"],
+                    "token_strs": None}
     message, param = _error(httpx.post(f"{server.url}/tokenize", json={"prompt": "w" * 8193}))
     assert (message, param) == ("input 0 has 8193 characters, more than the limit of 8192 per input "
                                 "(max_input_chars, the --max-input-chars flag); shorten it", "prompt")

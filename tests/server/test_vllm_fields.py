@@ -39,6 +39,7 @@ PAIRS = [("Fires threaten homes in Australia.", "Bushfires are burning near Sydn
 MESSAGES = [{"role": "system", "content": "You embed texts."},
             {"role": "user", "content": "A cheetah chases its prey across a field."}]
 CHAT_TEMPLATE = (
+    "{% if tools %}[tools:{% for tool in tools %} {{ tool['function']['name'] }}{% endfor %}]\n{% endif %}"
     "{% for message in messages %}<{{ message['role'] }}>{% if style is defined %}[{{ style }}] {% endif %}"
     "{{ message['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 )
@@ -422,6 +423,13 @@ def test_tokenize_messages_as_vllm_does(chat_server):
         _still_serves(running.url, runtime)
     assert _error(httpx.post(f"{running.url}/tokenize", json={"prompt": "a", "add_generation_prompt": True})) == (
         "add_generation_prompt applies to messages, not to prompt")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    rendered = tokenizer.apply_chat_template(MESSAGES, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert "[tools: get_weather]" in rendered
+    body = _ok(httpx.post(f"{running.url}/tokenize", json={"messages": MESSAGES, "tools": tools}))
+    assert body["tokens"] == tokenizer(rendered, add_special_tokens=False)["input_ids"]  # vLLM's tokenize with tools
+    assert _error(httpx.post(f"{running.url}/tokenize", json={"prompt": "a", "tools": tools})) == (
+        "tools applies to messages, not to prompt")
     long = [{"role": "user", "content": "word " * 300}]  # past max_model_len 256: counted whole, as vLLM's
     rendered = tokenizer.apply_chat_template(long, tokenize=False, add_generation_prompt=True)
     body = _ok(httpx.post(f"{running.url}/tokenize", json={"messages": long}))

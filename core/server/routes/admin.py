@@ -41,15 +41,15 @@ async def model(model_id: str, served: Served, created: Created) -> p.ModelCard:
 
 
 @router.post("/tokenize", response_model=p.TokenizeResponse | list[list[p.TeiToken]], responses=SHARED_WITH_TEI)
-async def tokenize(body: p.TokenizeRequest, request: Request, served: Served) -> JSONResponse | list[list[p.TeiToken]]:
+async def tokenize(body: p.TokenizeRequest, request: Request,
+                   served: Served) -> p.TokenizeResponse | list[list[p.TeiToken]]:
     """vLLM's tokenize (``prompt``: the ``prompt_token_ids``, special tokens included unless
     ``add_special_tokens`` is false), or TEI's (``inputs``: each text's tokens with their spans)."""
     service = served.pick(body.model)
     if body.api() == "tei":
         # once the body is TEI's, errors are TEI's too
         return await in_tei_shape(request, tei_tokens(service, body, request))
-    # TEI's null spans stay; vLLM's answer has token_strs only when asked
-    return JSONResponse((await _vllm_tokens(service, body, request)).model_dump(exclude_none=True))
+    return await _vllm_tokens(service, body, request)  # token_strs null unless asked, as vLLM answers
 
 
 @router.post("/detokenize", response_model=p.DetokenizeResponse)

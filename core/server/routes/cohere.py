@@ -34,7 +34,8 @@ async def embed(body: c.CohereEmbedRequest, request: Request, served: Served) ->
     images = sum(1 for item in items if not isinstance(item, str))
     return c.CohereEmbedResponse(
         id=answer_id("embed", None), embeddings=embeddings, texts=body.texts,
-        meta=c.EmbedMeta(billed_units=c.BilledUnits(input_tokens=num_tokens, images=images)))
+        meta=c.EmbedMeta(billed_units=c.BilledUnits(input_tokens=num_tokens, images=images),
+                         tokens=c.MetaTokens(input_tokens=num_tokens)))
 
 
 def _named(error: InvalidRequestError | ApiError, field: str, *, truncating: bool) -> InvalidRequestError | ApiError:
