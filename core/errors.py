@@ -88,14 +88,7 @@ class NonFiniteOutputError(PoolrunnerError):
     """A request's pooled output holds NaN or an infinity (the model overflowed on it at its
     dtype, or its weights or a LoRA adapter's hold such values): the request fails rather than
     answer values that are not numbers (JSON ``null``, quantized codes of 0). HTTP 422: it is
-    not retried, since the same input fails again.
-
-    :ivar request_id: The engine request whose output it was.
-    """
-
-    def __init__(self, message: str, request_id: str) -> None:
-        super().__init__(message)
-        self.request_id = request_id
+    not retried, since the same input fails again."""
 
 
 class RayNotInstalledError(PoolrunnerError, ImportError):

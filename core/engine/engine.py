@@ -222,7 +222,7 @@ class Engine:
         results = []
         for state, output in zip(inflight.finished, outputs, strict=True):
             if self.requests.get(state.request_id) is state:  # not aborted (nor its id reused) meanwhile
-                error = _non_finite(state.request_id, output)
+                error = _non_finite(output)
                 if error is None:
                     results.append((state.request_id, output))
                 else:
@@ -241,7 +241,7 @@ class Engine:
             self.hooks.remove_request(state=state)
 
 
-def _non_finite(request_id: str, output: RequestOutput) -> NonFiniteOutputError | None:
+def _non_finite(output: RequestOutput) -> NonFiniteOutputError | None:
     """The error for an output holding NaN or an infinity (its floating tensors), else ``None``."""
     tensors = output.values() if isinstance(output, dict) else (output,)
     floats = [tensor for tensor in tensors if tensor.is_floating_point()]
@@ -253,7 +253,7 @@ def _non_finite(request_id: str, output: RequestOutput) -> NonFiniteOutputError 
     return NonFiniteOutputError(
         f"the model's output holds NaN or infinite values ({bad} of {total}): the model overflowed on an input "
         "at its dtype, or its weights (or a LoRA adapter's) hold such values; the request is refused rather "
-        "than answered with values that are not numbers", request_id)
+        "than answered with values that are not numbers")
 
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:

@@ -311,9 +311,10 @@ class EngineLoop:
         for request_id, exc in self.engine.take_failures():  # one request's own failure: its submission alone
             owner = self._owner.get(request_id)
             if owner is not None:
-                error = exc if isinstance(exc, NonFiniteOutputError) else StepFailedError(
-                    f"the engine step running this request failed: {exc!r}")
-                if error is not exc:
+                if isinstance(exc, NonFiniteOutputError):  # the request's own answer, not a failed step
+                    error: Exception = exc
+                else:
+                    error = StepFailedError(f"the engine step running this request failed: {exc!r}")
                     error.__cause__ = exc
                 self._drop(owner[0], error)
         for request_id, output in finished:
