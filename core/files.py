@@ -35,7 +35,7 @@ from typing import IO, TYPE_CHECKING, Any
 import attrs
 import numpy as np
 
-from poolrunner.core.errors import InvalidRequestError
+from poolrunner.core.errors import InvalidRequestError, NonFiniteOutputError, PoolrunnerError
 from poolrunner.core.validators import unencodable_at
 
 logger = logging.getLogger(__name__)
@@ -262,7 +262,7 @@ def _json_object(line: str) -> tuple[dict[str, Any] | None, str | None]:
     if problem is not None:
         return None, problem
     try:
-        record = json.loads(line)
+        record = json.loads(line.rstrip("\r\n"))  # an error at the line's end is in its last column
     except json.JSONDecodeError as exc:
         return None, f"invalid JSON: {exc.msg} (column {exc.colno})"
     except RecursionError:
@@ -435,33 +435,45 @@ def _lone_surrogate(text: str) -> str | None:
 
 
 def run_each(call: Callable[[list[Any]], Sequence[Any]], inputs: list[Any], places: Sequence[str], *,
-             stop: bool) -> tuple[list[Any], list[tuple[int, InvalidRequestError]]]:
-    """``call(inputs)``; when it refuses the list (:class:`InvalidRequestError`), each input alone.
+             stop: bool) -> tuple[list[Any], list[tuple[int, PoolrunnerError]]]:
+    """``call(inputs)``; when it refuses the list (:data:`RECORD_ERRORS`), each input alone.
 
     :param places: Each input's place, put before the message of an input refused alone.
     :param stop: Raise the first refusal (``on_error="fail"``) rather than go on.
     :returns: ``(results, refused)``: a result per input (``None`` for a refused one), and
         ``(index, error)`` per refused input, the error of the same type as the runtime's, its
         message ``PLACE: <runtime's message>`` ("input 0" of a lone call read as "this input").
-    :raises InvalidRequestError: the first refusal, with ``stop``.
+    :raises InvalidRequestError: the first refusal, with ``stop`` (or the
+        :class:`~poolrunner.core.errors.NonFiniteOutputError` of an input the model overflows on).
     """
     try:
         return list(call(inputs)), []
-    except InvalidRequestError:
+    except RECORD_ERRORS:
         pass  # some input is refused: find which
     results: list[Any] = []
-    refused: list[tuple[int, InvalidRequestError]] = []
+    refused: list[tuple[int, PoolrunnerError]] = []
     for index, item in enumerate(inputs):
         try:
             results.append(call([item])[0])
-        except InvalidRequestError as exc:
-            message = re.sub(r"^(input|pair) 0\b", r"this \1", str(exc))
-            located = type(exc)(f"{places[index]}: {message}", param=exc.param)
+        except RECORD_ERRORS as exc:
+            located = _located(exc, places[index])
             if stop:
                 raise located from None
             results.append(None)
             refused.append((index, located))
     return results, refused
+
+
+RECORD_ERRORS = (InvalidRequestError, NonFiniteOutputError)
+"""What one record can cause: its input refused, or an output the model overflowed on."""
+
+
+def _located(exc: PoolrunnerError, place: str) -> PoolrunnerError:
+    """``exc`` again, its message after ``place`` ("input 0" of a lone call read as "this input")."""
+    message = f"{place}: " + re.sub(r"^(input|pair) 0\b", r"this \1", str(exc))
+    if isinstance(exc, InvalidRequestError):
+        return type(exc)(message, param=exc.param)
+    return type(exc)(message)
 
 
 # --- writing ----------------------------------------------------------------------------------

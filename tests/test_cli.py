@@ -264,11 +264,16 @@ def test_embed_jsonl_missing_field(capsys: pytest.CaptureFixture[str], tmp_path:
     )
 
 
-def test_embed_jsonl_bad_json_names_the_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+@pytest.mark.parametrize(("line", "problem"), [
+    ('{"text": oops}', "Expecting value (column 10)"),
+    ('{"text": "x"', "Expecting ',' delimiter (column 13)"),  # at the line's end, not on a next line's column 1
+])
+def test_embed_jsonl_bad_json_names_the_line(capsys: pytest.CaptureFixture[str], tmp_path: Path, line: str,
+                                             problem: str) -> None:
     source = tmp_path / "docs.jsonl"
-    source.write_text('{"text": "ok"}\n\n{"text": oops}\n', encoding="utf-8")
+    source.write_text('{"text": "ok"}\n\n' + line + '\n', encoding="utf-8")
     code, out, err = run_cli(capsys, "embed", "--input", str(source))
-    assert_user_error(code, out, err, f"{source}:3: invalid JSON: Expecting value (column 10)")
+    assert_user_error(code, out, err, f"{source}:3: invalid JSON: {problem}")
 
 
 def test_embed_jsonl_field_must_be_a_string(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -243,6 +243,39 @@ def test_skip_leaves_bad_records_out_and_counts_them(capsys, tmp_path, tiny, tin
     np.testing.assert_allclose([r["embedding"] for r in records], tiny_runtime.embed(["one", "four"]), atol=1e-6)
 
 
+def test_an_output_the_model_overflows_on_is_a_bad_record(capsys, tmp_path, tiny, tiny_runtime) -> None:
+    """A record whose output holds NaN (here: the embedding row of one word is NaN, as in a broken
+    checkpoint) fails the run naming it, or is skipped and counted with --on-error skip."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny, broken)
+    weights = load_file(broken / "model.safetensors")
+    token = AutoTokenizer.from_pretrained(broken).convert_tokens_to_ids("poison")
+    [name] = [name for name in weights if name.endswith("word_embeddings.weight")]
+    weights[name][token] = float("nan")
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    source = tmp_path / "docs.txt"
+    source.write_text("one\nthe poison word\nthree\n", encoding="utf-8")
+    target = tmp_path / "vectors.jsonl"
+    overflow = ("the model's output holds NaN or infinite values (32 of 32): the model overflowed on an input at its "
+                "dtype, or its weights (or a LoRA adapter's) hold such values; the request is refused rather than "
+                "answered with values that are not numbers")
+    code, out, err = cli(capsys, "embed", "--model", str(broken), "--input", str(source), "-o", str(target))
+    assert (code, out) == (2, "")
+    assert err.splitlines()[-1] == f"poolrunner: error: {source}:2: {overflow}"
+    code, _, err = cli(capsys, "embed", "--model", str(broken), "--input", str(source), "-o", str(target),
+                       "--on-error", "skip")
+    assert code == 0, err
+    assert f"poolrunner: skipped {source}:2: {overflow}" in err.splitlines()
+    records = [json.loads(line) for line in target.read_text(encoding="utf-8").splitlines()]
+    assert [r["index"] for r in records] == [0, 2]
+    np.testing.assert_allclose([r["embedding"] for r in records], tiny_runtime.embed(["one", "three"]), atol=1e-6)
+
+
 def test_a_csv_row_of_the_wrong_width(capsys, tmp_path, tiny, tiny_runtime) -> None:
     source = tmp_path / "docs.csv"
     source.write_text("text,id\nfirst,1\nsecond,2,surplus\nthird,3\n", encoding="utf-8")

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -144,7 +145,6 @@ def test_an_address_ray_cannot_read_is_a_clear_error() -> None:
 @pytest.mark.parametrize("form", ["{}", "ray://{}", "env"])
 def test_an_address_nothing_listens_at_is_refused_at_once(form, monkeypatch) -> None:
     """Ray retries such an address for minutes; it is refused before ``ray.init``, naming it."""
-    import socket
     import time
 
     with socket.socket() as unused:  # a port of this machine that nothing listens at
@@ -204,6 +204,19 @@ def test_bad_options_fail_before_any_work(tmp_path) -> None:
     with pytest.raises(InvalidRequestError, match=r"^inputs mix formats \(jsonl: .*, text: .*\)"):
         (tmp_path / "b.jsonl").write_text('{"text": "two"}\n', encoding="utf-8")
         run_job(str(tmp_path), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_address_nothing_listens_at_fails_before_the_output_is_written(tmp_path, monkeypatch) -> None:
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as a new process: this one may hold a cluster
+    (tmp_path / "a.txt").write_text("one\n", encoding="utf-8")
+    with socket.socket() as unused:  # a port of this machine that nothing listens at
+        unused.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{unused.getsockname()[1]}"
+    with pytest.raises(InvalidRequestError, match=f"^Ray address '{address}': nothing accepts a connection"):
+        run_job(str(tmp_path / "a.txt"), str(tmp_path / "out"), address=address)
     assert not (tmp_path / "out").exists()
 
 

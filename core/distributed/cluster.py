@@ -48,14 +48,11 @@ def init(address: str | None, **options: Any) -> Any:
     """``ray.init`` with :func:`init_options` and ``options`` (``num_cpus``...); Ray's context.
 
     :raises InvalidRequestError: for an address Ray cannot read (it raises a bare ``ValueError``),
-        or one where nothing accepts a connection (:func:`check_reachable`).
+        or one where nothing accepts a connection (:func:`check_address`).
     """
     import ray
 
-    if address not in (None, "", "local"):
-        check_reachable(address)
-    elif os.environ.get("RAY_ADDRESS"):  # ray.init joins it
-        check_reachable(os.environ["RAY_ADDRESS"], from_environment=True)
+    check_address(address)
     try:
         return ray.init(**init_options(address), **options)
     except ValueError as exc:
@@ -63,6 +60,15 @@ def init(address: str | None, **options: Any) -> Any:
             raise
         raise InvalidRequestError(f"Ray address {address!r}: {exc} (expected HOST:PORT of a cluster's head, "
                                   "auto, or local)", param="address") from None
+
+
+def check_address(address: str | None) -> None:
+    """:func:`check_reachable` for the cluster :func:`init` would join: ``address``, or
+    ``$RAY_ADDRESS`` when none is given (``local`` starts a cluster: nothing to check)."""
+    if address not in (None, "", "local"):
+        check_reachable(address)
+    elif address != "local" and os.environ.get("RAY_ADDRESS"):  # ray.init joins it
+        check_reachable(os.environ["RAY_ADDRESS"], from_environment=True)
 
 
 def check_reachable(address: str, *, from_environment: bool = False) -> None:

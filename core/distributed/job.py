@@ -166,6 +166,10 @@ def run_job(
             raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
     if on_error not in ON_ERROR:
         raise InvalidRequestError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
+    import ray
+
+    if not ray.is_initialized():  # a cluster nobody answers for is refused before the output is written
+        cluster.check_address(address)
     in_fs, input_format, shards = list_shards(inputs, input_format, output=output)
     if input_format == "text":
         if id_field is not None:
