@@ -37,7 +37,7 @@ from poolrunner.core.frontend.requests import (
     as_items,
     is_pair,
 )
-from poolrunner.core.frontend.scoring import cosine, maxsim, pair_up, sigmoid_score, text_labels
+from poolrunner.core.frontend.scoring import maxsim, pair_up, sigmoid_score, text_labels
 from poolrunner.core.hooks import Hooks
 from poolrunner.core.inputs.images import ImageInputs, is_image
 from poolrunner.core.inputs.pages import PageInputs, Prepared
@@ -395,7 +395,8 @@ class Frontend:
             vectors = [outputs.to_array(output) for output in done]
             if task == "token_embed":  # a page-retrieval model: MaxSim of the token vectors
                 return maxsim([vectors[q] for q, _ in pairs], [vectors[d] for _, d in pairs])
-            scores = cosine(np.stack([vectors[q] for q, _ in pairs]), np.stack([vectors[d] for _, d in pairs]))
+            scores = similarity_pairwise(np.stack([vectors[q] for q, _ in pairs]),
+                                         np.stack([vectors[d] for _, d in pairs]), "cosine")
             return sigmoid_score(scores, *self.image_score) if sigmoid and self.image_score else scores
 
         return Plan(requests, finish)

@@ -71,13 +71,6 @@ def check_side(texts: str | Sequence[str], name: str) -> list[str]:
     return items
 
 
-def cosine(left: np.ndarray, right: np.ndarray) -> np.ndarray:
-    """Row-wise cosine similarity of ``[n, d]`` arrays, in float32, ``[n]``."""
-    left, right = left.astype(np.float32), right.astype(np.float32)
-    norms = np.linalg.norm(left, axis=1) * np.linalg.norm(right, axis=1)
-    return (np.einsum("nd,nd->n", left, right) / np.maximum(norms, np.finfo(np.float32).tiny)).astype(np.float32)
-
-
 def sigmoid_score(cosines: np.ndarray, logit_scale: float, logit_bias: float) -> np.ndarray:
     """SigLIP's (text, image) probability from the cosine of the pair's embeddings:
     ``sigmoid(cosine * exp(logit_scale) + logit_bias)``, i.e. ``torch.sigmoid`` of

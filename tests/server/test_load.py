@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from poolrunner import RerankResult
-from poolrunner.core.frontend.scoring import cosine
 from poolrunner.core.server import ServerSettings
+from poolrunner.core.similarity import similarity_pairwise
 from poolrunner.core.testing.server import ServerThread
 
 CLIENTS = int(os.environ.get("POOLRUNNER_LOAD_CLIENTS", "64"))
@@ -55,7 +55,7 @@ def _offline(runtime: Any, specs: list[dict[str, Any]]) -> list[np.ndarray]:
     expected = []
     for number, spec in enumerate(specs):
         embedded = np.stack([vectors[text] for text in spec["texts"]])
-        scores = cosine(np.tile(vectors[spec["query"]], (len(embedded), 1)), embedded)
+        scores = similarity_pairwise(np.tile(vectors[spec["query"]], (len(embedded), 1)), embedded, "cosine")
         if number < 40 and spec["kind"] == "score":
             np.testing.assert_allclose(runtime.score(spec["query"], spec["texts"]), scores, atol=ATOL)
         if spec["kind"] == "rerank":

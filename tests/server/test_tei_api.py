@@ -146,6 +146,8 @@ def test_similarity_is_the_cosine_of_sentence_transformers(server, client, st_mo
     assert raw.status_code == 200
     np.testing.assert_allclose(raw.json(), expected, atol=1e-5)
     np.testing.assert_allclose(client.sentence_similarity(QUERY, SENTENCES), expected, atol=1e-5)
+    same = httpx.post(f"{server.url}/similarity", json={"inputs": {"source_sentence": QUERY, "sentences": [QUERY]}})
+    assert same.json() == [1.0]  # the cosine in float64, as /score computes it: never past 1
 
 
 def test_decode_matches_transformers(server, hf_tokenizer):

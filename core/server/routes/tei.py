@@ -16,13 +16,13 @@ from fastapi import APIRouter, Body, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from poolrunner.core.frontend.scoring import cosine
 from poolrunner.core.server import protocol as p
 from poolrunner.core.server import tei
 from poolrunner.core.server import tei_protocol as t
 from poolrunner.core.server.errors import TeiError, TeiRoute
 from poolrunner.core.server.payload import json_response
 from poolrunner.core.server.routes.dependencies import Served
+from poolrunner.core.similarity import similarity_pairwise
 from poolrunner.core.validators import shown
 
 router = APIRouter(route_class=TeiRoute, tags=["Text Embeddings Inference"])
@@ -84,7 +84,7 @@ async def similarity(body: t.SimilarityRequest, request: Request, served: Served
     tei.check_items(served.settings, list(embeddings.inputs))
     service = tei.answering(served, "embed", "/similarity", body.model)
     vectors = np.stack(await tei.answer(service, request, embeddings))
-    return cosine(np.repeat(vectors[:1], len(vectors) - 1, axis=0), vectors[1:]).tolist()
+    return similarity_pairwise(np.repeat(vectors[:1], len(vectors) - 1, axis=0), vectors[1:], "cosine").tolist()
 
 
 @router.post("/decode", response_model=list[str])
