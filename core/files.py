@@ -434,6 +434,10 @@ def _lone_surrogate(text: str) -> str | None:
 # --- running a chunk --------------------------------------------------------------------------
 
 
+RECORD_ERRORS = (InvalidRequestError, NonFiniteOutputError)
+"""What one record can cause: its input refused, or an output the model overflowed on."""
+
+
 def run_each(call: Callable[[list[Any]], Sequence[Any]], inputs: list[Any], places: Sequence[str], *,
              stop: bool) -> tuple[list[Any], list[tuple[int, PoolrunnerError]]]:
     """``call(inputs)``; when it refuses the list (:data:`RECORD_ERRORS`), each input alone.
@@ -462,10 +466,6 @@ def run_each(call: Callable[[list[Any]], Sequence[Any]], inputs: list[Any], plac
             results.append(None)
             refused.append((index, located))
     return results, refused
-
-
-RECORD_ERRORS = (InvalidRequestError, NonFiniteOutputError)
-"""What one record can cause: its input refused, or an output the model overflowed on."""
 
 
 def _located(exc: PoolrunnerError, place: str) -> PoolrunnerError:
