@@ -17,13 +17,14 @@ import attrs
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
+from poolrunner.core.errors import InputTooLongError
 from poolrunner.core.frontend import chunking
 from poolrunner.core.frontend.plans import Plan
-from poolrunner.core.frontend.requests import Input, RerankRequest, ScoreRequest, as_items, is_pair
+from poolrunner.core.frontend.requests import Input, RerankRequest, ScoreRequest, TokenizeRequest, as_items, is_pair
 from poolrunner.core.frontend.requests import Request as FrontendRequest
 from poolrunner.core.runtime import Runtime, Serving
 from poolrunner.core.server.admission import NO_LEASE, Lease, OutputBudget
-from poolrunner.core.server.errors import ApiError
+from poolrunner.core.server.errors import ApiError, with_advice
 from poolrunner.core.server.metrics import ServerMetrics
 from poolrunner.core.server.middleware import REQUEST_STATS
 from poolrunner.core.server.protocol import text_image_prompt
@@ -150,6 +151,19 @@ class PoolingService:
         pooling): :meth:`prompts`, then the body's ``to_request`` of them, :meth:`answer`\ ed."""
         items, add_special_tokens = await self.prompts(body)
         return await self.answer(request, body.to_request(items, add_special_tokens), priority=body.priority)
+
+    async def tokens(self, request: Request, tokenize: TokenizeRequest, field: str) -> Any:
+        """``tokenize``'s answer (:meth:`answer`) for a ``/tokenize`` body, vLLM's or TEI's.
+
+        :raises ApiError: 400 (TEI's shape: 422 Validation) naming ``field`` for a text over
+            ``max_input_chars``, advising to shorten it: neither body takes a truncation, which
+            the core's advice names.
+        """
+        try:
+            answer, _ = await self.answer(request, tokenize)
+        except InputTooLongError as exc:
+            raise ApiError(400, with_advice(str(exc), "shorten it"), param=field) from None
+        return answer
 
     async def answer(self, request: Request, frontend_request: FrontendRequest, *, priority: int | None = None,
                      ) -> tuple[Any, int]:

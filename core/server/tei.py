@@ -152,17 +152,15 @@ async def tei_tokens(service: PoolingService, body: p.TokenizeRequest, request: 
     and the input's own text for each token (counted from the start of ``prompt_name``'s prompt,
     as TEI's); a special token's text is the token itself.
 
-    :raises TeiError: 422 Validation for a text over ``max_input_chars``.
+    :raises ApiError: as :meth:`~poolrunner.core.server.service.PoolingService.tokens` (TEI's
+        route answers it in TEI's shape).
     """
     tokenize = body.to_request()
     if not tokenize.texts:
         raise TeiError("Empty", "inputs is empty: send at least one text")
     service.check_count(len(tokenize.texts), "inputs")
     answer = []
-    try:
-        tokens_of_texts, _ = await service.answer(request, tokenize)
-    except InputTooLongError as exc:  # the core's advice names truncate_prompt_tokens, which this body has not
-        raise TeiError("Validation", with_advice(str(exc), "shorten it")) from exc
+    tokens_of_texts = await service.tokens(request, tokenize, "inputs")
     for text, tokens in zip(service.frontend.prompted(tokenize), tokens_of_texts, strict=True):
         row = []
         for token in tokens:

@@ -11,9 +11,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
-from poolrunner.core.errors import InputTooLongError
 from poolrunner.core.server import protocol as p
-from poolrunner.core.server.errors import SHARED_WITH_TEI, ApiError, in_tei_shape, with_advice
+from poolrunner.core.server.errors import SHARED_WITH_TEI, ApiError, in_tei_shape
 from poolrunner.core.server.middleware import HEALTH_PATHS
 from poolrunner.core.server.routes.dependencies import Created, Metrics, Served
 from poolrunner.core.server.service import PoolingService
@@ -105,11 +104,7 @@ async def _vllm_tokens(service: PoolingService, body: p.TokenizeRequest, request
             raise ApiError(400, "messages make an image here: /tokenize tokenizes text", param="messages")
         chat = prompt, add_special_tokens
     tokenize = body.to_request(chat)
-    try:
-        [tokens], _ = await service.answer(request, tokenize)
-    except InputTooLongError as exc:  # the core's advice names truncate_prompt_tokens, which this body has not
-        field = "prompt" if chat is None else "messages"
-        raise ApiError(400, with_advice(str(exc), "shorten it"), param=field) from None
+    [tokens] = await service.tokens(request, tokenize, "prompt" if chat is None else "messages")
     ids = [token.id for token in tokens] if tokenize.with_tokens else tokens
     return p.TokenizeResponse(count=len(ids), max_model_len=service.runtime.model_config.max_model_len, tokens=ids,
                               token_strs=[token.token for token in tokens] if tokenize.with_tokens else None)
