@@ -403,8 +403,13 @@ def test_smollm2_is_refused_in_int8_because_even_bf16_mixed_misses_the_bar_on_si
     words = texts[len(precision.PROBE_TEXTS):-1]
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     model = AutoModel.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()
-    with torch.inference_mode():  # one word at a time: no padding, the last token is the last position
-        expected = [model(**tokenizer(word, return_tensors="pt")).last_hidden_state[0, -1].numpy() for word in words]
+    # All words in one call, padded on the right: causal attention keeps the padding out of every
+    # real token's state, so each word's last real token is as it would be alone.
+    tokenizer.padding_side = "right"
+    batch = tokenizer(words, return_tensors="pt", padding=True)
+    with torch.inference_mode():
+        states = model(**batch).last_hidden_state
+    expected = states[torch.arange(len(words)), batch["attention_mask"].sum(1) - 1].numpy()
     assert cosine_rows(mixed.embed(words), expected).min() < 0.999
     assert mixed.embed(["next"]).shape == (1, 576)
 
