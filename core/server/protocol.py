@@ -35,6 +35,7 @@ from poolrunner.core.server.errors import ApiError
 from poolrunner.core.server.json_inputs import json_inputs, json_inputs_with_pairs
 from poolrunner.core.server.settings import ServerSettings
 from poolrunner.core.server.tei_protocol import tei_tokenization
+from poolrunner.core.types import TruncationSide
 from poolrunner.core.validators import unencodable_at
 
 logger = logging.getLogger("poolrunner.core.server")
@@ -118,6 +119,9 @@ class _Request(_Body):
         default=None, description="Keep this many tokens of each input (-1: the model maximum); "
                                   "without it (and without the server's --truncate-prompt-tokens) a too long "
                                   "input is a 400.")
+    truncation_side: TruncationSide | None = Field(
+        default=None, description="vLLM's: which end truncate_prompt_tokens keeps, right (the default: the "
+                                  "first tokens) or left (the last).")
     user: StrictStr | None = Field(default=None, description="Accepted (OpenAI, vLLM); unused.")
     priority: StrictInt | None = Field(
         default=None, description="vLLM's: lower runs first (default 0); requests of equal priority take turns.")
@@ -132,7 +136,8 @@ class _Request(_Body):
         """The body's prompt fields; ``truncate_prompt_tokens`` unset: the server's default."""
         keep = self.truncate_prompt_tokens
         return fr.Tokenization(truncate_prompt_tokens=BODY_SETTINGS.get().truncate_prompt_tokens if keep is None
-                               else keep, add_special_tokens=add_special_tokens)
+                               else keep, truncation_side=self.truncation_side or "right",
+                               add_special_tokens=add_special_tokens)
 
 
 class ContentPart(_Body):
@@ -583,7 +588,7 @@ def _none_for_zero(value: int | None) -> int | None:
 
 _TEI_RERANK_FIELDS = ("texts", "return_text", "truncate", "truncation_direction")  # raw_scores: infinity's too
 _RERANK_FIELDS = ("documents", "top_n", "return_documents", "max_tokens_per_doc", "truncate_prompt_tokens",
-                  "use_activation")
+                  "truncation_side", "use_activation")
 
 
 class TokenizeRequest(_Chat):

@@ -13,6 +13,7 @@ Every rejected request is followed by one that must still be served.
 from __future__ import annotations
 
 import base64
+import copy
 import json
 import logging
 import sys
@@ -132,6 +133,32 @@ def test_add_special_tokens_false_tokenizes_without_them(server, runtime, hf_tok
     assert message == ("truncate_prompt_tokens=1 is below the 2 special tokens model all-MiniLM-L6-v2 adds "
                        "to every input; use at least 2 (or -1 for the model maximum)")
     _still_serves(server.url, runtime)
+
+
+def test_truncation_side_left_keeps_the_last_tokens_on_every_route(server, runtime, hf_tokenizer, hf_mean):
+    """vLLM's ``truncation_side`` beside ``truncate_prompt_tokens``: ``left`` keeps each input's
+    last tokens (and the special tokens), as the tokenizer's own left truncation does; the
+    expected vectors are transformers' masked means of those ids."""
+    keep = 6
+    left = copy.deepcopy(hf_tokenizer)
+    left.truncation_side = "left"
+    ids = [left(text, truncation=True, max_length=keep)["input_ids"] for text in TEXTS]
+    assert ids[1] != hf_tokenizer(TEXTS[1], truncation=True, max_length=keep)["input_ids"]
+    expected = normalized(hf_mean(ids))
+    fields = {"truncate_prompt_tokens": keep, "truncation_side": "left"}
+    for path, key in (("/v1/embeddings", "embedding"), ("/pooling", "data")):
+        body = _ok(httpx.post(f"{server.url}{path}", json={"input": TEXTS, **fields}))
+        vectors = np.array([item[key] for item in body["data"]])
+        assert cosine_rows(vectors, expected).min() >= MIN_COSINE, path
+        assert body["usage"]["prompt_tokens"] == keep * len(TEXTS)
+    score = _ok(httpx.post(f"{server.url}/score", json={"text_1": TEXTS[0], "text_2": TEXTS[1:], **fields}))
+    np.testing.assert_allclose([item["score"] for item in score["data"]], expected[1:] @ expected[0], atol=1e-5)
+    ranked = _ok(httpx.post(f"{server.url}/rerank", json={"query": TEXTS[0], "documents": TEXTS[1:], **fields}))
+    np.testing.assert_allclose(sorted(item["relevance_score"] for item in ranked["results"]),
+                               sorted(expected[1:] @ expected[0]), atol=1e-5)
+    right = _vectors(_ok(httpx.post(f"{server.url}/v1/embeddings",
+                                    json={"input": TEXTS, "truncate_prompt_tokens": keep})))
+    assert cosine_rows(right, expected).min() < 0.99  # the default side is right, and it matters here
 
 
 @pytest.mark.parametrize("embed_dtype", ["float32", "float16", "bfloat16"])
@@ -300,6 +327,8 @@ BAD_FIELDS = [
      + "b" * 18 + "'"),
     ("encoding_format", {"encoding_format": "npy"},
      "encoding_format: Input should be 'float', 'base64', 'bytes' or 'bytes_only', got 'npy'"),
+    ("truncation_side", {"truncation_side": "middle"},
+     "truncation_side: Input should be 'left' or 'right', got 'middle'"),
     ("precision", {"precision": "int4"},
      "precision: Input should be 'float32', 'int8', 'uint8', 'binary' or 'ubinary', got 'int4'"),
     ("one text to calibrate", {"input": "one text", "precision": "int8"},
