@@ -1,10 +1,14 @@
 """How classification logits become scores: the rules of vLLM, TEI and sentence-transformers.
 
-One label -> sigmoid (a cross-encoder's relevance; softmax over one logit would always be 1.0);
-two or more -> softmax (``torch.softmax`` subtracts the max, so logits like ``[-100, 1]`` or
-``[1000, -1000]`` stay finite); ``problem_type`` ``multi_label_classification`` -> independent
-sigmoids; ``regression`` -> identity. An activation named by a sentence-transformers
-cross-encoder config wins, but only a class under ``torch.nn`` is ever used.
+Classification (:func:`classifier_activation`, vLLM's ``classify`` and transformers'
+text-classification pipeline): one label -> sigmoid (softmax over one logit would always be
+1.0); two or more -> softmax (``torch.softmax`` subtracts the max, so logits like ``[-100, 1]``
+or ``[1000, -1000]`` stay finite); ``problem_type`` ``multi_label_classification`` ->
+independent sigmoids; ``regression`` -> identity.
+
+Scoring pairs (:func:`score_activation`, vLLM's ``score`` and sentence-transformers'
+``CrossEncoder.predict``): the activation a cross-encoder's folder names wins (``Identity`` for
+the ms-marco cross-encoders: raw logits), but only a class under ``torch.nn`` is ever used.
 """
 
 from __future__ import annotations
@@ -21,29 +25,37 @@ Activation = Callable[[torch.Tensor], torch.Tensor]
 
 
 def classifier_activation(model_config: ModelConfig) -> Activation:
-    """The activation over the last dimension (labels) of ``[..., num_labels]`` logits.
-
-    :raises ModelLoadError: for a configured activation that is not a usable ``torch.nn`` class.
-    """
-    if model_config.classifier_activation is not None:
-        activation = getattr(nn, model_config.classifier_activation, None)
-        if not (isinstance(activation, type) and issubclass(activation, nn.Module)) or activation is nn.Module:
-            raise ModelLoadError(
-                f"model {model_config.name}: activation {model_config.classifier_activation!r} is not a torch.nn module"
-            )
-        try:
-            # Softmax and its kin default to an implicit (deprecated, warning) dim: use the labels.
-            return activation(dim=-1) if activation in (nn.Softmax, nn.LogSoftmax, nn.Softmin) else activation()
-        except (TypeError, NotImplementedError) as exc:
-            raise ModelLoadError(
-                f"model {model_config.name}: activation {model_config.classifier_activation!r} cannot be built "
-                f"without arguments: {exc}"
-            ) from exc
+    """The classification activation over the last dimension (labels) of ``[..., num_labels]``
+    logits, by ``problem_type`` and the label count; a cross-encoder's named activation is not
+    read here (vLLM's ``classify`` does not read it either: it scores pairs, :func:`score_activation`)."""
     if model_config.problem_type == "regression":
         return lambda logits: logits
     if model_config.problem_type == "multi_label_classification" or len(model_config.labels) == 1:
         return torch.sigmoid  # softmax over one logit is always 1.0
     return lambda logits: torch.softmax(logits, dim=-1)  # subtracts the max: stable for any logits
+
+
+def score_activation(model_config: ModelConfig) -> Activation | None:
+    """The activation a sentence-transformers cross-encoder names
+    (:attr:`~poolrunner.core.types.ModelConfig.classifier_activation`), built over the labels'
+    dimension, for its pair scores; ``None`` when the folder names none (its scores are then
+    :func:`classifier_activation`'s, as sentence-transformers' default is).
+
+    :raises ModelLoadError: for a name that is not a ``torch.nn`` module, or one that cannot be
+        built without arguments.
+    """
+    name = model_config.classifier_activation
+    if name is None:
+        return None
+    activation = getattr(nn, name, None)
+    if not (isinstance(activation, type) and issubclass(activation, nn.Module)) or activation is nn.Module:
+        raise ModelLoadError(f"model {model_config.name}: activation {name!r} is not a torch.nn module")
+    try:
+        # Softmax and its kin default to an implicit (deprecated, warning) dim: use the labels.
+        return activation(dim=-1) if activation in (nn.Softmax, nn.LogSoftmax, nn.Softmin) else activation()
+    except (TypeError, NotImplementedError) as exc:
+        raise ModelLoadError(f"model {model_config.name}: activation {name!r} cannot be built without arguments: "
+                             f"{exc}") from exc
 
 
 def label_count_activation(logits: torch.Tensor) -> torch.Tensor:

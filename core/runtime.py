@@ -317,7 +317,10 @@ class Runtime:
         lora: str | None = None,
         show_progress_bar: bool = False,
     ) -> list[ClassificationResult]:
-        """Score each input over the model's labels (a ``*ForSequenceClassification`` model).
+        """Score each input over the model's labels (a ``*ForSequenceClassification`` model):
+        probabilities by the head's rule, as vLLM's ``classify`` and transformers'
+        text-classification pipeline give them (:func:`~poolrunner.core.activation.classifier_activation`;
+        an activation a cross-encoder's folder names is for :meth:`score` and :meth:`rerank`).
 
         :param inputs: Texts, token-id lists, or ``(text, text_pair)`` tuples for pair
             classifiers (tokenized as the model's tokenizer pairs them, with token types). A

@@ -330,7 +330,8 @@ class ModelConfig:
     :ivar problem_type: Hugging Face ``problem_type`` of the head (``single_label_classification``,
         ``multi_label_classification``, ``regression``), when the config sets it.
     :ivar classifier_activation: Activation a sentence-transformers cross-encoder names in its
-        config (a ``torch.nn`` class name), overriding the rule from ``labels``/``problem_type``.
+        config (a ``torch.nn`` class name): its pair scores' (``score``, ``rerank``), in place of
+        the rule from ``labels``/``problem_type``, which ``classify`` keeps (vLLM's split).
     :ivar token_weight_head: File of a BGE-M3 style token-weight head (``sparse_linear.pt``), a
         ``Linear(hidden_size, 1)`` state dict, when the folder has one.
     :ivar type_vocab_size: Number of token types the model embeds (0 when it has none); paired

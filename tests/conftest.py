@@ -409,9 +409,10 @@ def classifier_runtime() -> Callable[[Path], Any]:
 
 
 def reference_activation(logits: Any, hf_config: Any) -> np.ndarray:
-    """The expected scores of ``logits`` in float64, written independently of poolrunner:
-    a cross-encoder's named activation, else regression -> identity, multi-label or one label
-    -> sigmoid, else softmax. Overflow-free for any finite logit."""
+    """The expected ``classify`` probabilities of ``logits`` in float64, written independently of
+    poolrunner, as transformers' text-classification pipeline and vLLM's ``classify`` apply them
+    (a cross-encoder's named activation is for its pair scores, not read here): regression ->
+    identity, multi-label or one label -> sigmoid, else softmax. Overflow-free for any finite logit."""
     x = np.asarray(logits, dtype=np.float64)
 
     def sigmoid(v: np.ndarray) -> np.ndarray:
@@ -421,10 +422,6 @@ def reference_activation(logits: Any, hf_config: Any) -> np.ndarray:
         e = np.exp(v - v.max(axis=-1, keepdims=True))
         return e / e.sum(axis=-1, keepdims=True)
 
-    named = (getattr(hf_config, "sentence_transformers", None) or {}).get("activation_fn")
-    if named is not None:
-        activations = {"Identity": lambda v: v, "Tanh": np.tanh, "Sigmoid": sigmoid, "Softmax": softmax}
-        return activations[named.rsplit(".", 1)[-1]](x)
     if hf_config.problem_type == "regression":
         return x
     if hf_config.problem_type == "multi_label_classification" or hf_config.num_labels == 1:

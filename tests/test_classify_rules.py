@@ -124,26 +124,30 @@ def test_extreme_logits_are_stable(variant, bias, make_classifier_folder, classi
 
 
 @pytest.mark.parametrize("activation, variant", [
-    ("torch.nn.modules.activation.Identity", "single"),  # raw score instead of the one-label sigmoid
-    ("torch.nn.modules.activation.Tanh", "multiclass"),  # wins over the multi-label softmax
+    ("torch.nn.modules.activation.Identity", "single"),  # raw scores instead of the one-label sigmoid
+    ("torch.nn.modules.activation.Tanh", "single"),
     ("torch.nn.Softmax", "multiclass"),  # built over the label axis, without torch's implicit-dim warning
 ])
-def test_cross_encoder_activation_is_honoured(activation, variant, make_classifier_folder, classifier_runtime,
-                                              classifier_reference, word_texts):
+def test_a_cross_encoder_activation_scores_its_pairs_and_classify_keeps_the_head_rule(
+        activation, variant, make_classifier_folder, classifier_runtime, classifier_reference, word_texts):
+    """vLLM's split: ``score`` (and ``rerank``) apply the activation the folder names, as
+    ``CrossEncoder.predict`` does; ``classify`` gives the head's probabilities, as vLLM's
+    ``classify`` and transformers' text-classification pipeline do."""
     folder = make_classifier_folder("bert", variant, st_config={"activation_fn": activation})
     runtime, reference = classifier_runtime(folder), classifier_reference(folder)
-    assert runtime.model_config.classifier_activation == activation.rsplit(".", 1)[-1]
-    pairs = list(zip(word_texts(4, seed=14, hi=8), word_texts(4, seed=15, hi=30), strict=True))
-    logits = reference.logits(pairs)
     name = activation.rsplit(".", 1)[-1]
-    expected = {"Identity": logits, "Tanh": np.tanh(logits),
-                "Softmax": np.exp(logits) / np.exp(logits).sum(1, keepdims=True)}[name]
-    got = scores_of(runtime.classify(pairs))
-    np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
-    np.testing.assert_allclose(got, reference.scores(pairs), rtol=RTOL, atol=ATOL)
-    if name == "Identity":
-        assert (np.abs(got) > 1).any(), "raw logits, not probabilities"
+    assert runtime.model_config.classifier_activation == name
+    queries, documents = word_texts(4, seed=14, hi=8), word_texts(4, seed=15, hi=30)
+    pairs = list(zip(queries, documents, strict=True))
+    logits = reference.logits(pairs)
+    np.testing.assert_allclose(scores_of(runtime.classify(pairs)), reference.scores(pairs), rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(scores_of(runtime.classify(pairs, use_activation=False)), logits, rtol=RTOL, atol=ATOL)
+    if variant == "single":
+        named = {"Identity": logits, "Tanh": np.tanh(logits)}[name][:, 0]
+        np.testing.assert_allclose(runtime.score(queries, documents), named, rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(runtime.score(queries, documents, use_activation=False), logits[:, 0],
+                                   rtol=RTOL, atol=ATOL)
+        assert (np.abs(logits) > 1).any(), "the logits tell every activation apart"
 
 
 def test_untrusted_cross_encoder_activation_is_refused(make_classifier_folder, monkeypatch):

@@ -20,7 +20,7 @@ import attrs
 import numpy as np
 from attrs import frozen
 
-from poolrunner.core.activation import label_count_activation
+from poolrunner.core.activation import label_count_activation, score_activation
 from poolrunner.core.adapters import LoraAdapters
 from poolrunner.core.errors import InvalidRequestError, PromptTooLongError, UnsupportedTaskError
 from poolrunner.core.frontend import outputs
@@ -129,6 +129,7 @@ class Frontend:
         self.images = images
         self.adapters = adapters if adapters is not None else LoraAdapters(0)
         self.image_score = image_score
+        self._score_activation = score_activation(model_config)  # here so that a bad name fails the load
 
     @property
     def cross_encoder(self) -> bool:
@@ -171,7 +172,7 @@ class Frontend:
 
     @plan.register
     def _(self, request: ClassifyRequest) -> Plan[list[Any]]:
-        use_activation, activate = _activation(request)
+        use_activation, activate = _activation(request, None)
         params = self.params("classify", use_activation=use_activation)
         return Plan(self.prepare(request.inputs, params, request.tokenization), lambda done: outputs.classifications(
             [activate(output) for output in done], labels=self.model_config.labels))
@@ -438,7 +439,7 @@ class Frontend:
         tokenization = request.tokenization
         task = self.default_task
         if self.cross_encoder:
-            use_activation, activate = _activation(request)
+            use_activation, activate = _activation(request, self._score_activation)
             params = self.params("classify", request.options, use_activation=use_activation)
             return Plan(self.prepare(self._formatted(pairs), params, tokenization), lambda done: np.array(
                 [activate(output).numpy()[0] for output in done], dtype=np.float32))
@@ -579,12 +580,18 @@ class Frontend:
         return copy.deepcopy(self.inputs.tokenizer)
 
 
-def _activation(request: ClassifyRequest | ScoreRequest) -> tuple[bool | None, Callable[[Any], Any]]:
-    """The params' ``use_activation`` for ``request`` and what the plan applies to each output:
-    the model's activation runs in the pooler; the label-count rule (TEI's, infinity's) runs here,
-    on the raw logits the pooler then returns."""
-    if request.activation == "labels" and request.use_activation is not False:
+def _activation(request: ClassifyRequest | ScoreRequest,
+                named: Callable[[Any], Any] | None) -> tuple[bool | None, Callable[[Any], Any]]:
+    """The params' ``use_activation`` for ``request`` and what the plan applies to each output.
+    The pooler applies the classification rule; the label-count rule (TEI's, infinity's) and a
+    cross-encoder's ``named`` activation (its pair scores only) run here, on the raw logits the
+    pooler then returns."""
+    if request.use_activation is False:
+        return False, lambda output: output
+    if request.activation == "labels":
         return False, label_count_activation
+    if named is not None:
+        return False, named
     return request.use_activation, lambda output: output
 
 

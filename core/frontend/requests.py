@@ -59,7 +59,9 @@ def _flag(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
 
 ActivationRule = Literal["model", "labels"]
 """Which activation turns a classifier's logits into scores (unless ``use_activation=False``):
-``"model"``, the folder's (sentence-transformers' ``CrossEncoder.predict``, vLLM); ``"labels"``,
+``"model"``, the model's (``classify``: the head's rule, vLLM's ``classify``; pair scores: the
+activation a cross-encoder's folder names, as sentence-transformers' ``CrossEncoder.predict`` and
+vLLM's ``score`` apply it); ``"labels"``,
 by the label count alone, a sigmoid of one logit and a softmax over several, whatever the
 folder names (TEI's and infinity's APIs: :func:`~poolrunner.core.activation.label_count_activation`)."""
 

@@ -3,11 +3,11 @@
 The head reads the row(s) its transformers class reads (CLS, the last non-pad token, ModernBERT's
 ``classifier_pooling``), whatever ``pooling_type`` says: that setting is for ``embed``.
 
-Activation, as in vLLM and sentence-transformers (see REFERENCE): one label -> sigmoid (a
-cross-encoder's relevance score); two or more -> softmax; ``problem_type``
-``multi_label_classification`` -> independent sigmoids; ``regression`` -> identity; an
-activation named by a sentence-transformers cross-encoder config wins over these.
-``use_activation=False`` returns the raw logits.
+Activation, as vLLM's ``classify`` and transformers' text-classification pipeline apply it (see
+REFERENCE): one label -> sigmoid; two or more -> softmax; ``problem_type``
+``multi_label_classification`` -> independent sigmoids; ``regression`` -> identity.
+``use_activation=False`` returns the raw logits. An activation a sentence-transformers
+cross-encoder names applies to its pair scores, and the front end applies it to these logits.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """Whose activation turns a classifier's logits into scores, per API, against a real server.
 
-vLLM's, Cohere's and Jina's bodies (and the Python API) score as sentence-transformers'
+vLLM's, Cohere's and Jina's bodies (and the Python API) score pairs as sentence-transformers'
 ``CrossEncoder.predict``: with the activation the folder names (``Identity`` for the ms-marco
-cross-encoders: raw logits). TEI's ``/rerank`` and ``/predict`` and infinity's rerank body score
-as those servers do, whatever the folder names: a sigmoid of one logit, a softmax over several
-(TEI's ``Infer::predict``, infinity's ``BatchHandler.rerank``). Expected values are transformers'
+cross-encoders: raw logits); vLLM's ``/classify`` gives the head's probabilities whatever the
+folder names (vLLM's ``classify`` activation, transformers' text-classification pipeline).
+TEI's ``/rerank`` and ``/predict`` and infinity's rerank body score as those servers do,
+whatever the folder names: a sigmoid of one logit, a softmax over several (TEI's
+``Infer::predict``, infinity's ``BatchHandler.rerank``). Expected values are transformers'
 logits with the activation written here in numpy.
 """
 
@@ -67,6 +69,12 @@ def test_identity_cross_encoder_per_api(served, identity_folder, classifier_refe
     vllm = _post(f"{url}/rerank", {"model": "ms-marco", "query": QUERY, "documents": DOCUMENTS})
     assert [r["index"] for r in vllm["results"]] == order
     np.testing.assert_allclose([r["relevance_score"] for r in vllm["results"]], logits[order], atol=1e-5)
+
+    classified = _post(f"{url}/classify", {"model": "ms-marco", "input": [[QUERY, d] for d in DOCUMENTS]})
+    np.testing.assert_allclose([item["probs"][0] for item in classified["data"]], _sigmoid(logits), atol=1e-6)
+    raw = _post(f"{url}/classify", {"model": "ms-marco", "input": [[QUERY, d] for d in DOCUMENTS],
+                                    "use_activation": False})
+    np.testing.assert_allclose([item["probs"][0] for item in raw["data"]], logits, atol=1e-5)
 
     tei = _post(f"{url}/rerank", {"model": "ms-marco", "query": QUERY, "texts": DOCUMENTS})
     assert [r["index"] for r in tei] == order
