@@ -132,18 +132,22 @@ def _model_type(service: PoolingService) -> dict[str, t.EmbeddingModel | t.Class
 
 
 async def tei_rerank(service: PoolingService, body: p.RerankRequest, request: Request) -> list[p.TeiRank]:
-    """TEI's rerank: every text, best first; ``raw_scores`` skips the cross-encoder's activation,
-    ``truncate`` (default: the server's ``auto_truncate``) keeps the model maximum of each pair.
+    """TEI's rerank: every text, best first, equal scores the later text first (TEI sorts
+    ascending, then reverses); ``raw_scores`` skips the cross-encoder's activation, ``truncate``
+    (default: the server's ``auto_truncate``) keeps the model maximum of each pair.
 
     :raises TeiError: 422 Validation for ``texts`` that is neither a list nor a text; 400 Empty for an
-        empty one.
+        empty one, or for an empty text beside an empty query.
     """
     if not isinstance(body.texts, list | str):  # a list (or one text) is checked by the core, naming the item
         raise TeiError("Validation", f"texts must be a list of strings, got {shown(body.texts)}")
     if not body.texts:
         raise TeiError("Empty", "texts is empty: send at least one text")
     service.check_count(len(body.texts), "texts")
+    if body.query == "" and isinstance(body.texts, list) and "" in body.texts:  # TEI: a pair both of whose texts are
+        raise TeiError("Empty", f"query and texts[{body.texts.index('')}] are both empty")  # empty is refused
     ranked = await answer(service, request, body.to_tei_request(service.settings.auto_truncate))
+    ranked = sorted(ranked, key=lambda r: (r.score, r.index), reverse=True)
     return [p.TeiRank(index=r.index, score=r.score, text=r.document) for r in ranked]
 
 
@@ -152,13 +156,12 @@ async def tei_tokens(service: PoolingService, body: p.TokenizeRequest, request: 
     and the input's own text for each token (counted from the start of ``prompt_name``'s prompt,
     as TEI's); a special token's text is the token itself.
 
+    :raises TeiError: as :func:`check_items` (an empty text is TEI's 400 Empty).
     :raises ApiError: as :meth:`~poolrunner.core.server.service.PoolingService.tokens` (TEI's
         route answers it in TEI's shape).
     """
     tokenize = body.to_request()
-    if not tokenize.texts:
-        raise TeiError("Empty", "inputs is empty: send at least one text")
-    service.check_count(len(tokenize.texts), "inputs")
+    check_items(service.settings, list(tokenize.texts))
     answer = []
     tokens_of_texts = await service.tokens(request, tokenize, "inputs")
     for text, tokens in zip(service.frontend.prompted(tokenize), tokens_of_texts, strict=True):
@@ -195,13 +198,14 @@ def _sequence(parts: list[str], where: str) -> fr.Input:
 
 
 def ranked(scores: np.ndarray, labels: tuple[str, ...]) -> list[t.Prediction]:
-    """Every label with its score, highest first (ties keep label order), as TEI sorts them.
+    """Every label with its score, highest first, equal scores the later label first, as TEI
+    sorts them (ascending, then reversed).
 
     :raises TeiError: 424 Backend for a NaN score, which has no rank (TEI's check too).
     """
     if np.isnan(scores).any():
         raise TeiError("Backend", "the model returned a NaN score")
-    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    order = sorted(range(len(scores)), key=lambda i: (scores[i], i), reverse=True)
     return [t.Prediction(score=float(scores[i]), label=labels[i]) for i in order]
 
 

@@ -382,6 +382,26 @@ def test_tei_root_of_a_reranker_is_its_rerank(cross_encoder):
     _still_serves(running.url, runtime)
 
 
+def test_tei_rerank_puts_the_later_of_equal_scores_first_and_refuses_a_pair_of_empty_texts(
+        cross_encoder, classifier_reference, minilm_classifier_folder):
+    """TEI sorts ascending and then reverses: a text sent twice scores the same, and its later copy
+    comes first (TEI's own ``test_rerank``); TEI refuses a pair only when both its texts are empty."""
+    running, runtime = cross_encoder
+    texts = [DOCUMENTS[0], DOCUMENTS[1], DOCUMENTS[0]]
+    body = _ok(httpx.post(f"{running.url}/rerank", json={"query": QUERY, "texts": texts}))
+    logits = classifier_reference(minilm_classifier_folder(1)).logits([(QUERY, text) for text in texts])[:, 0]
+    assert logits[0] == logits[2] != logits[1]
+    assert [item["index"] for item in body] == sorted(range(3), key=lambda i: float(logits[i]))[::-1]
+    scores = {item["index"]: item["score"] for item in body}
+    assert scores[0] == scores[2]
+    one_empty = _ok(httpx.post(f"{running.url}/rerank", json={"query": "", "texts": ["a"]}))
+    np.testing.assert_allclose(one_empty[0]["score"], runtime.score("", "a"), atol=1e-6)
+    both = httpx.post(f"{running.url}/rerank", json={"query": "", "texts": ["a", ""]})
+    assert (both.status_code, both.json()) == (400, {"error": "query and texts[1] are both empty",
+                                                     "error_type": "Empty"})
+    _still_serves(running.url, runtime)
+
+
 def test_tei_rerank_raw_scores_are_the_logits(cross_encoder, classifier_reference, minilm_classifier_folder):
     running, runtime = cross_encoder
     body = _ok(httpx.post(f"{running.url}/rerank", json={"query": QUERY, "texts": DOCUMENTS, "raw_scores": True}))
@@ -468,7 +488,7 @@ def test_tei_tokenize_with_a_prompt_name(make_minilm_folder, hf_tokenizer):
 def test_tei_tokenize_of_no_text_is_tei_empty_error(server, hf_tokenizer):
     with httpx.Client(base_url=server.url) as client:  # one keep-alive connection: it must survive
         empty = client.post("/tokenize", json={"inputs": []})
-        assert (empty.status_code, empty.json()) == (400, {"error": "inputs is empty: send at least one text",
+        assert (empty.status_code, empty.json()) == (400, {"error": "inputs is empty: send at least one input",
                                                            "error_type": "Empty"})
         again = client.post("/tokenize", json={"inputs": ["ok"]})
         assert [t["id"] for t in again.json()[0]] == hf_tokenizer("ok")["input_ids"]

@@ -196,6 +196,8 @@ BAD_REQUESTS = [
     ("empty batch", "/embed", {"inputs": []}, 400, "Empty", "inputs is empty: send at least one input"),
     ("empty text", "/embed", {"inputs": ["a", ""]}, 400, "Empty", "inputs[1] is empty"),
     ("empty single", "/embed_all", {"inputs": ""}, 400, "Empty", "inputs is empty"),
+    ("empty tokenize text", "/tokenize", {"inputs": ["a", ""]}, 400, "Empty", "inputs[1] is empty"),
+    ("empty tokenize single", "/tokenize", {"inputs": ""}, 400, "Empty", "inputs is empty"),
     ("no sentences", "/similarity", {"inputs": {"source_sentence": "a", "sentences": []}}, 400, "Empty",
      "inputs.sentences is empty: send at least one sentence"),
     ("empty ids", "/decode", {"ids": []}, 400, "Empty", "ids is empty"),
@@ -404,6 +406,16 @@ def test_predict_ranks_every_label_as_transformers_scores_it(classifier, classif
     _assert_ranked(raw, reference.logits(TEXTS[:1])[0])
     root = httpx.post(f"{running.url}/", json={"inputs": TEXTS[0]}).json()
     assert _pairs(root) == _pairs(single)
+
+
+def test_equal_label_scores_come_later_label_first_as_tei_sorts_them():
+    """TEI's ``predict`` sorts ascending (a stable sort) and then reverses the list."""
+    from poolrunner.core.server.tei import ranked
+
+    scores = np.array([0.2, 0.5, 0.2, 0.1], dtype=np.float32)
+    tei_order = sorted(range(4), key=lambda i: float(scores[i]))[::-1]
+    assert tei_order == [1, 2, 0, 3]
+    assert [p.label for p in ranked(scores, ("a", "b", "c", "d"))] == ["b", "c", "a", "d"]
 
 
 def test_text_classification_client_gets_the_best_label(classifier, classifier_reference, hub_client):
