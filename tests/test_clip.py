@@ -156,8 +156,8 @@ def test_score_is_the_cosine_of_clip_features(runtime, reference, photos):
 
 
 def test_other_modes_give_their_image_result(runtime, reference):
-    """Palette, CMYK, 16-bit, alpha and animated images: their RGB conversion (first frame),
-    as CLIP's processor converts them."""
+    """Palette, CMYK, 16-bit, transparent and animated images: converted to RGB (first frame) as
+    CLIP's processor converts them, a transparent one laid over white."""
     from PIL import Image
 
     rng = np.random.default_rng(0)
@@ -165,13 +165,19 @@ def test_other_modes_give_their_image_result(runtime, reference):
     frames = [rgb, Image.fromarray(rng.integers(0, 256, (40, 30, 3), dtype=np.uint8))]
     animated = io.BytesIO()
     frames[0].save(animated, format="GIF", save_all=True, append_images=frames[1:])
-    cases = {"palette": rgb.convert("P"), "cmyk": rgb.convert("CMYK"), "rgba": rgb.convert("RGBA"),
+    half = rgb.convert("RGBA")
+    half.putalpha(Image.fromarray(rng.integers(0, 256, (40, 30), dtype=np.uint8)))
+    see_through = rgb.convert("P")
+    see_through.info["transparency"] = 0  # palette entry 0 is transparent
+    cases = {"palette": rgb.convert("P"), "cmyk": rgb.convert("CMYK"), "opaque rgba": rgb.convert("RGBA"),
+             "rgba": half, "grey and alpha": half.convert("LA"), "palette with transparency": see_through,
              "16-bit": Image.fromarray(rng.integers(0, 65536, (40, 30), dtype=np.uint16)),
              "animated": Image.open(io.BytesIO(animated.getvalue()))}
     for name, image in cases.items():
         image.seek(0)
-        want = image_features(reference, image.convert("RGB"))
+        want = image_features(reference, image)  # the processor converts it itself
         assert_parity(runtime.embed(image), want, f"clip/{name}")
+    assert not np.allclose(runtime.embed(half), image_features(reference, half.convert("RGB")), atol=1e-3)
 
 
 def _huge_png(width: int, height: int) -> bytes:

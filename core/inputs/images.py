@@ -288,13 +288,22 @@ class ImageInputs:
 
     @staticmethod
     def _rgb(image: Any, index: int) -> Any:
-        """The first frame, decoded, in RGB.
+        """The first frame, decoded, in RGB; a transparent image laid over white first, as
+        transformers' ``convert_to_rgb`` (every image processor's ``do_convert_rgb``) and vLLM
+        convert it (dropping the alpha band would keep the colour of fully transparent pixels).
 
         :raises InvalidRequestError: for truncated or corrupt pixel data."""
+        from PIL import Image
+
         try:
             image.seek(0)
             image.load()
-            return image if image.mode == "RGB" else image.convert("RGB")
+            if image.mode == "RGB":
+                return image
+            if "A" in image.getbands() or image.info.get("transparency") is not None:
+                white = Image.new("RGBA", image.size, (255, 255, 255, 255))
+                return Image.alpha_composite(white, image.convert("RGBA")).convert("RGB")
+            return image.convert("RGB")
         except Exception as exc:  # OSError "image file is truncated", a decoder error
             raise InvalidRequestError(f"input {index}: the image data is truncated or corrupt "
                                       f"({' '.join(str(exc).split()) or type(exc).__name__})") from None
