@@ -166,7 +166,7 @@ def serve_replicas(
     :returns: The application: its URL, and ``shutdown()``.
     :raises RayNotInstalledError: without Ray Serve: ``pip install -e '.[ray]'`` in a poolrunner checkout.
     :raises InvalidRequestError: for bad options (replica counts, autoscaling, resources,
-        ``request_timeout``, ``runtime_options``), before Ray is started.
+        ``request_timeout``, ``runtime_options``, ``settings.allow_runtime_lora``), before Ray is started.
     :raises ReplicaStartError: when the replicas fail to start (the model does not load in them,
         say), ending with the replica's own error; Ray Serve tries each replica 3 times first.
     """
@@ -175,6 +175,11 @@ def serve_replicas(
 
     config, plugins = runtime_config(task, model, runtime_options)
     settings = settings or ServerSettings()
+    if settings.allow_runtime_lora:
+        raise InvalidRequestError(
+            "allow_runtime_lora (--allow-runtime-lora) is not served by Ray Serve replicas: an adapter loaded at run "
+            "time would reach only the replica that answered the call, and the others would answer 404 for it; name "
+            "the adapters with lora_modules (--lora-modules), which every replica loads")
     try:
         log_config(log_level, log_format)  # here, rather than in each replica
     except ValueError as exc:

@@ -181,6 +181,16 @@ def test_bad_autoscaling_flags_fail_before_ray_starts(capsys) -> None:
     assert not ray.is_initialized()
 
 
+def test_runtime_lora_loading_is_refused_before_ray_starts(capsys) -> None:
+    """An adapter loaded at run time would reach the one replica that answered the call."""
+    import ray
+
+    assert main(["serve", "--ray-serve", "--replicas", "2", "--allow-runtime-lora"]) == 2
+    assert ("allow_runtime_lora (--allow-runtime-lora) is not served by Ray Serve replicas: an adapter loaded at run "
+            "time would reach only the replica that answered the call") in capsys.readouterr().err
+    assert not ray.is_initialized()
+
+
 def test_serve_help_imports_neither_ray_nor_torch() -> None:
     code = ("import contextlib, io, json, sys\nfrom poolrunner.core.cli.main import main\n"
             "with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
