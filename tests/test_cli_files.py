@@ -19,6 +19,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -429,6 +430,10 @@ def test_file_level_problems_fail_even_when_skipping(tmp_path) -> None:
     pq.write_table(pa.table({"text": ["a", None, "c"]}), tmp_path / "nulls.parquet")
     [chunk] = read_chunks(str(tmp_path / "nulls.parquet"), "parquet", Fields(), name="n", on_error="skip")
     assert (chunk.rows, chunk.skipped) == ([0, 2], [(1, "n row 1: field 'text' is null, not a string")])
+    pq.write_table(pa.table({"image": pa.array([b"\x89PNG", None], pa.binary())}), tmp_path / "images.parquet")
+    [chunk] = read_chunks(str(tmp_path / "images.parquet"), "parquet", attrs.evolve(
+        Fields((("image", "--image-field"),)), images=True), name="i", on_error="skip")
+    assert chunk.skipped == [(1, "i row 1: field 'image' is null, not an image")]
 
 
 # --- memory -----------------------------------------------------------------------------------

@@ -151,7 +151,8 @@ def check_manifest(
         changed = sorted(key for key in {*recorded, *wanted} if recorded.get(key) != wanted.get(key))
         raise JobConflictError(
             f"output folder {folder!r} holds a job with other settings ({', '.join(changed)} differ: "
-            f"recorded {', '.join(f'{k}={recorded.get(k)!r}' for k in changed)}); "
+            f"recorded {', '.join(f'{k}={recorded.get(k)!r}' for k in changed)}, "
+            f"this run {', '.join(f'{k}={wanted.get(k)!r}' for k in changed)}); "
             "write to another folder, or delete it to start over"
         )
 
