@@ -448,7 +448,7 @@ def run_each(call: Callable[[list[Any]], Sequence[Any]], inputs: list[Any], plac
     :param stop: Raise the first refusal (``on_error="fail"``) rather than go on.
     :returns: ``(results, refused)``: a result per input (``None`` for a refused one), and
         ``(index, error)`` per refused input, the error of the same type as the runtime's, its
-        message ``PLACE: <runtime's message>`` ("input 0" of a lone call read as "this input").
+        message ``PLACE: <runtime's message>`` (:func:`_located`).
     :raises InvalidRequestError: the first refusal, with ``stop`` (or the
         :class:`~poolrunner.core.errors.NonFiniteOutputError` of an input the model overflows on).
     """
@@ -471,8 +471,9 @@ def run_each(call: Callable[[list[Any]], Sequence[Any]], inputs: list[Any], plac
 
 
 def _located(exc: PoolrunnerError, place: str) -> PoolrunnerError:
-    """``exc`` again, its message after ``place`` ("input 0" of a lone call read as "this input")."""
-    message = f"{place}: " + re.sub(r"^(input|pair) 0\b", r"this \1", str(exc))
+    """``exc`` again, its message after ``place``: "input 0" of a lone call read as "this input",
+    or left out where a colon follows it (``a.png:3: the image is...``)."""
+    message = f"{place}: " + re.sub(r"^(input|pair) 0\b", r"this \1", re.sub(r"^(input|pair) 0: ", "", str(exc)))
     if isinstance(exc, InvalidRequestError):
         return type(exc)(message, param=exc.param)
     return type(exc)(message)

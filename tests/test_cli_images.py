@@ -75,6 +75,12 @@ def test_a_broken_file_is_named_and_may_be_skipped(folder, photo_dir, tmp_path, 
     assert [json.loads(line)["file"] for line in output.read_text().splitlines()] == [str(tmp_path / "a.png")]
     assert embed(folder, tmp_path / "*.jpg", output) != 0
     assert "no files found" in capsys.readouterr().err
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    encoded = (photo_dir / "chelsea.png").read_bytes()
+    (cut / "c.png").write_bytes(encoded[: len(encoded) // 2])
+    assert embed(folder, cut / "*.png", output) != 0
+    assert f"{cut / 'c.png'}: the image data is truncated or corrupt" in capsys.readouterr().err
 
 
 def test_image_column_of_parquet_bytes_and_jsonl_paths(folder, photo_dir, tmp_path):
