@@ -455,7 +455,7 @@ class _ShardWriter:
             if fatal.num_rows:
                 self.abort()
                 self.failed[path] = fatal.column(ERROR)[0].as_py()
-                logger.warning("%s", self.failed[path])
+                logger.warning("not written (the job fails at its end): %s", self.failed[path])
                 return
             self.rows_left_out += bad.num_rows
             for message in bad.column(ERROR).to_pylist()[:LEFT_OUT_SHOWN - len(self.left_out)]:
