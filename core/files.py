@@ -293,9 +293,9 @@ def _texts_of(record: Mapping[str, Any], fields: Fields) -> tuple[tuple[str, ...
 def _id_of(record: Mapping[str, Any], field: str, option: str, kind: type | None,
            implicit: bool = False) -> tuple[Any, str | None]:
     """A JSON record's id: a string or an integer (int64), of the same type in every record of a
-    file. ``implicit`` (the default id field, copied because the file has it): a record without
-    it, or with ``null``, has no id (``None``, written as null, as a Parquet null is)."""
-    if implicit and record.get(field) is None:
+    file; ``null`` is no id (``None``, written as null, as a Parquet null is). ``implicit`` (the
+    default id field, copied because the file has it): a record without it has no id either."""
+    if record.get(field) is None and (implicit or field in record):
         return None, None
     if field not in record:
         known = ", ".join(repr(key) for key in record)

@@ -182,6 +182,25 @@ def test_default_ids_may_be_missing_or_null_but_not_of_two_types(capsys, tmp_pat
             "file has it); give every id one type, or name another field with --id-field") in err
 
 
+def test_a_null_id_of_a_named_id_field_is_written_as_null_as_parquet_writes_it(capsys, tmp_path, tiny,
+                                                                               tiny_runtime) -> None:
+    rows = [{"text": TEXTS[0], "doc": 7}, {"text": TEXTS[1], "doc": None}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "docs.parquet")
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    for name in ("docs.parquet", "docs.jsonl"):
+        target = tmp_path / f"{name}.out.jsonl"
+        code, _, err = cli(capsys, "embed", "--model", tiny, "--input", str(tmp_path / name), "--id-field", "doc",
+                           "-o", str(target))
+        assert code == 0, err
+        records = [json.loads(line) for line in target.read_text(encoding="utf-8").splitlines()]
+        assert [r["doc"] for r in records] == [7, None], name
+        np.testing.assert_allclose([r["embedding"] for r in records], tiny_runtime.embed(TEXTS[:2]), atol=1e-6)
+    (tmp_path / "missing.jsonl").write_text(json.dumps({"text": TEXTS[0]}) + "\n", encoding="utf-8")
+    code, _, err = cli(capsys, "embed", "--model", tiny, "--input", str(tmp_path / "missing.jsonl"), "--id-field",
+                       "doc")
+    assert code == 2 and "missing.jsonl:1: no field 'doc' (fields: 'text'); pick one with --id-field" in err
+
+
 def test_jsonl_named_txt_with_input_format_embeds_the_field_not_the_line(capsys, tmp_path, tiny,
                                                                           tiny_runtime) -> None:
     source = write_input(tmp_path / "docs.txt", "jsonl", TEXTS[:2])
