@@ -163,6 +163,10 @@ class PoolingService:
             answer, _ = await self.answer(request, tokenize)
         except InputTooLongError as exc:
             raise ApiError(400, with_advice(str(exc), "shorten it"), param=field) from None
+        stats = REQUEST_STATS.get()
+        if stats is not None:  # the access log's counts: no engine request was run for them
+            stats.inputs += len(answer)
+            stats.tokens += sum(len(tokens) for tokens in answer)
         return answer
 
     async def answer(self, request: Request, frontend_request: FrontendRequest, *, priority: int | None = None,

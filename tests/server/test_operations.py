@@ -150,12 +150,18 @@ def test_the_access_line_has_counts_and_never_the_text_or_key(guarded, caplog):
                             headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "access-ok"})
         refused = httpx.post(f"{guarded.url}/v1/embeddings", json={"input": SECRET_TEXT},
                              headers={"Authorization": "Bearer wrong-key", "X-Request-Id": "access-denied"})
-    assert (answer.status_code, refused.status_code) == (200, 401)
+        tokenized = httpx.post(f"{guarded.url}/tokenize", json={"prompt": SECRET_TEXT},
+                               headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "access-tokenize"})
+        tei = httpx.post(f"{guarded.url}/tokenize", json={"inputs": [SECRET_TEXT, "two"]},
+                         headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "access-tei"})
+    assert (answer.status_code, refused.status_code, tokenized.status_code, tei.status_code) == (200, 401, 200, 200)
     by_id = {r.request_id: r for r in caplog.records if r.name == "poolrunner.access"}
     ok, denied = by_id["access-ok"], by_id["access-denied"]
     assert (ok.status, ok.inputs, ok.tokens, ok.route) == (200, 2, answer.json()["usage"]["prompt_tokens"],
                                                            "/v1/embeddings")
     assert (denied.status, denied.inputs) == (401, 0)
+    assert (by_id["access-tokenize"].inputs, by_id["access-tokenize"].tokens) == (1, tokenized.json()["count"])
+    assert (by_id["access-tei"].inputs, by_id["access-tei"].tokens) == (2, sum(map(len, tei.json())))
     logged = "\n".join(f"{r.getMessage()} {r.__dict__}" for r in caplog.records)
     assert "bluebird" not in logged and KEY not in logged and "wrong-key" not in logged
 
