@@ -384,8 +384,8 @@ def _parquet_records(source: Any, fields: Fields, name: str) -> Iterator[_Record
             wanted_kind = "text (image paths) or binary (encoded images)" if fields.images else "text"
             raise InvalidRequestError(f"{name}: column {field!r} is {kind}, not {wanted_kind}; "
                                       f"pick a {'column' if fields.images else 'text column'} with {option}")
-    kinds = {field: "an image" if pa.types.is_binary(schema.field(field).type)
-             or pa.types.is_large_binary(schema.field(field).type) else "a string" for field, _ in fields.texts}
+    image_columns = {field for field, _ in fields.texts if pa.types.is_binary(schema.field(field).type)
+                     or pa.types.is_large_binary(schema.field(field).type)}  # encoded images (fields.images)
     id_field = fields.id[0] if fields.id and fields.id[0] in schema.names else None
     names = list(dict.fromkeys([field for field, _ in fields.texts] + ([id_field] if id_field else [])))
     row = 0
@@ -396,7 +396,8 @@ def _parquet_records(source: Any, fields: Fields, name: str) -> Iterator[_Record
             values = tuple(column[index] for column in texts)
             missing = next((field for (field, _), value in zip(fields.texts, values, strict=True) if value is None),
                            None)
-            problem = None if missing is None else f"field {missing!r} is null, not {kinds[missing]}"
+            problem = (None if missing is None else
+                       f"field {missing!r} is null, not {'an image' if missing in image_columns else 'a string'}")
             yield row, f"{name} row {row}", values, _NO_ID if ids is None else ids[index], problem
             row += 1
 

@@ -144,8 +144,9 @@ async def tei_rerank(service: PoolingService, body: p.RerankRequest, request: Re
     if not body.texts:
         raise TeiError("Empty", "texts is empty: send at least one text")
     service.check_count(len(body.texts), "texts")
-    if body.query == "" and isinstance(body.texts, list) and "" in body.texts:  # TEI: a pair both of whose texts are
-        raise TeiError("Empty", f"query and texts[{body.texts.index('')}] are both empty")  # empty is refused
+    # TEI refuses a pair only when both its texts are empty (EncodingInput::is_empty)
+    if body.query == "" and isinstance(body.texts, list) and "" in body.texts:
+        raise TeiError("Empty", f"query and texts[{body.texts.index('')}] are both empty")
     ranked = await answer(service, request, body.to_tei_request(service.settings.auto_truncate))
     ranked = sorted(ranked, key=lambda r: (r.score, r.index), reverse=True)
     return [p.TeiRank(index=r.index, score=r.score, text=r.document) for r in ranked]
