@@ -17,6 +17,18 @@ class PluginLoadError(PoolrunnerError):
     """
 
 
+class PluginHookError(PoolrunnerError):
+    """A plugin's hook raised an exception that is not poolrunner's own (a bug in the plugin):
+    the message names the plugin, its distribution, the hook and the exception, chained as
+    ``__cause__``. At load the runtime is refused; in a step, that step's requests fail."""
+
+
+class PoolerOutputError(PoolrunnerError):
+    """A pooler returned outputs that break :data:`~poolrunner.core.plugin_api.pooler.PoolerOutput`'s
+    contract (not one result per request, or a built-in task's result of the wrong rank): the
+    message names the task and the pooler's class; that step's requests fail."""
+
+
 class PluginConflictError(PoolrunnerError):
     """Two plugins claim the same thing (a registration name, or a ``prepare_inputs`` key)."""
 

@@ -3,7 +3,10 @@
 ``pm.hook.<name>()`` returns ``Any``; each method here gives the runner a typed, keyword-only
 call and merges collect-all results by the rule the spec documents. Every call goes through
 pluggy's own hook callers (``pm.hook.<name>``, ``pm.subset_hook_caller``), so hook wrappers and
-``tryfirst`` / ``trylast`` act exactly as pluggy defines, per-plugin answers included.
+``tryfirst`` / ``trylast`` act exactly as pluggy defines, per-plugin answers included. An
+exception a plugin's implementation raises that is not poolrunner's own comes out as a
+:class:`~poolrunner.core.errors.PluginHookError` naming that plugin (:meth:`Hooks._call`): one
+faulty plugin can fail every request, and its traceback alone does not say whose it is.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from poolrunner.core.errors import PluginConflictError
+from poolrunner.core.errors import PluginConflictError, PluginHookError, PoolrunnerError
 from poolrunner.core.manager import PoolrunnerPluginManager, build_plugin_manager
 from poolrunner.core.plugin_api.options import DeclaredOption, RequestOptions
 
@@ -73,7 +76,7 @@ class Hooks:
         return {plugin: "; ".join(map(str, reasons)) for plugin, reasons in answers if reasons}
 
     def supported_tasks(self, *, model_config: ModelConfig) -> frozenset[PoolingTask]:
-        results = self._hook.supported_tasks(model_config=model_config)
+        results = self._call("supported_tasks", model_config=model_config)
         return frozenset(task for tasks in results for task in tasks)
 
     def tasks_by_plugin(self, *, model_config: ModelConfig) -> dict[str, frozenset[PoolingTask]]:
@@ -82,13 +85,14 @@ class Hooks:
         return {plugin: frozenset(task for tasks in results for task in tasks) for plugin, results in answers}
 
     def get_pooler(self, *, model_config: ModelConfig, task: PoolingTask, model: nn.Module) -> Pooler | None:
-        return self._hook.get_pooler(model_config=model_config, task=task, model=model)
+        return self._call("get_pooler", model_config=model_config, task=task, model=model)
 
     def get_pooler_from(
         self, plugins: Collection[str], *, model_config: ModelConfig, task: PoolingTask, model: nn.Module
     ) -> Pooler | None:
         """``get_pooler`` asking only the named ``plugins`` (every wrapper kept)."""
-        return self._caller("get_pooler", plugins)(model_config=model_config, task=task, model=model)
+        return self._call("get_pooler", model_config=model_config, task=task, model=model,
+                          caller=self._caller("get_pooler", plugins))
 
     def request_options(self, *, model_config: ModelConfig) -> RequestOptions:
         """Every plugin's declared request options, each with its plugin's name.
@@ -111,7 +115,7 @@ class Hooks:
         each plugin's answer, once per plugin); in call order, else in registration order."""
         names = self.implementers(hook_name)
         for name in names if call_order else reversed(names):
-            yield name, self._caller(hook_name, {name})(**arguments)
+            yield name, self._call(hook_name, caller=self._caller(hook_name, {name}), **arguments)
 
     def _caller(self, hook_name: str, plugins: Collection[str]) -> pluggy.HookCaller:
         """pluggy's caller of ``hook_name`` without the answers of the plugins not in ``plugins``;
@@ -122,22 +126,22 @@ class Hooks:
 
     def load_adapter(self, *, model: nn.Module, model_config: ModelConfig, lora: LoraRequest,
                      max_rank: int) -> str | None:
-        return self._hook.load_adapter(model=model, model_config=model_config, lora=lora, max_rank=max_rank)
+        return self._call("load_adapter", model=model, model_config=model_config, lora=lora, max_rank=max_rank)
 
     def unload_adapter(self, *, model: nn.Module, lora_id: int) -> bool | None:
-        return self._hook.unload_adapter(model=model, lora_id=lora_id)
+        return self._call("unload_adapter", model=model, lora_id=lora_id)
 
     def add_request(self, *, state: RequestState, model_config: ModelConfig) -> None:
-        self._hook.add_request(state=state, model_config=model_config)
+        self._call("add_request", state=state, model_config=model_config)
 
     def remove_request(self, *, state: RequestState) -> None:
-        self._hook.remove_request(state=state)
+        self._call("remove_request", state=state)
 
     def prepare_inputs(
         self, *, batch: InputBatch, model_config: ModelConfig
     ) -> dict[str, torch.Tensor]:
         merged: dict[str, torch.Tensor] = {}
-        for result in self._hook.prepare_inputs(batch=batch, model_config=model_config):
+        for result in self._call("prepare_inputs", batch=batch, model_config=model_config):
             if not isinstance(result, Mapping):
                 raise TypeError(f"prepare_inputs returned {type(result).__name__}, not a mapping")
             for key, value in result.items():
@@ -153,17 +157,50 @@ class Hooks:
     def pool(
         self, *, pooler: Pooler, hidden_states: torch.Tensor, metadata: PoolingMetadata
     ) -> PoolerOutput:
-        return self._hook.pool(pooler=pooler, hidden_states=hidden_states, metadata=metadata)
+        return self._call("pool", pooler=pooler, hidden_states=hidden_states, metadata=metadata)
 
     def process_output(self, *, output: PoolerOutput, batch: InputBatch) -> OutputHandle:
-        return self._hook.process_output(output=output, batch=batch)
+        return self._call("process_output", output=output, batch=batch)
 
     def score_outputs(
         self, *, model_config: ModelConfig, task: PoolingTask, queries: Sequence[RequestOutput],
         documents: Sequence[RequestOutput], options: Mapping[str, Any],
     ) -> torch.Tensor | None:
-        return self._hook.score_outputs(model_config=model_config, task=task, queries=queries, documents=documents,
-                                        options=options)
+        return self._call("score_outputs", model_config=model_config, task=task, queries=queries,
+                          documents=documents, options=options)
+
+
+    def _call(self, hook_name: str, *, caller: pluggy.HookCaller | None = None, **arguments: Any) -> Any:
+        """``hook_name`` called through ``caller`` (default: every plugin's).
+
+        :raises PluginHookError: for an exception that is not poolrunner's own raised in a
+            plugin's implementation (the innermost one in its traceback), chained as its cause.
+        """
+        try:
+            return (caller or getattr(self._hook, hook_name))(**arguments)
+        except PoolrunnerError:
+            raise  # poolrunner's own (a plugin refusing a request says so itself)
+        except Exception as exc:
+            name = self._raised_in(hook_name, exc)
+            if name is None:
+                raise
+            raise PluginHookError(
+                f"plugin {self.manager.plugin_info(name).describe()} raised in its {hook_name} hook: "
+                f"{type(exc).__name__}: {exc}; fix it, or leave it out (disable_plugins, --disable-plugin "
+                f"{name})") from exc
+
+    def _raised_in(self, hook_name: str, exc: BaseException) -> str | None:
+        """The plugin whose implementation of ``hook_name`` is the innermost in ``exc``'s
+        traceback, unless it ships with poolrunner (a pooler a built-in ``pool`` calls is named
+        by the runner instead); ``None`` when none is."""
+        impls = {impl.function.__code__: impl.plugin_name for impl in getattr(self._hook, hook_name).get_hookimpls()}
+        name, tb = None, exc.__traceback__
+        while tb is not None:
+            name = impls.get(tb.tb_frame.f_code, name)
+            tb = tb.tb_next
+        if name is None or self.manager.plugin_info(name).source == "builtin":
+            return None
+        return name
 
 
 def _is_wrapper(impl: pluggy.HookImpl) -> bool:

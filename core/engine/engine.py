@@ -11,7 +11,13 @@ from attrs import frozen
 
 from poolrunner.core.engine.runner import ModelRunner
 from poolrunner.core.engine.scheduler import Scheduler
-from poolrunner.core.errors import InvalidRequestError, NonFiniteOutputError, PoolrunnerError, PromptTooLongError
+from poolrunner.core.errors import (
+    InvalidRequestError,
+    NonFiniteOutputError,
+    PluginHookError,
+    PoolrunnerError,
+    PromptTooLongError,
+)
 from poolrunner.core.hooks import Hooks
 from poolrunner.core.plugin_api.batch import InputBatch
 from poolrunner.core.plugin_api.output import OutputHandle, RequestOutput
@@ -169,8 +175,10 @@ class Engine:
         except Exception as exc:
             whole = all(state.num_computed_tokens == 0 and count == state.num_tokens
                         for state, count in zip(scheduled.requests, scheduled.num_scheduled_tokens, strict=True))
-            # poolrunner's own errors here (two plugins setting one input...) fail every step alike
-            if whole and len(scheduled.requests) > 1 and not isinstance(exc, PoolrunnerError):
+            # poolrunner's own errors here (two plugins setting one input...) fail every step alike;
+            # a plugin's own exception may be one input's, as a model's may
+            if whole and len(scheduled.requests) > 1 and (not isinstance(exc, PoolrunnerError)
+                                                          or isinstance(exc, PluginHookError)):
                 return self._bisect(scheduled.requests)
             self._release_all(scheduled.requests)
             raise

@@ -18,7 +18,7 @@ from attrs import frozen
 from torch import nn
 
 from poolrunner.core.engine.buckets import bucket_num_tokens
-from poolrunner.core.errors import ModelLoadError
+from poolrunner.core.errors import ModelLoadError, PoolerOutputError
 from poolrunner.core.hooks import Hooks
 from poolrunner.core.kernels.attention import ATTENTION_NAME, LAYOUT_KWARG, KVCache, PackedLayout, probe_attention
 from poolrunner.core.model.metadata import position_offset
@@ -112,16 +112,27 @@ class ModelRunner:
         """Each task's pooler on its own requests; one result per request, in packing order."""
         tasks = [params.task for params in metadata.pooling_params]
         if len(set(tasks)) == 1:  # the common case: the whole step is one task
-            return self.hooks.pool(pooler=self.poolers[tasks[0]], hidden_states=hidden, metadata=metadata)
+            return self._pool_task(tasks[0], hidden, metadata)
         results: list[Any] = [None] * len(tasks)
         for task in dict.fromkeys(tasks):
             members = [i for i, t in enumerate(tasks) if t == task]
             rows, subset = _select(metadata, members)
-            output = self.hooks.pool(pooler=self.poolers[task], hidden_states=hidden.index_select(0, rows),
-                                     metadata=subset)
+            output = self._pool_task(task, hidden.index_select(0, rows), subset)
             for i, result in zip(members, output, strict=True):  # a tensor iterates over its rows
                 results[i] = result
         return results
+
+    def _pool_task(self, task: PoolingTask, hidden: torch.Tensor, metadata: PoolingMetadata) -> PoolerOutput:
+        """``task``'s pooler on all of ``metadata``'s requests, its output checked
+        (:func:`_check_output`); an exception it raises notes which pooler it was."""
+        pooler = self.poolers[task]
+        try:
+            output = self.hooks.pool(pooler=pooler, hidden_states=hidden, metadata=metadata)
+        except Exception as exc:
+            exc.add_note(f"raised while pooling task {task!r} with {_class_name(pooler)}")
+            raise
+        _check_output(task, pooler, output, len(metadata.pooling_params))
+        return output
 
     def forward(self, batch: InputBatch, finishing: list[bool]) -> torch.Tensor:
         """The backbone's last hidden states of the scheduled tokens, ``[num_tokens, hidden_size]``.
@@ -313,3 +324,36 @@ def _select(metadata: PoolingMetadata, members: list[int]) -> tuple[torch.Tensor
         prompt_lens=prompt_lens, query_start_loc=offsets.to(device),
         prompt_token_ids=metadata.prompt_token_ids.index_select(0, rows),
     )
+
+
+_RANKS = {"embed": 1, "classify": 1, "token_embed": 2, "token_classify": 2}
+"""The rank of one request's result of the built-in tasks that have one tensor per request."""
+
+
+def _check_output(task: PoolingTask, pooler: Pooler, output: PoolerOutput, count: int) -> None:
+    """A pooler's output must hold one result per request (a tensor: one row each), of the
+    task's rank for the built-in tasks of :data:`_RANKS`.
+
+    :raises PoolerOutputError: naming the task, the pooler's class, and what it returned.
+    """
+    who = f"the pooler of task {task!r} ({_class_name(pooler)})"
+    if not isinstance(output, torch.Tensor | list | tuple):
+        raise PoolerOutputError(f"{who} returned {type(output).__name__}, not a tensor or a list (PoolerOutput)")
+    results = (output.shape[0] if output.dim() else 0) if isinstance(output, torch.Tensor) else len(output)
+    if results != count:
+        raise PoolerOutputError(f"{who} returned {results} result{'s' * (results != 1)} for {count} requests; a "
+                                "pooler returns one result per request (PoolerOutput)")
+    rank = _RANKS.get(task)
+    if rank is None:
+        return
+    tensor = isinstance(output, torch.Tensor)
+    ranks = {output.dim() - 1} if tensor else {r.dim() if isinstance(r, torch.Tensor) else -1 for r in output}
+    if ranks != {rank}:
+        shapes = f"a tensor of shape {list(output.shape)}" if tensor else "results of shapes " + ", ".join(
+            str(list(r.shape)) if isinstance(r, torch.Tensor) else type(r).__name__ for r in output[:3])
+        raise PoolerOutputError(f"{who} returned {shapes}; each request's {task} result is a tensor of {rank} "
+                                f"dimension{'s' * (rank > 1)}")
+
+
+def _class_name(obj: object) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"

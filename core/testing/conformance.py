@@ -198,8 +198,11 @@ class PoolingPluginConformance:
             outputs = runtime.encode([list(ids) for ids in prompts], task=task)
             poolers = {type(call.kwargs["pooler"]).__module__ for call in recorder.getcalls("pool")}
             assert poolers, "the pool hook never ran"
+            package = plugin.__name__.partition(".")[0]  # the distribution's package, any module of it
             if claimed_tasks:
-                assert all(module.startswith(plugin.__name__) for module in poolers), (task, poolers)
+                assert all(module.partition(".")[0] == package for module in poolers), (
+                    f"task {task!r} was pooled by classes of {sorted(poolers)}, not of the plugin's package "
+                    f"{package!r}: the kit checks the plugin's own poolers")
             assert len(outputs) == len(prompts)
             for ids, output in zip(prompts, outputs, strict=True):
                 _check_output(task, output, self.output_spec(task, runtime.model_config, len(ids)))

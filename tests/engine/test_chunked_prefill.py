@@ -32,7 +32,7 @@ import pytest
 import torch
 
 import poolrunner
-from poolrunner.core import InvalidRequestError, PoolingParams, PoolingRequest, RequestState, hookimpl
+from poolrunner.core import InvalidRequestError, PluginHookError, PoolingParams, PoolingRequest, RequestState, hookimpl
 from poolrunner.core.testing.steps import record_steps
 from tests.helpers import MIN_COSINE, cosine_rows
 from tests.models.smollm2 import SMOLLM2_HIDDEN_SIZE, SMOLLM2_PAD_ID, smollm2_folder
@@ -565,7 +565,8 @@ def test_failures_and_cancellation_leave_nothing_behind(make_decoder_folder, tok
     # first chunk ran next to the end of the 57-token prompt, which finished in step 7).
     plugin.__init__()
     plugin.fail_at = 8
-    with pytest.raises(RuntimeError, match="injected failure"):
+    with pytest.raises(PluginHookError, match=r"^plugin FailingPlugin \(programmatic\) raised in its prepare_inputs "
+                                              r"hook: RuntimeError: injected failure; "):
         rt.encode(prompts)
     assert plugin.calls == 8
     assert sorted(plugin.removed) == sorted(plugin.admitted) and len(plugin.admitted) == 3  # each once

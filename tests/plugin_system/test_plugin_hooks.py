@@ -19,6 +19,7 @@ import poolrunner
 from poolrunner.core import (
     InvalidRequestError,
     PluginConflictError,
+    PluginHookError,
     PoolingParams,
     PoolingRequest,
     hookimpl,
@@ -277,8 +278,12 @@ def test_load_time_hooks_are_not_called_per_request(runtime, recorder, calls):
 
 def test_request_rejected_by_a_plugin_is_removed(runtime, recorder, calls):
     recorder.reject = {"r1"}
-    with pytest.raises(RejectedByPlugin, match="Recorder rejects r1"):
+    with pytest.raises(PluginHookError) as caught:  # named, as every exception of a plugin's that is not poolrunner's
         run_requests(runtime, [request("r0"), request("r1"), request("r2")])
+    assert str(caught.value) == ("plugin Recorder (programmatic) raised in its add_request hook: RejectedByPlugin: "
+                                 "Recorder rejects r1; fix it, or leave it out (disable_plugins, --disable-plugin "
+                                 "Recorder)")
+    assert isinstance(caught.value.__cause__, RejectedByPlugin)
     assert [kw["state"].request_id for kw in kwargs_of(calls, "add_request")] == ["r0", "r1"]
     # r1 is released when its add_request fails, r0 when the loop aborts what it admitted of the call.
     assert recorder.removed == ["r1", "r0"]
@@ -296,7 +301,8 @@ def test_request_refused_before_admission_never_reaches_plugins(runtime, recorde
 
 def test_failed_step_removes_every_request_and_the_runtime_recovers(runtime, recorder, calls, baseline):
     recorder.fail_pool = True
-    with pytest.raises(RuntimeError, match="^pool failed on purpose$"):
+    with pytest.raises(PluginHookError, match=r"^plugin Recorder \(programmatic\) raised in its pool hook: "
+                                              r"RuntimeError: pool failed on purpose; "):
         runtime.embed(TEXTS)
     # The failing step's whole prompts ran again in halves down to single requests, which failed
     # on their own; the call then raised, and every request left the engine exactly once.

@@ -80,3 +80,31 @@ def test_a_pooler_declaring_other_rows_fails_the_load(poolrunner_tiny_model):
     with pytest.raises(ModelLoadError, match=r"^the 'embed' pooler _lying_rows_plugin.<locals>.RowsClaimed declares "
                                              r"reads_rows='middle'; it must be 'all', 'first' or 'last'$"):
         make_runtime([_lying_rows_plugin("middle")], model=poolrunner_tiny_model(), task="embed")
+
+
+def _split_package_plugin(pooler_module: str):
+    """A plugin whose entry point is ``splitpkg.hooks`` and whose pooler class lives in ``pooler_module``."""
+    import types
+
+    from poolrunner.core import hookimpl
+    from poolrunner.plugins.sequence_pooling.embed import EmbeddingPooler
+
+    pooler_class = type("SplitPooler", (EmbeddingPooler,), {"__module__": pooler_module})
+    plugin = types.ModuleType("splitpkg.hooks")
+    plugin.supported_tasks = hookimpl(lambda: frozenset({"embed"}))
+    plugin.get_pooler = hookimpl(lambda model_config, task: pooler_class.from_model_config(model_config)
+                                 if task == "embed" else None)
+    return plugin
+
+
+def test_the_kit_takes_a_pooler_from_another_module_of_the_plugins_package(poolrunner_tiny_model,
+                                                                          poolrunner_hook_recorder):
+    suite = conformance.PoolingPluginConformance()
+    check = conformance.PoolingPluginConformance.test_pooled_outputs_have_the_documented_shape_and_dtype
+    model, texts = poolrunner_tiny_model(), ["A cat sat on the mat.", "ok"]
+    check(suite, _split_package_plugin("splitpkg.pooler"), {"embed"}, {"embed": model}, texts,
+          poolrunner_hook_recorder, poolrunner_tiny_model)
+    with pytest.raises(AssertionError, match=r"^task 'embed' was pooled by classes of \['otherpkg.pooler'\], not of "
+                                             r"the plugin's package 'splitpkg': the kit checks the plugin's own"):
+        check(suite, _split_package_plugin("otherpkg.pooler"), {"embed"}, {"embed": model}, texts,
+              poolrunner_hook_recorder, poolrunner_tiny_model)
