@@ -12,6 +12,7 @@ single tokens; SmolLM2 (real weights) is the smoke test.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -226,6 +227,21 @@ def test_method_defaults_to_two_way_for_two_tokens(folders, hf_tokenizer, last_l
     np.testing.assert_allclose(runtime.score(QUERY, DOCUMENTS), expected, atol=ATOL, rtol=0)
 
 
+def test_token_logits_without_a_template_score_the_bare_pair_and_say_so(folders, hf_tokenizer, last_logits, caplog):
+    """vLLM warns too: an LLM reranker reads the answer its prompt asks for."""
+    with caplog.at_level(logging.WARNING, logger="poolrunner.core.inputs.score_template"):
+        runtime = Runtime(folders["tied"], dtype="float32", hf_overrides={"classifier_from_token": ["no", "yes"]},
+                          load_entrypoints=False)
+    assert [r.getMessage() for r in caplog.records if r.name == "poolrunner.core.inputs.score_template"] == [
+        f"{runtime.model_config.name} scores from the logits of 2 vocabulary tokens (hf_overrides' "
+        "classifier_from_token) with no score template, so each (query, document) pair is tokenized as a bare text "
+        "pair; LLM rerankers read their prompt's answer: give --score-template (score_template=) the prompt the "
+        "model card gives, or is_original_qwen3_reranker for Qwen3-Reranker"]
+    bare = hf_tokenizer.decode(hf_tokenizer(QUERY, DOCUMENTS[0])["input_ids"])
+    expected = sigmoid(two_way(last_logits(folders["tied"], [bare]), hf_tokenizer))
+    np.testing.assert_allclose(runtime.score(QUERY, DOCUMENTS[0]), expected[0], atol=ATOL, rtol=0)
+
+
 # --------------------------------------------------------------------------- one token, several tokens
 
 
@@ -359,6 +375,31 @@ def test_cli_rerank_with_overrides_and_template_file(capsys, tmp_path, folders, 
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     assert "argument --hf-overrides: expected a JSON object ({...}), got '[1]'" in err
+
+
+def test_max_tokens_per_doc_keeps_the_template_whole_on_every_surface(capsys, qwen3_runtime, folders, hf_tokenizer,
+                                                                      last_logits):
+    """A pair past max_model_len is refused advising max_tokens_per_doc (truncate_prompt_tokens would
+    cut the template's end, where the answer is read); the command line takes it, and an empty
+    document stays empty."""
+    from poolrunner.core import PromptTooLongError
+
+    long_document = "word " * qwen3_runtime.model_config.max_model_len
+    with pytest.raises(PromptTooLongError) as caught:
+        qwen3_runtime.score(QUERY, long_document)
+    assert str(caught.value).endswith("; shorten it, or pass max_tokens_per_doc to cut each document to its first "
+                                      "tokens")
+    documents = [long_document, "", "Paris."]
+    cut = [hf_tokenizer.decode(hf_tokenizer(d, add_special_tokens=False)["input_ids"][:5]) for d in documents]
+    assert cut[1:] == documents[1:]
+    expected = sigmoid(two_way(last_logits(folders["untied"], [qwen3_prompt(QUERY, d) for d in cut]), hf_tokenizer))
+    np.testing.assert_allclose(qwen3_runtime.score(QUERY, documents, max_tokens_per_doc=5), expected, atol=ATOL,
+                               rtol=0)
+    code = main(["score", "--dtype", "float32", "--no-entrypoints", "--model", str(folders["untied"]), "--hf-overrides",
+                 json.dumps(QWEN3_OVERRIDES), "--max-tokens-per-doc", "5", "--query", QUERY, *documents])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    np.testing.assert_allclose([json.loads(line)["score"] for line in out.splitlines()], expected, atol=ATOL, rtol=0)
 
 
 def test_flags_and_serve_variables_build_the_config(monkeypatch, tmp_path):

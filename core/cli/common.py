@@ -429,13 +429,19 @@ def _is_file(value: str) -> bool:
 
 
 def add_truncation_options(group: argparse._ArgumentGroup, *, pairs: bool = False) -> None:
-    """``--truncate N`` and ``--truncation-side``; ``pairs`` words the help for (text, pair) inputs."""
+    """``--truncate N`` and ``--truncation-side``; ``pairs``: for (query, document) inputs, with
+    ``--max-tokens-per-doc N``."""
     what = "a (query, document) pair" if pairs else "longer inputs"
     group.add_argument("--truncate", dest="truncate_prompt_tokens", metavar="N", type=int,
                        help=f"keep N tokens of {what} (special tokens included); -1 keeps the model "
                             "maximum; without it a too long input is an error")
     group.add_argument("--truncation-side", choices=("left", "right"), default="right",
                        help="right keeps the start of a long input, left keeps its end")
+    if pairs:
+        group.add_argument("--max-tokens-per-doc", metavar="N", type=positive_int,
+                           help="cut each document (never the query) to its first N tokens before it is paired "
+                                "(vLLM's max_tokens_per_doc); an LLM reranker's prompt template stays whole, as "
+                                "--truncate would not keep it")
 
 
 def request_of(cls: type[R], args: argparse.Namespace, **fields: Any) -> R:

@@ -441,7 +441,11 @@ class Frontend:
         if self.cross_encoder:
             use_activation, activate = _activation(request, self._score_activation)
             params = self.params("classify", request.options, use_activation=use_activation)
-            return Plan(self.prepare(self._formatted(pairs), params, tokenization), lambda done: np.array(
+            try:
+                requests = self.prepare(self._formatted(pairs), params, tokenization)
+            except PromptTooLongError as exc:
+                raise self._pair_too_long(exc) from None
+            return Plan(requests, lambda done: np.array(
                 [activate(output).numpy()[0] for output in done], dtype=np.float32))
         if task != "embed" and not self._hooks.implementers("score_outputs"):
             raise self._cannot_score()
@@ -461,6 +465,16 @@ class Frontend:
             return pairs
         return [self.score_template.render(query, document) for query, document in pairs]
 
+    def _pair_too_long(self, exc: PromptTooLongError) -> PromptTooLongError:
+        """``exc`` advising ``max_tokens_per_doc``, which cuts the document alone: a score
+        template's end (where an LLM reranker reads its answer) stays whole, as it would not
+        with ``truncate_prompt_tokens``."""
+        cut = "truncate_prompt_tokens (-1 keeps the maximum) or "
+        if self.score_template is not None:
+            cut = ""  # it would cut the template's end
+        return PromptTooLongError(f"{str(exc).partition(';')[0]}; shorten it, or pass {cut}max_tokens_per_doc to cut "
+                                  "each document to its first tokens", param=exc.param)
+
     def _cut_documents(self, pairs: Sequence[tuple[str, str]], max_tokens: int) -> list[tuple[str, str]]:
         """``pairs`` with each distinct document cut to its first ``max_tokens`` tokens."""
         cut = {document: self._first_tokens(document, max_tokens) for _, document in pairs}
@@ -473,6 +487,8 @@ class Frontend:
         A text longer than the model maximum is only cut when ``max_tokens`` is below it; else
         it stays whole and pairing it answers the usual too-long error.
         """
+        if not text.strip():  # nothing to cut; a text of no tokens would fail encode's checks
+            return text
         # One token more than kept tells whether the text was longer; the locked encode is
         # safe next to other requests (the tokenizer's truncation is shared state).
         keep = min(max_tokens + 1 + self.inputs.num_special_tokens[False], self.model_config.max_model_len)

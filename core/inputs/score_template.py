@@ -165,6 +165,13 @@ def for_runtime(setting: str | None, model_config: ModelConfig, task: PoolingTas
                 len(model_config.labels))
             return None
     if setting is None:
+        if cross_encoder and model_config.token_logits is not None:  # a causal LM scoring from token logits
+            logger.warning(
+                "%s scores from the logits of %d vocabulary tokens (hf_overrides' classifier_from_token) with no "
+                "score template, so each (query, document) pair is tokenized as a bare text pair; LLM rerankers "
+                "read their prompt's answer: give --score-template (score_template=) the prompt the model card "
+                "gives, or is_original_qwen3_reranker for Qwen3-Reranker", model_config.name,
+                len(model_config.token_logits.token_ids))
         return None
     if not cross_encoder:
         raise ModelLoadError(
