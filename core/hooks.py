@@ -169,7 +169,6 @@ class Hooks:
         return self._call("score_outputs", model_config=model_config, task=task, queries=queries,
                           documents=documents, options=options)
 
-
     def _call(self, hook_name: str, *, caller: pluggy.HookCaller | None = None, **arguments: Any) -> Any:
         """``hook_name`` called through ``caller`` (default: every plugin's).
 
@@ -177,7 +176,7 @@ class Hooks:
             plugin's implementation (the innermost one in its traceback), chained as its cause.
         """
         try:
-            return (caller or getattr(self._hook, hook_name))(**arguments)
+            return (getattr(self._hook, hook_name) if caller is None else caller)(**arguments)
         except PoolrunnerError:
             raise  # poolrunner's own (a plugin refusing a request says so itself)
         except Exception as exc:
