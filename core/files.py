@@ -308,7 +308,7 @@ def _id_of(record: Mapping[str, Any], field: str, option: str, kind: type | None
     if kind is not None and type(value) is not kind:
         hint = (f" (ids are copied from {field!r} because the file has it); give every id one type, or name "
                 f"another field with {option}") if implicit else "; give every id one type"
-        return None, f"field {field!r} is {type(value).__name__}, but the first record's is {kind.__name__}{hint}"
+        return None, f"field {field!r} is {type(value).__name__}, but the ids before it are {kind.__name__}{hint}"
     problem = _lone_surrogate(value) if isinstance(value, str) else None
     return value, None if problem is None else f"field {field!r} {problem}"
 

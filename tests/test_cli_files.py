@@ -178,7 +178,7 @@ def test_default_ids_may_be_missing_or_null_but_not_of_two_types(capsys, tmp_pat
                       encoding="utf-8")
     code, _, err = cli(capsys, "embed", "--model", tiny, "--input", str(source), "-o", str(target))
     assert code == 2
-    assert (f"{source}:2: field 'id' is int, but the first record's is str (ids are copied from 'id' because the "
+    assert (f"{source}:2: field 'id' is int, but the ids before it are str (ids are copied from 'id' because the "
             "file has it); give every id one type, or name another field with --id-field") in err
 
 
@@ -255,7 +255,7 @@ def test_skip_leaves_bad_records_out_and_counts_them(capsys, tmp_path, tiny, tin
     assert err.splitlines()[2:] == [  # after the loading lines
         f"poolrunner: skipped {source}:2: invalid JSON: Expecting value (column 10)",
         f"poolrunner: skipped {source}:3: no field 'text' (fields: 'body', 'id'); pick one with --text-field",
-        f"poolrunner: skipped {source}:5: field 'id' is str, but the first record's is int; give every id one type",
+        f"poolrunner: skipped {source}:5: field 'id' is str, but the ids before it are int; give every id one type",
         "poolrunner: skipped 3 bad records (--on-error skip)",
     ]
     records = [json.loads(line) for line in target.read_text(encoding="utf-8").splitlines()]

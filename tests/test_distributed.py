@@ -339,7 +339,7 @@ def test_rerun_skips_written_files_and_refuses_other_settings(
         assert_matches(embeddings(table), single_process[doc_ids], f"doc_ids {doc_ids[0]}..")
     third = run_job(str(inputs), str(out), **options)
     assert (third.written, sorted(third.skipped), third.num_rows) == ((), sorted(first.written), 0)
-    with pytest.raises(JobConflictError, match=r"other settings \(request_options differ: recorded request_options="
+    with pytest.raises(JobConflictError, match=r"other settings \(request_options differs: recorded request_options="
                                                r"\{\}, this run request_options=\{'normalize': False\}\)"):
         run_job(str(inputs), str(out), **options, request_options={"normalize": False})
 

@@ -389,6 +389,9 @@ def test_max_tokens_per_doc_keeps_the_template_whole_on_every_surface(capsys, qw
         qwen3_runtime.score(QUERY, long_document)
     assert str(caught.value).endswith("; shorten it, or pass max_tokens_per_doc to cut each document to its first "
                                       "tokens")
+    with pytest.raises(PromptTooLongError) as caught:  # the query is what is long
+        qwen3_runtime.score(long_document, "Paris.", max_tokens_per_doc=5)
+    assert str(caught.value).endswith("; shorten the query (max_tokens_per_doc=5 cut the documents)")
     documents = [long_document, "", "Paris."]
     cut = [hf_tokenizer.decode(hf_tokenizer(d, add_special_tokens=False)["input_ids"][:5]) for d in documents]
     assert cut[1:] == documents[1:]

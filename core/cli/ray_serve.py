@@ -88,7 +88,8 @@ def run_ray_serve(args: argparse.Namespace, settings: Any, names: Sequence[str] 
     :param names: The model's served names (``--served-model-name``, ``--model PATH:name=NAME``);
         empty: the folder's name.
     :raises RayNotInstalledError: without Ray Serve (``pip install -e '.[ray]'``).
-    :raises InvalidRequestError: for bad autoscaling options (Ray's reasons), before Ray starts.
+    :raises InvalidRequestError: for bad autoscaling options (Ray's reasons) and settings replicas
+        cannot honour (:func:`~poolrunner.core.distributed.replicas.check_settings`), before Ray starts.
     :raises ReplicaStartError: when the replicas fail to start, with the replica's own error.
     :raises CliError: when Ray or Ray Serve fails otherwise (a cluster that cannot be joined).
     """
@@ -98,7 +99,8 @@ def run_ray_serve(args: argparse.Namespace, settings: Any, names: Sequence[str] 
     if names:
         settings = attrs.evolve(settings, served_model_name=names)
     scaling = _scaling(args)
-    replicas.deployment_options(**scaling)  # bad autoscaling flags fail here, before Ray starts
+    replicas.check_settings(settings)  # bad settings and autoscaling flags fail here, before Ray starts
+    replicas.deployment_options(**scaling)
     try:
         started = replicas.connect(args.ray_address)
     except Exception as exc:

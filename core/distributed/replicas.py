@@ -175,11 +175,7 @@ def serve_replicas(
 
     config, plugins = runtime_config(task, model, runtime_options)
     settings = settings or ServerSettings()
-    if settings.allow_runtime_lora:
-        raise InvalidRequestError(
-            "allow_runtime_lora (--allow-runtime-lora) is not served by Ray Serve replicas: an adapter loaded at run "
-            "time would reach only the replica that answered the call, and the others would answer 404 for it; name "
-            "the adapters with lora_modules (--lora-modules), which every replica loads")
+    check_settings(settings)
     try:
         log_config(log_level, log_format)  # here, rather than in each replica
     except ValueError as exc:
@@ -199,6 +195,19 @@ def serve_replicas(
         raise
     logger.info("%s: %s serving on %s", name, _replica_count(options), url)
     return ServedReplicas(name=name, url=url, started_ray=started)
+
+
+def check_settings(settings: ServerSettings) -> None:
+    """Refuse the server settings replicas cannot honour, before Ray starts.
+
+    :raises InvalidRequestError: for ``allow_runtime_lora``: an adapter loaded at run time would
+        reach only the replica that answered the call.
+    """
+    if settings.allow_runtime_lora:
+        raise InvalidRequestError(
+            "allow_runtime_lora (--allow-runtime-lora) is not served by Ray Serve replicas: an adapter loaded at run "
+            "time would reach only the replica that answered the call, and the others would answer 404 for it; name "
+            "the adapters with lora_modules (--lora-modules), which every replica loads")
 
 
 def deployment_options(

@@ -150,7 +150,8 @@ def check_manifest(
     if recorded != wanted:
         changed = sorted(key for key in {*recorded, *wanted} if recorded.get(key) != wanted.get(key))
         raise JobConflictError(
-            f"output folder {folder!r} holds a job with other settings ({', '.join(changed)} differ: "
+            f"output folder {folder!r} holds a job with other settings ({', '.join(changed)} "
+            f"differ{'s' * (len(changed) == 1)}: "
             f"recorded {', '.join(f'{k}={recorded.get(k)!r}' for k in changed)}, "
             f"this run {', '.join(f'{k}={wanted.get(k)!r}' for k in changed)}); "
             "write to another folder, or delete it to start over"

@@ -341,8 +341,8 @@ def _check_output(task: PoolingTask, pooler: Pooler, output: PoolerOutput, count
         raise PoolerOutputError(f"{who} returned {type(output).__name__}, not a tensor or a list (PoolerOutput)")
     results = (output.shape[0] if output.dim() else 0) if isinstance(output, torch.Tensor) else len(output)
     if results != count:
-        raise PoolerOutputError(f"{who} returned {results} result{'s' * (results != 1)} for {count} requests; a "
-                                "pooler returns one result per request (PoolerOutput)")
+        raise PoolerOutputError(f"{who} returned {results} result{'s' * (results != 1)} for {count} "
+                                f"request{'s' * (count != 1)}; a pooler returns one result per request (PoolerOutput)")
     rank = _RANKS.get(task)
     if rank is None:
         return

@@ -444,7 +444,7 @@ class Frontend:
             try:
                 requests = self.prepare(self._formatted(pairs), params, tokenization)
             except PromptTooLongError as exc:
-                raise self._pair_too_long(exc) from None
+                raise self._pair_too_long(exc, request.max_tokens_per_doc) from None
             return Plan(requests, lambda done: np.array(
                 [activate(output).numpy()[0] for output in done], dtype=np.float32))
         if task != "embed" and not self._hooks.implementers("score_outputs"):
@@ -465,15 +465,15 @@ class Frontend:
             return pairs
         return [self.score_template.render(query, document) for query, document in pairs]
 
-    def _pair_too_long(self, exc: PromptTooLongError) -> PromptTooLongError:
-        """``exc`` advising ``max_tokens_per_doc``, which cuts the document alone: a score
-        template's end (where an LLM reranker reads its answer) stays whole, as it would not
-        with ``truncate_prompt_tokens``."""
-        cut = "truncate_prompt_tokens (-1 keeps the maximum) or "
-        if self.score_template is not None:
-            cut = ""  # it would cut the template's end
-        return PromptTooLongError(f"{str(exc).partition(';')[0]}; shorten it, or pass {cut}max_tokens_per_doc to cut "
-                                  "each document to its first tokens", param=exc.param)
+    def _pair_too_long(self, exc: PromptTooLongError, max_tokens_per_doc: int | None) -> PromptTooLongError:
+        """``exc`` advising ``max_tokens_per_doc`` (unless it was given: then the query is what is
+        long), which cuts the document alone: a score template's end (where an LLM reranker
+        reads its answer) stays whole, as it would not with ``truncate_prompt_tokens``."""
+        cut = "" if self.score_template is not None else "truncate_prompt_tokens (-1 keeps the maximum) or "
+        advice = (f"shorten it, or pass {cut}max_tokens_per_doc to cut each document to its first tokens"
+                  if max_tokens_per_doc is None else f"shorten the query (max_tokens_per_doc={max_tokens_per_doc} "
+                  "cut the documents)")
+        return PromptTooLongError(f"{str(exc).partition(';')[0]}; {advice}", param=exc.param)
 
     def _cut_documents(self, pairs: Sequence[tuple[str, str]], max_tokens: int) -> list[tuple[str, str]]:
         """``pairs`` with each distinct document cut to its first ``max_tokens`` tokens."""
