@@ -466,13 +466,13 @@ class Frontend:
         return [self.score_template.render(query, document) for query, document in pairs]
 
     def _pair_too_long(self, exc: PromptTooLongError, max_tokens_per_doc: int | None) -> PromptTooLongError:
-        """``exc`` advising ``max_tokens_per_doc`` (unless it was given: then the query is what is
-        long), which cuts the document alone: a score template's end (where an LLM reranker
-        reads its answer) stays whole, as it would not with ``truncate_prompt_tokens``."""
+        """``exc`` advising ``max_tokens_per_doc`` (or, given, a lower one or a shorter query),
+        which cuts the document alone: a score template's end (where an LLM reranker reads its
+        answer) stays whole, as it would not with ``truncate_prompt_tokens``."""
         cut = "" if self.score_template is not None else "truncate_prompt_tokens (-1 keeps the maximum) or "
         advice = (f"shorten it, or pass {cut}max_tokens_per_doc to cut each document to its first tokens"
-                  if max_tokens_per_doc is None else f"shorten the query (max_tokens_per_doc={max_tokens_per_doc} "
-                  "cut the documents)")
+                  if max_tokens_per_doc is None else
+                  f"shorten the query, or lower max_tokens_per_doc (now {max_tokens_per_doc})")
         return PromptTooLongError(f"{str(exc).partition(';')[0]}; {advice}", param=exc.param)
 
     def _cut_documents(self, pairs: Sequence[tuple[str, str]], max_tokens: int) -> list[tuple[str, str]]:
