@@ -114,3 +114,9 @@ class JobConflictError(PoolrunnerError):
 class ReplicaStartError(PoolrunnerError):
     """Ray Serve could not start the replicas (the model did not load in them, say); the message
     ends with the replica's own error."""
+
+
+def with_advice(message: str, advice: str) -> str:
+    """An error's ``message`` with its advice (after the first ``;``: what to pass to the Python
+    API) replaced by ``advice``: a surface's own, naming that surface's fields, or a narrower one."""
+    return f"{message.partition(';')[0]}; {advice}"

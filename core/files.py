@@ -371,6 +371,7 @@ def _parquet_records(source: Any, fields: Fields, name: str) -> Iterator[_Record
         raise InvalidRequestError(f"{name} is not a Parquet file ({exc})") from None
     schema = file.schema_arrow
     wanted = [*fields.texts, *([fields.id] if fields.id else [])]
+    image_columns: set[str] = set()  # encoded images (fields.images): a null there is not an image
     for field, option in wanted:
         if field not in schema.names:
             if fields.optional_id and (field, option) == fields.id:
@@ -384,8 +385,8 @@ def _parquet_records(source: Any, fields: Fields, name: str) -> Iterator[_Record
             wanted_kind = "text (image paths) or binary (encoded images)" if fields.images else "text"
             raise InvalidRequestError(f"{name}: column {field!r} is {kind}, not {wanted_kind}; "
                                       f"pick a {'column' if fields.images else 'text column'} with {option}")
-    image_columns = {field for field, _ in fields.texts if pa.types.is_binary(schema.field(field).type)
-                     or pa.types.is_large_binary(schema.field(field).type)}  # encoded images (fields.images)
+        if binary and (field, option) in fields.texts:
+            image_columns.add(field)
     id_field = fields.id[0] if fields.id and fields.id[0] in schema.names else None
     names = list(dict.fromkeys([field for field, _ in fields.texts] + ([id_field] if id_field else [])))
     row = 0

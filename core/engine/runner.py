@@ -336,12 +336,12 @@ def _check_output(task: PoolingTask, pooler: Pooler, output: PoolerOutput, count
 
     :raises PoolerOutputError: naming the task, the pooler's class, and what it returned.
     """
-    who = f"the pooler of task {task!r} ({_class_name(pooler)})"
     if not isinstance(output, torch.Tensor | list | tuple):
-        raise PoolerOutputError(f"{who} returned {type(output).__name__}, not a tensor or a list (PoolerOutput)")
+        raise PoolerOutputError(f"{_who(task, pooler)} returned {type(output).__name__}, not a tensor or a list "
+                                "(PoolerOutput)")
     results = (output.shape[0] if output.dim() else 0) if isinstance(output, torch.Tensor) else len(output)
     if results != count:
-        raise PoolerOutputError(f"{who} returned {results} result{'s' * (results != 1)} for {count} "
+        raise PoolerOutputError(f"{_who(task, pooler)} returned {results} result{'s' * (results != 1)} for {count} "
                                 f"request{'s' * (count != 1)}; a pooler returns one result per request (PoolerOutput)")
     rank = _RANKS.get(task)
     if rank is None:
@@ -351,8 +351,12 @@ def _check_output(task: PoolingTask, pooler: Pooler, output: PoolerOutput, count
     if ranks != {rank}:
         shapes = f"a tensor of shape {list(output.shape)}" if tensor else "results of shapes " + ", ".join(
             str(list(r.shape)) if isinstance(r, torch.Tensor) else type(r).__name__ for r in output[:3])
-        raise PoolerOutputError(f"{who} returned {shapes}; each request's {task} result is a tensor of {rank} "
-                                f"dimension{'s' * (rank > 1)}")
+        raise PoolerOutputError(f"{_who(task, pooler)} returned {shapes}; each request's {task} result is a tensor "
+                                f"of {rank} dimension{'s' * (rank > 1)}")
+
+
+def _who(task: PoolingTask, pooler: Pooler) -> str:
+    return f"the pooler of task {task!r} ({_class_name(pooler)})"
 
 
 def _class_name(obj: object) -> str:

@@ -22,7 +22,7 @@ from attrs import frozen
 
 from poolrunner.core.activation import label_count_activation, score_activation
 from poolrunner.core.adapters import LoraAdapters
-from poolrunner.core.errors import InvalidRequestError, PromptTooLongError, UnsupportedTaskError
+from poolrunner.core.errors import InvalidRequestError, PromptTooLongError, UnsupportedTaskError, with_advice
 from poolrunner.core.frontend import outputs
 from poolrunner.core.frontend.chunking import LongInputs
 from poolrunner.core.frontend.requests import (
@@ -473,7 +473,7 @@ class Frontend:
         advice = (f"shorten it, or pass {cut}max_tokens_per_doc to cut each document to its first tokens"
                   if max_tokens_per_doc is None else
                   f"shorten the query, or lower max_tokens_per_doc (now {max_tokens_per_doc})")
-        return PromptTooLongError(f"{str(exc).partition(';')[0]}; {advice}", param=exc.param)
+        return PromptTooLongError(with_advice(str(exc), advice), param=exc.param)
 
     def _cut_documents(self, pairs: Sequence[tuple[str, str]], max_tokens: int) -> list[tuple[str, str]]:
         """``pairs`` with each distinct document cut to its first ``max_tokens`` tokens."""

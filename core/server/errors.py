@@ -286,12 +286,6 @@ def tei_error_response(error: TeiError, request: Request | None = None) -> JSONR
     return JSONResponse({"error": message, "error_type": error.error_type}, status_code=error.status)
 
 
-def with_advice(message: str, advice: str) -> str:
-    """A core error's ``message`` with its advice (after the first ``;``: what to pass to the Python
-    API) replaced by a surface's own ``advice``, which names that surface's fields."""
-    return f"{message.partition(';')[0]}; {advice}"
-
-
 def public_text(request: Request, text: str) -> str:
     """``text`` as a client may read it: the model's folder (a path on this machine, as the
     Python API names the model) replaced by the served model name."""

@@ -17,14 +17,14 @@ import attrs
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from poolrunner.core.errors import InputTooLongError
+from poolrunner.core.errors import InputTooLongError, with_advice
 from poolrunner.core.frontend import chunking
 from poolrunner.core.frontend.plans import Plan
 from poolrunner.core.frontend.requests import Input, RerankRequest, ScoreRequest, TokenizeRequest, as_items, is_pair
 from poolrunner.core.frontend.requests import Request as FrontendRequest
 from poolrunner.core.runtime import Runtime, Serving
 from poolrunner.core.server.admission import NO_LEASE, Lease, OutputBudget
-from poolrunner.core.server.errors import ApiError, with_advice
+from poolrunner.core.server.errors import ApiError
 from poolrunner.core.server.metrics import ServerMetrics
 from poolrunner.core.server.middleware import REQUEST_STATS
 from poolrunner.core.server.protocol import text_image_prompt

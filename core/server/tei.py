@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 from fastapi import Request
 
-from poolrunner.core.errors import InputTooLongError, PromptTooLongError
+from poolrunner.core.errors import InputTooLongError, PromptTooLongError, with_advice
 from poolrunner.core.frontend import requests as fr
 from poolrunner.core.server import protocol as p
 from poolrunner.core.server import tei_protocol as t
-from poolrunner.core.server.errors import TeiError, with_advice
+from poolrunner.core.server.errors import TeiError
 from poolrunner.core.server.models import ModelRouter
 from poolrunner.core.server.service import PoolingService
 from poolrunner.core.server.settings import ServerSettings

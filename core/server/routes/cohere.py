@@ -7,9 +7,9 @@ import re
 
 from fastapi import APIRouter, Request
 
-from poolrunner.core.errors import InputTooLongError, InvalidRequestError, PromptTooLongError
+from poolrunner.core.errors import InputTooLongError, InvalidRequestError, PromptTooLongError, with_advice
 from poolrunner.core.server import cohere_protocol as c
-from poolrunner.core.server.errors import ApiError, with_advice
+from poolrunner.core.server.errors import ApiError
 from poolrunner.core.server.routes.answers import answer_id
 from poolrunner.core.server.routes.dependencies import Served
 
