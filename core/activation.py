@@ -8,7 +8,8 @@ independent sigmoids; ``regression`` -> identity.
 
 Scoring pairs (:func:`score_activation`, vLLM's ``score`` and sentence-transformers'
 ``CrossEncoder.predict``): the activation a cross-encoder's folder names wins (``Identity`` for
-the ms-marco cross-encoders: raw logits), but only a class under ``torch.nn`` is ever used.
+the ms-marco cross-encoders: raw logits), but only a class under ``torch.nn`` is ever used;
+without one, a sigmoid of the one logit, ``problem_type`` aside.
 """
 
 from __future__ import annotations
@@ -35,18 +36,20 @@ def classifier_activation(model_config: ModelConfig) -> Activation:
     return lambda logits: torch.softmax(logits, dim=-1)  # subtracts the max: stable for any logits
 
 
-def score_activation(model_config: ModelConfig) -> Activation | None:
-    """The activation a sentence-transformers cross-encoder names
-    (:attr:`~poolrunner.core.types.ModelConfig.classifier_activation`), built over the labels'
-    dimension, for its pair scores; ``None`` when the folder names none (its scores are then
-    :func:`classifier_activation`'s, as sentence-transformers' default is).
+def score_activation(model_config: ModelConfig) -> Activation:
+    """A cross-encoder's pair-score activation over the labels' dimension, as
+    ``CrossEncoder.predict`` applies it: the ``torch.nn`` class its folder names
+    (:attr:`~poolrunner.core.types.ModelConfig.classifier_activation`), else sigmoid for one label
+    and identity for more (sentence-transformers' default, whatever ``problem_type`` says: a
+    1-label reranker trained as ``regression`` still scores through a sigmoid; vLLM's ``score``
+    too).
 
     :raises ModelLoadError: for a name that is not a ``torch.nn`` module, or one that cannot be
         built without arguments.
     """
     name = model_config.classifier_activation
     if name is None:
-        return None
+        return torch.sigmoid if len(model_config.labels) == 1 else (lambda logits: logits)
     activation = getattr(nn, name, None)
     if not (isinstance(activation, type) and issubclass(activation, nn.Module)) or activation is nn.Module:
         raise ModelLoadError(f"model {model_config.name}: activation {name!r} is not a torch.nn module")

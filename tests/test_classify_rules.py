@@ -150,6 +150,53 @@ def test_a_cross_encoder_activation_scores_its_pairs_and_classify_keeps_the_head
         assert (np.abs(logits) > 1).any(), "the logits tell every activation apart"
 
 
+def test_a_regression_cross_encoder_scores_pairs_through_a_sigmoid(make_classifier_folder, classifier_runtime,
+                                                                   word_texts):
+    """One label trained as ``regression`` (transformers' Trainer writes the ``problem_type``):
+    ``classify`` gives the logit, as transformers' pipeline does, but pairs score through a
+    sigmoid, as ``CrossEncoder.predict``'s default (and vLLM's ``score``) whatever the problem type."""
+    from sentence_transformers import CrossEncoder
+
+    folder = make_classifier_folder("bert", "regression")
+    runtime = classifier_runtime(folder)
+    queries, documents = word_texts(4, seed=16, hi=8), word_texts(4, seed=17, hi=30)
+    pairs = list(zip(queries, documents, strict=True))
+    cross_encoder = CrossEncoder(str(folder), device="cpu")
+    expected = cross_encoder.predict(pairs)
+    np.testing.assert_allclose(runtime.score(queries, documents), expected, rtol=RTOL, atol=ATOL)
+    logits = runtime.score(queries, documents, use_activation=False)
+    np.testing.assert_allclose(expected, 1 / (1 + np.exp(-logits)), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(scores_of(runtime.classify(pairs))[:, 0], logits, rtol=RTOL, atol=ATOL)
+    ranked = runtime.rerank(queries[0], documents)
+    rerank_expected = cross_encoder.predict([(queries[0], documents[result.index]) for result in ranked])
+    np.testing.assert_allclose([result.score for result in ranked], rerank_expected, rtol=RTOL, atol=ATOL)
+
+
+def test_pairs_are_refused_where_the_tokenizer_gives_a_token_type_the_model_lacks(tmp_path):
+    """A BERT with one token type under a BERT tokenizer (the document is type 1): transformers'
+    and ``CrossEncoder``'s embedding lookup fails, so poolrunner refuses the pair rather than
+    score it with the types dropped; single texts are still served."""
+    import torch
+    import transformers
+    from sentence_transformers import CrossEncoder
+
+    from poolrunner.core.testing.tiny_models import write_tiny_model
+
+    folder = write_tiny_model(tmp_path / "one-type", "BertForSequenceClassification", num_labels=1,
+                              type_vocab_size=1)
+    with pytest.raises(IndexError):
+        CrossEncoder(str(folder), device="cpu").predict([("a query", "a document")])
+    runtime = poolrunner.Runtime(folder, dtype="float32")
+    with pytest.raises(InvalidRequestError, match=re.escape(
+            "embeds one token type (type_vocab_size 1), but its tokenizer marks a pair's document as type 1")):
+        runtime.score("a query", ["a document"])
+    model = transformers.BertForSequenceClassification.from_pretrained(folder).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    with torch.inference_mode():
+        expected = torch.sigmoid(model(**tokenizer(["a text"], return_tensors="pt")).logits)[0].numpy()
+    np.testing.assert_allclose(runtime.classify(["a text"])[0].probs, expected, rtol=RTOL, atol=ATOL)
+
+
 def test_untrusted_cross_encoder_activation_is_refused(make_classifier_folder, monkeypatch):
     calls = []
     monkeypatch.setattr(os, "system", lambda *args: calls.append(args) or 0)

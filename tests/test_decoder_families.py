@@ -11,6 +11,8 @@ right-padded batches with an attention mask, tokenized by the folder's own token
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -195,3 +197,50 @@ def test_token_classification(family, make_decoder_folder, task_runtime, token_r
     raw = rt.encode(texts, use_activation=False)
     for got, want in zip(raw, logits, strict=True):
         assert max_dev(got, want) <= ATOL
+
+
+# --------------------------------------------------------------------------- LongRoPE
+
+
+@pytest.fixture(scope="module")
+def longrope_folder(tmp_path_factory) -> Path:
+    """A tiny Llama with Phi-3's LongRoPE: short factors up to 16 positions, long ones past them."""
+    import torch
+    import transformers
+
+    from poolrunner.core.testing import tiny_models
+
+    config = tiny_models.tiny_config("llama")
+    half = config.hidden_size // config.num_attention_heads // 2
+    config.rope_parameters = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+                              "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                              "long_factor": [2.0 + 0.5 * i for i in range(half)]}
+    config.max_position_embeddings = 128
+    torch.manual_seed(0)
+    model = tiny_models.widen_weights(transformers.LlamaModel(config).eval())
+    return tiny_models.save_tiny_folder(tmp_path_factory.mktemp("longrope"), "llama", model)
+
+
+def test_longrope_serves_prompts_within_its_short_factors(longrope_folder, task_runtime, token_reference, word_texts):
+    """transformers rotates a whole pass with LongRoPE's long factors once any position passes
+    ``original_max_position_embeddings``: a short prompt batched with a long one, or a long one's
+    later chunks, would be rotated by what ran beside it. Prompts stop at the short factors'
+    length, where every pass uses them, so each vector equals the prompt run alone."""
+    import poolrunner
+    from poolrunner.core.errors import ModelLoadError, PromptTooLongError
+
+    rt = task_runtime(longrope_folder, max_num_batched_tokens=8)
+    assert rt.model_config.max_model_len == 16
+    ref = token_reference(longrope_folder)
+    texts = [t for t in word_texts(12, 5, 1, 12) if len(ref.token_ids([t])[0]) <= 16]
+    assert max(len(ids) for ids in ref.token_ids(texts)) > 8, "a prompt must run in chunks"
+    got = rt.encode(texts, task="token_embed")
+    for text, states in zip(texts, got, strict=True):
+        assert max_dev(states, ref.alone(ref.token_ids([text])[0])) <= ATOL
+
+    long_text = " ".join(f"w{i}" for i in range(20))
+    with pytest.raises(PromptTooLongError, match=r"has 2\d tokens, more than the maximum of 16"):
+        rt.embed([long_text])
+    assert rt.embed(texts[:1]).shape == (1, HIDDEN)  # the next request is served
+    with pytest.raises(ModelLoadError, match=r"max_model_len=32 exceeds the 16 positions of .*LongRoPE short factors"):
+        poolrunner.Runtime(longrope_folder, dtype="float32", max_model_len=32)

@@ -15,6 +15,7 @@ import attrs
 import pytest
 
 from poolrunner import InvalidRequestError
+from poolrunner.core.errors import InputTooLongError
 from poolrunner.core.inputs import cutting
 from poolrunner.core.inputs.tokenize import InputProcessor
 from tests.models.smollm2 import smollm2_folder
@@ -119,6 +120,33 @@ def test_windows_equal_whole_text_with_a_prompt_and_without_special_tokens(runti
         expected = hf_tokenizer(texts, truncation=True, max_length=9, add_special_tokens=False)["input_ids"]
         got = runtime.inputs.encode(texts, truncate_prompt_tokens=9, truncation_side=side, add_special_tokens=False)
         assert got == [tuple(ids) for ids in expected]
+
+
+def test_pair_documents_read_in_windows_equal_whole_pair_truncation(runtime, hf_tokenizer, words, reads):
+    """``longest_first`` over a query within the kept tokens and a document over the character
+    limit: the document is read in a window, and the pair's ids and token types equal the
+    tokenizer's on the whole pair, on both sides, at budgets the query fits in whole or half.
+    A document whose window holds too few certain tokens is refused, never cut inexactly."""
+    inputs = processor(hf_tokenizer, runtime, max_model_len=256, max_input_chars=3000)
+    documents = [text for text in hostile_texts(words, 40, seed=4) if len(text) > 3000]
+    rng = random.Random(5)
+    pairs = [(" ".join(rng.choice(words) for _ in range(rng.randint(1, 20))), document) for document in documents]
+    for side in ("right", "left"):
+        hf_tokenizer.truncation_side = side
+        for keep in (40, 256):
+            served = 0
+            for query, document in pairs:
+                reads.clear()
+                try:
+                    (ids, types), = inputs.encode_pairs([(query, document)], truncate_prompt_tokens=keep,
+                                                        truncation_side=side)
+                except InputTooLongError:
+                    continue
+                expected = hf_tokenizer(query, document, truncation=True, max_length=keep, return_token_type_ids=True)
+                assert (ids, types) == (tuple(expected["input_ids"]), tuple(expected["token_type_ids"])), (side, keep)
+                assert sum(reads) < len(document)
+                served += 1
+            assert served >= 0.9 * len(pairs), f"side={side} k={keep}: {served} of {len(pairs)} pairs served"
 
 
 def test_a_window_too_short_is_retried_up_to_the_limit_then_refused(runtime, hf_tokenizer, words, reads):

@@ -78,13 +78,20 @@ def test_truncated_text_without_spaces_over_the_limit_is_refused(runtime, assert
     assert_serves(runtime)
 
 
-def test_pair_text_over_the_limit_is_refused(runtime, assert_serves):
+def test_pair_text_over_the_limit_is_refused_unless_its_document_can_be_read_in_a_window(runtime, assert_serves):
+    advice = ("shorten it (a pair is read whole unless it is truncated, its query fits in the tokens kept and its "
+              "document can be cut at a space)")
     with pytest.raises(InvalidRequestError) as error:
-        runtime.inputs.encode_pairs([("query", "a b " * 3000)], truncate_prompt_tokens=-1)
+        runtime.inputs.encode_pairs([("query", "a b " * 3000)])
     assert str(error.value) == ("pair 0, text 2 has 12000 characters, more than the limit of 8192 per input "
-                                "(max_input_chars, the --max-input-chars flag); shorten it (a pair is read whole, "
-                                "even to truncate it)")
+                                f"(max_input_chars, the --max-input-chars flag); {advice}")
     assert_serves(runtime)
+    with pytest.raises(InvalidRequestError) as error:  # 300 query tokens: past the 253 a pair keeps of text
+        runtime.inputs.encode_pairs([("q " * 300, "a b " * 3000)], truncate_prompt_tokens=-1)
+    assert str(error.value).startswith("pair 0, text 2 has 12000 characters") and str(error.value).endswith(advice)
+    assert_serves(runtime)
+    (ids, _), = runtime.inputs.encode_pairs([("query", "a b " * 3000)], truncate_prompt_tokens=-1)
+    assert len(ids) == 256
 
 
 def test_max_input_chars_is_an_option_of_the_api_the_command_line_and_the_environment(monkeypatch):

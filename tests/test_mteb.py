@@ -58,3 +58,23 @@ def test_prompts_follow_mteb_rules(make_minilm_folder, prompt_type):
         inputs, **options)
     assert ours.shape == (3, 384) and ours.dtype == np.float32
     assert cosine_rows(ours, np.asarray(reference)).min() >= MIN_COSINE
+
+
+def test_texts_past_the_model_maximum_are_cut_as_sentence_transformers_cuts(model_path, runtime):
+    """mteb corpora hold texts longer than all-MiniLM-L6-v2's 256 tokens: sentence-transformers
+    keeps the first 256, and so does the encoder by default; ``truncate_prompt_tokens=None``
+    refuses them, naming the limit."""
+    from poolrunner.core.errors import PromptTooLongError
+
+    long_text = " ".join(["The committee met on Tuesday to discuss the river's flooding."] * 40)
+    texts = [long_text, *TEXTS]
+    task = next(task for task in ALL_MOCK_TASK_TEST_GRID if task.metadata.name == "MockSTSTask")
+    inputs = DataLoader(Dataset.from_dict({"text": texts}), batch_size=2)
+    options = {"task_metadata": task.metadata, "hf_split": "test", "hf_subset": "default"}
+    ours = PoolrunnerEncoder(runtime).encode(inputs, **options)
+    reference = SentenceTransformerEncoderWrapper(SentenceTransformer(str(model_path), device="cpu")).encode(
+        inputs, **options)
+    assert len(runtime.tokenize([long_text])[0]) > 256
+    assert cosine_rows(ours, np.asarray(reference)).min() >= MIN_COSINE
+    with pytest.raises(PromptTooLongError, match=r"input 0 has \d+ tokens, more than the maximum of 256"):
+        PoolrunnerEncoder(runtime, truncate_prompt_tokens=None).encode(inputs, **options)

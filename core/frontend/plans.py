@@ -600,8 +600,8 @@ def _activation(request: ClassifyRequest | ScoreRequest,
                 named: Callable[[Any], Any] | None) -> tuple[bool | None, Callable[[Any], Any]]:
     """The params' ``use_activation`` for ``request`` and what the plan applies to each output.
     The pooler applies the classification rule; the label-count rule (TEI's, infinity's) and a
-    cross-encoder's ``named`` activation (its pair scores only) run here, on the raw logits the
-    pooler then returns."""
+    cross-encoder's pair-score activation (``named``, :func:`score_activation`) run here, on the
+    raw logits the pooler then returns."""
     if request.use_activation is False:
         return False, lambda output: output
     if request.activation == "labels":

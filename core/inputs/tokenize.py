@@ -52,8 +52,9 @@ class InputProcessor:
     * A text longer than ``max_input_chars`` characters is refused before it is tokenized, unless
       it is truncated and the tokens kept can be read from a window of it (:mod:`.cutting`):
       truncating a text reads only such a window whenever the tokenizer allows, so megabytes are
-      never tokenized to keep a few hundred tokens. (text, text_pair) pairs are read whole: how
-      many tokens each keeps depends on both whole lengths.
+      never tokenized to keep a few hundred tokens. A (text, text_pair) pair's document is read
+      in such a window when its query fits in the tokens kept (:meth:`_document_windows`);
+      otherwise both texts are read whole: how many tokens each keeps depends on both lengths.
 
     The tokenizer's truncation settings are state of its one Rust object, set by every call: a
     call from another thread in between would tokenize with the other call's settings, or fail
@@ -205,20 +206,68 @@ class InputProcessor:
                 raise InvalidRequestError(f"pair {index}: expected two texts (query, document), got {shown(pair)}")
             for side, text in enumerate(pair):
                 check_text(text, f"pair {index}, text {side + 1}", param="input")
-                self.check_chars(text, f"pair {index}, text {side + 1}",
-                                 "shorten it (a pair is read whole, even to truncate it)")
+        windows = {}
+        if self.cuttable and keep is not None:
+            budget = keep - (self.num_special_tokens[True] if add_special_tokens else 0)
+            windows = self._document_windows(pairs, budget, truncation_side)
+        for index, pair in enumerate(pairs):
+            for side, text in enumerate(pair[:1] if index in windows else pair):
+                self.check_chars(text, f"pair {index}, text {side + 1}", _PAIR_ADVICE)
+        pairs = [(query, windows.get(index, document)) for index, (query, document) in enumerate(pairs)]
         results = []
         for chunk in _chunks(pairs, lambda pair: len(pair[0]) + len(pair[1])):
             encoded = self._call(truncation_side, [query for query, _ in chunk], [document for _, document in chunk],
                                  add_special_tokens=add_special_tokens, truncation=keep is not None,
                                  max_length=keep, return_attention_mask=False, return_token_type_ids=True)
             with_types = self.model_config.type_vocab_size >= 2 and "token_type_ids" in encoded
+            if not with_types:
+                self._check_one_type(encoded)
             types = encoded["token_type_ids"] if with_types else [None] * len(chunk)
             for ids, row_types in zip(encoded["input_ids"], types, strict=True):
                 results.append((self._check_length(len(results), tuple(ids), keep),
                                 None if row_types is None else tuple(row_types)))
         self._trim(sum(len(query) + len(document) for query, document in pairs))
         return results
+
+    def _document_windows(self, pairs: Sequence[tuple[str, str]], budget: int,
+                          side: TruncationSide) -> dict[int, str]:
+        """Windows (:mod:`.cutting`) of the documents over ``max_input_chars`` characters that a
+        pair truncated to ``budget`` text tokens keeps exactly, by pair index.
+
+        ``longest_first`` (the tokenizers library's) decides how many tokens each side keeps
+        from the query's length and, of the document's, only from whether it passes the budget and
+        the query's length. So where the query fits in the budget, a document window whose first
+        ``budget + 1`` tokens are certain keeps what the whole document keeps; a longer query
+        needs the whole document's length, and its pair is read whole.
+        """
+        long = {index: pair for index, pair in enumerate(pairs)
+                if len(pair[1]) > self.max_input_chars >= len(pair[0])}
+        if not long:
+            return {}
+        queries = self._call(side, [query for query, _ in long.values()], add_special_tokens=False,
+                             return_attention_mask=False, return_token_type_ids=False)["input_ids"]
+        long = {index: pair for (index, pair), ids in zip(long.items(), queries, strict=True) if len(ids) <= budget}
+        found: dict[int, str] = {}
+        for size in sorted({min(cutting.first_window(budget + 1), self.max_input_chars), self.max_input_chars}):
+            cuts = {index: cutting.cut(document, size, side, ideographs=self.cut_at_ideographs)
+                    for index, (_, document) in long.items() if index not in found}
+            windows = {index: window for index, window in cuts.items() if window is not None}
+            rows = self._encode([window.text for window in windows.values()], budget + 1, side, False, spans=True)
+            for (index, window), (ids, spans) in zip(windows.items(), rows, strict=True):
+                if window.certain(ids, spans["offset_mapping"], spans["special_tokens_mask"], budget + 1):
+                    found[index] = window.text
+        return found
+
+    def _check_one_type(self, encoded: Any) -> None:
+        """:raises InvalidRequestError: where the tokenizer marks a document as type 1 for a model
+        that embeds one token type: transformers (and ``CrossEncoder``) fail on its index, and
+        dropping the types would score what neither computes. Models without a token-type input
+        (``type_vocab_size`` 0: DistilBERT, decoders) or whose tokenizer sends none (RoBERTa) pass."""
+        if (self.model_config.type_vocab_size == 1 and "token_type_ids" in self.tokenizer.model_input_names
+                and any(any(row) for row in encoded.get("token_type_ids", ()))):
+            raise InvalidRequestError(
+                f"model {self.model_config.name} embeds one token type (type_vocab_size 1), but its tokenizer marks "
+                "a pair's document as type 1, which transformers cannot embed: this model cannot score pairs")
 
     def check_chars(self, text: str, where: str, advice: str = "shorten it") -> None:
         """:raises InvalidRequestError: for ``text`` over ``max_input_chars`` characters, naming
@@ -430,6 +479,10 @@ _CHAT_TEMPLATE_PARAMETERS = frozenset(
 ) | {"messages"}
 """Names ``chat_template_kwargs`` may not use: the arguments of ``apply_chat_template`` itself
 (and ``messages``, the conversation the template reads)."""
+
+
+_PAIR_ADVICE = ("shorten it (a pair is read whole unless it is truncated, its query fits in the tokens kept and "
+                "its document can be cut at a space)")
 
 
 def _chunks(items: Sequence[Any], size: Callable[[Any], int]) -> Iterator[Sequence[Any]]:

@@ -3,8 +3,10 @@
 ``mteb.evaluate(PoolrunnerEncoder(runtime), tasks)`` scores a model served by poolrunner as
 mteb scores the same folder through sentence-transformers: the same prompt choice (mteb's own
 ``get_prompt_name`` over the model's prompts: task name and type, then ``query`` /
-``document``), ``encode_query`` / ``encode_document`` by the prompt type, and the model's
-``similarity_fn_name``. Needs ``pip install mteb``; nothing is downloaded.
+``document``), ``encode_query`` / ``encode_document`` by the prompt type, the model's
+``similarity_fn_name``, and texts past the model maximum cut to it (``truncate_prompt_tokens=-1``),
+as sentence-transformers cuts them at its ``max_seq_length``. Needs ``pip install mteb``; nothing
+is downloaded.
 """
 
 from __future__ import annotations
@@ -34,11 +36,15 @@ class PoolrunnerEncoder(AbsEncoder):
     :param model_prompts: Prompts by mteb name (task name, task type, ``query``, ``document``);
         ``None``: the model's own (``config_sentence_transformers.json``).
     :param name: The model name mteb records in its results; ``None``: the folder's name.
+    :param truncate_prompt_tokens: Each text's tokens kept (``-1``: the model maximum, as
+        sentence-transformers keeps); ``None``: a longer text is refused
+        (:class:`~poolrunner.core.errors.PromptTooLongError`) and the evaluation stops.
     """
 
     def __init__(self, runtime: Runtime | str | None = None, model_prompts: Mapping[str, str] | None = None, *,
-                 name: str | None = None, **runtime_options: Any) -> None:
+                 name: str | None = None, truncate_prompt_tokens: int | None = -1, **runtime_options: Any) -> None:
         self.model = runtime if isinstance(runtime, Runtime) else Runtime(runtime, **runtime_options)
+        self.truncate_prompt_tokens = truncate_prompt_tokens
         config = self.model.model_config
         self.model_prompts = dict(config.prompts if model_prompts is None else model_prompts) or None
         self.mteb_model_meta = ModelMeta.create_empty({
@@ -52,7 +58,9 @@ class PoolrunnerEncoder(AbsEncoder):
         """``[num_texts, d]`` float32 embeddings of the texts of ``inputs``, in order."""
         texts = [text for batch in inputs for text in batch["text"]]
         prompt_name = self.get_prompt_name(task_metadata, prompt_type)
-        options = {"prompt": self.model_prompts[prompt_name]} if prompt_name else {}
+        options: dict[str, Any] = {"truncate_prompt_tokens": self.truncate_prompt_tokens}
+        if prompt_name:
+            options["prompt"] = self.model_prompts[prompt_name]
         if prompt_type == PromptType.query:
             return self.model.encode_query(texts, **options)
         if prompt_type == PromptType.document:

@@ -284,6 +284,9 @@ def _max_model_len(
     if positions is not None:
         limits["config.json position embeddings"] = positions - position_offset(hf_config.model_type,
                                                                                 hf_config.pad_token_id)
+    longrope = _longrope_original(hf_config)
+    if longrope is not None:
+        limits["config.json LongRoPE original_max_position_embeddings"] = longrope
     if tokenizer_max_length is not None and tokenizer_max_length < _NO_LIMIT:
         limits["tokenizer model_max_length"] = tokenizer_max_length
     if st_max_seq_length:
@@ -302,7 +305,32 @@ def _max_model_len(
             f"max_model_len={overrides.max_model_len} exceeds the {hard_limit} positions the "
             f"model {path} was built with"
         )
+    if longrope is not None and overrides.max_model_len > longrope:
+        raise ModelLoadError(
+            f"max_model_len={overrides.max_model_len} exceeds the {longrope} positions of {path}'s LongRoPE short "
+            "factors (rope original_max_position_embeddings): past them transformers rotates a whole forward pass "
+            "with the long factors, so a prompt's vectors would depend on the prompts sharing its step"
+        )
     return overrides.max_model_len
+
+
+def _longrope_original(hf_config: PretrainedConfig) -> int | None:
+    """The positions a LongRoPE model rotates with its short factors, or ``None`` for other RoPE.
+
+    transformers picks the short or long factors for a whole forward pass from its largest
+    position (``longrope_frequency_update``), so in a packed step of several prompts, or in a
+    prompt's later chunks, a prompt would be rotated by what else ran with it: poolrunner serves
+    prompts only up to the short factors' length, where every pass uses them.
+    """
+    parameters = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    if not isinstance(parameters, dict):
+        return None
+    # Gemma-style configs hold one parameter set per layer type
+    sets = [value for value in parameters.values() if isinstance(value, dict)] or [parameters]
+    lengths = [params.get("original_max_position_embeddings")
+               or getattr(hf_config, "original_max_position_embeddings", None)
+               for params in sets if (params.get("rope_type") or params.get("type")) == "longrope"]
+    return min((int(length) for length in lengths if length), default=None)
 
 
 def _labels(hf_config: PretrainedConfig) -> tuple[str, ...]:
