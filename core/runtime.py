@@ -170,7 +170,7 @@ class Runtime:
         dimensions: int | None = None,
         normalize: bool | None = None,
         truncate_prompt_tokens: int | None = None,
-        truncation_side: TruncationSide = "right",
+        truncation_side: TruncationSide | None = None,
         prompt: str | None = None,
         prompt_name: str | None = None,
         precision: Precision = "float32",
@@ -192,7 +192,8 @@ class Runtime:
             with ``max_embed_len`` set, up to that many tokens are embedded in windows of
             ``max_model_len``: :mod:`poolrunner.core.frontend.chunking`); ``k``: keep ``k`` tokens;
             ``-1``: keep the model maximum.
-        :param truncation_side: ``right`` keeps the start, ``left`` keeps the end.
+        :param truncation_side: ``right`` keeps the start, ``left`` keeps the end; ``None``: the
+            folder's own (``tokenizer_config.json``, ``right`` unless it says ``left``).
         :param prompt: Literal prefix for every text.
         :param prompt_name: Name of one of the model's prompts.
         :param precision: ``float32``, or sentence-transformers' ``int8``, ``uint8``, ``binary``,
@@ -269,7 +270,7 @@ class Runtime:
         step_tag_id: int | None = None,
         returned_token_ids: Sequence[int] | None = None,
         truncate_prompt_tokens: int | None = None,
-        truncation_side: TruncationSide = "right",
+        truncation_side: TruncationSide | None = None,
         prompt: str | None = None,
         prompt_name: str | None = None,
         lora: str | None = None,
@@ -313,7 +314,7 @@ class Runtime:
         *,
         use_activation: bool | None = None,
         truncate_prompt_tokens: int | None = None,
-        truncation_side: TruncationSide = "right",
+        truncation_side: TruncationSide | None = None,
         lora: str | None = None,
         show_progress_bar: bool = False,
     ) -> list[ClassificationResult]:
@@ -344,7 +345,7 @@ class Runtime:
         documents: str | Sequence[str],
         *,
         truncate_prompt_tokens: int | None = None,
-        truncation_side: TruncationSide = "right",
+        truncation_side: TruncationSide | None = None,
         use_activation: bool | None = None,
         max_tokens_per_doc: int | None = None,
         lora: str | None = None,
@@ -387,7 +388,7 @@ class Runtime:
         top_n: int | None = None,
         return_documents: bool = False,
         truncate_prompt_tokens: int | None = None,
-        truncation_side: TruncationSide = "right",
+        truncation_side: TruncationSide | None = None,
         max_tokens_per_doc: int | None = None,
         lora: str | None = None,
         **options: Any,

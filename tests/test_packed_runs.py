@@ -118,3 +118,22 @@ def test_a_length_s_window_is_read_once_across_steps_for_the_same_mask_function(
     assert padded.key is None
     assert [padded.window(40, cpu), MaskRule(padded.mask_function, False).window(40, cpu)] == [(-1, -1), (-1, -1)]
     assert reads == [5, 40, 40, 40, 40]
+
+
+@pytest.mark.parametrize("family", ["roberta", "xlm-roberta"])
+def test_a_pad_token_inside_a_roberta_prompt_keeps_the_positions_transformers_gives(family, make_decoder_folder,
+                                                                                    task_runtime, token_reference):
+    """The RoBERTa families number positions from the ids (a pad id takes the padding index and
+    the tokens after it count on without it); written in a text or sent as ids, beside prompts
+    without one, each vector equals transformers' on the prompt alone."""
+    folder = make_decoder_folder(family, "model")  # the kit's folders: any family
+    runtime, reference = task_runtime(folder), token_reference(folder)
+    pad = reference.tokenizer.pad_token
+    texts = [f"w1 {pad} w2 w3", "w4 w5 w6", f"{pad} w7 {pad}{pad} w8"]
+    ids = reference.token_ids(texts)
+    assert all(reference.config.pad_token_id in row for row in ids[::2])
+    for got, row in zip(runtime.encode(texts, task="token_embed"), ids, strict=True):
+        np.testing.assert_allclose(got, reference.alone(row), atol=2e-5)
+    got = runtime.encode([ids[0], ids[2][:4]], task="token_embed")
+    np.testing.assert_allclose(got[0], reference.alone(ids[0]), atol=2e-5)
+    np.testing.assert_allclose(got[1], reference.alone(ids[2][:4]), atol=2e-5)

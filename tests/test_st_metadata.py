@@ -535,3 +535,28 @@ def test_refused_key(make_minilm_folder, file, files, message):
     with pytest.raises(ModelLoadError) as caught:
         poolrunner.Runtime(folder, dtype="float32")
     assert str(caught.value) == f"{folder / file}: {message}"
+
+
+def test_a_tokenizer_config_that_truncates_on_the_left_is_followed_unless_a_request_names_a_side(
+        make_minilm_folder):
+    """sentence-transformers (and the tokenizer itself) cut where ``tokenizer_config.json``'s
+    ``truncation_side`` says; a request without a side does the same, a side it names wins, and
+    TEI's route without ``truncation_direction`` leaves the choice to the folder."""
+    from sentence_transformers import SentenceTransformer
+
+    from poolrunner.core.server.tei_protocol import tei_tokenization
+
+    folder = make_minilm_folder("truncate-left", modules=[TRANSFORMER, POOLING], pooling=MEAN,
+                                sbert_config={"max_seq_length": 16, "do_lower_case": False})
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "truncation_side": "left"}))
+    text = "The start of this text is cut away, while the very end of it, the last words, is kept here."
+    model = SentenceTransformer(str(folder), device="cpu")
+    assert len(model.tokenize([text])["input_ids"][0]) == 16
+    expected = model.encode([text])
+    runtime = poolrunner.Runtime(folder, dtype="float32")
+    assert runtime.inputs.truncation_side == "left"
+    np.testing.assert_allclose(runtime.embed([text], truncate_prompt_tokens=-1), expected, atol=1e-6)
+    kept_start = runtime.embed([text], truncate_prompt_tokens=-1, truncation_side="right")
+    assert cosine_rows(kept_start, expected).max() < 0.99
+    assert tei_tokenization(None, None, auto_truncate=True).truncation_side is None

@@ -435,8 +435,9 @@ def add_truncation_options(group: argparse._ArgumentGroup, *, pairs: bool = Fals
     group.add_argument("--truncate", dest="truncate_prompt_tokens", metavar="N", type=int,
                        help=f"keep N tokens of {what} (special tokens included); -1 keeps the model "
                             "maximum; without it a too long input is an error")
-    group.add_argument("--truncation-side", choices=("left", "right"), default="right",
-                       help="right keeps the start of a long input, left keeps its end")
+    group.add_argument("--truncation-side", choices=("left", "right"),
+                       help="right keeps the start of a long input, left keeps its end (default: the model folder's "
+                            "tokenizer_config.json side, right unless it says left)")
     if pairs:
         group.add_argument("--max-tokens-per-doc", metavar="N", type=positive_int,
                            help="cut each document (never the query) to its first N tokens before it is paired "

@@ -73,6 +73,7 @@ class ModelRunner:
         # transformers derives RoBERTa-family positions from the ids (starting after the padding
         # index) only when none are passed; packed position ids must carry the same offset.
         self.position_offset = position_offset(model_config.model_type, model_config.hf_config.get("pad_token_id"))
+        self.position_pad_id = self.position_offset - 1 if self.position_offset else None
         self.kv_caches: dict[str, KVCache] = {}
         self.partial_hidden: dict[str, list[torch.Tensor]] = {}
         # Families whose attention does not dispatch through transformers' attention interface
@@ -155,12 +156,33 @@ class ModelRunner:
                        key=lambda i: (caches[i] is not None, adapters[i], batch.num_scheduled_tokens[i]))
         layout = PackedLayout.build([batch.num_scheduled_tokens[i] for i in order], caches=[caches[i] for i in order],
                                     native=self.native_attention, rows=self._rows_read(batch, caches, finishing))
-        inputs = {"input_ids": batch.input_ids, "position_ids": batch.positions + self.position_offset, **extra}
+        inputs = {"input_ids": batch.input_ids, "position_ids": self._position_ids(batch), **extra}
         if order == list(range(batch.num_reqs)):
             return self._forward_packed(inputs, layout, batch.num_tokens)
         tokens, inverse = _token_order(batch, order)
         inputs = {key: value.index_select(0, tokens) for key, value in inputs.items()}
         return self._forward_packed(inputs, layout, batch.num_tokens).index_select(0, inverse)
+
+    def _position_ids(self, batch: InputBatch) -> torch.Tensor:
+        """``[num_tokens]`` position ids: each token's index in its prompt, after the padding index
+        for the RoBERTa families, which number only the tokens that are not the pad id (a pad id
+        takes the padding index itself), as transformers' ``create_position_ids_from_input_ids``:
+        a pad token written in a text or sent as an id must not shift the tokens after it."""
+        positions = batch.positions + self.position_offset
+        if self.position_pad_id is None:
+            return positions
+        pads = batch.input_ids == self.position_pad_id
+        if not bool(pads.any()):
+            return positions
+        counted = (~pads).long()
+        total = torch.cumsum(counted, 0)
+        starts = batch.query_start_loc[:-1]
+        pad = self.position_pad_id
+        before = [sum(token != pad for token in state.request.prompt_token_ids[:state.num_computed_tokens])
+                  for state in batch.requests]  # an earlier chunk's tokens that count
+        shift = total[starts] - counted[starts] - torch.tensor(before, device=total.device)
+        counts = total - torch.repeat_interleave(shift, torch.tensor(batch.num_scheduled_tokens, device=total.device))
+        return self.position_pad_id + counts * counted
 
     def _rows_read(self, batch: InputBatch, caches: Sequence[object], finishing: Sequence[bool]) -> str:
         """``"first"`` or ``"last"`` where every task's pooler in this step reads only that row of

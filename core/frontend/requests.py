@@ -43,7 +43,7 @@ def _truncation(_instance: object, attribute: attrs.Attribute, value: Any) -> No
 
 
 def _side(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
-    if value not in ("left", "right"):
+    if value not in ("left", "right", None):
         raise InvalidRequestError(f"{attribute.name} must be 'left' or 'right', got {value!r}", param=attribute.name)
 
 
@@ -91,7 +91,9 @@ class Tokenization:
     :ivar truncate_prompt_tokens: ``None``: no truncation (a longer input is an error, or, with
         ``max_embed_len``, embedded in windows); ``k``: keep ``k`` tokens; ``-1``: keep the
         model maximum (vLLM's field).
-    :ivar truncation_side: ``right`` keeps the start, ``left`` keeps the end.
+    :ivar truncation_side: ``right`` keeps the start, ``left`` keeps the end; ``None``: the
+        folder's own (``tokenizer_config.json``'s ``truncation_side``, ``right`` unless it says
+        ``left``), as sentence-transformers and vLLM keep.
     :ivar prompt: A literal prefix for every text.
     :ivar prompt_name: The name of one of the model's prompts (sentence-transformers').
     :ivar add_special_tokens: ``False`` tokenizes without the tokenizer's special tokens (vLLM's).
@@ -101,7 +103,7 @@ class Tokenization:
     """
 
     truncate_prompt_tokens: int | None = field(default=None, validator=_truncation)
-    truncation_side: TruncationSide = field(default="right", validator=_side)
+    truncation_side: TruncationSide | None = field(default=None, validator=_side)
     prompt: str | None = field(default=None, validator=_optional_text)
     prompt_name: str | None = field(default=None, validator=_optional_text)
     add_special_tokens: bool = field(default=True, validator=_flag)

@@ -45,7 +45,9 @@ class InputProcessor:
       taken as given.
     * ``truncate_prompt_tokens``: ``None`` never truncates (a longer input is an error naming
       both lengths); ``k`` keeps ``k`` tokens, special tokens included; ``-1`` keeps the model
-      maximum. ``truncation_side`` picks which end is kept. For text, ``k`` must cover the
+      maximum. ``truncation_side`` picks which end is kept (``None``: the folder's own, its
+      ``tokenizer_config.json``'s, as sentence-transformers keeps; ``right`` unless it says
+      ``left``). For text, ``k`` must cover the
       special tokens the tokenizer adds (2 for BERT's ``[CLS] ... [SEP]``, 3 for a BERT pair):
       transformers silently returns the untruncated input below that, so it is an error here.
       Every truncated prompt is checked again afterwards (at most ``k`` tokens).
@@ -72,9 +74,13 @@ class InputProcessor:
         if model_config.lowercase:
             lowercase_text(tokenizer, model_config.name)
         self.tokenizer = tokenizer
+        # The folder's own side (tokenizer_config.json), read before any call sets the tokenizer's.
+        self.truncation_side: TruncationSide = "left" if tokenizer.truncation_side == "left" else "right"
         self.model_config = model_config
         self.max_input_chars = max_input_chars or default_max_input_chars(model_config.max_model_len)
         self.vocab_size = int(model_config.hf_config.get("vocab_size") or len(tokenizer))
+        # Tokens added to the tokenizer past the embedding matrix (not resized): text can hold them.
+        self.ids_past_vocab = len(tokenizer) > self.vocab_size
         # Special tokens the tokenizer adds to one text, and to a (text, text_pair) pair.
         self.num_special_tokens = {pair: _num_special_tokens(tokenizer, pair) for pair in (False, True)}
         self.cuttable = cutting.cuttable(tokenizer)
@@ -87,7 +93,7 @@ class InputProcessor:
         The lock is shared: the tokenizer's truncation side is state of the one tokenizer."""
         other = InputProcessor(self.tokenizer, attrs.evolve(self.model_config, max_model_len=sys.maxsize),
                                max_input_chars=self.max_input_chars)
-        other._lock = self._lock
+        other.truncation_side, other._lock = self.truncation_side, self._lock
         return other
 
     def resolve_prompt(self, prompt: str | None, prompt_name: str | None) -> str:
@@ -153,7 +159,7 @@ class InputProcessor:
         prompt: str | None = None,
         prompt_name: str | None = None,
         truncate_prompt_tokens: int | None = None,
-        truncation_side: TruncationSide = "right",
+        truncation_side: TruncationSide | None = None,
         add_special_tokens: bool = True,
     ) -> list[tuple[int, ...]]:
         """Tokenize ``inputs`` and check each against the model's limits.
@@ -170,6 +176,7 @@ class InputProcessor:
             check_text(text, f"input {index}", param="input")
         keep = self.check_truncation(truncate_prompt_tokens, pair=False if texts and add_special_tokens else None)
         prefix = self.resolve_prompt(prompt, prompt_name)
+        truncation_side = truncation_side or self.truncation_side
         by_index = self._tokenize(texts, prefix, keep, truncation_side, add_special_tokens)
         results = []
         for index, item in enumerate(inputs):
@@ -187,7 +194,7 @@ class InputProcessor:
         pairs: Sequence[tuple[str, str]],
         *,
         truncate_prompt_tokens: int | None = None,
-        truncation_side: TruncationSide = "right",
+        truncation_side: TruncationSide | None = None,
         add_special_tokens: bool = True,
     ) -> list[tuple[tuple[int, ...], tuple[int, ...] | None]]:
         """Tokenize (query, document) pairs as the model's tokenizer pairs them.
@@ -201,6 +208,7 @@ class InputProcessor:
         :raises InvalidRequestError: naming the pair's index and the limit it breaks.
         """
         keep = self.check_truncation(truncate_prompt_tokens, pair=True if add_special_tokens else None)
+        truncation_side = truncation_side or self.truncation_side
         for index, pair in enumerate(pairs):
             if not (isinstance(pair, tuple | list) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
                 raise InvalidRequestError(f"pair {index}: expected two texts (query, document), got {shown(pair)}")
@@ -431,11 +439,18 @@ class InputProcessor:
         """``ids`` if it has 1..``keep`` tokens (truncated) or 1..``max_model_len`` (not truncated);
         the kept length is checked, not assumed from the tokenizer.
 
-        :raises InvalidRequestError: naming the input's index, its length and the limit.
+        :raises InvalidRequestError: naming the input's index, its length and the limit, or a
+            token the tokenizer gives an id past the model's vocabulary.
         """
         limit = self.model_config.max_model_len
         if not ids:
             raise InvalidRequestError(f"input {index} is empty: it has no tokens to pool", param="input")
+        if self.ids_past_vocab and max(ids) >= self.vocab_size:
+            token = max(ids)
+            raise TokenOutOfVocabularyError(
+                f"input {index}: its token {self.tokenizer.convert_ids_to_tokens(token)!r} has the id {token}, outside "
+                f"the model's vocabulary [0, {self.vocab_size}) (config.json vocab_size: a token added to the "
+                "tokenizer without resizing the model's embeddings)", param="input")
         if keep is not None and len(ids) > keep:
             raise InvalidRequestError(
                 f"input {index} still has {len(ids)} tokens after truncation to {keep} (the tokenizer of "

@@ -120,8 +120,9 @@ class _Request(_Body):
                                   "without it (and without the server's --truncate-prompt-tokens) a too long "
                                   "input is a 400.")
     truncation_side: TruncationSide | None = Field(
-        default=None, description="vLLM's: which end truncate_prompt_tokens keeps, right (the default: the "
-                                  "first tokens) or left (the last).")
+        default=None, description="vLLM's: which end truncate_prompt_tokens keeps, right (the first tokens) or "
+                                  "left (the last); none: the folder's tokenizer_config.json side, right unless "
+                                  "it says left.")
     user: StrictStr | None = Field(default=None, description="Accepted (OpenAI, vLLM); unused.")
     priority: StrictInt | None = Field(
         default=None, description="vLLM's: lower runs first (default 0); requests of equal priority take turns.")
@@ -136,7 +137,7 @@ class _Request(_Body):
         """The body's prompt fields; ``truncate_prompt_tokens`` unset: the server's default."""
         keep = self.truncate_prompt_tokens
         return fr.Tokenization(truncate_prompt_tokens=BODY_SETTINGS.get().truncate_prompt_tokens if keep is None
-                               else keep, truncation_side=self.truncation_side or "right",
+                               else keep, truncation_side=self.truncation_side,
                                add_special_tokens=add_special_tokens)
 
 
@@ -502,7 +503,8 @@ class RerankRequest(_Request):
     return_text: StrictBool | None = Field(default=None, description="TEI: each result carries its text.")
     truncate: StrictBool | None = Field(default=None, description="TEI: cut over-long pairs to the model maximum.")
     truncation_direction: Literal["Left", "Right", "left", "right"] | None = Field(
-        default=None, description="TEI: which end truncate keeps (default Right).")
+        default=None, description="TEI: which end truncate removes (default: the folder's side, Right unless its "
+                                  "tokenizer_config.json says Left).")
 
     def api(self) -> Literal["tei", "infinity", "rerank"]:
         """``"tei"`` for TEI's body (``texts``), ``"infinity"`` for infinity's (``documents`` and

@@ -26,7 +26,9 @@ that a wrong one gets one plain sentence rather than an error per union member."
 
 _TRUNCATE = Field(default=None, description="Keep the model maximum of tokens of an over-long input "
                                             "(default: the server's --auto-truncate); else it is a 422.")
-_DIRECTION = Field(default="Right", description="Which end truncation removes: Right keeps the start.")
+_DIRECTION = Field(default=None, description="Which end truncation removes: Right keeps the start, Left the end; "
+                                             "none: the folder's tokenizer_config.json side, Right unless it says "
+                                             "Left.")
 _PROMPT_NAME = Field(default=None, description="A prompt of the model's sentence-transformers configuration "
                                                "to prepend to every text.")
 
@@ -42,16 +44,16 @@ class _TeiRequest(BaseModel):
 def tei_tokenization(truncate: bool | None, direction: str | None, auto_truncate: bool,
                      prompt_name: str | None = None) -> fr.Tokenization:
     """TEI's truncation as poolrunner's: ``truncate`` (``None``: the server's ``auto_truncate``)
-    keeps the model maximum, from the ``direction`` end (``None``: the right, TEI's default)."""
+    keeps the model maximum, from the ``direction`` end (``None``: the folder's own side, right
+    unless its ``tokenizer_config.json`` says left, as TEI's tokenizer then cuts)."""
     keep = truncate if truncate is not None else auto_truncate
-    return fr.Tokenization(truncate_prompt_tokens=-1 if keep else None,
-                           truncation_side="left" if (direction or "right").lower() == "left" else "right",
-                           prompt_name=prompt_name)
+    side = None if direction is None else "left" if direction.lower() == "left" else "right"
+    return fr.Tokenization(truncate_prompt_tokens=-1 if keep else None, truncation_side=side, prompt_name=prompt_name)
 
 
 class _Truncation(_TeiRequest):
     truncate: StrictBool | None = _TRUNCATE
-    truncation_direction: TruncationDirection = _DIRECTION
+    truncation_direction: TruncationDirection | None = _DIRECTION
 
     def tokenization(self, auto_truncate: bool, prompt_name: str | None = None) -> fr.Tokenization:
         """:func:`tei_tokenization` of this body."""

@@ -1,19 +1,21 @@
-"""The ColBERT pooler and the projection layouts it reads.
+"""The ColBERT pooler and the PyLate projection it reads.
 
-Supported layouts (the projection is ``y = W h (+ b)``, no activation other than identity):
+The projection is ``y = W h (+ b)``, no activation other than identity: ``modules.json`` lists
+``pylate.models.Dense.Dense`` at ``path``; ``<path>/config.json`` gives ``in_features``,
+``out_features``, ``bias`` and ``activation_function`` (must be ``Identity``),
+``<path>/model.safetensors`` (or ``pytorch_model.bin``) holds ``linear.weight`` (and ``linear.bias``).
 
-- PyLate: ``modules.json`` lists ``pylate.models.Dense.Dense`` at ``path``; ``<path>/config.json``
-  gives ``in_features``, ``out_features``, ``bias`` and ``activation_function`` (must be
-  ``Identity``), ``<path>/model.safetensors`` (or ``pytorch_model.bin``) holds ``linear.weight``
-  (and ``linear.bias``).
-- Stanford ColBERT (colbert-ai): architecture ``HF_ColBERT``; ``linear.weight`` sits in the main
-  ``model.safetensors`` (or ``pytorch_model.bin``) beside the backbone's weights, without bias.
-
-Not applied (documented limits): the ``[Q]``/``[D]`` marker tokens and query augmentation with
-``[MASK]`` tokens, which PyLate and colbert-ai add while tokenizing, and the punctuation skiplist
-of documents. Pass the markers in the text yourself if your model expects them.
+Refused at load (:func:`check_tokenization`): what PyLate and colbert-ai do while tokenizing,
+which this plugin does not (poolrunner tokenizes a query and a document alike): the ``[Q]`` /
+``[D]`` marker tokens, query expansion with ``[MASK]`` tokens, the documents' skiplist, and
+query / document lengths below the model's. PyLate applies its defaults for each setting its
+``config_sentence_transformers.json`` leaves out; colbert-ai (a Stanford ``HF_ColBERT``
+checkpoint) always marks and expands. So a PyLate folder is served only where that file sets
+every one of them off, and then gives the projection of the text's own tokens, which is still
+not PyLate's ``encode``: PyLate inserts its prefix's token id after the first token even for an
+empty prefix. Serving real ColBERT checkpoints needs the markers and the expansion applied while
+tokenizing, which poolrunner's tokenization offers no plugin hook for yet.
 """
-
 from __future__ import annotations
 
 import json
@@ -44,28 +46,53 @@ def _pylate_dense(folder: Path) -> Path | None:
                  if module.type.startswith("pylate.") and module.type.endswith(".Dense")), None)
 
 
+_PYLATE_NEUTRAL = {"query_prefix": "", "document_prefix": "", "do_query_expansion": False, "skiplist_words": []}
+"""PyLate's tokenization settings, each at the value that leaves a text as poolrunner tokenizes it
+(PyLate's defaults, used when a key is missing: ``"[Q] "``, ``"[D] "``, ``True``, punctuation)."""
+_PYLATE_LENGTHS = ("query_length", "document_length")
+"""PyLate's per-role truncation lengths (defaults 32 and 180): none, or at least the model's."""
+
+
+def check_tokenization(model_config: ModelConfig) -> None:
+    """:raises ModelLoadError: for a Stanford ColBERT checkpoint, or a PyLate folder whose
+        settings change a query's or a document's tokens (see the module's docstring), naming them."""
+    folder = Path(model_config.path)
+    if _pylate_dense(folder) is None:
+        raise ModelLoadError(
+            f"{folder}: colbert-ai marks queries and documents with [unused0] / [unused1] and expands queries with "
+            "[MASK] tokens while tokenizing, which poolrunner-colbert does not: its vectors would not be the model's")
+    path = folder / "config_sentence_transformers.json"
+    settings = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    changed = [key for key, neutral in _PYLATE_NEUTRAL.items() if settings.get(key) != neutral]
+    changed += [key for key in _PYLATE_LENGTHS if key not in settings
+                or (settings[key] is not None and settings[key] < model_config.max_model_len)]
+    if changed:
+        found = ", ".join(f"{key} {settings[key]!r}" if key in settings else f"{key} (unset: PyLate's default)"
+                          for key in changed)
+        raise ModelLoadError(
+            f"{path}: PyLate tokenizes queries and documents with {found}, which poolrunner-colbert does not apply: "
+            f"its vectors would not be the model's. Served only with {_PYLATE_NEUTRAL} and "
+            f"{' / '.join(_PYLATE_LENGTHS)} none or at least max_model_len ({model_config.max_model_len})")
+
+
 def load_projection(model_config: ModelConfig) -> nn.Linear:
     """The ColBERT projection of the folder, as a float32 ``nn.Linear(hidden_size, dim)``.
 
     :raises ModelLoadError: for a missing or misshapen projection, or a non-identity activation.
     """
-    folder = Path(model_config.path)
-    dense = _pylate_dense(folder)
-    if dense is not None:
-        config = json.loads((dense / "config.json").read_text(encoding="utf-8"))
-        activation = str(config.get("activation_function") or "torch.nn.modules.linear.Identity")
-        if activation.rsplit(".", 1)[-1] != "Identity":
-            raise ModelLoadError(f"{dense}: ColBERT projection activation {activation!r} is not supported (Identity)")
-        state = _read_state(dense)
-        source = dense
-    else:
-        state = _read_state(folder)
-        source = folder
+    dense = _pylate_dense(Path(model_config.path))
+    if dense is None:
+        raise ModelLoadError(f"{model_config.path}: modules.json lists no pylate.models.Dense.Dense projection")
+    config = json.loads((dense / "config.json").read_text(encoding="utf-8"))
+    activation = str(config.get("activation_function") or "torch.nn.modules.linear.Identity")
+    if activation.rsplit(".", 1)[-1] != "Identity":
+        raise ModelLoadError(f"{dense}: ColBERT projection activation {activation!r} is not supported (Identity)")
+    state = _read_state(dense)
     weight = state.get("linear.weight")
     if weight is None or weight.ndim != 2 or weight.shape[1] != model_config.hidden_size:
         shape = None if weight is None else list(weight.shape)
         raise ModelLoadError(
-            f"{source}: expected a ColBERT projection `linear.weight` of shape [dim, {model_config.hidden_size}], "
+            f"{dense}: expected a ColBERT projection `linear.weight` of shape [dim, {model_config.hidden_size}], "
             f"found {shape}"
         )
     bias = state.get("linear.bias")
@@ -84,6 +111,8 @@ class ColbertPooler(Pooler):
 
     @classmethod
     def from_model_config(cls, model_config: ModelConfig) -> ColbertPooler:
+        """:raises ModelLoadError: for a folder :func:`check_tokenization` refuses, or a bad projection."""
+        check_tokenization(model_config)
         return cls(load_projection(model_config))
 
     def get_supported_tasks(self) -> frozenset[PoolingTask]:

