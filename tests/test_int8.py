@@ -37,9 +37,21 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _quantized_by_torch(x: torch.Tensor, inv_smooth: torch.Tensor):
+def _rotated_by_torch(y: torch.Tensor, block: int) -> torch.Tensor:
+    """``y`` times the block-diagonal unnormalized Hadamard matrix, by the kernel's butterflies in
+    its order (strides ``block / 2`` down to 1), so that float32 rounds as it does there."""
+    rows, width = y.shape
+    for stride in (block >> i for i in range(1, block.bit_length())):
+        pairs = y.reshape(rows, width // (2 * stride), 2, stride)
+        y = torch.stack([pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]], 2).reshape(rows, width)
+    return y
+
+
+def _quantized_by_torch(x: torch.Tensor, inv_smooth: torch.Tensor, block: int = 0):
     """The header's formulas, in torch: ``(q, scale, offset)``."""
     y = x.float() * inv_smooth
+    if block:
+        y = _rotated_by_torch(y, block)
     lo, hi = y.amin(1).clamp_max(0), y.amax(1).clamp_min(0)
     step = (hi - lo) / 255
     step = torch.where(step > 0, step, torch.ones_like(step))
@@ -49,10 +61,10 @@ def _quantized_by_torch(x: torch.Tensor, inv_smooth: torch.Tensor):
     return q.to(torch.int8), step, (128 - zero).to(torch.int32)
 
 
-def _quantize(x: torch.Tensor, inv_smooth: torch.Tensor):
+def _quantize(x: torch.Tensor, inv_smooth: torch.Tensor, block: int = 0):
     q = torch.empty(x.shape, dtype=torch.int8)
     scale, offset = torch.empty(len(x)), torch.empty(len(x), dtype=torch.int32)
-    cpu_kernels.quantize_rows(x, inv_smooth, q, scale, offset)
+    cpu_kernels.quantize_rows(x, inv_smooth, q, scale, offset, block)
     return q, scale, offset
 
 
@@ -70,6 +82,37 @@ def test_rows_are_quantized_as_torch_computes_the_formulas(dtype, rows, width):
     for g, expected in zip(got, _quantized_by_torch(x, inv_smooth), strict=True):
         assert torch.equal(g, expected)
     assert got[1][0] == 1 and got[2][0] == 128
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "width", "block"), [(1, 16, 16), (7, 96, 32), (300, 384, 128), (5, 1536, 128),
+                                                      (3, 576, 64)])
+def test_rotated_rows_are_quantized_as_torch_computes_the_formulas(dtype, rows, width, block):
+    torch.manual_seed(0)
+    x = (torch.randn(rows, width) * 3).to(dtype)
+    x[0, 3] = 400.0  # one large value: the rotation spreads it over its block
+    inv_smooth = torch.rand(width) + 0.5
+    got = _quantize(x, inv_smooth, block)
+    for g, expected in zip(got, _quantized_by_torch(x, inv_smooth, block), strict=True):
+        assert torch.equal(g, expected)
+    rotated = (x.double() * inv_smooth.double()).reshape(rows, -1, block) @ cpu_kernels.hadamard(block).double()
+    q, scale, offset = got
+    dequantized = (q.double() + offset.double()[:, None]) * scale.double()[:, None]
+    assert (dequantized - rotated.reshape(rows, width)).abs().max() <= scale.max() / 2 * (1 + 1e-5)
+
+
+def test_a_rotation_spreads_a_tokens_outlier_so_its_other_values_keep_their_precision():
+    torch.manual_seed(1)
+    x = torch.randn(64, 384)
+    x[:, 7] = 300.0
+    ones = torch.ones(384)
+    errors = []
+    for block in (0, 128):
+        q, scale, offset = _quantize(x, ones / (block ** 0.5 if block else 1), block)
+        values = (q.float() + offset[:, None]) * scale[:, None]
+        back = values.reshape(64, -1, block) @ (cpu_kernels.hadamard(block) / block ** 0.5) if block else values
+        errors.append(float((back.reshape(64, 384) - x).norm() / x.norm()))
+    assert errors[1] < errors[0] / 4, errors
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -157,6 +200,9 @@ def test_kernel_inputs_of_the_wrong_kind_are_refused_by_name_and_the_next_call_s
         _quantize(x.double(), inv_smooth)
     with pytest.raises(RuntimeError, match=re.escape("inv_smooth must be float32 [in]")):
         _quantize(x, torch.ones(31))
+    for block in (8, 24, 64):  # below the vector width, not a power of two, not dividing 32
+        with pytest.raises(RuntimeError, match=re.escape("block must be 0 (no rotation) or a power of two from 16")):
+            _quantize(x, inv_smooth, block)
     acc = torch.zeros(4, 8, dtype=torch.int32)
     scale, offset = torch.ones(4), torch.zeros(4, dtype=torch.int32)
     with pytest.raises(RuntimeError, match=re.escape("col_sum must be int32 [out]")):
@@ -180,7 +226,8 @@ def test_an_int8_layer_computes_the_product_of_its_quantized_operands():
     got = layer(x)
     # float64: the dequantized smoothed input times the dequantized smoothed weight
     inv_smooth, qweight, col_scale, _, _ = layer._quantized
-    q, scale, offset = _quantized_by_torch(x.reshape(-1, 96), inv_smooth)
+    assert layer.block == 32  # 96 = 3 x 32
+    q, scale, offset = _quantized_by_torch(x.reshape(-1, 96), inv_smooth, layer.block)
     x_hat = (q.double() + offset.double()[:, None]) * scale.double()[:, None]
     w_hat = qweight.double() * col_scale.double()[:, None]
     expected = (x_hat @ w_hat.t() + linear.bias.double()).reshape(2, 5, 40)

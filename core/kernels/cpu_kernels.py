@@ -232,17 +232,28 @@ def relative_bias(rows: torch.Tensor | None, cols: torch.Tensor | None, index: t
 
 
 def quantize_rows(x: torch.Tensor, inv_smooth: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-                  offset: torch.Tensor) -> None:
-    """Quantize each row of ``x / smooth`` to int8 with its own scale and zero point (the
-    formulas are in ``int8_linear.cpp``), written into ``q``, ``scale`` and ``offset``.
+                  offset: torch.Tensor, block: int = 0) -> None:
+    """Quantize each row of ``x / smooth`` (rotated, with ``block``) to int8 with its own scale and
+    zero point (the formulas are in ``int8_linear.cpp``), written into ``q``, ``scale`` and ``offset``.
 
     :param x: float32 or bfloat16 ``[rows, in]``, contiguous.
     :param inv_smooth: float32 ``[in]``, the reciprocal smoothing factor of each input channel.
-    :param q: int8 ``[rows, in]``: ``round(x * inv_smooth / scale) + zero - 128``.
+    :param q: int8 ``[rows, in]``: ``round(y / scale) + zero - 128``, ``y = x * inv_smooth``, or
+        with ``block``, ``y`` times the block-diagonal Hadamard matrix of :func:`hadamard`.
     :param scale: float32 ``[rows]``, each row's step.
     :param offset: int32 ``[rows]``, ``128 - zero``.
+    :param block: 0, or the rotation's block: a power of two from 16 dividing ``in``.
     """
-    torch.ops.poolrunner_cpu.quantize_rows(x, inv_smooth, q, scale, offset)
+    torch.ops.poolrunner_cpu.quantize_rows(x, inv_smooth, q, scale, offset, block)
+
+
+def hadamard(block: int) -> torch.Tensor:
+    """float32 ``[block, block]``: the unnormalized Hadamard matrix of Sylvester's order (entries
+    +-1, ``H @ H == block * I``), as :func:`quantize_rows` multiplies by it."""
+    matrix = torch.ones(1, 1)
+    while len(matrix) < block:
+        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)])
+    return matrix
 
 
 def dequantize_rows(acc: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, col_scale: torch.Tensor,

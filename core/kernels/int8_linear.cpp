@@ -11,6 +11,12 @@
 //   so that its outputs are NaN as the float layer's would be); zero = round(-lo / scale) in [0, 255]
 //   q = clamp(round(y / scale) + zero, 0, 255) - 128      (int8, as torch._int_mm takes)
 // Every rounding is to nearest even, as torch.round; the division is a multiply by 1 / scale.
+// With a rotation block B (a power of two from 16 to the row's width, dividing it), y is first
+// multiplied, block by block, by the B x B Hadamard matrix of Sylvester's order (entries +-1;
+// its 1 / sqrt(B) is folded into inv_smooth): a fast Walsh-Hadamard transform, stages of
+// butterflies (a + b, a - b) from stride B / 2 down to 1, in float32. A token's few large values
+// are spread over their block, so one step quantizes its other values finely too (QuaRot,
+// Ashkboos et al. 2024); the weight is multiplied by the same matrix at load.
 // Then sum_k (q + 128 - zero) * w = acc + offset * col_sum with offset = 128 - zero and
 // col_sum[n] = sum_k w[n, k], exactly, in int32, so:
 //   out = act((acc + offset * col_sum) * (scale * col_scale) + bias) * other
@@ -40,6 +46,7 @@
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -99,6 +106,39 @@ void quantize_row(const T* x, const float* inv_smooth, int8_t* q, float* scale, 
   }
   *scale = step;
   *offset = 128 - static_cast<int32_t>(zero);
+}
+
+inline __m512 butterfly(__m512 x, __m512 partner, __mmask16 upper) {  // lower lanes x + partner, upper partner - x
+  return _mm512_mask_sub_ps(_mm512_add_ps(x, partner), upper, partner, x);
+}
+
+// In place, unnormalized: v[0, block) times the Hadamard matrix of order block (>= 16, a power of two).
+void hadamard(float* v, int64_t block) {
+  for (int64_t h = block / 2; h >= kLanes; h /= 2)
+    for (int64_t i = 0; i < block; i += 2 * h)
+      for (int64_t j = i; j < i + h; j += kLanes) {
+        const __m512 a = _mm512_loadu_ps(v + j), b = _mm512_loadu_ps(v + j + h);
+        _mm512_storeu_ps(v + j, _mm512_add_ps(a, b));
+        _mm512_storeu_ps(v + j + h, _mm512_sub_ps(a, b));
+      }
+  for (int64_t j = 0; j < block; j += kLanes) {  // strides 8, 4, 2, 1 inside a register
+    __m512 x = _mm512_loadu_ps(v + j);
+    x = butterfly(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)), 0xFF00);
+    x = butterfly(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)), 0xF0F0);
+    x = butterfly(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)), 0xCCCC);
+    x = butterfly(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)), 0xAAAA);
+    _mm512_storeu_ps(v + j, x);
+  }
+}
+
+// The row rotated (see the header) into rotated[in], for quantize_row with unit factors.
+template <typename T>
+void rotate_row(const T* x, const float* inv_smooth, float* rotated, int64_t in, int64_t block) {
+  for (int64_t k = 0; k < in; k += kLanes) {
+    const __mmask16 m = lanes(in - k);
+    store(rotated + k, m, _mm512_mul_ps(load(x + k, m), load(inv_smooth + k, m)));
+  }
+  for (int64_t b = 0; b < in; b += block) hadamard(rotated + b, block);
 }
 
 // The activations a layer's conversion applies; the numbers are the Python side's.
@@ -168,7 +208,7 @@ void check_cpu(const at::Tensor& t, const char* name) {
 }
 
 void quantize_rows(const at::Tensor& x, const at::Tensor& inv_smooth, const at::Tensor& q, const at::Tensor& scale,
-                   const at::Tensor& offset) {
+                   const at::Tensor& offset, int64_t block) {
   for (const auto& [t, name] : {std::pair{x, "x"}, {inv_smooth, "inv_smooth"}, {q, "q"}, {scale, "scale"},
                                 {offset, "offset"}})
     check_cpu(t, name);
@@ -179,13 +219,24 @@ void quantize_rows(const at::Tensor& x, const at::Tensor& inv_smooth, const at::
   TORCH_CHECK(q.scalar_type() == at::kChar, "q must be int8");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == rows, "scale must be float32 [rows]");
   TORCH_CHECK(offset.scalar_type() == at::kInt && offset.numel() == rows, "offset must be int32 [rows]");
+  TORCH_CHECK(block == 0 || (block >= kLanes && (block & (block - 1)) == 0 && in % block == 0),
+              "block must be 0 (no rotation) or a power of two from 16 dividing the row's width");
   const float* s = inv_smooth.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
   float* sp = scale.data_ptr<float>();
   int32_t* op = offset.data_ptr<int32_t>();
+  const std::vector<float> ones(block ? in : 0, 1.0f);
   auto run = [&](auto* xp) {
     at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) quantize_row(xp + r * in, s, qp + r * in, sp + r, op + r, in);
+      std::vector<float> rotated(block ? in : 0);
+      for (int64_t r = begin; r < end; ++r) {
+        if (block == 0) {
+          quantize_row(xp + r * in, s, qp + r * in, sp + r, op + r, in);
+          continue;
+        }
+        rotate_row(xp + r * in, s, rotated.data(), in, block);
+        quantize_row(rotated.data(), ones.data(), qp + r * in, sp + r, op + r, in);
+      }
     });
   };
   if (x.scalar_type() == at::kFloat) run(x.data_ptr<float>());
@@ -235,7 +286,8 @@ void dequantize_rows(const at::Tensor& acc, const at::Tensor& scale, const at::T
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(poolrunner_cpu, m) {
-  m.def("quantize_rows(Tensor x, Tensor inv_smooth, Tensor(a!) q, Tensor(b!) scale, Tensor(c!) offset) -> ()");
+  m.def("quantize_rows(Tensor x, Tensor inv_smooth, Tensor(a!) q, Tensor(b!) scale, Tensor(c!) offset, int block=0) "
+        "-> ()");
   m.def("dequantize_rows(Tensor acc, Tensor scale, Tensor offset, Tensor col_scale, Tensor col_sum, Tensor bias, "
         "int activation, Tensor other, Tensor(a!) out) -> ()");
 }
