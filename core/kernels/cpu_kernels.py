@@ -242,7 +242,7 @@ def quantize_rows(x: torch.Tensor, inv_smooth: torch.Tensor, q: torch.Tensor, sc
         with ``block``, ``y`` times the block-diagonal Hadamard matrix of :func:`hadamard`.
     :param scale: float32 ``[rows]``, each row's step.
     :param offset: int32 ``[rows]``, ``128 - zero``.
-    :param block: 0, or the rotation's block: a power of two from 16 dividing ``in``.
+    :param block: 0, or the rotation's block: a power of two from 16 to 128 dividing ``in``.
     """
     torch.ops.poolrunner_cpu.quantize_rows(x, inv_smooth, q, scale, offset, block)
 

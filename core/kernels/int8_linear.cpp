@@ -11,7 +11,7 @@
 //   so that its outputs are NaN as the float layer's would be); zero = round(-lo / scale) in [0, 255]
 //   q = clamp(round(y / scale) + zero, 0, 255) - 128      (int8, as torch._int_mm takes)
 // Every rounding is to nearest even, as torch.round; the division is a multiply by 1 / scale.
-// With a rotation block B (a power of two from 16 to the row's width, dividing it), y is first
+// With a rotation block B (a power of two from 16 to 128 dividing the row's width), y is first
 // multiplied, block by block, by the B x B Hadamard matrix of Sylvester's order (entries +-1;
 // its 1 / sqrt(B) is folded into inv_smooth): a fast Walsh-Hadamard transform, stages of
 // butterflies (a + b, a - b) from stride B / 2 down to 1, in float32. A token's few large values
@@ -112,33 +112,44 @@ inline __m512 butterfly(__m512 x, __m512 partner, __mmask16 upper) {  // lower l
   return _mm512_mask_sub_ps(_mm512_add_ps(x, partner), upper, partner, x);
 }
 
-// In place, unnormalized: v[0, block) times the Hadamard matrix of order block (>= 16, a power of two).
-void hadamard(float* v, int64_t block) {
-  for (int64_t h = block / 2; h >= kLanes; h /= 2)
-    for (int64_t i = 0; i < block; i += 2 * h)
-      for (int64_t j = i; j < i + h; j += kLanes) {
-        const __m512 a = _mm512_loadu_ps(v + j), b = _mm512_loadu_ps(v + j + h);
-        _mm512_storeu_ps(v + j, _mm512_add_ps(a, b));
-        _mm512_storeu_ps(v + j + h, _mm512_sub_ps(a, b));
+// One block of kRegs * 16 values of x * inv_smooth, times the unnormalized Hadamard matrix of
+// that order, into out: the block stays in registers through every stage.
+template <int kRegs, typename T>
+void hadamard_block(const T* x, const float* inv_smooth, float* out) {
+  __m512 r[kRegs];
+  for (int i = 0; i < kRegs; ++i) {
+    r[i] = _mm512_mul_ps(load(x + i * kLanes, 0xFFFF), load(inv_smooth + i * kLanes, 0xFFFF));
+    __asm__("" : "+v"(r[i]));  // the product rounded on its own, as torch's: never contracted into an FMA
+  }
+  for (int h = kRegs / 2; h >= 1; h /= 2)  // strides of 16 values and more: whole registers
+    for (int i = 0; i < kRegs; ++i)
+      if ((i & h) == 0) {
+        const __m512 a = r[i], b = r[i + h];
+        r[i] = _mm512_add_ps(a, b);
+        r[i + h] = _mm512_sub_ps(a, b);
       }
-  for (int64_t j = 0; j < block; j += kLanes) {  // strides 8, 4, 2, 1 inside a register
-    __m512 x = _mm512_loadu_ps(v + j);
-    x = butterfly(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)), 0xFF00);
-    x = butterfly(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)), 0xF0F0);
-    x = butterfly(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)), 0xCCCC);
-    x = butterfly(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)), 0xAAAA);
-    _mm512_storeu_ps(v + j, x);
+  for (int i = 0; i < kRegs; ++i) {  // strides 8, 4, 2, 1 inside a register
+    __m512 v = r[i];
+    v = butterfly(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)), 0xFF00);
+    v = butterfly(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)), 0xF0F0);
+    v = butterfly(v, _mm512_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)), 0xCCCC);
+    v = butterfly(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)), 0xAAAA);
+    _mm512_storeu_ps(out + i * kLanes, v);
   }
 }
 
-// The row rotated (see the header) into rotated[in], for quantize_row with unit factors.
+// The row rotated (see the header) into rotated[in], for quantize_row with unit factors; block is
+// 16, 32, 64 or 128 (the Python side's ROTATION_BLOCK at most).
 template <typename T>
 void rotate_row(const T* x, const float* inv_smooth, float* rotated, int64_t in, int64_t block) {
-  for (int64_t k = 0; k < in; k += kLanes) {
-    const __mmask16 m = lanes(in - k);
-    store(rotated + k, m, _mm512_mul_ps(load(x + k, m), load(inv_smooth + k, m)));
+  for (int64_t b = 0; b < in; b += block) {
+    switch (block) {
+      case 16: hadamard_block<1>(x + b, inv_smooth + b, rotated + b); break;
+      case 32: hadamard_block<2>(x + b, inv_smooth + b, rotated + b); break;
+      case 64: hadamard_block<4>(x + b, inv_smooth + b, rotated + b); break;
+      default: hadamard_block<8>(x + b, inv_smooth + b, rotated + b); break;
+    }
   }
-  for (int64_t b = 0; b < in; b += block) hadamard(rotated + b, block);
 }
 
 // The activations a layer's conversion applies; the numbers are the Python side's.
@@ -219,8 +230,8 @@ void quantize_rows(const at::Tensor& x, const at::Tensor& inv_smooth, const at::
   TORCH_CHECK(q.scalar_type() == at::kChar, "q must be int8");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == rows, "scale must be float32 [rows]");
   TORCH_CHECK(offset.scalar_type() == at::kInt && offset.numel() == rows, "offset must be int32 [rows]");
-  TORCH_CHECK(block == 0 || (block >= kLanes && (block & (block - 1)) == 0 && in % block == 0),
-              "block must be 0 (no rotation) or a power of two from 16 dividing the row's width");
+  TORCH_CHECK(block == 0 || (block >= kLanes && block <= 8 * kLanes && (block & (block - 1)) == 0 && in % block == 0),
+              "block must be 0 (no rotation) or a power of two from 16 to 128 dividing the row's width");
   const float* s = inv_smooth.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
   float* sp = scale.data_ptr<float>();
