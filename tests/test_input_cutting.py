@@ -46,11 +46,13 @@ def hostile_texts(words: list[str], count: int, seed: int) -> list[str]:
 
 
 def processor(tokenizer, runtime, max_model_len: int = 512, max_input_chars: int | None = None) -> InputProcessor:
-    """An input processor for ``tokenizer`` (the default model's config, another length), whose
-    default side is the folder's (right): tests turn the shared tokenizer's side both ways."""
+    """An input processor for ``tokenizer`` (the default model's config with the tokenizer's
+    vocabulary and another length), whose default side is the folder's (right): tests turn the
+    shared tokenizer's side both ways."""
     tokenizer.truncation_side = "right"
-    return InputProcessor(tokenizer, attrs.evolve(runtime.model_config, max_model_len=max_model_len),
-                          max_input_chars=max_input_chars)
+    config = attrs.evolve(runtime.model_config, max_model_len=max_model_len,
+                          hf_config={**runtime.model_config.hf_config, "vocab_size": len(tokenizer)})
+    return InputProcessor(tokenizer, config, max_input_chars=max_input_chars)
 
 
 @pytest.fixture
