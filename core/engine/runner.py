@@ -168,21 +168,20 @@ class ModelRunner:
         for the RoBERTa families, which number only the tokens that are not the pad id (a pad id
         takes the padding index itself), as transformers' ``create_position_ids_from_input_ids``:
         a pad token written in a text or sent as an id must not shift the tokens after it."""
-        positions = batch.positions + self.position_offset
-        if self.position_pad_id is None:
+        positions, pad = batch.positions + self.position_offset, self.position_pad_id
+        if pad is None:
             return positions
-        pads = batch.input_ids == self.position_pad_id
+        pads = batch.input_ids == pad
         if not bool(pads.any()):
             return positions
         counted = (~pads).long()
-        total = torch.cumsum(counted, 0)
+        total = torch.cumsum(counted, 0)  # counted tokens up to each, over the whole step
         starts = batch.query_start_loc[:-1]
-        pad = self.position_pad_id
         before = [sum(token != pad for token in state.request.prompt_token_ids[:state.num_computed_tokens])
                   for state in batch.requests]  # an earlier chunk's tokens that count
         shift = total[starts] - counted[starts] - torch.tensor(before, device=total.device)
         counts = total - torch.repeat_interleave(shift, torch.tensor(batch.num_scheduled_tokens, device=total.device))
-        return self.position_pad_id + counts * counted
+        return pad + counts * counted
 
     def _rows_read(self, batch: InputBatch, caches: Sequence[object], finishing: Sequence[bool]) -> str:
         """``"first"`` or ``"last"`` where every task's pooler in this step reads only that row of

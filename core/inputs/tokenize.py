@@ -214,7 +214,7 @@ class InputProcessor:
                 raise InvalidRequestError(f"pair {index}: expected two texts (query, document), got {shown(pair)}")
             for side, text in enumerate(pair):
                 check_text(text, f"pair {index}, text {side + 1}", param="input")
-        windows = {}
+        windows: dict[int, str] = {}
         if self.cuttable and keep is not None:
             budget = keep - (self.num_special_tokens[True] if add_special_tokens else 0)
             windows = self._document_windows(pairs, budget, truncation_side)

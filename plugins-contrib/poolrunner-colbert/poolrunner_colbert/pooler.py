@@ -64,15 +64,15 @@ def check_tokenization(model_config: ModelConfig) -> None:
     path = folder / "config_sentence_transformers.json"
     settings = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     changed = [key for key, neutral in _PYLATE_NEUTRAL.items() if settings.get(key) != neutral]
-    changed += [key for key in _PYLATE_LENGTHS if key not in settings
-                or (settings[key] is not None and settings[key] < model_config.max_model_len)]
+    changed += [key for key in _PYLATE_LENGTHS if key not in settings or not (
+        settings[key] is None or (isinstance(settings[key], int) and settings[key] >= model_config.max_model_len))]
     if changed:
-        found = ", ".join(f"{key} {settings[key]!r}" if key in settings else f"{key} (unset: PyLate's default)"
-                          for key in changed)
+        found = ", ".join(f"{key} {json.dumps(settings[key])}" if key in settings else f"{key} (unset: PyLate's "
+                          "default)" for key in changed)
         raise ModelLoadError(
             f"{path}: PyLate tokenizes queries and documents with {found}, which poolrunner-colbert does not apply: "
-            f"its vectors would not be the model's. Served only with {_PYLATE_NEUTRAL} and "
-            f"{' / '.join(_PYLATE_LENGTHS)} none or at least max_model_len ({model_config.max_model_len})")
+            f"its vectors would not be the model's. Served only with {json.dumps(_PYLATE_NEUTRAL)} and "
+            f"{' / '.join(_PYLATE_LENGTHS)} null or at least max_model_len ({model_config.max_model_len})")
 
 
 def load_projection(model_config: ModelConfig) -> nn.Linear:

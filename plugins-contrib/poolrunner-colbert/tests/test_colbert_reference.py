@@ -81,8 +81,8 @@ def test_score_and_rerank_are_maxsim(runtime):
     ({}, "query_prefix (unset: PyLate's default), document_prefix (unset: PyLate's default), do_query_expansion "
          "(unset: PyLate's default), skiplist_words (unset: PyLate's default), query_length (unset: PyLate's "
          "default), document_length (unset: PyLate's default)"),
-    ({**NEUTRAL, "query_prefix": "[Q] ", "document_prefix": "[D] "}, "query_prefix '[Q] ', document_prefix '[D] '"),
-    ({**NEUTRAL, "do_query_expansion": True, "query_length": 32}, "do_query_expansion True, query_length 32"),
+    ({**NEUTRAL, "query_prefix": "[Q] ", "document_prefix": "[D] "}, 'query_prefix "[Q] ", document_prefix "[D] "'),
+    ({**NEUTRAL, "do_query_expansion": True, "query_length": 32}, "do_query_expansion true, query_length 32"),
 ])
 def test_a_folder_pylate_tokenizes_otherwise_is_refused_naming_the_settings(settings, named, tmp_path):
     """PyLate marks, expands and cuts queries and documents while tokenizing (its defaults where
