@@ -221,7 +221,8 @@ def longrope_folder(tmp_path_factory) -> Path:
     return tiny_models.save_tiny_folder(tmp_path_factory.mktemp("longrope"), "llama", model)
 
 
-def test_longrope_serves_prompts_within_its_short_factors(longrope_folder, task_runtime, token_reference, word_texts):
+def test_longrope_serves_prompts_within_its_short_factors(longrope_folder, task_runtime, token_reference, word_texts,
+                                                          caplog):
     """transformers rotates a whole pass with LongRoPE's long factors once any position passes
     ``original_max_position_embeddings``: a short prompt batched with a long one, or a long one's
     later chunks, would be rotated by what ran beside it. Prompts stop at the short factors'
@@ -229,8 +230,10 @@ def test_longrope_serves_prompts_within_its_short_factors(longrope_folder, task_
     import poolrunner
     from poolrunner.core.errors import ModelLoadError, PromptTooLongError
 
-    rt = task_runtime(longrope_folder, max_num_batched_tokens=8)
+    with caplog.at_level("WARNING", logger="poolrunner.core.model.metadata"):
+        rt = task_runtime(longrope_folder, max_num_batched_tokens=8)
     assert rt.model_config.max_model_len == 16
+    assert "max_model_len 16, the LongRoPE short factors' positions" in caplog.text
     ref = token_reference(longrope_folder)
     texts = [t for t in word_texts(12, 5, 1, 12) if len(ref.token_ids([t])[0]) <= 16]
     assert max(len(ids) for ids in ref.token_ids(texts)) > 8, "a prompt must run in chunks"

@@ -236,10 +236,10 @@ def test_limit_malloc_arenas_caps_the_arenas_threads_get():
 def test_a_token_added_to_the_tokenizer_past_the_embeddings_is_refused_naming_it(tmp_path):
     """A tokenizer saved with an added token and the model's embeddings not resized: transformers
     fails on its id (an index error; a device assert on CUDA), so a text holding it is a 400
-    naming the token and the vocabulary, and texts without it are served."""
+    naming the token and the vocabulary, and texts without it are served; tokenizing it answers
+    the tokenizer's ids, as vLLM's ``/tokenize``."""
     import transformers
 
-    from poolrunner.core.errors import TokenOutOfVocabularyError
     from poolrunner.core.testing.tiny_models import write_tiny_model
 
     folder = write_tiny_model(tmp_path / "added-token")
@@ -250,9 +250,10 @@ def test_a_token_added_to_the_tokenizer_past_the_embeddings_is_refused_naming_it
     with pytest.raises(IndexError):
         model(**tokenizer(["a <ent> b"], return_tensors="pt"))
     runtime = poolrunner.Runtime(folder, dtype="float32")
-    with pytest.raises(TokenOutOfVocabularyError) as error:
+    with pytest.raises(InvalidRequestError) as error:
         runtime.embed(["a b", "a <ent> b"])
     assert str(error.value) == ("input 1: its token '<ent>' has the id 30522, outside the model's vocabulary "
                                 "[0, 30522) (config.json vocab_size: a token added to the tokenizer without resizing "
                                 "the model's embeddings)")
     assert runtime.embed(["a b"]).shape == (1, 32)
+    assert runtime.tokenize(["a <ent> b"]) == [tokenizer("a <ent> b")["input_ids"]]  # the model never runs

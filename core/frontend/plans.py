@@ -208,7 +208,8 @@ class Frontend:
             answer: list[Any] = self._tokens(self.prompted(request), tokenization.add_special_tokens)
         else:  # the requests' own path; untruncated, any length is counted, as vLLM's /tokenize does
             inputs = self.inputs if truncated else self._unlimited_inputs
-            answer = [list(ids) for ids in inputs.encode(request.texts, **tokenization.encoding())]
+            answer = [list(ids) for ids in inputs.encode(request.texts, check_vocabulary=False,
+                                                         **tokenization.encoding())]
         return Plan([], lambda _: answer)
 
     def prompted(self, request: TokenizeRequest) -> list[str]:

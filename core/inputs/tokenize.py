@@ -161,12 +161,15 @@ class InputProcessor:
         truncate_prompt_tokens: int | None = None,
         truncation_side: TruncationSide | None = None,
         add_special_tokens: bool = True,
+        check_vocabulary: bool = True,
     ) -> list[tuple[int, ...]]:
         """Tokenize ``inputs`` and check each against the model's limits.
 
         :param add_special_tokens: ``False`` tokenizes text without the special tokens the
             tokenizer adds (vLLM's ``add_special_tokens``; e.g. no ``[CLS]``/``[SEP]``), so
             ``truncate_prompt_tokens`` then has no minimum. Token-id inputs are taken as given.
+        :param check_vocabulary: ``False`` answers a text's ids even where the tokenizer numbers
+            a token past the model's vocabulary (a tokenize request: the model never runs).
         :returns: One ``prompt_token_ids`` tuple per input, in order.
         :raises InvalidRequestError: naming the input's index and the limit it breaks (a text over
             ``max_input_chars`` characters: its length, the limit and the flag that sets it).
@@ -186,7 +189,8 @@ class InputProcessor:
                 raise InvalidRequestError(f"input {index}: a prompt applies to text, not to token ids")
             else:
                 ids = self._check_token_ids(index, item, keep, truncation_side)
-            results.append(self._check_length(index, ids, keep))
+            ids = self._check_length(index, ids, keep)
+            results.append(self._check_vocabulary(index, ids) if check_vocabulary and index in by_index else ids)
         return results
 
     def encode_pairs(
@@ -232,7 +236,8 @@ class InputProcessor:
                 self._check_one_type(encoded)
             types = encoded["token_type_ids"] if with_types else [None] * len(chunk)
             for ids, row_types in zip(encoded["input_ids"], types, strict=True):
-                results.append((self._check_length(len(results), tuple(ids), keep),
+                index = len(results)
+                results.append((self._check_vocabulary(index, self._check_length(index, tuple(ids), keep)),
                                 None if row_types is None else tuple(row_types)))
         self._trim(sum(len(query) + len(document) for query, document in pairs))
         return results
@@ -435,22 +440,30 @@ class InputProcessor:
             ids = ids[-keep:] if side == "left" else ids[:keep]
         return ids
 
+    def _check_vocabulary(self, index: int, ids: tuple[int, ...]) -> tuple[int, ...]:
+        """``ids`` (a text's), unless the tokenizer gave a token an id past the model's vocabulary.
+
+        :raises InvalidRequestError: naming the token and the vocabulary (a token added to the
+            tokenizer without resizing the embeddings: transformers cannot embed it).
+        """
+        if self.ids_past_vocab and max(ids) >= self.vocab_size:
+            token = max(ids)
+            raise InvalidRequestError(
+                f"input {index}: its token {self.tokenizer.convert_ids_to_tokens(token)!r} has the id {token}, outside "
+                f"the model's vocabulary [0, {self.vocab_size}) (config.json vocab_size: a token added to the "
+                "tokenizer without resizing the model's embeddings)", param="input")
+        return ids
+
     def _check_length(self, index: int, ids: tuple[int, ...], keep: int | None) -> tuple[int, ...]:
         """``ids`` if it has 1..``keep`` tokens (truncated) or 1..``max_model_len`` (not truncated);
         the kept length is checked, not assumed from the tokenizer.
 
-        :raises InvalidRequestError: naming the input's index, its length and the limit, or a
-            token the tokenizer gives an id past the model's vocabulary.
+        :raises InvalidRequestError: naming the input's index, its length and the limit.
         """
         limit = self.model_config.max_model_len
         if not ids:
             raise InvalidRequestError(f"input {index} is empty: it has no tokens to pool", param="input")
-        if self.ids_past_vocab and max(ids) >= self.vocab_size:
-            token = max(ids)
-            raise TokenOutOfVocabularyError(
-                f"input {index}: its token {self.tokenizer.convert_ids_to_tokens(token)!r} has the id {token}, outside "
-                f"the model's vocabulary [0, {self.vocab_size}) (config.json vocab_size: a token added to the "
-                "tokenizer without resizing the model's embeddings)", param="input")
+
         if keep is not None and len(ids) > keep:
             raise InvalidRequestError(
                 f"input {index} still has {len(ids)} tokens after truncation to {keep} (the tokenizer of "

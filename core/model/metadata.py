@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ from poolrunner.core.model.families import architecture_name, is_page_retrieval,
 from poolrunner.core.model.st_metadata import read_st_metadata
 from poolrunner.core.model.tasks import model_tasks, token_weight_head
 from poolrunner.core.types import ModelConfig, RequiredPlugin
+
+logger = logging.getLogger(__name__)
 
 # Families whose position ids start after the padding index: 514 positions hold 512 tokens.
 _POSITIONS_AFTER_PADDING = {
@@ -298,6 +301,12 @@ def _max_model_len(
         return overrides.max_model_len
     derived = min(limits.values())
     if overrides.max_model_len is None:
+        if longrope == derived and max(limits.values()) > longrope:
+            logger.warning("%s: max_model_len %d, the LongRoPE short factors' positions (rope "
+                           "original_max_position_embeddings), below the folder's other limits %s: transformers "
+                           "rotates a pass past them with the long factors, which would make a prompt's vectors "
+                           "depend on the prompts sharing its step", path, longrope,
+                           {name: value for name, value in limits.items() if value > longrope})
         return derived
     hard_limit = limits.get("config.json position embeddings")
     if hard_limit is not None and overrides.max_model_len > hard_limit:

@@ -69,8 +69,9 @@ def check_tokenization(model_config: ModelConfig) -> None:
     if changed:
         found = ", ".join(f"{key} {json.dumps(settings[key])}" if key in settings else f"{key} (unset: PyLate's "
                           "default)" for key in changed)
+        where = path if path.is_file() else f"{folder} (no config_sentence_transformers.json)"
         raise ModelLoadError(
-            f"{path}: PyLate tokenizes queries and documents with {found}, which poolrunner-colbert does not apply: "
+            f"{where}: PyLate tokenizes queries and documents with {found}, which poolrunner-colbert does not apply: "
             f"its vectors would not be the model's. Served only with {json.dumps(_PYLATE_NEUTRAL)} and "
             f"{' / '.join(_PYLATE_LENGTHS)} null or at least max_model_len ({model_config.max_model_len})")
 
