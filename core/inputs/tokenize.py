@@ -259,17 +259,9 @@ class InputProcessor:
             return {}
         queries = self._call(side, [query for query, _ in long.values()], add_special_tokens=False,
                              return_attention_mask=False, return_token_type_ids=False)["input_ids"]
-        long = {index: pair for (index, pair), ids in zip(long.items(), queries, strict=True) if len(ids) <= budget}
-        found: dict[int, str] = {}
-        for size in sorted({min(cutting.first_window(budget + 1), self.max_input_chars), self.max_input_chars}):
-            cuts = {index: cutting.cut(document, size, side, ideographs=self.cut_at_ideographs)
-                    for index, (_, document) in long.items() if index not in found}
-            windows = {index: window for index, window in cuts.items() if window is not None}
-            rows = self._encode([window.text for window in windows.values()], budget + 1, side, False, spans=True)
-            for (index, window), (ids, spans) in zip(windows.items(), rows, strict=True):
-                if window.certain(ids, spans["offset_mapping"], spans["special_tokens_mask"], budget + 1):
-                    found[index] = window.text
-        return found
+        documents = {index: document for (index, (_, document)), ids in zip(long.items(), queries, strict=True)
+                     if len(ids) <= budget}
+        return {index: text for index, (text, _) in self._windowed(documents, "", budget + 1, side, False).items()}
 
     def _check_one_type(self, encoded: Any) -> None:
         """:raises InvalidRequestError: where the tokenizer marks a document as type 1 for a model
@@ -345,8 +337,8 @@ class InputProcessor:
 
         :raises InvalidRequestError: for a text read whole that is over ``max_input_chars``.
         """
-        windowed = self.cuttable and keep is not None
-        found = self._windowed(texts, prefix, keep, side, add_special_tokens) if windowed else {}
+        windows = self._windowed(texts, prefix, keep, side, add_special_tokens) if self.cuttable and keep else {}
+        found = {index: ids for index, (_, ids) in windows.items()}
         whole = {index: text for index, text in texts.items() if index not in found}
         for index, text in whole.items():
             self.check_chars(text, f"input {index}", self._advice(keep, side))
@@ -355,11 +347,11 @@ class InputProcessor:
         return found
 
     def _windowed(self, texts: Mapping[int, str], prefix: str, keep: int, side: TruncationSide,
-                  add_special_tokens: bool) -> dict[int, tuple[int, ...]]:
-        """The token ids of the texts longer than a window whose window proved exact
-        (:class:`~.cutting.Window`), by input index; a window too short is retried at
-        ``max_input_chars`` characters."""
-        found: dict[int, tuple[int, ...]] = {}
+                  add_special_tokens: bool) -> dict[int, tuple[str, tuple[int, ...]]]:
+        """The window's text and the ``keep`` token ids of the texts longer than a window whose
+        window proved exact (:class:`~.cutting.Window`), by input index; a window too short is
+        retried at ``max_input_chars`` characters."""
+        found: dict[int, tuple[str, tuple[int, ...]]] = {}
         for size in sorted({min(cutting.first_window(keep), self.max_input_chars), self.max_input_chars}):
             cuts = {index: cutting.cut(text, size, side, prefix, ideographs=self.cut_at_ideographs)
                     for index, text in texts.items() if index not in found}
@@ -368,7 +360,7 @@ class InputProcessor:
                                 spans=True)
             for (index, window), (ids, spans) in zip(windows.items(), rows, strict=True):
                 if window.certain(ids, spans["offset_mapping"], spans["special_tokens_mask"], keep):
-                    found[index] = ids
+                    found[index] = window.text, ids
         return found
 
     def _advice(self, keep: int | None, side: TruncationSide) -> str:

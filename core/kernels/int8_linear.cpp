@@ -72,14 +72,15 @@ inline __m512i bf16_bits(__m512 v) {  // round to nearest even, as torch's cast;
 
 inline void store(c10::BFloat16* p, __mmask16 m, __m512 v) { _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bf16_bits(v))); }
 
-template <typename T>
+// kSmooth false: x is already smoothed (and rotated), inv_smooth is not read.
+template <bool kSmooth = true, typename T>
 void quantize_row(const T* x, const float* inv_smooth, int8_t* q, float* scale, int32_t* offset, int64_t in) {
   constexpr int kNotFinite = 0x01 | 0x08 | 0x10 | 0x80;  // vfpclassps: quiet NaN, +inf, -inf, signalling NaN
   __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();  // zero is always in the range
   __mmask16 not_finite = 0;
   for (int64_t k = 0; k < in; k += kLanes) {
     const __mmask16 m = lanes(in - k);
-    const __m512 y = _mm512_mul_ps(load(x + k, m), load(inv_smooth + k, m));
+    const __m512 y = kSmooth ? _mm512_mul_ps(load(x + k, m), load(inv_smooth + k, m)) : load(x + k, m);
     lo = _mm512_mask_min_ps(lo, m, lo, y);
     hi = _mm512_mask_max_ps(hi, m, hi, y);
     not_finite |= _mm512_mask_fpclass_ps_mask(m, y, kNotFinite);
@@ -99,7 +100,7 @@ void quantize_row(const T* x, const float* inv_smooth, int8_t* q, float* scale, 
   const __m512i vshift = _mm512_set1_epi32(static_cast<int32_t>(zero) - 128);
   for (int64_t k = 0; k < in; k += kLanes) {
     const __mmask16 m = lanes(in - k);
-    const __m512 y = _mm512_mul_ps(load(x + k, m), load(inv_smooth + k, m));
+    const __m512 y = kSmooth ? _mm512_mul_ps(load(x + k, m), load(inv_smooth + k, m)) : load(x + k, m);
     // level - 128 in [-129, 128]: the saturating narrowing is the clamp to [0, 255]
     const __m512i level = _mm512_add_epi32(_mm512_cvt_roundps_epi32(_mm512_mul_ps(y, vinverse), kNearest), vshift);
     _mm_mask_storeu_epi8(q + k, m, _mm512_cvtsepi32_epi8(level));
@@ -138,7 +139,7 @@ void hadamard_block(const T* x, const float* inv_smooth, float* out) {
   }
 }
 
-// The row rotated (see the header) into rotated[in], for quantize_row with unit factors; block is
+// The row smoothed and rotated (see the header) into rotated[in], for quantize_row<false>; block is
 // 16, 32, 64 or 128 (the Python side's ROTATION_BLOCK at most).
 template <typename T>
 void rotate_row(const T* x, const float* inv_smooth, float* rotated, int64_t in, int64_t block) {
@@ -236,7 +237,6 @@ void quantize_rows(const at::Tensor& x, const at::Tensor& inv_smooth, const at::
   int8_t* qp = q.data_ptr<int8_t>();
   float* sp = scale.data_ptr<float>();
   int32_t* op = offset.data_ptr<int32_t>();
-  const std::vector<float> ones(block ? in : 0, 1.0f);
   auto run = [&](auto* xp) {
     at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
       std::vector<float> rotated(block ? in : 0);
@@ -246,7 +246,7 @@ void quantize_rows(const at::Tensor& x, const at::Tensor& inv_smooth, const at::
           continue;
         }
         rotate_row(xp + r * in, s, rotated.data(), in, block);
-        quantize_row(rotated.data(), ones.data(), qp + r * in, sp + r, op + r, in);
+        quantize_row<false>(rotated.data(), nullptr, qp + r * in, sp + r, op + r, in);
       }
     });
   };

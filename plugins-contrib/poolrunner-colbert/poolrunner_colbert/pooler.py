@@ -53,11 +53,14 @@ _PYLATE_LENGTHS = ("query_length", "document_length")
 """PyLate's per-role truncation lengths (defaults 32 and 180): none, or at least the model's."""
 
 
-def check_tokenization(model_config: ModelConfig) -> None:
-    """:raises ModelLoadError: for a Stanford ColBERT checkpoint, or a PyLate folder whose
+def check_tokenization(model_config: ModelConfig) -> Path:
+    """The folder of a PyLate folder's projection (its ``pylate.models.Dense.Dense`` module).
+
+    :raises ModelLoadError: for a Stanford ColBERT checkpoint, or a PyLate folder whose
         settings change a query's or a document's tokens (see the module's docstring), naming them."""
     folder = Path(model_config.path)
-    if _pylate_dense(folder) is None:
+    dense = _pylate_dense(folder)
+    if dense is None:
         raise ModelLoadError(
             f"{folder}: colbert-ai marks queries and documents with [unused0] / [unused1] and expands queries with "
             "[MASK] tokens while tokenizing, which poolrunner-colbert does not: its vectors would not be the model's")
@@ -74,26 +77,25 @@ def check_tokenization(model_config: ModelConfig) -> None:
             f"{where}: PyLate tokenizes queries and documents with {found}, which poolrunner-colbert does not apply: "
             f"its vectors would not be the model's. Served only with {json.dumps(_PYLATE_NEUTRAL)} and "
             f"{' / '.join(_PYLATE_LENGTHS)} null or at least max_model_len ({model_config.max_model_len})")
+    return dense
 
 
-def load_projection(model_config: ModelConfig) -> nn.Linear:
-    """The ColBERT projection of the folder, as a float32 ``nn.Linear(hidden_size, dim)``.
+def load_projection(dense: Path, hidden_size: int) -> nn.Linear:
+    """The ColBERT projection in PyLate's ``dense`` module folder, as a float32
+    ``nn.Linear(hidden_size, dim)``.
 
     :raises ModelLoadError: for a missing or misshapen projection, or a non-identity activation.
     """
-    dense = _pylate_dense(Path(model_config.path))
-    if dense is None:
-        raise ModelLoadError(f"{model_config.path}: modules.json lists no pylate.models.Dense.Dense projection")
     config = json.loads((dense / "config.json").read_text(encoding="utf-8"))
     activation = str(config.get("activation_function") or "torch.nn.modules.linear.Identity")
     if activation.rsplit(".", 1)[-1] != "Identity":
         raise ModelLoadError(f"{dense}: ColBERT projection activation {activation!r} is not supported (Identity)")
     state = _read_state(dense)
     weight = state.get("linear.weight")
-    if weight is None or weight.ndim != 2 or weight.shape[1] != model_config.hidden_size:
+    if weight is None or weight.ndim != 2 or weight.shape[1] != hidden_size:
         shape = None if weight is None else list(weight.shape)
         raise ModelLoadError(
-            f"{dense}: expected a ColBERT projection `linear.weight` of shape [dim, {model_config.hidden_size}], "
+            f"{dense}: expected a ColBERT projection `linear.weight` of shape [dim, {hidden_size}], "
             f"found {shape}"
         )
     bias = state.get("linear.bias")
@@ -113,8 +115,7 @@ class ColbertPooler(Pooler):
     @classmethod
     def from_model_config(cls, model_config: ModelConfig) -> ColbertPooler:
         """:raises ModelLoadError: for a folder :func:`check_tokenization` refuses, or a bad projection."""
-        check_tokenization(model_config)
-        return cls(load_projection(model_config))
+        return cls(load_projection(check_tokenization(model_config), model_config.hidden_size))
 
     def get_supported_tasks(self) -> frozenset[PoolingTask]:
         return frozenset({"token_embed"})
