@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn
 
 import torch
@@ -227,11 +227,11 @@ def _int8_activations(
         measured = (_excess(reference, outputs, MAX_INT8_RELATIVE_ERROR), _relative_error(reference, outputs))
         if measured[0] <= 1:
             return engine, chosen, layers, measured
-        logger.info("dtype int8: not over %s activations (probe error %.4f with every linear layer in bfloat16)",
-                    _dtype_name(chosen.weights), measured[1])
+        logger.info("dtype int8: not over %s activations (with every linear layer in bfloat16, %s)",
+                    _dtype_name(chosen.weights), _miss(reference, outputs))
         count = len(layers)
         del engine, layers  # freed before the next is built
-    _refuse_int8(measured[1], count)
+    _refuse_int8(_miss(reference, outputs), count)
 
 
 def _calibrated(engine: Engine, calibration: Sequence[PoolingRequest]) -> dict[str, int8.Int8Linear]:
@@ -294,17 +294,47 @@ def _fewest_passing(passes: Callable[[int], bool], most: int) -> int | None:
     return k
 
 
-def _refuse_int8(error: float, layers: int) -> NoReturn:
-    detail = ("its outputs differ from float32's in shape or in integer values" if math.isinf(error)
-              else f"its outputs are up to {error:.4f} away from float32's (relative error; for unit "
-                   f"vectors cosine {1 - error**2 / 2:.4f})")
+def _refuse_int8(miss: str, layers: int) -> NoReturn:
+    """:param miss: :func:`_miss`'s words for what the probe found."""
     raise ModelLoadError(
         f"dtype 'int8' is refused for this model: on the probe texts, even with all {layers} linear layers in "
-        f"bfloat16 over float32 activations, {detail}; the bar is {MAX_INT8_RELATIVE_ERROR:.4f} "
-        f"(cosine {1 - MAX_INT8_RELATIVE_ERROR**2 / 2:.4g}); "
-        "use dtype 'bfloat16' "
-        "or 'auto'"
+        f"bfloat16 over float32 activations, {miss}; use dtype 'auto' (it measures which precision holds the bar) "
+        "or 'float32'"
     )
+
+
+def _miss(reference: Sequence[RequestOutput], outputs: Sequence[RequestOutput]) -> str:
+    """The output furthest past its bar (:func:`_excess`), in words: the error by the measure it is
+    held to, and that bar."""
+    ref, out = max(_leaves(reference, outputs), key=lambda pair: _excess(*pair, MAX_INT8_RELATIVE_ERROR))
+    if _is_score(ref, out):
+        return (f"a score is {abs(out.double().item() - ref.double().item()):.2g} away from float32's; the bar for "
+                f"scores is {MAX_SCORE_ERROR:g} (absolute)")
+    error = _relative_error(ref, out)
+    if math.isinf(error):
+        return "its outputs differ from float32's in shape or in integer values"
+    return (f"its outputs are up to {error:.4f} away from float32's (relative error; for unit vectors cosine "
+            f"{1 - error**2 / 2:.4f}); the bar is {MAX_INT8_RELATIVE_ERROR:.4f} "
+            f"(cosine {1 - MAX_INT8_RELATIVE_ERROR**2 / 2:.4g})")
+
+
+def _leaves(reference: RequestOutput | Sequence[RequestOutput],
+            output: RequestOutput | Sequence[RequestOutput]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The tensor pairs of ``reference`` and ``output`` (one output, a dict of named ones, or a list)."""
+    if isinstance(reference, list | tuple):
+        for ref, out in zip(reference, output, strict=True):
+            yield from _leaves(ref, out)
+    elif isinstance(reference, dict):
+        for name in reference:
+            yield from _leaves(reference[name], output[name])  # type: ignore[index]
+    else:
+        yield reference, output  # type: ignore[misc]
+
+
+def _is_score(reference: torch.Tensor, output: torch.Tensor) -> bool:
+    """An output of one value (a score, a class probability of one label): held to
+    :data:`MAX_SCORE_ERROR`, absolute."""
+    return reference.is_floating_point() and reference.numel() == 1 and output.shape == reference.shape
 
 
 def _log_int8(chosen: Precision, kept: Sequence[str], errors: dict[str, float], layers: int,
@@ -339,11 +369,9 @@ def _excess(reference: RequestOutput | Sequence[RequestOutput], output: RequestO
     """The largest error of ``output`` (one output, a dict of named ones, or a list) against
     ``reference`` as a multiple of its bar (<= 1: every output holds it): an output of one value
     against :data:`MAX_SCORE_ERROR` (absolute), any other against ``relative_bar`` (relative)."""
-    if isinstance(reference, list | tuple):
-        return max(_excess(ref, out, relative_bar) for ref, out in zip(reference, output, strict=True))
-    if isinstance(reference, dict):
-        return max(_excess(reference[name], output[name], relative_bar) for name in reference)  # type: ignore[index]
-    if reference.is_floating_point() and reference.numel() == 1 and output.shape == reference.shape:  # type: ignore[union-attr]
+    if not isinstance(reference, torch.Tensor):
+        return max(_excess(ref, out, relative_bar) for ref, out in _leaves(reference, output))
+    if _is_score(reference, output):  # type: ignore[arg-type]
         return abs(output.double().item() - reference.double().item()) / MAX_SCORE_ERROR  # type: ignore[union-attr]
     return _relative_error(reference, output) / relative_bar
 

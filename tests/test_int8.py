@@ -347,6 +347,30 @@ def test_a_model_within_the_bar_is_served_in_int8_within_it_on_inputs_the_probe_
     assert cosine_rows(got, expected).min() >= 0.999
 
 
+def test_a_cross_encoder_that_misses_the_score_bar_is_refused_naming_the_score_error_and_its_bar(tmp_path,
+                                                                                                   monkeypatch):
+    """A one-label cross-encoder's scores are held to an absolute bar, and the refusal says so (it
+    printed the relative error against the vectors' bar, which the score had passed)."""
+    from transformers import AutoConfig, BertForSequenceClassification
+
+    row = next(r for r in architectures.rows() if r.id == "bert/sequence")
+    architectures.build_folder(row, tmp_path)  # its tokenizer; the model saved again with one label
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(tmp_path)
+    config.num_labels = 1  # its label names go with it
+    BertForSequenceClassification(config).save_pretrained(tmp_path)
+    monkeypatch.setattr(precision, "MAX_SCORE_ERROR", 1e-12)  # a bar no bfloat16 score holds
+    with pytest.raises(ModelLoadError) as error:
+        poolrunner.Runtime(str(tmp_path), dtype="int8", load_entrypoints=False)
+    found = re.fullmatch(r"dtype 'int8' is refused for this model: on the probe texts, even with all 13 linear layers "
+                         r"in bfloat16 over float32 activations, a score is (\S+) away from float32's; the bar for "
+                         r"scores is 1e-12 \(absolute\); use dtype 'auto' \(it measures which precision holds the "
+                         r"bar\) or 'float32'", str(error.value))
+    assert found and float(found.group(1)) > 1e-12, str(error.value)
+    served = poolrunner.Runtime(str(tmp_path), dtype="float32", load_entrypoints=False)
+    assert served.score("a query", ["a document"]).shape == (1,)
+
+
 def test_a_model_that_misses_the_bar_even_all_in_bfloat16_is_refused_naming_its_error(tiny_bert, monkeypatch):
     # a bar no bfloat16 model holds (relative error 1e-6) stands in for a model bf16 itself fails
     monkeypatch.setattr(precision, "MAX_INT8_RELATIVE_ERROR", 1e-6)
@@ -360,7 +384,8 @@ def test_a_model_that_misses_the_bar_even_all_in_bfloat16_is_refused_naming_its_
         "dtype 'int8' is refused for this model: on the probe texts, even with all 13 linear layers in bfloat16 "
         "over float32 activations, "
         f"its outputs are up to {measured:.4f} away from float32's (relative error; for unit vectors cosine "
-        f"{cosine:.4f}); the bar is 0.0000 (cosine 1); use dtype 'bfloat16' or 'auto'"
+        f"{cosine:.4f}); the bar is 0.0000 (cosine 1); use dtype 'auto' (it measures which precision holds the "
+        "bar) or 'float32'"
     )
     served = poolrunner.Runtime(str(tiny_bert[0]), dtype="float32", pooling_type="MEAN", load_entrypoints=False)
     assert served.embed(["next"]).shape == (1, 64)
@@ -444,7 +469,8 @@ def test_smollm2_is_refused_in_int8_because_even_bf16_mixed_misses_the_bar_on_si
     found = re.fullmatch(r"dtype 'int8' is refused for this model: on the probe texts, even with all 210 linear "
                          r"layers in bfloat16 over float32 activations, its outputs are up to (\d\.\d{4}) away from "
                          r"float32's \(relative error; for unit vectors cosine \d\.\d{4}\); the bar is 0\.0447 "
-                         r"\(cosine 0\.999\); use dtype 'bfloat16' or 'auto'", str(error.value))
+                         r"\(cosine 0\.999\); use dtype 'auto' \(it measures which precision holds the bar\) "
+                         r"or 'float32'", str(error.value))
     assert found and float(found.group(1)) > 0.0447
     mixed = poolrunner.Runtime(str(folder), dtype="bf16-mixed", pooling_type="LAST", load_entrypoints=False)
     texts = precision.probe_texts(mixed.inputs.tokenizer, mixed.model_config.max_model_len)
