@@ -219,18 +219,27 @@ class Runtime:
         vectors = np.stack(plan.finish(self._run(plan.requests, show_progress_bar)))
         return vectors[0] if isinstance(texts, str) or is_token_ids(texts) or is_image(texts) else vectors
 
-    def encode_query(self, texts: PromptInput | Sequence[PromptInput], **options: Any) -> np.ndarray:
+    def encode_query(self, texts: PromptInput | Sequence[PromptInput], **options: Any) -> np.ndarray | list[Result]:
         """:meth:`embed` for search queries, as sentence-transformers' ``encode_query``: with the
         model's ``query`` prompt, or no prompt at all (not even the default one) when it has none;
-        a ``prompt`` or ``prompt_name`` the caller gives wins. Options as for :meth:`embed`."""
-        return self.embed(texts, **self._role_prompt("query", options))
+        a ``prompt`` or ``prompt_name`` the caller gives wins. Options as for :meth:`embed`. A
+        model that serves no ``embed`` (a SPLADE folder's ``sparse_embed``) gives :meth:`encode`'s
+        outputs of its default task, as ``SparseEncoder.encode_query`` gives sparse vectors."""
+        return self._encode_as("query", texts, options)
 
-    def encode_document(self, texts: PromptInput | Sequence[PromptInput], **options: Any) -> np.ndarray:
+    def encode_document(self, texts: PromptInput | Sequence[PromptInput], **options: Any) -> np.ndarray | list[Result]:
         """:meth:`embed` for documents, as sentence-transformers' ``encode_document``: with the
         model's ``document`` prompt, or no prompt at all when it has none (sentence-transformers
         6 defines an empty ``document`` prompt for every model, so ``passage`` and ``corpus``
-        prompts are not used). Options as for :meth:`embed`."""
-        return self.embed(texts, **self._role_prompt("document", options))
+        prompts are not used). Options as for :meth:`embed`; a model that serves no ``embed``
+        as in :meth:`encode_query`."""
+        return self._encode_as("document", texts, options)
+
+    def _encode_as(self, role: str, texts: PromptInput | Sequence[PromptInput],
+                   options: dict[str, Any]) -> np.ndarray | list[Result]:
+        if "embed" in self.supported_tasks:
+            return self.embed(texts, **self._role_prompt(role, options))
+        return self.encode(texts, **self._role_prompt(role, options))
 
     def _role_prompt(self, role: str, options: dict[str, Any]) -> dict[str, Any]:
         if options.get("prompt") is not None or options.get("prompt_name") is not None:

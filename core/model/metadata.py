@@ -17,7 +17,7 @@ from transformers.models.auto.modeling_auto import (
 from poolrunner.core.config import ModelOverrides
 from poolrunner.core.errors import ModelLoadError
 from poolrunner.core.model.families import architecture_name, is_page_retrieval, is_text_image
-from poolrunner.core.model.st_metadata import read_st_metadata
+from poolrunner.core.model.st_metadata import read_claimed_folder_settings, read_st_metadata
 from poolrunner.core.model.tasks import model_tasks, token_weight_head
 from poolrunner.core.types import ModelConfig, RequiredPlugin
 
@@ -171,13 +171,17 @@ def load_model_config(
 
     :param required: The plugin the folder must be served by
         (:func:`~poolrunner.core.selection.required_plugin`); its pipeline is that plugin's to
-        read, so core reads no sentence-transformers metadata then.
+        read, so core reads only the settings sentence-transformers applies to any pipeline then
+        (:func:`~poolrunner.core.model.st_metadata.read_claimed_folder_settings`).
     :raises ModelLoadError: for an unsupported sentence-transformers pipeline or an override
         beyond what the model supports.
     """
     architecture = architecture_name(hf_config)
-    # A plugin's pipeline (SPLADE, ColBERT) is that plugin's to read, not core's.
+    # A plugin's pipeline (SPLADE, ColBERT) is that plugin's to read, not core's; what
+    # sentence-transformers applies whatever the pipeline (prompts, the Transformer's length and
+    # casing) shapes the requests as for any folder.
     st = None if required else read_st_metadata(path)
+    texts = read_claimed_folder_settings(path) if required else st
     is_causal = _is_causal(hf_config)
     text_image = is_text_image(hf_config)
     pages = is_page_retrieval(hf_config)
@@ -208,8 +212,8 @@ def load_model_config(
         embedding_size=dense[-1].out_features if dense else ModelConfig.pooled_size(hidden_size, pooling_type),
         # sentence-transformers' max_seq_length replaces the tokenizer's model_max_length.
         max_model_len=_max_model_len(path, hf_config.get_text_config() if text_image or pages else hf_config,
-                                     None if st and st.max_seq_length else tokenizer_max_length,
-                                     st and st.max_seq_length, overrides),
+                                     None if texts and texts.max_seq_length else tokenizer_max_length,
+                                     texts and texts.max_seq_length, overrides),
         is_causal=is_causal,
         model_tasks=tasks,
         pooling_type=pooling_type or ("LAST" if _is_decoder(hf_config) else "CLS"),
@@ -217,9 +221,9 @@ def load_model_config(
         matryoshka_dimensions=tuple(matryoshka_dims) if matryoshka_dims else None,
         is_matryoshka=is_matryoshka,
         dense_layers=dense,
-        prompts=st.prompts if st else {},
-        default_prompt_name=st.default_prompt_name if st else None,
-        lowercase=st.lowercase if st else False,
+        prompts=texts.prompts if texts else {},
+        default_prompt_name=texts.default_prompt_name if texts else None,
+        lowercase=texts.lowercase if texts else False,
         similarity_fn_name=st.similarity_fn_name if st else "cosine",
         labels=_labels(hf_config) if tasks & {"classify", "token_classify"} else (),
         problem_type=getattr(hf_config, "problem_type", None),

@@ -299,6 +299,35 @@ def read_st_metadata(folder: Path) -> SentenceTransformerMetadata | None:
     )
 
 
+@frozen
+class ClaimedFolderSettings:
+    """What sentence-transformers applies to a folder whatever its pipeline, for a folder whose
+    pipeline a plugin reads (``SparseEncoder``'s as ``SentenceTransformer``'s)."""
+
+    prompts: dict[str, str]
+    default_prompt_name: str | None
+    max_seq_length: int | None
+    lowercase: bool
+
+
+def read_claimed_folder_settings(folder: Path) -> ClaimedFolderSettings:
+    """The prompts and default prompt name of ``folder``'s ``config_sentence_transformers.json``
+    and, where its first module is sentence-transformers' own Transformer (``MLMTransformer``
+    included), that module's ``max_seq_length`` and ``do_lower_case``; none without the files.
+
+    :raises ModelLoadError: as :func:`read_st_metadata` for the same keys.
+    """
+    config_file = folder / "config_sentence_transformers.json"
+    prompts, default_prompt_name = _prompts(config_file, _read_object(config_file, optional=True))
+    modules = read_modules(folder)
+    max_seq_length, lowercase = None, False
+    if modules and modules[0].type.startswith(_MODULE_PREFIX) and _module_kind(modules[0].type).endswith("Transformer"):
+        transformer_file, transformer = _transformer_config(modules[0].path)
+        _check_keys(transformer_file, transformer, _TRANSFORMER_KEYS, strict=True)
+        max_seq_length, lowercase = transformer.get("max_seq_length"), bool(transformer.get("do_lower_case"))
+    return ClaimedFolderSettings(prompts, default_prompt_name, max_seq_length, lowercase)
+
+
 def _pipeline(folder: Path, modules: tuple[StModule, ...], *, text_image: bool = False,
               ) -> tuple[str | None, bool, tuple[DenseLayerSpec, ...]]:
     """``(pooling_type, normalize, dense_layers)`` of the modules after the Transformer.

@@ -4,7 +4,9 @@ Serves the plugin-declared task ``sparse_embed`` for ``*ForMaskedLM`` models and
 its outputs with a sparse dot product (``Runtime.score``, ``Runtime.rerank``). The request
 option ``top_k`` keeps only the ``k`` largest weights (sentence-transformers' ``max_active_dims``). A
 sentence-transformers ``SparseEncoder`` folder (``modules.json`` with ``MLMTransformer`` /
-``SpladePooling``) is served by this plugin alone, with ``sparse_embed`` as its default task.
+``SpladePooling``) is served by this plugin alone, with ``sparse_embed`` as its default task, its
+``similarity_fn_name`` (dot or cosine) and ``max_active_dims`` as sentence-transformers reads them
+(core applies its prompts and its Transformer's ``max_seq_length`` and ``do_lower_case``).
 """
 
 from __future__ import annotations
@@ -78,10 +80,11 @@ def get_pooler(model_config: ModelConfig, task: PoolingTask, model: nn.Module) -
 
 @hookimpl
 def score_outputs(
-    task: PoolingTask, queries: Sequence[RequestOutput], documents: Sequence[RequestOutput]
+    model_config: ModelConfig, task: PoolingTask, queries: Sequence[RequestOutput], documents: Sequence[RequestOutput]
 ) -> torch.Tensor | None:
     if task != TASK:
         return None
-    from .scoring import sparse_dot
+    from .pooler import encoder_settings
+    from .scoring import sparse_similarity
 
-    return sparse_dot(queries, documents)
+    return sparse_similarity(queries, documents, encoder_settings(model_config)[0])

@@ -29,6 +29,7 @@ from poolrunner.core import (
 )
 
 _STRATEGIES = ("max", "sum")
+SIMILARITIES = ("dot", "cosine")
 _ACTIVATIONS = ("relu", "log1p_relu")
 
 
@@ -70,27 +71,50 @@ def splade_settings(model_config: ModelConfig) -> tuple[str, str]:
     return strategy, activation
 
 
+def encoder_settings(model_config: ModelConfig) -> tuple[str, int | None]:
+    """``(similarity_fn_name, max_active_dims)`` of a ``SparseEncoder`` folder's
+    ``config_sentence_transformers.json``: ``("dot", None)`` when unset, as sentence-transformers
+    reads them (``max_active_dims`` is then the ``top_k`` of a request that gives none).
+
+    :raises ModelLoadError: for a similarity this plugin does not score sparse vectors with
+        (``euclidean``, ``manhattan``), or a ``max_active_dims`` that is not a positive integer.
+    """
+    config_file = Path(model_config.path) / "config_sentence_transformers.json"
+    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    similarity = config.get("similarity_fn_name") or "dot"
+    if similarity not in SIMILARITIES:
+        raise ModelLoadError(f"{config_file}: similarity_fn_name {similarity!r} is not served by the splade plugin, "
+                             f"which scores sparse vectors with {list(SIMILARITIES)}")
+    dims = config.get("max_active_dims")
+    if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or dims < 1):
+        raise ModelLoadError(f"{config_file}: max_active_dims {dims!r} must be a positive integer or null")
+    return similarity, dims
+
+
 class SpladePooler(Pooler):
     """``sparse_embed``: one weight per vocabulary token, returned as its non-zero entries.
 
     Output per request: ``{"token_ids": int64 [k], "weights": float32 [k]}``, sorted by
     descending weight (ties by ascending token id), where ``k`` is the number of non-zero
     weights, or at most the request option ``top_k`` when set (the ``k`` largest, as
-    sentence-transformers' ``max_active_dims``).
+    sentence-transformers' ``max_active_dims``), else the folder's ``max_active_dims``.
     """
 
-    def __init__(self, head: nn.Module, vocab_size: int, strategy: str = "max", activation: str = "relu") -> None:
+    def __init__(self, head: nn.Module, vocab_size: int, strategy: str = "max", activation: str = "relu",
+                 max_active_dims: int | None = None) -> None:
         super().__init__()
         self.head = head
         self.vocab_size = vocab_size
         self.strategy = strategy
         self.activation = activation
+        self.max_active_dims = max_active_dims
 
     @classmethod
     def from_model(cls, model_config: ModelConfig, model: nn.Module) -> SpladePooler:
         strategy, activation = splade_settings(model_config)
+        _, max_active_dims = encoder_settings(model_config)
         vocab_size = int(model_config.hf_config.get("vocab_size") or model.get_output_embeddings().out_features)
-        return cls(mlm_head(model, model_config), vocab_size, strategy, activation)
+        return cls(mlm_head(model, model_config), vocab_size, strategy, activation, max_active_dims)
 
     def get_supported_tasks(self) -> frozenset[PoolingTask]:
         return frozenset({"sparse_embed"})
@@ -120,7 +144,8 @@ class SpladePooler(Pooler):
             dense = self.weights(request_rows)
             ids = torch.nonzero(dense, as_tuple=True)[0]
             weights, order = torch.sort(dense[ids], descending=True, stable=True)
-            keep = order[: _top_k(params)]
+            top_k = _top_k(params)
+            keep = order[: self.max_active_dims if top_k is None else top_k]
             outputs.append({"token_ids": ids[keep], "weights": weights[: len(keep)]})
         return outputs
 

@@ -9,6 +9,7 @@ its folder is found without importing the package.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -170,6 +171,61 @@ def test_a_sparse_encoder_folder_is_served_by_the_installed_plugin(sparse_encode
     expected = reference(sparse_encoder_folder, TEXTS[:2], strategy="sum")  # as its SpladePooling config says
     for output, want in zip(outputs, expected, strict=True):
         np.testing.assert_allclose(densify(output, 30522), want, atol=1e-3, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def sparse_encoder_with_settings(tmp_path_factory, splade_tiny):
+    """A SparseEncoder folder saved by sentence-transformers itself, with the settings it applies
+    whatever the pipeline (prompts, a default prompt, max_seq_length, do_lower_case) and the
+    SparseEncoder's own (cosine similarity, max_active_dims); and sentence-transformers' model."""
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.sparse_encoder.modules import MLMTransformer, SpladePooling
+
+    folder = tmp_path_factory.mktemp("splade-settings") / "model"
+    transformer = MLMTransformer(str(splade_tiny), max_seq_length=12, do_lower_case=True)
+    SparseEncoder(modules=[transformer, SpladePooling("max")], device="cpu",
+                  prompts={"query": "query: ", "document": "passage: "}, default_prompt_name="query",
+                  similarity_fn_name="cosine", max_active_dims=20).save(str(folder))
+    return folder, SparseEncoder(str(folder), device="cpu")
+
+
+def test_a_sparse_encoder_folder_s_settings_are_those_sentence_transformers_applies(sparse_encoder_with_settings):
+    """Every setting of the folder is honoured (all were ignored: its vectors were the unprompted,
+    uncut, cased ones with every weight, scored by the dot product)."""
+    folder, st_model = sparse_encoder_with_settings
+    runtime = poolrunner.Runtime(folder, device="cpu", dtype="float32")
+    texts = ["What Is The CAPITAL of France, and which river runs through it?", "Paris"]
+
+    def st_vectors(**options):
+        return st_model.encode(texts, convert_to_tensor=True, **options).to_dense().numpy()
+
+    got = np.stack([densify(o, 30522) for o in runtime.encode(texts, truncate_prompt_tokens=-1)])
+    np.testing.assert_allclose(got, st_vectors(), atol=2e-5)  # the query prompt, cut at 12 tokens, lowercased
+    assert max(int(np.count_nonzero(row)) for row in got) == 20  # max_active_dims (without it: 19 and 22)
+    document = np.stack([densify(o, 30522) for o in runtime.encode(texts, prompt_name="document",
+                                                                   truncate_prompt_tokens=-1)])
+    want = st_model.encode_document(texts, convert_to_tensor=True).to_dense().numpy()
+    np.testing.assert_allclose(document, want, atol=2e-5)
+    by_role = runtime.encode_document(texts, truncate_prompt_tokens=-1)  # SparseEncoder.encode_document's
+    np.testing.assert_allclose(np.stack([densify(o, 30522) for o in by_role]), want, atol=2e-5)
+    expected = st_model.similarity(st_vectors()[:1], st_vectors()[1:])[0].numpy()
+    np.testing.assert_allclose(runtime.score(texts[0], texts[1:], truncate_prompt_tokens=-1), expected, atol=1e-5)
+    with pytest.raises(InvalidRequestError, match="more than the maximum of 12"):
+        runtime.encode(texts[:1])  # over max_seq_length without truncation: refused, not cut
+    assert len(runtime.encode(["next"])) == 1
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("similarity_fn_name", "euclidean", "similarity_fn_name 'euclidean' is not served by the splade plugin, which "
+                                        "scores sparse vectors with ['dot', 'cosine']"),
+    ("max_active_dims", 0, "max_active_dims 0 must be a positive integer or null"),
+])
+def test_a_sparse_encoder_setting_the_plugin_cannot_honour_is_refused_at_load(sparse_encoder_folder, key, value,
+                                                                               message):
+    config = sparse_encoder_folder / "config_sentence_transformers.json"
+    config.write_text(json.dumps({"model_type": "SparseEncoder", key: value}))
+    with pytest.raises(ModelLoadError, match=re.escape(f"{config}: {message}")):
+        poolrunner.Runtime(sparse_encoder_folder, device="cpu", dtype="float32")
 
 
 def test_a_sparse_encoder_folder_without_the_plugin_fails_at_load(sparse_encoder_folder):
