@@ -560,3 +560,17 @@ def test_a_tokenizer_config_that_truncates_on_the_left_is_followed_unless_a_requ
     kept_start = runtime.embed([text], truncate_prompt_tokens=-1, truncation_side="right")
     assert cosine_rows(kept_start, expected).max() < 0.99
     assert tei_tokenization(None, None, auto_truncate=True).truncation_side is None
+
+
+def test_a_router_folder_is_refused_naming_its_first_module(tmp_path):
+    """sentence-transformers' Router (separate query and document modules, as inference-free
+    SPLADE folders save them) has no config.json at the folder's root: the refusal says what the
+    folder is, not that it is no model folder."""
+    (tmp_path / "modules.json").write_text(json.dumps(
+        [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.router.Router"}]))
+    with pytest.raises(ModelLoadError) as error:
+        poolrunner.Runtime(str(tmp_path), load_entrypoints=False)
+    assert str(error.value) == (
+        f"model {str(tmp_path)!r} has no config.json at its root: it is a sentence-transformers folder whose "
+        "modules.json starts with sentence_transformers.base.modules.router.Router, and poolrunner serves the "
+        "pipelines whose Transformer is the folder itself (not a Router's separate query and document modules)")

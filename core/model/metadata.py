@@ -17,7 +17,7 @@ from transformers.models.auto.modeling_auto import (
 from poolrunner.core.config import ModelOverrides
 from poolrunner.core.errors import ModelLoadError
 from poolrunner.core.model.families import architecture_name, is_page_retrieval, is_text_image
-from poolrunner.core.model.st_metadata import read_claimed_folder_settings, read_st_metadata
+from poolrunner.core.model.st_metadata import read_claimed_folder_settings, read_modules, read_st_metadata
 from poolrunner.core.model.tasks import model_tasks, token_weight_head
 from poolrunner.core.types import ModelConfig, RequiredPlugin
 
@@ -67,6 +67,13 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
                 "folder; pass the folder without a revision, or the snapshot folder you want"
             )
         return path
+    if (path / "modules.json").is_file() and (modules := read_modules(path)):
+        raise ModelLoadError(
+            f"model {model!r} has no config.json at its root: it is a sentence-transformers folder whose "
+            f"modules.json starts with {modules[0].type}, and poolrunner serves the "
+            "pipelines whose Transformer is the folder itself (not a Router's separate query and document "
+            "modules)"
+        )
     if _looks_like_path(model) or path.exists():
         raise ModelLoadError(
             f"model {model!r} is not a local model folder with a config.json; poolrunner loads "
