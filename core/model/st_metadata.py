@@ -312,8 +312,10 @@ class ClaimedFolderSettings:
 
 def read_claimed_folder_settings(folder: Path) -> ClaimedFolderSettings:
     """The prompts and default prompt name of ``folder``'s ``config_sentence_transformers.json``
-    and, where its first module is sentence-transformers' own Transformer (``MLMTransformer``
-    included), that module's ``max_seq_length`` and ``do_lower_case``; none without the files.
+    and, where every module is sentence-transformers' own and the first its Transformer
+    (``MLMTransformer`` included: a ``SparseEncoder``), that module's ``max_seq_length`` and
+    ``do_lower_case``; none without the files. Another library's pipeline (PyLate's) sets its
+    own lengths: its plugin reads them.
 
     :raises ModelLoadError: as :func:`read_st_metadata` for the same keys.
     """
@@ -321,7 +323,8 @@ def read_claimed_folder_settings(folder: Path) -> ClaimedFolderSettings:
     prompts, default_prompt_name = _prompts(config_file, _read_object(config_file, optional=True))
     modules = read_modules(folder)
     max_seq_length, lowercase = None, False
-    if modules and modules[0].type.startswith(_MODULE_PREFIX) and _module_kind(modules[0].type).endswith("Transformer"):
+    if (modules and all(module.type.startswith(_MODULE_PREFIX) for module in modules)
+            and _module_kind(modules[0].type).endswith("Transformer")):
         transformer_file, transformer = _transformer_config(modules[0].path)
         _check_keys(transformer_file, transformer, _TRANSFORMER_KEYS, strict=True)
         max_seq_length, lowercase = transformer.get("max_seq_length"), bool(transformer.get("do_lower_case"))
