@@ -42,14 +42,19 @@ TEI_POOLING = {"CLS": "cls", "MEAN": "mean", "LAST": "last_token"}
 """TEI's names of the pooling types it shares with poolrunner (``/info``); others are lowercased."""
 
 
+def named(served: ModelRouter, model: object, task: str | None = None) -> PoolingService:
+    """The model a TEI body asks for: its ``model`` where it names a served model or LoRA adapter
+    (TEI serves one model and has no such field: any other value is ignored), else the first
+    model for ``task`` (:meth:`~poolrunner.core.server.models.ModelRouter.pick`)."""
+    return served.pick(model if isinstance(model, str) and served.knows(model) else None, task)
+
+
 def answering(served: ModelRouter, task: str, route: str, model: object = None) -> PoolingService:
-    """The model answering TEI's ``route``, which needs ``task``: the body's ``model`` where it
-    names a served model or LoRA adapter (TEI serves one model and has no such field), else the
-    first model serving ``task``.
+    """The model answering TEI's ``route``, which needs ``task``: :func:`named`'s.
 
     :raises TeiError: 424 Backend, as TEI answers a route the model type cannot serve.
     """
-    service = served.pick(model if isinstance(model, str) and served.knows(model) else None, task)
+    service = named(served, model, task)
     if task not in service.frontend.tasks:
         raise TeiError("Backend", f"{route} needs a model that serves the task {task!r} ({TASK_USES[task]}); "
                                   f"this one serves {sorted(service.frontend.tasks)}")
@@ -131,14 +136,16 @@ def _model_type(service: PoolingService) -> dict[str, t.EmbeddingModel | t.Class
 # ---- TEI's bodies on the routes it shares with vLLM (/rerank, /tokenize; see :mod:`.routes`) ----
 
 
-async def tei_rerank(service: PoolingService, body: p.RerankRequest, request: Request) -> list[p.TeiRank]:
-    """TEI's rerank: every text, best first, equal scores the later text first (TEI sorts
-    ascending, then reverses); ``raw_scores`` skips the cross-encoder's activation, ``truncate``
-    (default: the server's ``auto_truncate``) keeps the model maximum of each pair.
+async def tei_rerank(served: ModelRouter, body: p.RerankRequest, request: Request) -> list[p.TeiRank]:
+    """TEI's rerank, by :func:`named`'s model for scoring: every text, best first, equal scores
+    the later text first (TEI sorts ascending, then reverses); ``raw_scores`` skips the
+    cross-encoder's activation, ``truncate`` (default: the server's ``auto_truncate``) keeps the
+    model maximum of each pair.
 
     :raises TeiError: 422 Validation for ``texts`` that is neither a list nor a text; 400 Empty for an
         empty one, or for an empty text beside an empty query.
     """
+    service = named(served, body.model, "score")
     if not isinstance(body.texts, list | str):  # a list (or one text) is checked by the core, naming the item
         raise TeiError("Validation", f"texts must be a list of strings, got {shown(body.texts)}")
     if not body.texts:

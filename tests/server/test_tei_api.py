@@ -190,6 +190,23 @@ def test_root_answers_as_embed_and_as_similarity(server, client, st_model):
                                atol=1e-5)
 
 
+def test_a_model_no_server_serves_is_ignored_on_every_tei_body(server, runtime):
+    """TEI's bodies have no ``model``: one that names no served model is ignored on every route
+    that takes them, the ones shared with vLLM too (``/rerank`` and ``/tokenize`` answered vLLM's
+    404 for it), as README says."""
+    for path, body in (("/embed", {"inputs": "a cat"}), ("/tokenize", {"inputs": "a cat"}),
+                       ("/rerank", {"query": "a cat", "texts": ["a dog", "a car"]})):
+        plain = httpx.post(f"{server.url}{path}", json=body)
+        named = httpx.post(f"{server.url}{path}", json={**body, "model": "tei"})
+        assert (plain.status_code, named.status_code) == (200, 200), (path, named.text)
+        assert named.json() == plain.json()
+    ranked = httpx.post(f"{server.url}/rerank", json={"query": "a cat", "texts": ["a dog", "a car"], "model": "tei"})
+    np.testing.assert_allclose([r["score"] for r in sorted(ranked.json(), key=lambda r: r["index"])],
+                               runtime.score("a cat", ["a dog", "a car"]), atol=1e-6)
+    vllm_body = {"query": "q", "documents": ["d"], "model": "tei"}  # vLLM's body names a model: a 404
+    assert httpx.post(f"{server.url}/rerank", json=vllm_body).status_code == 404
+
+
 # --------------------------------------------------------------------------- errors on the default model
 
 BAD_REQUESTS = [

@@ -16,7 +16,7 @@ from poolrunner.core.server.errors import SHARED_WITH_TEI, ApiError, in_tei_shap
 from poolrunner.core.server.middleware import HEALTH_PATHS
 from poolrunner.core.server.routes.dependencies import Created, Metrics, Served
 from poolrunner.core.server.service import PoolingService
-from poolrunner.core.server.tei import tei_tokens
+from poolrunner.core.server.tei import named, tei_tokens
 
 router = APIRouter()
 
@@ -44,11 +44,10 @@ async def tokenize(body: p.TokenizeRequest, request: Request,
                    served: Served) -> p.TokenizeResponse | list[list[p.TeiToken]]:
     """vLLM's tokenize (``prompt``: the ``prompt_token_ids``, special tokens included unless
     ``add_special_tokens`` is false), or TEI's (``inputs``: each text's tokens with their spans)."""
-    service = served.pick(body.model)
     if body.api() == "tei":
-        # once the body is TEI's, errors are TEI's too
-        return await in_tei_shape(request, tei_tokens(service, body, request))
-    return await _vllm_tokens(service, body, request)  # token_strs null unless asked, as vLLM answers
+        # once the body is TEI's, errors are TEI's too, and an unknown model is ignored (tei.named)
+        return await in_tei_shape(request, tei_tokens(named(served, body.model), body, request))
+    return await _vllm_tokens(served.pick(body.model), body, request)  # token_strs null unless asked, as vLLM answers
 
 
 @router.post("/detokenize", response_model=p.DetokenizeResponse)

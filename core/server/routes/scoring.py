@@ -41,10 +41,10 @@ async def rerank(body: p.RerankRequest, request: Request, served: Served,
     and Cohere answer; TEI's body (``query``, ``texts``) gets TEI's list of ``{index, score, text?}``,
     infinity's (``documents`` with ``raw_scores``) infinity's answer. The plugins' request options
     (BGE-M3's weights) are body fields."""
-    service = served.pick(body.model, "score")
     api = body.api()
-    if api == "tei":
-        return await in_tei_shape(request, tei_rerank(service, body, request))  # TEI's errors too
+    if api == "tei":  # TEI's errors too, and its model rule (tei.answering)
+        return await in_tei_shape(request, tei_rerank(served, body, request))
+    service = served.pick(body.model, "score")
     if api == "infinity":  # a Response: no other union member may take its fields
         return JSONResponse((await infinity.rerank(service, body, request)).model_dump(exclude_none=True))
     return await _rerank(service, body, request, version)

@@ -132,5 +132,5 @@ async def _rerank(body: p.RerankRequest, request: Request, served: Served) -> JS
     """``POST /`` of a reranker: TEI's ``/rerank`` of the default model."""
     if body.api() != "tei":
         raise TeiError("Validation", "POST / of a reranker takes TEI's rerank body: query and texts")
-    ranked = await tei.tei_rerank(served.default, body, request)
+    ranked = await tei.tei_rerank(served, body, request)
     return JSONResponse([rank.model_dump(exclude_none=True) for rank in ranked])
