@@ -223,8 +223,9 @@ class Runtime:
         """:meth:`embed` for search queries, as sentence-transformers' ``encode_query``: with the
         model's ``query`` prompt, or no prompt at all (not even the default one) when it has none;
         a ``prompt`` or ``prompt_name`` the caller gives wins. Options as for :meth:`embed`. A
-        model that serves no ``embed`` (a SPLADE folder's ``sparse_embed``) gives :meth:`encode`'s
-        outputs of its default task, as ``SparseEncoder.encode_query`` gives sparse vectors."""
+        model whose default task is another embedding (a SPLADE folder's ``sparse_embed``) gives
+        :meth:`encode`'s outputs of it, as ``SparseEncoder.encode_query`` gives sparse vectors; a
+        classifier or cross-encoder is refused, as :meth:`embed` refuses it."""
         return self._encode_as("query", texts, options)
 
     def encode_document(self, texts: PromptInput | Sequence[PromptInput], **options: Any) -> np.ndarray | list[Result]:
@@ -237,9 +238,11 @@ class Runtime:
 
     def _encode_as(self, role: str, texts: PromptInput | Sequence[PromptInput],
                    options: dict[str, Any]) -> np.ndarray | list[Result]:
-        if "embed" in self.supported_tasks:
-            return self.embed(texts, **self._role_prompt(role, options))
-        return self.encode(texts, **self._role_prompt(role, options))
+        # Another embedding task (``sparse_embed``, ``token_embed``) as the default: its outputs;
+        # a classifier's or a cross-encoder's: embed's error naming what the model serves.
+        if "embed" not in self.supported_tasks and self.task.endswith("embed"):
+            return self.encode(texts, **self._role_prompt(role, options))
+        return self.embed(texts, **self._role_prompt(role, options))
 
     def _role_prompt(self, role: str, options: dict[str, Any]) -> dict[str, Any]:
         if options.get("prompt") is not None or options.get("prompt_name") is not None:

@@ -125,3 +125,16 @@ def test_a_flat_token_id_list_is_one_input(runtime, st_model):
     assert cosine_rows(vector[None], st_model.encode([QUERIES[0]])).min() >= MIN_COSINE
     assert len(runtime.encode(ids)) == 1 and runtime.embed([ids, ids]).shape == (2, 384)
     assert runtime.embed(tuple(np.array(ids))).shape == (384,)  # numpy integers too
+
+
+def test_encode_query_on_a_cross_encoder_is_refused_as_embed_is(minilm_classifier_folder, classifier_runtime):
+    """A cross-encoder embeds nothing (sentence-transformers' CrossEncoder has no encode_query):
+    refused with embed's error, not answered with one text's score."""
+    runtime = classifier_runtime(minilm_classifier_folder(1))
+    for call in (runtime.encode_query, runtime.encode_document):
+        with pytest.raises(InvalidRequestError) as by_role:
+            call(["a query"])
+        with pytest.raises(InvalidRequestError) as plain:
+            runtime.embed(["a query"])
+        assert str(by_role.value) == str(plain.value)
+    assert runtime.score("a query", ["a document"]).shape == (1,)
