@@ -42,7 +42,7 @@ async def rerank(body: p.RerankRequest, request: Request, served: Served,
     infinity's (``documents`` with ``raw_scores``) infinity's answer. The plugins' request options
     (BGE-M3's weights) are body fields."""
     api = body.api()
-    if api == "tei":  # TEI's errors too, and its model rule (tei.answering)
+    if api == "tei":  # TEI's errors too, and its model rule (tei.named)
         return await in_tei_shape(request, tei_rerank(served, body, request))
     service = served.pick(body.model, "score")
     if api == "infinity":  # a Response: no other union member may take its fields
