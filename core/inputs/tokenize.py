@@ -455,7 +455,6 @@ class InputProcessor:
         limit = self.model_config.max_model_len
         if not ids:
             raise InvalidRequestError(f"input {index} is empty: it has no tokens to pool", param="input")
-
         if keep is not None and len(ids) > keep:
             raise InvalidRequestError(
                 f"input {index} still has {len(ids)} tokens after truncation to {keep} (the tokenizer of "

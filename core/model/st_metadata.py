@@ -325,8 +325,7 @@ def read_claimed_folder_settings(folder: Path) -> ClaimedFolderSettings:
     max_seq_length, lowercase = None, False
     if (modules and all(module.type.startswith(_MODULE_PREFIX) for module in modules)
             and _module_kind(modules[0].type).endswith("Transformer")):
-        transformer_file, transformer = _transformer_config(modules[0].path)
-        _check_keys(transformer_file, transformer, _TRANSFORMER_KEYS, strict=True)
+        _, transformer = _transformer_config(modules[0].path)
         max_seq_length, lowercase = transformer.get("max_seq_length"), bool(transformer.get("do_lower_case"))
     return ClaimedFolderSettings(prompts, default_prompt_name, max_seq_length, lowercase)
 
@@ -405,7 +404,6 @@ def _transformer_settings(folder: Path, model_type: str, kind: str = "Transforme
     :raises ModelLoadError: naming the file, the key and the value.
     """
     config_file, config = _transformer_config(folder)
-    _check_keys(config_file, config, _TRANSFORMER_KEYS, strict=True)
     task = _MODEL_TYPES[model_type]
     given = config.get("transformer_task", "feature-extraction")
     if given != task:
@@ -423,10 +421,15 @@ def _transformer_settings(folder: Path, model_type: str, kind: str = "Transforme
 
 def _transformer_config(folder: Path) -> tuple[Path, dict[str, Any]]:
     """The Transformer module's config file and its settings: the first file of
-    :data:`_TRANSFORMER_CONFIG_FILES` with any setting, as sentence-transformers picks it."""
+    :data:`_TRANSFORMER_CONFIG_FILES` with any setting, as sentence-transformers picks it, its
+    keys checked against :data:`_TRANSFORMER_KEYS`.
+
+    :raises ModelLoadError: naming the file, the key and the value.
+    """
     for name in _TRANSFORMER_CONFIG_FILES:
         config = _read_object(folder / name, optional=True)
         if config:
+            _check_keys(folder / name, config, _TRANSFORMER_KEYS, strict=True)
             return folder / name, config
     return folder / _TRANSFORMER_CONFIG_FILES[0], {}
 

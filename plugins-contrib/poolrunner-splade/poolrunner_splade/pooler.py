@@ -11,6 +11,7 @@ attention mask is implicit.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -80,7 +81,13 @@ def encoder_settings(model_config: ModelConfig) -> tuple[str, int | None]:
         (``euclidean``, ``manhattan``), or a ``max_active_dims`` that is not a positive integer.
     """
     config_file = Path(model_config.path) / "config_sentence_transformers.json"
-    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    # read once per version of the file: every score request asks for the similarity
+    return _encoder_settings(config_file, config_file.stat().st_mtime_ns if config_file.is_file() else None)
+
+
+@functools.lru_cache(maxsize=32)
+def _encoder_settings(config_file: Path, version: int | None) -> tuple[str, int | None]:
+    config = json.loads(config_file.read_text(encoding="utf-8")) if version is not None else {}
     similarity = config.get("similarity_fn_name") or "dot"
     if similarity not in SIMILARITIES:
         raise ModelLoadError(f"{config_file}: similarity_fn_name {similarity!r} is not served by the splade plugin, "
