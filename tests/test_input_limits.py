@@ -47,6 +47,20 @@ def test_text_over_the_limit_is_refused_by_index_and_length_then_the_runtime_ser
     assert runtime.embed(text[:LIMIT], truncate_prompt_tokens=-1).shape == (384,)  # at the limit: read
 
 
+def test_truncation_is_not_advised_for_a_text_it_could_not_cut(runtime, assert_serves):
+    """No space in the part truncation would read: pointing to truncate_prompt_tokens would only
+    lead to a second refusal."""
+    text = "The cat. " + " " * 9000
+    with pytest.raises(InvalidRequestError) as error:
+        runtime.embed(text)
+    assert str(error.value) == _message(0, 9009, "shorten it or raise the limit: truncation would not help, as its "
+                                                 "first 8192 characters have no space between words at which it "
+                                                 "could be cut")
+    with pytest.raises(InvalidRequestError, match="no space between words at which 256 tokens can be cut exactly"):
+        runtime.embed(text, truncate_prompt_tokens=-1)
+    assert_serves(runtime)
+
+
 def test_truncated_text_over_the_limit_is_read_in_a_window(runtime, lee_docs, assert_serves):
     long = " ".join(lee_docs) * 10  # about 330 KB
     vector = runtime.embed(long, truncate_prompt_tokens=-1)

@@ -341,7 +341,8 @@ class InputProcessor:
         found = {index: ids for index, (_, ids) in windows.items()}
         whole = {index: text for index, text in texts.items() if index not in found}
         for index, text in whole.items():
-            self.check_chars(text, f"input {index}", self._advice(keep, side))
+            if len(text) > self.max_input_chars:
+                self.check_chars(text, f"input {index}", self._advice(text, keep, side))
         rows = self._encode([prefix + text for text in whole.values()], keep, side, add_special_tokens)
         found.update(zip(whole, (ids for ids, _ in rows), strict=True))
         return found
@@ -363,17 +364,20 @@ class InputProcessor:
                     found[index] = window.text, ids
         return found
 
-    def _advice(self, keep: int | None, side: TruncationSide) -> str:
-        """What to do about a text over ``max_input_chars`` read whole (:meth:`check_chars`)."""
-        if keep is None and self.cuttable:
-            return "shorten it, or pass truncate_prompt_tokens to read only the part kept"
-        if keep is None:
-            return "shorten it"
+    def _advice(self, text: str, keep: int | None, side: TruncationSide) -> str:
+        """What to do about ``text``, over ``max_input_chars`` and read whole (:meth:`check_chars`):
+        truncation is advised only where it could read a window of the text."""
         if not self.cuttable:
-            return f"shorten it (the tokenizer of {self.model_config.name} reads whole texts, even to truncate them)"
+            return "shorten it" if keep is None else (
+                f"shorten it (the tokenizer of {self.model_config.name} reads whole texts, even to truncate them)")
         part = "first" if side == "right" else "last"
-        return (f"shorten it or raise the limit: truncating reads only its {part} {self.max_input_chars} "
-                f"characters, and they have no space between words at which {keep} tokens can be cut exactly")
+        if keep is not None:
+            return (f"shorten it or raise the limit: truncating reads only its {part} {self.max_input_chars} "
+                    f"characters, and they have no space between words at which {keep} tokens can be cut exactly")
+        if cutting.cut(text, self.max_input_chars, side, ideographs=self.cut_at_ideographs) is not None:
+            return "shorten it, or pass truncate_prompt_tokens to read only the part kept"
+        return (f"shorten it or raise the limit: truncation would not help, as its {part} {self.max_input_chars} "
+                "characters have no space between words at which it could be cut")
 
     def _encode(self, texts: list[str], keep: int | None, side: TruncationSide, add_special_tokens: bool, *,
                 spans: bool = False) -> list[tuple[tuple[int, ...], dict[str, Any]]]:

@@ -485,7 +485,8 @@ class RerankRequest(_Request):
 
     query: json_inputs(StrictStr)  # the core's check: `query must be a string, got None`
     documents: RerankDocuments = None
-    top_n: StrictInt | None = Field(default=None, description="Keep the best top_n; 0 or none: all (vLLM's 0).")
+    top_n: StrictInt | None = Field(default=None, description="Keep the best top_n; 0 or none: all (vLLM's 0; "
+                                                              "infinity's body takes no 0).")
     return_documents: StrictBool | None = Field(
         default=None, description="Default true: each result carries its document (vLLM always, Jina by default); "
                                   "false leaves them out (Cohere v1's default).")
@@ -571,12 +572,13 @@ class RerankRequest(_Request):
         ``raw_scores`` / ``use_activation: false`` skip it."""
         if isinstance(documents, list):
             documents = [d.text if isinstance(d, RerankDocumentInput) else d for d in documents]
-        # vLLM's schema sends 0 for "all" and "whole documents"; infinity's body answers no
+        # vLLM's schema sends 0 for "all" and "whole documents" (infinity's top_n must be positive,
+        # so its 0 goes on to the core's check); infinity's body answers no
         # documents unless asked, the others (vLLM's, Jina's) answer them unless told not to.
         infinity = self.raw_scores is not None
         return_documents = bool(self.return_documents) if infinity else self.return_documents is not False
         return fr.RerankRequest(
-            query=self.query, documents=documents, top_n=_none_for_zero(self.top_n),
+            query=self.query, documents=documents, top_n=self.top_n if infinity else _none_for_zero(self.top_n),
             return_documents=return_documents, max_tokens_per_doc=_none_for_zero(self.max_tokens_per_doc),
             use_activation=False if self.raw_scores else self.use_activation,
             activation="labels" if infinity else "model", options=self.plugin_options(),

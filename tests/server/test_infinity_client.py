@@ -51,14 +51,17 @@ def test_embeddings_with_the_client_defaults(served):
 
 
 def test_rerank_with_the_client_defaults_and_every_field(served):
-    client, _, runtimes = served
+    client, url, runtimes = served
     cross = runtimes["reranker"]
     plain = _parsed(rerank.sync_detailed(client=client, body=RerankInput(query=QUERY, documents=DOCUMENTS)))
     offline = cross.rerank(QUERY, DOCUMENTS)
     assert plain.model == "reranker" and plain.object_ == "rerank"
     assert [r.index for r in plain.results] == [r.index for r in offline]
     np.testing.assert_allclose([r.relevance_score for r in plain.results], [r.score for r in offline], atol=1e-6)
-    assert all("document" not in r.to_dict() for r in plain.results)  # as infinity: no text unless asked
+    assert all(r.document is None for r in plain.results)  # as infinity: no text unless asked
+    body = {"query": QUERY, "documents": DOCUMENTS, "raw_scores": False}
+    results = httpx.post(f"{url}/rerank", json=body).json()["results"]
+    assert [r["document"] for r in results] == [None] * 4  # infinity's null
 
     body = RerankInput(query=QUERY, documents=DOCUMENTS, raw_scores=True, return_documents=True, top_n=2)
     raw = _parsed(rerank.sync_detailed(client=client, body=body))
@@ -100,6 +103,9 @@ def test_models_in_infinity_shape(served):
      "model all-MiniLM-L6-v2 does not support Matryoshka dimensions (got dimensions=3): it answers all 384 "
      "dimensions; its config declares neither is_matryoshka nor matryoshka_dimensions; load it with "
      "is_matryoshka=True (--is-matryoshka on the command line and the server) to allow 1..384", "dimensions"),
+    # infinity's top_n is positive (vLLM's body reads 0 as all)
+    ("/rerank", {"query": QUERY, "documents": DOCUMENTS, "raw_scores": False, "top_n": 0},
+     "top_n must be a positive integer, got 0", "top_n"),
     # OpenAI's body keeps OpenAI's rule: 0 is no size (only infinity's body reads it as the full size)
     ("/embeddings", {"input": TEXTS, "dimensions": 0}, "dimensions must be a positive integer, got 0", "dimensions"),
 ])

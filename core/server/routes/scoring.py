@@ -45,8 +45,8 @@ async def rerank(body: p.RerankRequest, request: Request, served: Served,
     if api == "tei":  # TEI's errors too, and its model rule (tei.named)
         return await in_tei_shape(request, tei_rerank(served, body, request))
     service = served.pick(body.model, "score")
-    if api == "infinity":  # a Response: no other union member may take its fields
-        return JSONResponse((await infinity.rerank(service, body, request)).model_dump(exclude_none=True))
+    if api == "infinity":  # a Response: no other union member may take its fields; `document: null` kept
+        return JSONResponse((await infinity.rerank(service, body, request)).model_dump())
     return await _rerank(service, body, request, version)
 
 
