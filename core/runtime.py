@@ -293,9 +293,10 @@ class Runtime:
 
         Shapes per input: ``embed`` ``[d]``; ``classify`` ``[num_labels]``; ``token_embed``
         ``[num_tokens, hidden_size]`` (or ``[num_tokens, dimensions]``); ``token_classify``
-        ``[num_tokens, num_labels]``, or with STEP pooling ``[num_step_tags, num_columns]``;
-        ``embed&token_classify`` a dict ``{"embedding": [hidden_size], "token_weights":
-        [num_tokens]}``. Results are ragged and never stacked across inputs. Float outputs are
+        ``[num_tokens, num_labels]``, or with STEP pooling ``[num_step_tags, num_columns]``, or on
+        BGE-M3's ``sparse_linear.pt`` ``[n]`` token weights (a first BOS and a last EOS left out,
+        as vLLM's ``BgeM3EmbeddingModel``); ``embed&token_classify`` a dict ``{"embedding":
+        [hidden_size], "token_weights": [n]}``. Results are ragged and never stacked across inputs. Float outputs are
         float32; integer ones (SPLADE's ``token_ids``) keep their dtype (int64).
 
         :param inputs: Texts, token-id lists, or ``(text, text_pair)`` pairs.

@@ -8,6 +8,7 @@ folders of ``make_decoder_folder``. Outputs are ragged: one array per input, nev
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 
@@ -313,7 +314,7 @@ def test_bge_m3_style_embedding_and_token_weights(bge_m3_folder, task_runtime, t
     rt = task_runtime(bge_m3_folder)
     log = poolrunner_step_recorder(rt)
     assert rt.task == "embed&token_classify"  # the first choice when the folder has the head
-    assert rt.model_config.model_tasks == {"embed", "token_embed", "embed&token_classify"}
+    assert rt.model_config.model_tasks == {"embed", "token_embed", "token_classify", "embed&token_classify"}
     ref = token_reference(bge_m3_folder)
     ids = ref.token_ids(MINILM_TEXTS)
     states = ref.rows(ids)
@@ -337,6 +338,40 @@ def test_bge_m3_style_embedding_and_token_weights(bge_m3_folder, task_runtime, t
     with pytest.raises(InvalidRequestError, match=r"^use_activation does not apply to task 'embed&token_classify'"):
         rt.encode(MINILM_TEXTS[:1], use_activation=False)
     assert not log.in_flight
+
+
+@pytest.fixture(scope="module")
+def bge_m3_ends_folder(bge_m3_folder, tmp_path_factory):
+    """``bge_m3_folder`` whose config names [CLS] and [SEP] its BOS and EOS, as XLM-RoBERTa's
+    (BGE-M3's backbone) names <s> and </s>."""
+    folder = tmp_path_factory.mktemp("bge_m3_ends")
+    shutil.copytree(bge_m3_folder, folder, dirs_exist_ok=True, symlinks=True)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "bos_token_id": 101, "eos_token_id": 102}))
+    return folder
+
+
+def test_bge_m3_token_weights_leave_out_the_bos_and_eos_as_vllm(bge_m3_ends_folder, task_runtime, token_reference):
+    """vLLM's BgeM3EmbeddingModel: ``token_classify`` is relu(sparse_linear(h)) of every token but a
+    first BOS and a last EOS (config ids), ``[n]``; ``embed&token_classify`` pairs the same weights
+    with the dense vector."""
+    rt = task_runtime(bge_m3_ends_folder)
+    ref = token_reference(bge_m3_ends_folder)
+    linear = torch.nn.Linear(384, 1).double()
+    linear.load_state_dict(torch.load(bge_m3_ends_folder / "sparse_linear.pt", weights_only=True))
+    ids = ref.token_ids(MINILM_TEXTS) + [[101, 7592, 2088], [7592, 2088, 102], [101, 102], [101]]
+    prompts = [*MINILM_TEXTS, *ids[len(MINILM_TEXTS):]]
+    with torch.no_grad():
+        logits = [linear(torch.from_numpy(hidden)).squeeze(-1).numpy() for hidden in ref.rows(ids)]
+    inner = [row[int(t[0] == 101):len(t) - int(len(t) > 1 and t[-1] == 102)]
+             for row, t in zip(logits, ids, strict=True)]
+    assert [len(row) for row in inner[-4:]] == [2, 2, 0, 0]
+    for got, want in zip(rt.encode(prompts, task="token_classify"), inner, strict=True):
+        assert got.shape == want.shape and max_dev(got, np.maximum(want, 0)) <= 1e-5
+    for got, want in zip(rt.encode(prompts, task="token_classify", use_activation=False), inner, strict=True):
+        assert max_dev(got, want) <= 1e-5  # no ReLU
+    for got, want in zip(rt.encode(prompts, task="embed&token_classify"), inner, strict=True):
+        assert max_dev(got["token_weights"], np.maximum(want, 0)) <= 1e-5
 
 
 # --------------------------------------------------------------------------- ragged, batch-independent

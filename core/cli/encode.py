@@ -47,8 +47,9 @@ results per input (float32 unless said otherwise):
   classify              [num_labels]              probabilities (or --raw-logits)
   token_embed           [num_tokens, hidden]      one vector per token
   token_classify        [num_tokens, num_labels]  per-token probabilities; with
-                        --step-tag-id only the rows of that token ([num_tags, n])
-  embed&token_classify  {"embedding": [hidden], "token_weights": [num_tokens]}
+                        --step-tag-id only the rows of that token ([num_tags, n]);
+                        BGE-M3's sparse_linear.pt: [n] weights, BOS and EOS left out
+  embed&token_classify  {"embedding": [hidden], "token_weights": [n]}
   a plugin's task       as the plugin says, e.g. sparse_embed (poolrunner-splade):
                         {"token_ids": [k] int64, "weights": [k]}
 

@@ -347,8 +347,9 @@ def _select(metadata: PoolingMetadata, members: list[int]) -> tuple[torch.Tensor
     )
 
 
-_RANKS = {"embed": 1, "classify": 1, "token_embed": 2, "token_classify": 2}
-"""The rank of one request's result of the built-in tasks that have one tensor per request."""
+_RANKS = {"embed": {1}, "classify": {1}, "token_embed": {2}, "token_classify": {1, 2}}
+"""The ranks one request's result may have, for the built-in tasks with one tensor per request
+(``token_classify``: ``[num_tokens, num_labels]``, or BGE-M3's ``[n]`` token weights)."""
 
 
 def _check_output(task: PoolingTask, pooler: Pooler, output: PoolerOutput, count: int) -> None:
@@ -364,16 +365,17 @@ def _check_output(task: PoolingTask, pooler: Pooler, output: PoolerOutput, count
     if results != count:
         raise PoolerOutputError(f"{_who(task, pooler)} returned {results} result{'s' * (results != 1)} for {count} "
                                 f"request{'s' * (count != 1)}; a pooler returns one result per request (PoolerOutput)")
-    rank = _RANKS.get(task)
-    if rank is None:
+    allowed = _RANKS.get(task)
+    if allowed is None:
         return
     tensor = isinstance(output, torch.Tensor)
     ranks = {output.dim() - 1} if tensor else {r.dim() if isinstance(r, torch.Tensor) else -1 for r in output}
-    if ranks != {rank}:
+    if len(ranks) != 1 or not ranks <= allowed:
         shapes = f"a tensor of shape {list(output.shape)}" if tensor else "results of shapes " + ", ".join(
             str(list(r.shape)) if isinstance(r, torch.Tensor) else type(r).__name__ for r in output[:3])
+        dimensions = " or ".join(map(str, sorted(allowed)))
         raise PoolerOutputError(f"{_who(task, pooler)} returned {shapes}; each request's {task} result is a tensor "
-                                f"of {rank} dimension{'s' * (rank > 1)}")
+                                f"of {dimensions} dimension{'s' * (max(allowed) > 1)}")
 
 
 def _who(task: PoolingTask, pooler: Pooler) -> str:

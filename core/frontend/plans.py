@@ -54,7 +54,8 @@ A = TypeVar("A")
 
 TASK_NEEDS: dict[str, str] = {
     "classify": "a classification head: a *ForSequenceClassification folder",
-    "token_classify": "a token classification head: a *ForTokenClassification folder",
+    "token_classify": "a token classification head: a *ForTokenClassification folder, or BGE-M3's "
+                      "sparse_linear.pt beside a backbone",
 }
 """What a folder lacks when no plugin serves these tasks for it, for the refusal's text."""
 

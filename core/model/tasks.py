@@ -21,7 +21,8 @@ def model_tasks(architecture: str, folder: Path) -> frozenset[PoolingTask]:
 
     A classification head yields labels (per sequence or per token); any other model
     (a bare backbone, a causal or masked LM) yields hidden states to embed, and with a
-    BGE-M3 token-weight head (``sparse_linear.pt``) also ``embed&token_classify``.
+    BGE-M3 token-weight head (``sparse_linear.pt``) also ``token_classify`` (its weights) and
+    ``embed&token_classify``, as vLLM's ``BgeM3EmbeddingModel`` serves them.
     """
     if architecture.endswith("ForSequenceClassification"):
         return frozenset({"classify"})
@@ -29,7 +30,7 @@ def model_tasks(architecture: str, folder: Path) -> frozenset[PoolingTask]:
         return frozenset({"token_classify"})
     tasks: set[PoolingTask] = {"embed", "token_embed"}
     if token_weight_head(folder) is not None:
-        tasks.add("embed&token_classify")
+        tasks |= {"token_classify", "embed&token_classify"}
     return frozenset(tasks)
 
 

@@ -50,13 +50,15 @@ def builtin_output_spec(task: PoolingTask, model_config: ModelConfig, num_tokens
     :raises NotImplementedError: for a plugin-declared task.
     """
     labels = len(model_config.labels)
+    token_weights = ((None,), "float32")  # BGE-M3's: every token but a BOS and an EOS
+    token_head = model_config.architecture.endswith("ForTokenClassification")
     specs: dict[str, OutputSpec] = {
         "embed": ((model_config.embedding_size,), "float32"),
         "classify": ((labels,), "float32"),
         "token_embed": ((num_tokens, model_config.hidden_size), "float32"),
-        "token_classify": ((num_tokens, labels), "float32"),
+        "token_classify": ((num_tokens, labels), "float32") if token_head else token_weights,
         "embed&token_classify": {"embedding": ((model_config.hidden_size,), "float32"),
-                                 "token_weights": ((num_tokens,), "float32")},
+                                 "token_weights": token_weights},
     }
     if task not in specs:
         raise NotImplementedError(

@@ -22,10 +22,12 @@ def supported_tasks() -> frozenset[PoolingTask]:
 
 @hookimpl(trylast=True)  # a built-in default: any third-party pooler wins
 def get_pooler(model_config: ModelConfig, task: PoolingTask, model: nn.Module) -> Pooler | None:
-    from .poolers import EmbedTokenClassifyPooler, TokenClassifierPooler, TokenEmbedPooler
+    from .poolers import EmbedTokenClassifyPooler, TokenClassifierPooler, TokenEmbedPooler, TokenWeightsPooler
 
     if task == "token_embed":
         return TokenEmbedPooler(model_config)
+    if task == "token_classify" and not model_config.architecture.endswith("ForTokenClassification"):
+        return TokenWeightsPooler.from_model_config(model_config)  # BGE-M3's sparse_linear.pt
     if task == "token_classify":
         return TokenClassifierPooler(model_config, model)
     if task == "embed&token_classify":

@@ -111,22 +111,23 @@ class TokenClassifierPooler(Pooler):
         return outputs
 
 
-class EmbedTokenClassifyPooler(Pooler):
-    """``embed&token_classify`` (BGE-M3): a dense vector and a weight per token, in one pass.
+class TokenWeights(nn.Module):
+    """BGE-M3's token weights: ``sparse_linear(hidden_state)`` per token, from the folder's
+    ``sparse_linear.pt`` (a ``Linear(hidden_size, 1)``), with vLLM's ``BgeM3EmbeddingModel`` rule
+    for the ends: the first row is dropped when the prompt starts with the config's
+    ``bos_token_id``, the last when it ends with its ``eos_token_id`` (so a prompt truncated
+    before its EOS keeps its last row)."""
 
-    ``embedding``: the CLS hidden state, L2-normalized (unless ``normalize=False``), ``[hidden]``.
-    ``token_weights``: ``relu(sparse_linear(hidden_state))`` per token, ``[num_tokens]``, from
-    the folder's ``sparse_linear.pt``, as BGE-M3's reference implementation computes them.
-    """
-
-    accepted_params = frozenset({"normalize"})
-
-    def __init__(self, sparse_linear: nn.Linear) -> None:
+    def __init__(self, sparse_linear: nn.Linear, bos_token_id: object, eos_token_id: object) -> None:
         super().__init__()
         self.sparse_linear = sparse_linear
+        self.bos_token_id = bos_token_id  # compared as vLLM does: an int, or never (None, a list)
+        self.eos_token_id = eos_token_id
 
     @classmethod
-    def from_model_config(cls, model_config: ModelConfig) -> EmbedTokenClassifyPooler:
+    def from_model_config(cls, model_config: ModelConfig) -> TokenWeights:
+        """:raises ModelLoadError: when the folder has no ``sparse_linear.pt``, or it is not a
+        ``Linear(hidden_size, 1)`` state dict."""
         path = model_config.token_weight_head
         if path is None:
             raise ModelLoadError(f"model {model_config.name} has no token-weight head (sparse_linear.pt)")
@@ -136,7 +137,64 @@ class EmbedTokenClassifyPooler(Pooler):
             linear.load_state_dict({key: value.float() for key, value in state.items()})
         except (RuntimeError, AttributeError) as exc:
             raise ModelLoadError(f"{path}: expected a Linear({model_config.hidden_size}, 1) state dict: {exc}") from exc
-        return cls(linear)
+        config = model_config.hf_config
+        return cls(linear, config.get("bos_token_id"), config.get("eos_token_id"))
+
+    def forward(self, hidden: torch.Tensor, metadata: PoolingMetadata) -> list[torch.Tensor]:
+        """``[num_tokens, hidden_size]`` float32 -> per request its ``[n]`` float32 weights,
+        before any activation."""
+        weights = split_requests(self.sparse_linear(hidden).squeeze(-1), metadata)
+        token_ids = split_requests(metadata.prompt_token_ids, metadata)
+        return [self._inner(rows, ids.tolist()) for rows, ids in zip(weights, token_ids, strict=True)]
+
+    def _inner(self, rows: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        start = 1 if ids and ids[0] == self.bos_token_id else 0
+        stop = len(ids) - 1 if len(ids) > start and ids[-1] == self.eos_token_id else len(ids)
+        return rows[start:stop]
+
+
+class TokenWeightsPooler(Pooler):
+    """``token_classify`` on a backbone with BGE-M3's ``sparse_linear.pt`` (vLLM's
+    ``BgeM3EmbeddingModel``): ``relu(sparse_linear(hidden_state))`` per token but the BOS and
+    EOS (:class:`TokenWeights`), ``[n]`` float32; ``use_activation=False`` skips the ReLU."""
+
+    accepted_params = frozenset({"use_activation"})
+
+    def __init__(self, weights: TokenWeights) -> None:
+        super().__init__()
+        self.weights = weights
+
+    @classmethod
+    def from_model_config(cls, model_config: ModelConfig) -> TokenWeightsPooler:
+        return cls(TokenWeights.from_model_config(model_config))
+
+    def get_supported_tasks(self) -> frozenset[PoolingTask]:
+        return frozenset({"token_classify"})
+
+    def forward(self, hidden_states: torch.Tensor, metadata: PoolingMetadata) -> PoolerOutput:
+        rows = self.weights(hidden_states.float(), metadata)
+        return [weights if params.use_activation is False else torch.relu(weights)
+                for weights, params in zip(rows, metadata.pooling_params, strict=True)]
+
+
+class EmbedTokenClassifyPooler(Pooler):
+    """``embed&token_classify`` (BGE-M3): a dense vector and a weight per token, in one pass,
+    as vLLM's ``BgeM3EmbeddingModel`` pairs its ``embed`` and ``token_classify``.
+
+    ``embedding``: the CLS hidden state, L2-normalized (unless ``normalize=False``), ``[hidden]``.
+    ``token_weights``: ``relu(sparse_linear(hidden_state))`` per token but the BOS and EOS
+    (:class:`TokenWeights`), ``[n]`` float32.
+    """
+
+    accepted_params = frozenset({"normalize"})
+
+    def __init__(self, weights: TokenWeights) -> None:
+        super().__init__()
+        self.weights = weights
+
+    @classmethod
+    def from_model_config(cls, model_config: ModelConfig) -> EmbedTokenClassifyPooler:
+        return cls(TokenWeights.from_model_config(model_config))
 
     def get_supported_tasks(self) -> frozenset[PoolingTask]:
         return frozenset({"embed&token_classify"})
@@ -144,11 +202,10 @@ class EmbedTokenClassifyPooler(Pooler):
     def forward(self, hidden_states: torch.Tensor, metadata: PoolingMetadata) -> PoolerOutput:
         hidden = hidden_states.float()
         dense = hidden[metadata.query_start_loc[:-1]]
-        weights = torch.relu(self.sparse_linear(hidden)).squeeze(-1)
         return [
             {"embedding": F.normalize(vector, dim=-1) if params.normalize is not False else vector,
-             "token_weights": token_weights}
+             "token_weights": torch.relu(token_weights)}
             for vector, token_weights, params in zip(
-                dense, split_requests(weights, metadata), metadata.pooling_params, strict=True
+                dense, self.weights(hidden, metadata), metadata.pooling_params, strict=True
             )
         ]

@@ -127,7 +127,7 @@ POOLER = f"{FirstPooler.__module__}.FirstPooler"
 def test_a_pooler_output_that_breaks_the_contract_is_refused_naming_the_pooler(folder, mode, message, monkeypatch):
     from poolrunner.core.engine import runner
 
-    monkeypatch.setitem(runner._RANKS, TASK, 1)  # as the built-in embed: one vector a request
+    monkeypatch.setitem(runner._RANKS, TASK, {1})  # as the built-in embed: one vector a request
     runtime = _runtime(folder, FirstPlugin(mode))
     with pytest.raises(PoolerOutputError) as caught:
         runtime.encode(TEXTS, task=TASK)

@@ -219,6 +219,11 @@ BAD_REQUESTS = [
      "this model serves tasks ['embed', 'token_embed'], not 'classify': no installed plugin serves 'classify' "
      "for BertModel with this folder's files (it needs a classification head: a *ForSequenceClassification "
      "folder); `poolrunner plugins --all` lists what each plugin serves"),
+    ("token task not served", "/pooling", {"input": "a", "task": "token_classify"},
+     "this model serves tasks ['embed', 'token_embed'], not 'token_classify': no installed plugin serves "
+     "'token_classify' for BertModel with this folder's files (it needs a token classification head: a "
+     "*ForTokenClassification folder, or BGE-M3's sparse_linear.pt beside a backbone); `poolrunner plugins --all` "
+     "lists what each plugin serves"),
     ("unsupported dimensions", "/v1/embeddings", {"input": "a", "dimensions": 8},
      "does not support Matryoshka dimensions"),
     ("zero dimensions", "/v1/embeddings", {"input": "a", "dimensions": 0}, "dimensions must be a positive integer"),
