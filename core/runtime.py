@@ -296,8 +296,9 @@ class Runtime:
         ``[num_tokens, num_labels]``, or with STEP pooling ``[num_step_tags, num_columns]``, or on
         BGE-M3's ``sparse_linear.pt`` ``[n]`` token weights (a first BOS and a last EOS left out,
         as vLLM's ``BgeM3EmbeddingModel``); ``embed&token_classify`` a dict ``{"embedding":
-        [hidden_size], "token_weights": [n]}``. Results are ragged and never stacked across inputs. Float outputs are
-        float32; integer ones (SPLADE's ``token_ids``) keep their dtype (int64).
+        [hidden_size], "token_weights": [n]}``. Results are ragged and never stacked across
+        inputs. Float outputs are float32; integer ones (SPLADE's ``token_ids``) keep their dtype
+        (int64).
 
         :param inputs: Texts, token-id lists, or ``(text, text_pair)`` pairs.
         :param task: One of :attr:`supported_tasks`; ``None`` is the runtime's default task.

@@ -7,6 +7,8 @@ hidden states.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -144,8 +146,9 @@ class TokenWeights(nn.Module):
         """``[num_tokens, hidden_size]`` float32 -> per request its ``[n]`` float32 weights,
         before any activation."""
         weights = split_requests(self.sparse_linear(hidden).squeeze(-1), metadata)
-        token_ids = split_requests(metadata.prompt_token_ids, metadata)
-        return [self._inner(rows, ids.tolist()) for rows, ids in zip(weights, token_ids, strict=True)]
+        token_ids = metadata.prompt_token_ids.tolist()  # one copy to the host for the whole step
+        stops = list(itertools.accumulate(metadata.prompt_lens.tolist()))
+        return [self._inner(rows, token_ids[stop - len(rows):stop]) for rows, stop in zip(weights, stops, strict=True)]
 
     def _inner(self, rows: torch.Tensor, ids: list[int]) -> torch.Tensor:
         start = 1 if ids and ids[0] == self.bos_token_id else 0
