@@ -66,7 +66,15 @@ class PromptTooLongError(InvalidRequestError):
 
 
 class InputTooLongError(InvalidRequestError):
-    """A text input has more characters than ``max_input_chars``, checked before it is tokenized."""
+    """A text input has more characters than ``max_input_chars``, checked before it is tokenized.
+
+    :ivar truncation_helps: Truncating the text to the model maximum would read it (its advice
+        names truncation); a surface advising its own truncation field does so only then.
+    """
+
+    def __init__(self, message: str, *, param: str | None = None, truncation_helps: bool = False) -> None:
+        super().__init__(message, param=param)
+        self.truncation_helps = truncation_helps
 
 
 class TokenOutOfVocabularyError(InvalidRequestError):
@@ -114,6 +122,14 @@ class JobConflictError(PoolrunnerError):
 class ReplicaStartError(PoolrunnerError):
     """Ray Serve could not start the replicas (the model did not load in them, say); the message
     ends with the replica's own error."""
+
+
+def truncation_helps(error: Exception) -> bool:
+    """Whether truncation would read the input ``error`` refuses as too long: always for one
+    over the model's tokens, for one over ``max_input_chars`` where the core found so
+    (:attr:`InputTooLongError.truncation_helps`). A surface advises its own truncation field
+    only then."""
+    return isinstance(error, PromptTooLongError) or (isinstance(error, InputTooLongError) and error.truncation_helps)
 
 
 def with_advice(message: str, advice: str) -> str:

@@ -392,6 +392,13 @@ class ModelConfig:
     )
 
     @property
+    def token_classify_weights(self) -> bool:
+        """``token_classify`` answers BGE-M3's token weights, ``[n]`` a request: a backbone with a
+        :attr:`token_weight_head`, not a ``*ForTokenClassification`` head (``[num_tokens,
+        num_labels]``)."""
+        return self.token_weight_head is not None and not self.architecture.endswith("ForTokenClassification")
+
+    @property
     def pooling_modes(self) -> tuple[PoolingType, ...]:
         """The pooling types :attr:`pooling_type` concatenates, in order (one for a single type)."""
         return pooling_type_parts(self.pooling_type)  # type: ignore[return-value]  # validated

@@ -47,17 +47,23 @@ def test_text_over_the_limit_is_refused_by_index_and_length_then_the_runtime_ser
     assert runtime.embed(text[:LIMIT], truncate_prompt_tokens=-1).shape == (384,)  # at the limit: read
 
 
-def test_truncation_is_not_advised_for_a_text_it_could_not_cut(runtime, assert_serves):
-    """No space in the part truncation would read: pointing to truncate_prompt_tokens would only
-    lead to a second refusal."""
-    text = "The cat. " + " " * 9000
-    with pytest.raises(InvalidRequestError) as error:
-        runtime.embed(text)
-    assert str(error.value) == _message(0, 9009, "shorten it or raise the limit: truncation would not help, as its "
-                                                 "first 8192 characters have no space between words at which it "
-                                                 "could be cut")
-    with pytest.raises(InvalidRequestError, match="no space between words at which 256 tokens can be cut exactly"):
-        runtime.embed(text, truncate_prompt_tokens=-1)
+@pytest.mark.parametrize(("text", "side"), [
+    ("The cat. " + " " * 9000, "right"),
+    ("See the attached image: data:image/png;base64," + "iVBORw0KGgo" * 900, "right"),  # a few words, then none
+    ("x" * 9000 + " a b c d e f", "left"),
+])
+def test_truncation_is_not_advised_for_a_text_it_could_not_cut(runtime, text, side, assert_serves):
+    """No space in the part truncation would read at which the model's 256 tokens can be cut:
+    pointing to truncate_prompt_tokens would only lead to a second refusal."""
+    part = "first" if side == "right" else "last"
+    advice = (f"shorten it or raise the limit: truncating reads only its {part} 8192 characters, and they have no "
+              "space between words at which 256 tokens can be cut exactly")
+    with pytest.raises(InputTooLongError) as error:
+        runtime.embed(text, truncation_side=side)
+    assert (str(error.value), error.value.truncation_helps) == (_message(0, len(text), advice), False)
+    with pytest.raises(InputTooLongError) as error:
+        runtime.embed(text, truncation_side=side, truncate_prompt_tokens=-1)
+    assert str(error.value) == _message(0, len(text), advice)
     assert_serves(runtime)
 
 

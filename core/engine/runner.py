@@ -132,7 +132,7 @@ class ModelRunner:
         except Exception as exc:
             exc.add_note(f"raised while pooling task {task!r} with {_class_name(pooler)}")
             raise
-        _check_output(task, pooler, output, len(metadata.pooling_params))
+        _check_output(task, pooler, output, len(metadata.pooling_params), _rank(task, self.model_config))
         return output
 
     def forward(self, batch: InputBatch, finishing: list[bool]) -> torch.Tensor:
@@ -347,14 +347,20 @@ def _select(metadata: PoolingMetadata, members: list[int]) -> tuple[torch.Tensor
     )
 
 
-_RANKS = {"embed": {1}, "classify": {1}, "token_embed": {2}, "token_classify": {1, 2}}
-"""The ranks one request's result may have, for the built-in tasks with one tensor per request
-(``token_classify``: ``[num_tokens, num_labels]``, or BGE-M3's ``[n]`` token weights)."""
+_RANKS = {"embed": 1, "classify": 1, "token_embed": 2, "token_classify": 2}
+"""The rank of one request's result of the built-in tasks that have one tensor per request
+(``token_classify`` on BGE-M3's token weights: 1, :func:`_rank`)."""
 
 
-def _check_output(task: PoolingTask, pooler: Pooler, output: PoolerOutput, count: int) -> None:
-    """A pooler's output must hold one result per request (a tensor: one row each), of the
-    task's rank for the built-in tasks of :data:`_RANKS`.
+def _rank(task: PoolingTask, model_config: ModelConfig) -> int | None:
+    if task == "token_classify" and model_config.token_classify_weights:
+        return 1
+    return _RANKS.get(task)
+
+
+def _check_output(task: PoolingTask, pooler: Pooler, output: PoolerOutput, count: int, rank: int | None) -> None:
+    """A pooler's output must hold one result per request (a tensor: one row each), of ``rank``
+    (:func:`_rank`) where the task has one.
 
     :raises PoolerOutputError: naming the task, the pooler's class, and what it returned.
     """
@@ -365,17 +371,15 @@ def _check_output(task: PoolingTask, pooler: Pooler, output: PoolerOutput, count
     if results != count:
         raise PoolerOutputError(f"{_who(task, pooler)} returned {results} result{'s' * (results != 1)} for {count} "
                                 f"request{'s' * (count != 1)}; a pooler returns one result per request (PoolerOutput)")
-    allowed = _RANKS.get(task)
-    if allowed is None:
+    if rank is None:
         return
     tensor = isinstance(output, torch.Tensor)
     ranks = {output.dim() - 1} if tensor else {r.dim() if isinstance(r, torch.Tensor) else -1 for r in output}
-    if len(ranks) != 1 or not ranks <= allowed:
+    if ranks != {rank}:
         shapes = f"a tensor of shape {list(output.shape)}" if tensor else "results of shapes " + ", ".join(
             str(list(r.shape)) if isinstance(r, torch.Tensor) else type(r).__name__ for r in output[:3])
-        dimensions = " or ".join(map(str, sorted(allowed)))
         raise PoolerOutputError(f"{_who(task, pooler)} returned {shapes}; each request's {task} result is a tensor "
-                                f"of {dimensions} dimension{'s' * (max(allowed) > 1)}")
+                                f"of {rank} dimension{'s' * (rank > 1)}")
 
 
 def _who(task: PoolingTask, pooler: Pooler) -> str:

@@ -274,13 +274,14 @@ class InputProcessor:
                 f"model {self.model_config.name} embeds one token type (type_vocab_size 1), but its tokenizer marks "
                 "a pair's document as type 1, which transformers cannot embed: this model cannot score pairs")
 
-    def check_chars(self, text: str, where: str, advice: str = "shorten it") -> None:
-        """:raises InvalidRequestError: for ``text`` over ``max_input_chars`` characters, naming
+    def check_chars(self, text: str, where: str, advice: str = "shorten it", *, truncation_helps: bool = False) -> None:
+        """:raises InputTooLongError: for ``text`` over ``max_input_chars`` characters, naming
         ``where``, its length, the limit, its flag and ``advice``."""
         if len(text) > self.max_input_chars:
             raise InputTooLongError(
                 f"{where} has {len(text)} characters, more than the limit of {self.max_input_chars} per input "
-                f"(max_input_chars, the --max-input-chars flag); {advice}", param="input")
+                f"(max_input_chars, the --max-input-chars flag); {advice}", param="input",
+                truncation_helps=truncation_helps)
 
     def render_chat(
         self,
@@ -342,7 +343,8 @@ class InputProcessor:
         whole = {index: text for index, text in texts.items() if index not in found}
         for index, text in whole.items():
             if len(text) > self.max_input_chars:
-                self.check_chars(text, f"input {index}", self._advice(text, keep, side))
+                helps = keep is None and self._truncation_helps(text, prefix, side, add_special_tokens)
+                self.check_chars(text, f"input {index}", self._advice(keep, side, helps), truncation_helps=helps)
         rows = self._encode([prefix + text for text in whole.values()], keep, side, add_special_tokens)
         found.update(zip(whole, (ids for ids, _ in rows), strict=True))
         return found
@@ -364,20 +366,25 @@ class InputProcessor:
                     found[index] = window.text, ids
         return found
 
-    def _advice(self, text: str, keep: int | None, side: TruncationSide) -> str:
-        """What to do about ``text``, over ``max_input_chars`` and read whole (:meth:`check_chars`):
-        truncation is advised only where it could read a window of the text."""
+    def _truncation_helps(self, text: str, prefix: str, side: TruncationSide, add_special_tokens: bool) -> bool:
+        """Whether truncating ``text`` (over ``max_input_chars``) to the model maximum would read
+        it: its window proves exact (:meth:`_windowed`). Asked only of a text being refused."""
+        keep = self.model_config.max_model_len
+        return self.cuttable and bool(self._windowed({0: text}, prefix, keep, side, add_special_tokens))
+
+    def _advice(self, keep: int | None, side: TruncationSide, truncation_helps: bool) -> str:
+        """What to do about a text over ``max_input_chars`` read whole (:meth:`check_chars`):
+        truncation is advised only where :meth:`_truncation_helps` (it would otherwise lead to a
+        second refusal)."""
+        if truncation_helps:
+            return "shorten it, or pass truncate_prompt_tokens to read only the part kept"
         if not self.cuttable:
             return "shorten it" if keep is None else (
                 f"shorten it (the tokenizer of {self.model_config.name} reads whole texts, even to truncate them)")
         part = "first" if side == "right" else "last"
-        if keep is not None:
-            return (f"shorten it or raise the limit: truncating reads only its {part} {self.max_input_chars} "
-                    f"characters, and they have no space between words at which {keep} tokens can be cut exactly")
-        if cutting.cut(text, self.max_input_chars, side, ideographs=self.cut_at_ideographs) is not None:
-            return "shorten it, or pass truncate_prompt_tokens to read only the part kept"
-        return (f"shorten it or raise the limit: truncation would not help, as its {part} {self.max_input_chars} "
-                "characters have no space between words at which it could be cut")
+        tokens = keep if keep is not None else self.model_config.max_model_len
+        return (f"shorten it or raise the limit: truncating reads only its {part} {self.max_input_chars} "
+                f"characters, and they have no space between words at which {tokens} tokens can be cut exactly")
 
     def _encode(self, texts: list[str], keep: int | None, side: TruncationSide, add_special_tokens: bool, *,
                 spans: bool = False) -> list[tuple[tuple[int, ...], dict[str, Any]]]:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from fastapi import Request
 
-from poolrunner.core.errors import InputTooLongError, PromptTooLongError, with_advice
+from poolrunner.core.errors import InputTooLongError, PromptTooLongError, truncation_helps, with_advice
 from poolrunner.core.frontend import requests as fr
 from poolrunner.core.server import protocol as p
 from poolrunner.core.server import tei_protocol as t
@@ -114,8 +114,8 @@ async def answer(service: PoolingService, request: Request, frontend_request: fr
     try:
         result, _ = await service.answer(request, frontend_request)
     except (PromptTooLongError, InputTooLongError) as exc:
-        if frontend_request.tokenization.truncate_prompt_tokens is not None:
-            raise TeiError("Validation", str(exc)) from exc  # truncating already: the core's advice stands
+        if frontend_request.tokenization.truncate_prompt_tokens is not None or not truncation_helps(exc):
+            raise TeiError("Validation", str(exc)) from exc  # truncating already, or in vain: the core's advice
         # the core's advice names truncate_prompt_tokens, not TEI's field
         raise TeiError("Validation", with_advice(str(exc), 'shorten it or send "truncate": true')) from exc
     return result

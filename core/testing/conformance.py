@@ -51,12 +51,11 @@ def builtin_output_spec(task: PoolingTask, model_config: ModelConfig, num_tokens
     """
     labels = len(model_config.labels)
     token_weights = ((None,), "float32")  # BGE-M3's: every token but a BOS and an EOS
-    token_head = model_config.architecture.endswith("ForTokenClassification")
     specs: dict[str, OutputSpec] = {
         "embed": ((model_config.embedding_size,), "float32"),
         "classify": ((labels,), "float32"),
         "token_embed": ((num_tokens, model_config.hidden_size), "float32"),
-        "token_classify": ((num_tokens, labels), "float32") if token_head else token_weights,
+        "token_classify": token_weights if model_config.token_classify_weights else ((num_tokens, labels), "float32"),
         "embed&token_classify": {"embedding": ((model_config.hidden_size,), "float32"),
                                  "token_weights": token_weights},
     }

@@ -26,7 +26,7 @@ def get_pooler(model_config: ModelConfig, task: PoolingTask, model: nn.Module) -
 
     if task == "token_embed":
         return TokenEmbedPooler(model_config)
-    if task == "token_classify" and not model_config.architecture.endswith("ForTokenClassification"):
+    if task == "token_classify" and model_config.token_classify_weights:
         return TokenWeightsPooler.from_model_config(model_config)  # BGE-M3's sparse_linear.pt
     if task == "token_classify":
         return TokenClassifierPooler(model_config, model)

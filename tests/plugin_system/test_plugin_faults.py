@@ -20,6 +20,7 @@ from poolrunner.core import (
     PoolingMetadata,
     hookimpl,
 )
+from tests.helpers import assert_engine_empty
 
 TASK = "first_embed"
 TEXTS = ["a tiny sentence", "another one that is longer than the first", "the third one"]
@@ -127,7 +128,7 @@ POOLER = f"{FirstPooler.__module__}.FirstPooler"
 def test_a_pooler_output_that_breaks_the_contract_is_refused_naming_the_pooler(folder, mode, message, monkeypatch):
     from poolrunner.core.engine import runner
 
-    monkeypatch.setitem(runner._RANKS, TASK, {1})  # as the built-in embed: one vector a request
+    monkeypatch.setitem(runner._RANKS, TASK, 1)  # as the built-in embed: one vector a request
     runtime = _runtime(folder, FirstPlugin(mode))
     with pytest.raises(PoolerOutputError) as caught:
         runtime.encode(TEXTS, task=TASK)
@@ -142,3 +143,30 @@ def test_a_pooler_that_raises_is_noted_on_its_exception(folder):
     assert (str(caught.value), caught.value.__notes__) == (
         "pooling went wrong", [f"raised while pooling task {TASK!r} with {POOLER}"])
     _serves_embed(runtime)
+
+
+class FlatTokenPooler(Pooler):
+    """``token_classify`` as one number a token: the shape of BGE-M3's token weights, which a
+    ``*ForTokenClassification`` model's labels must not take."""
+
+    def get_supported_tasks(self) -> frozenset[str]:
+        return frozenset({"token_classify"})
+
+    def forward(self, hidden_states: torch.Tensor, metadata: PoolingMetadata) -> list[torch.Tensor]:
+        return list(torch.split(hidden_states.float()[:, 0], metadata.prompt_lens.tolist()))
+
+
+class FlatTokenPlugin:
+    @hookimpl
+    def get_pooler(self, task):
+        return FlatTokenPooler() if task == "token_classify" else None
+
+
+def test_token_labels_of_one_dimension_are_refused_where_the_model_has_a_label_head(poolrunner_tiny_model):
+    runtime = _runtime(poolrunner_tiny_model("BertForTokenClassification", num_labels=3), FlatTokenPlugin())
+    with pytest.raises(PoolerOutputError) as caught:
+        runtime.encode(TEXTS, task="token_classify")
+    assert str(caught.value) == (
+        f"the pooler of task 'token_classify' ({FlatTokenPooler.__module__}.FlatTokenPooler) returned results of "
+        "shapes [5], [10], [5]; each request's token_classify result is a tensor of 2 dimensions")
+    assert_engine_empty(runtime)  # the step's requests failed and left; nothing waits

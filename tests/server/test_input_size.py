@@ -35,6 +35,28 @@ def test_an_input_over_the_character_limit_is_a_400_then_the_server_serves(big_s
         assert client.post("/v1/embeddings", json={"input": SANITY_TEXT}).status_code == 200
 
 
+LIMIT_MESSAGE = "{where} has 9000 characters, more than the limit of 8192 per input (max_input_chars, the " \
+                "--max-input-chars flag); "
+NO_CUT = ("shorten it or raise the limit: truncating reads only its first 8192 characters, and they have no space "
+          "between words at which 256 tokens can be cut exactly")
+
+
+@pytest.mark.parametrize(("text", "cohere", "tei"), [
+    ("word " * 1800, 'shorten it or send "truncate": "END" (or "START")', 'shorten it or send "truncate": true'),
+    ("x" * 9000, NO_CUT, NO_CUT),  # truncating could not read it: the surfaces' own truncation is not advised
+])
+def test_surfaces_advise_their_truncation_only_where_it_would_read_the_text(big_server, text, cohere, tei):
+    with httpx.Client(base_url=big_server.url) as client:
+        answer = client.post("/v2/embed", json={"texts": [text[:9000]], "input_type": "search_document",
+                                                "embedding_types": ["float"], "truncate": "NONE"})
+        assert answer.status_code == 400
+        assert answer.json()["error"]["message"] == LIMIT_MESSAGE.format(where="texts[0]") + cohere
+        answer = client.post("/embed", json={"inputs": [text[:9000]], "truncate": False})
+        assert answer.status_code == 422
+        assert answer.json() == {"error": LIMIT_MESSAGE.format(where="input 0") + tei, "error_type": "Validation"}
+        assert client.post("/v1/embeddings", json={"input": SANITY_TEXT}).status_code == 200
+
+
 def test_a_15_mb_truncated_text_does_not_slow_other_requests(runtime, big_server, lee_docs):
     """Before, one such text held the tokenizer for 10-12 s (every other request waited) and took
     3.5 GB; now its window is read and small requests meanwhile answer as fast as alone."""

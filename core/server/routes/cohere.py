@@ -7,7 +7,7 @@ import re
 
 from fastapi import APIRouter, Request
 
-from poolrunner.core.errors import InputTooLongError, InvalidRequestError, PromptTooLongError, with_advice
+from poolrunner.core.errors import InvalidRequestError, truncation_helps, with_advice
 from poolrunner.core.server import cohere_protocol as c
 from poolrunner.core.server.errors import ApiError
 from poolrunner.core.server.routes.answers import answer_id
@@ -49,7 +49,7 @@ def _named(error: InvalidRequestError | ApiError, field: str, *, truncating: boo
         text = text.replace(f"{param}=", f"{_FIELDS[param]}=")
         text = _FIELDS[param] + text[len(param):] if text.startswith(f"{param} ") else text
         param = _FIELDS[param]
-    if isinstance(error, InputTooLongError | PromptTooLongError) and not truncating:
+    if truncation_helps(error) and not truncating:
         text = with_advice(text, 'shorten it or send "truncate": "END" (or "START")')
         return InvalidRequestError(text, param=param)  # not the server's advice of --truncate-prompt-tokens
     if isinstance(error, ApiError):
