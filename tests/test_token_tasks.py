@@ -335,8 +335,12 @@ def test_bge_m3_style_embedding_and_token_weights(bge_m3_folder, task_runtime, t
         assert max_dev(unnormalized["token_weights"], weights) <= 1e-5
     all_weights = np.concatenate([r["token_weights"] for r in out])
     assert (all_weights == 0).any() and (all_weights > 0.05).any(), "relu must both clip and pass"
-    with pytest.raises(InvalidRequestError, match=r"^use_activation does not apply to task 'embed&token_classify'"):
-        rt.encode(MINILM_TEXTS[:1], use_activation=False)
+    for result, hidden in zip(rt.encode(MINILM_TEXTS, use_activation=False), states, strict=True):
+        with torch.no_grad():  # vLLM's answer to this task: the CLS unnormalized, the weights before the ReLU
+            weights = linear(torch.from_numpy(hidden)).squeeze(-1).numpy()
+        assert max_dev(result["embedding"], hidden[0]) <= 1e-4 and max_dev(result["token_weights"], weights) <= 1e-5
+    [both] = rt.encode(MINILM_TEXTS[:1], use_activation=False, normalize=True)  # an explicit normalize wins
+    assert max_dev(both["embedding"], unit(states[0][0])) <= 1e-6 and (both["token_weights"] < 0).any()
     assert not log.in_flight
 
 

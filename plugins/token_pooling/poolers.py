@@ -186,10 +186,11 @@ class EmbedTokenClassifyPooler(Pooler):
 
     ``embedding``: the CLS hidden state, L2-normalized (unless ``normalize=False``), ``[hidden]``.
     ``token_weights``: ``relu(sparse_linear(hidden_state))`` per token but the BOS and EOS
-    (:class:`TokenWeights`), ``[n]`` float32.
+    (:class:`TokenWeights`), ``[n]`` float32. ``use_activation=False`` skips both the
+    normalization (an explicit ``normalize`` wins) and the ReLU: vLLM 0.32's answer to this task.
     """
 
-    accepted_params = frozenset({"normalize"})
+    accepted_params = frozenset({"normalize", "use_activation"})
 
     def __init__(self, weights: TokenWeights) -> None:
         super().__init__()
@@ -205,10 +206,11 @@ class EmbedTokenClassifyPooler(Pooler):
     def forward(self, hidden_states: torch.Tensor, metadata: PoolingMetadata) -> PoolerOutput:
         hidden = hidden_states.float()
         dense = hidden[metadata.query_start_loc[:-1]]
-        return [
-            {"embedding": F.normalize(vector, dim=-1) if params.normalize is not False else vector,
-             "token_weights": torch.relu(token_weights)}
-            for vector, token_weights, params in zip(
-                dense, self.weights(hidden, metadata), metadata.pooling_params, strict=True
-            )
-        ]
+        outputs = []
+        for vector, token_weights, params in zip(dense, self.weights(hidden, metadata), metadata.pooling_params,
+                                                 strict=True):
+            activate = params.use_activation is not False
+            normalize = params.normalize if params.normalize is not None else activate
+            outputs.append({"embedding": F.normalize(vector, dim=-1) if normalize else vector,
+                            "token_weights": torch.relu(token_weights) if activate else token_weights})
+        return outputs
