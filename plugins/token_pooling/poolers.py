@@ -8,6 +8,7 @@ hidden states.
 from __future__ import annotations
 
 import itertools
+from typing import Self
 
 import torch
 import torch.nn.functional as F
@@ -168,7 +169,7 @@ class TokenWeightsPooler(Pooler):
         self.weights = weights
 
     @classmethod
-    def from_model_config(cls, model_config: ModelConfig) -> TokenWeightsPooler:
+    def from_model_config(cls, model_config: ModelConfig) -> Self:
         return cls(TokenWeights.from_model_config(model_config))
 
     def get_supported_tasks(self) -> frozenset[PoolingTask]:
@@ -180,7 +181,7 @@ class TokenWeightsPooler(Pooler):
                 for weights, params in zip(rows, metadata.pooling_params, strict=True)]
 
 
-class EmbedTokenClassifyPooler(Pooler):
+class EmbedTokenClassifyPooler(TokenWeightsPooler):
     """``embed&token_classify`` (BGE-M3): a dense vector and a weight per token, in one pass,
     as vLLM's ``BgeM3EmbeddingModel`` pairs its ``embed`` and ``token_classify``.
 
@@ -191,14 +192,6 @@ class EmbedTokenClassifyPooler(Pooler):
     """
 
     accepted_params = frozenset({"normalize", "use_activation"})
-
-    def __init__(self, weights: TokenWeights) -> None:
-        super().__init__()
-        self.weights = weights
-
-    @classmethod
-    def from_model_config(cls, model_config: ModelConfig) -> EmbedTokenClassifyPooler:
-        return cls(TokenWeights.from_model_config(model_config))
 
     def get_supported_tasks(self) -> frozenset[PoolingTask]:
         return frozenset({"embed&token_classify"})
