@@ -83,6 +83,27 @@ def _lora_modules(value: Any) -> dict[str, str]:
     return modules
 
 
+def check_device(device: Any) -> None:
+    """``device`` must be ``auto`` or a torch device string that is here (``cuda`` only with a
+    CUDA device); checked where the model loads, before any weight is read (a Ray job's driver
+    names its workers' device, which it need not have).
+
+    :raises InvalidRequestError: naming the value and what would work.
+    """
+    if device == "auto":
+        return
+    import torch  # not at import: `poolrunner plugins` stays torch-free
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidRequestError(f"device {device!r} is not a torch device (try auto, cpu, cuda or cuda:0)",
+                                  param="device") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError(f"device {device!r} asks for CUDA, but no CUDA device is available; use cpu or auto",
+                                  param="device")
+
+
 def _upper(value: Any) -> Any:
     """A name in upper case (``"cls"`` -> ``"CLS"``, as TEI's ``--pooling cls`` is written); anything else as it is."""
     return value.upper() if isinstance(value, str) else value

@@ -388,11 +388,24 @@ def test_pooling_request_validators():
      r"^model '/nonexistent/poolrunner-model' is not a local model folder with a config\.json; poolrunner loads "
      r"only local folders and never downloads from a model hub$"),
     ({"model": "sentence-transformers/all-MiniLM-L6-v2"}, ModelLoadError, r"never downloads from a model hub"),
+    ({"device": "gpu0"}, InvalidRequestError,
+     r"^device 'gpu0' is not a torch device \(try auto, cpu, cuda or cuda:0\)$"),
 ])
 def test_invalid_runtime_arguments(runtime, assert_serves, kwargs, error, pattern):
     with pytest.raises(error) as excinfo:
         poolrunner.Runtime(**kwargs)
     assert re.search(pattern, str(excinfo.value)), str(excinfo.value)
+    assert_serves(runtime)
+
+
+def test_a_cuda_device_without_cuda_is_refused_before_loading(monkeypatch, assert_serves, runtime):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(InvalidRequestError) as caught:
+        poolrunner.Runtime(device="cuda:0")
+    assert (str(caught.value), caught.value.param) == (
+        "device 'cuda:0' asks for CUDA, but no CUDA device is available; use cpu or auto", "device")
     assert_serves(runtime)
 
 

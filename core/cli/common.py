@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
+from poolrunner.core import config
 from poolrunner.core.config import (
     COMPILE_MODES,
     DTYPES,
@@ -21,6 +22,7 @@ from poolrunner.core.config import (
     MAX_IMAGES_PER_REQUEST,
     MEDIA_FETCH_TIMEOUT,
 )
+from poolrunner.core.errors import InvalidRequestError
 from poolrunner.core.files import (
     DEFAULT_ID_FIELD,
     INPUT_FORMATS,
@@ -527,17 +529,12 @@ def load_model(args: argparse.Namespace, **options: Any) -> Any:
 
 
 def check_device(device: str) -> str:
-    """``device`` if torch knows it and it is there; ``auto`` passes as it is."""
-    if device == "auto":
-        return device
-    import torch
-
+    """``device`` if torch knows it and it is there (the runtime's own check,
+    :func:`poolrunner.core.config.check_device`); ``auto`` passes as it is."""
     try:
-        parsed = torch.device(device)
-    except RuntimeError:
-        raise CliError(f"--device {device!r} is not a torch device (try cpu, cuda or cuda:0)") from None
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise CliError(f"--device {device!r} asks for CUDA, but no CUDA device is available; use cpu")
+        config.check_device(device)
+    except InvalidRequestError as exc:
+        raise CliError(f"--{exc}") from None
     return device
 
 

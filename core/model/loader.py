@@ -11,6 +11,7 @@ import transformers
 from torch import nn
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from poolrunner.core.config import check_device
 from poolrunner.core.errors import ModelLoadError
 from poolrunner.core.kernels.attention import ATTENTION_NAME
 from poolrunner.core.model import checkpoint, families
@@ -24,9 +25,14 @@ _HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def resolve_device(device: str) -> torch.device:
-    """``auto`` is CUDA when present, else the CPU."""
+    """``auto`` is CUDA when present, else the CPU.
+
+    :raises InvalidRequestError: for a device torch does not know, or CUDA where there is none
+        (:func:`~poolrunner.core.config.check_device`).
+    """
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    check_device(device)
     return torch.device(device)
 
 
