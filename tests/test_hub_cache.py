@@ -181,6 +181,29 @@ def test_missing_hub_id_names_the_id_and_the_cache(in_cache, monkeypatch):
     )
 
 
+def test_a_bare_name_is_completed_as_sentence_transformers_completes_it(in_cache, monkeypatch, hub_runtime):
+    """``all-MiniLM-L6-v2`` is ``sentence-transformers/all-MiniLM-L6-v2``, as SentenceTransformer
+    reads it (the default organizations of its three model classes)."""
+    from sentence_transformers import SentenceTransformer
+
+    bare = REPO_ID.split("/")[1]
+    reference = SentenceTransformer(bare, cache_folder=str(in_cache), local_files_only=True, device="cpu")
+    _no_network(monkeypatch)
+    runtime = poolrunner.Runtime(bare, dtype="float32")
+    assert runtime.model_config.path == str(_snapshot(in_cache, MAIN_COMMIT))
+    assert (cosine_rows(runtime.embed(TEXTS), reference.encode(TEXTS)) >= MIN_COSINE).all()
+    with pytest.raises(ModelLoadError) as excinfo:
+        metadata.resolve_model_path("not-cached-anywhere")
+    assert str(excinfo.value) == (
+        f"model 'not-cached-anywhere' is not a local model folder, and the Hugging Face hub id 'not-cached-anywhere' "
+        f"is not in the local cache {str(in_cache)!r}, nor are 'sentence-transformers/not-cached-anywhere', "
+        "'cross-encoder/not-cached-anywhere', 'sparse-encoder/not-cached-anywhere', where sentence-transformers "
+        "looks a bare name up; poolrunner never downloads from a model hub: download it first (`hf download "
+        "ORG/not-cached-anywhere`, or `huggingface-cli download ORG/not-cached-anywhere`) or copy the model folder "
+        "to this machine and pass its path"
+    )
+
+
 def test_missing_revision_names_the_revision(in_cache, monkeypatch):
     _no_network(monkeypatch)
     with pytest.raises(ModelLoadError) as excinfo:

