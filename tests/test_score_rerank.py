@@ -103,6 +103,11 @@ ERRORS: dict[str, tuple[str, tuple[Any, ...], dict[str, Any], str]] = {
                                        "documents must be a list of strings, not one string"),
     "rerank non-string query": ("rerank", (["a query"], ["d1"]), {}, "query must be a string, got ['a query']"),
     "rerank no documents": ("rerank", ("a query", []), {}, "documents is empty: scoring needs at least one of each"),
+    "embed's dimensions on score": (
+        "score", ("a query", ["d1"]), {"dimensions": 128},
+        "request field 'dimensions' does not apply to ScoreRequest (it takes ['activation', 'add_special_tokens', "
+        "'documents', 'lora', 'max_tokens_per_doc', 'prompt', 'prompt_name', 'queries', 'sides', "
+        "'truncate_prompt_tokens', 'truncation_side', 'use_activation'] and the plugins' request options)"),
 }
 
 

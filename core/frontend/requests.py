@@ -150,7 +150,8 @@ class _Request:
         fields go into ``tokenization``; with :attr:`takes_plugin_options`, any other unknown
         name is a plugin's request option (checked when the plan is made).
 
-        :raises InvalidRequestError: for an unknown name, or a value its field refuses.
+        :raises InvalidRequestError: for an unknown name, another operation's field (``dimensions``
+            on a score), or a value its field refuses.
         """
         own = {f.name for f in attrs.fields(cls)} - {"tokenization", "options"}
         tokenization = {name: values.pop(name) for name in TOKENIZATION_FIELDS & set(values)}
@@ -158,6 +159,11 @@ class _Request:
         if values and not cls.takes_plugin_options:
             raise InvalidRequestError(f"unknown request field {sorted(values)[0]!r} ({cls.__name__} takes "
                                       f"{sorted(own | TOKENIZATION_FIELDS)})")
+        foreign = sorted(REQUEST_FIELDS & set(values))  # another operation's field, not a plugin's option
+        if foreign:
+            raise InvalidRequestError(f"request field {foreign[0]!r} does not apply to {cls.__name__} (it takes "
+                                      f"{sorted(own | TOKENIZATION_FIELDS)} and the plugins' request options)",
+                                      param=foreign[0])
         extra = {"options": values} if cls.takes_plugin_options else {}
         return cls(**fields, tokenization=Tokenization(**tokenization), **extra)  # type: ignore[call-arg]
 
