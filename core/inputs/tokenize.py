@@ -169,7 +169,8 @@ class InputProcessor:
             tokenizer adds (vLLM's ``add_special_tokens``; e.g. no ``[CLS]``/``[SEP]``), so
             ``truncate_prompt_tokens`` then has no minimum. Token-id inputs are taken as given.
         :param check_vocabulary: ``False`` answers a text's ids even where the tokenizer numbers
-            a token past the model's vocabulary (a tokenize request: the model never runs).
+            a token past the model's vocabulary, or gives it none (a tokenize request: the model
+            never runs, and ``[]`` is an answer).
         :returns: One ``prompt_token_ids`` tuple per input, in order.
         :raises InvalidRequestError: naming the input's index and the limit it breaks (a text over
             ``max_input_chars`` characters: its length, the limit and the flag that sets it).
@@ -189,7 +190,8 @@ class InputProcessor:
                 raise InvalidRequestError(f"input {index}: a prompt applies to text, not to token ids")
             else:
                 ids = self._check_token_ids(index, item, keep, truncation_side)
-            ids = self._check_length(index, ids, keep)
+            if ids or check_vocabulary:
+                ids = self._check_length(index, ids, keep)
             results.append(self._check_vocabulary(index, ids) if check_vocabulary and index in by_index else ids)
         return results
 

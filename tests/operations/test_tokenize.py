@@ -63,6 +63,17 @@ def test_vllm_tokenize_answers_the_reference_ids(server, runtime, reference, tex
     assert (plain["tokens"], plain["token_strs"]) == (plain_ids, reference.convert_ids_to_tokens(plain_ids))
 
 
+@pytest.mark.parametrize("text", ["", " "])
+def test_a_text_of_no_tokens_is_tokenized_to_none(server, runtime, reference, text):
+    """Without special tokens, "" and " " have no tokens: tokenizing answers [] as the tokenizer
+    does (only a request to pool refuses an input of no tokens)."""
+    assert reference(text, add_special_tokens=False)["input_ids"] == []
+    assert runtime.tokenize([text, "a"], add_special_tokens=False) == [[], reference("a", add_special_tokens=False)
+                                                                           ["input_ids"]]
+    answer = post(server.url, "/tokenize", {"prompt": text, "add_special_tokens": False})
+    assert (answer["count"], answer["tokens"]) == (0, [])
+
+
 def test_tei_tokenize_answers_the_same_ids_with_their_spans(server, reference):
     answer = post(server.url, "/tokenize", {"inputs": TEXTS})
     for text, tokens in zip(TEXTS, answer, strict=True):
