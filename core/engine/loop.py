@@ -175,7 +175,7 @@ class EngineLoop:
                 raise QueueFullError(
                     f"the request queue is full: {self._pending} requests are waiting or running and "
                     f"{len(submission.requests)} more would pass the limit of {self.max_pending} "
-                    "(max_waiting_requests); retry later"
+                    "(max_pending; the server's --max-waiting-requests); retry later"
                 )
             self._pending += len(submission.requests)
             self._callers += 1

@@ -125,7 +125,12 @@ def install_handlers(app: FastAPI) -> None:
                               exc.param or "truncate_prompt_tokens")
 
     app.add_exception_handler(NonFiniteOutputError, _status_handler(422))
-    app.add_exception_handler(QueueFullError, _status_handler(429))
+    @app.exception_handler(QueueFullError)
+    async def queue_full(request: Request, exc: QueueFullError) -> JSONResponse:
+        answer = error_response(429, public_text(request, str(exc)))
+        answer.headers["Retry-After"] = "1"  # a second: the queue drains a step at a time
+        return answer
+
     app.add_exception_handler(LoopClosedError, _status_handler(503))
 
     @app.exception_handler(StepFailedError)

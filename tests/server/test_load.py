@@ -171,8 +171,9 @@ def test_a_full_queue_answers_429_at_once_and_loses_nothing(runtime, sentences, 
                 _check(spec, response.json(), want)
             else:
                 assert re.fullmatch(r"the request queue is full: \d+ requests are waiting or running and 4 more "
-                                    r"would pass the limit of 8 \(max_waiting_requests\); retry later",
-                                    response.json()["error"]["message"])
+                                    r"would pass the limit of 8 \(max_pending; the server's --max-waiting-requests\); "
+                                    r"retry later", response.json()["error"]["message"])
+                assert response.headers["retry-after"] == "1"
         assert running.serving.pending == 0 and not log.in_flight
         metrics = httpx.get(f"{running.url}/metrics").text
         rejected = statuses.count(429)
