@@ -84,9 +84,10 @@ def _lora_modules(value: Any) -> dict[str, str]:
 
 
 def check_device(device: Any) -> None:
-    """``device`` must be ``auto`` or a torch device string that is here (``cuda`` only with a
-    CUDA device); checked where the model loads, before any weight is read (a Ray job's driver
-    names its workers' device, which it need not have).
+    """``device`` must be ``auto``, ``cpu`` or a CUDA device that is here (``cuda``, ``cuda:N``
+    below the device count): poolrunner runs on those two kinds. Checked where the model loads,
+    before any weight is read (a Ray job's driver names its workers' device, which it need not
+    have).
 
     :raises InvalidRequestError: naming the value and what would work.
     """
@@ -99,9 +100,16 @@ def check_device(device: Any) -> None:
     except (RuntimeError, TypeError):
         raise InvalidRequestError(f"device {device!r} is not a torch device (try auto, cpu, cuda or cuda:0)",
                                   param="device") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise InvalidRequestError(f"device {device!r} is of type {parsed.type}; poolrunner runs on cpu or cuda "
+                                  "(auto: CUDA when present, else the CPU)", param="device")
     if parsed.type == "cuda" and not torch.cuda.is_available():
         raise InvalidRequestError(f"device {device!r} asks for CUDA, but no CUDA device is available; use cpu or auto",
                                   param="device")
+    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise InvalidRequestError(f"device {device!r} asks for CUDA device {parsed.index}, but this machine has "
+                                  f"{count} (cuda:0..cuda:{count - 1})", param="device")
 
 
 def _upper(value: Any) -> Any:

@@ -390,6 +390,8 @@ def test_pooling_request_validators():
     ({"model": "sentence-transformers/all-MiniLM-L6-v2"}, ModelLoadError, r"never downloads from a model hub"),
     ({"device": "gpu0"}, InvalidRequestError,
      r"^device 'gpu0' is not a torch device \(try auto, cpu, cuda or cuda:0\)$"),
+    ({"device": "meta"}, InvalidRequestError,
+     r"^device 'meta' is of type meta; poolrunner runs on cpu or cuda \(auto: CUDA when present, else the CPU\)$"),
 ])
 def test_invalid_runtime_arguments(runtime, assert_serves, kwargs, error, pattern):
     with pytest.raises(error) as excinfo:
@@ -406,6 +408,11 @@ def test_a_cuda_device_without_cuda_is_refused_before_loading(monkeypatch, asser
         poolrunner.Runtime(device="cuda:0")
     assert (str(caught.value), caught.value.param) == (
         "device 'cuda:0' asks for CUDA, but no CUDA device is available; use cpu or auto", "device")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(InvalidRequestError) as caught:
+        poolrunner.Runtime(device="cuda:1")
+    assert str(caught.value) == "device 'cuda:1' asks for CUDA device 1, but this machine has 1 (cuda:0..cuda:0)"
     assert_serves(runtime)
 
 
