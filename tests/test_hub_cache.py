@@ -204,6 +204,26 @@ def test_a_bare_name_is_completed_as_sentence_transformers_completes_it(in_cache
     )
 
 
+def test_a_bare_name_held_by_two_organizations_is_refused(tmp_path, monkeypatch, model_path):
+    """SentenceTransformer would take sentence-transformers/NAME and CrossEncoder cross-encoder/NAME:
+    a folder does not say which class loads it. An interrupted download's empty folder counts
+    for nothing; a name no organization holds is the bare id itself (a legacy id)."""
+    cache = tmp_path / "hub"
+    for repo_id in ("sentence-transformers/both", "cross-encoder/both", "cross-encoder/one", "legacy"):
+        _add_snapshot(cache / ("models--" + repo_id.replace("/", "--")), model_path, MAIN_COMMIT, "main", {})
+    (cache / "models--sentence-transformers--one" / "blobs").mkdir(parents=True)  # a download cut short
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    _no_network(monkeypatch)
+    with pytest.raises(ModelLoadError) as excinfo:
+        metadata.resolve_model_path("both")
+    assert str(excinfo.value) == (
+        "model 'both' is a bare name, and the local cache holds it as 'sentence-transformers/both' and "
+        "'cross-encoder/both': sentence-transformers completes a bare name by the class that loads it "
+        "(SentenceTransformer, CrossEncoder, SparseEncoder); pass the full id of the one to load")
+    assert metadata.resolve_model_path("one") == cache / "models--cross-encoder--one" / "snapshots" / MAIN_COMMIT
+    assert metadata.resolve_model_path("legacy") == cache / "models--legacy" / "snapshots" / MAIN_COMMIT
+
+
 def test_missing_revision_names_the_revision(in_cache, monkeypatch):
     _no_network(monkeypatch)
     with pytest.raises(ModelLoadError) as excinfo:

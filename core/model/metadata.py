@@ -81,7 +81,7 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
             f"model {model!r} is not a local model folder with a config.json; poolrunner loads "
             "only local folders and never downloads from a model hub"
         )
-    return _cached_snapshot(_bare_name_in_cache(model), revision)
+    return _cached_snapshot(_bare_name_in_cache(model, revision), revision)
 
 
 ST_ORGANIZATIONS = ("sentence-transformers", "cross-encoder", "sparse-encoder")
@@ -89,18 +89,39 @@ ST_ORGANIZATIONS = ("sentence-transformers", "cross-encoder", "sparse-encoder")
 its ``SentenceTransformer``, ``CrossEncoder`` and ``SparseEncoder``."""
 
 
-def _bare_name_in_cache(model: str) -> str:
-    """The hub id a bare name (``all-MiniLM-L6-v2``) stands for, as sentence-transformers reads
-    it: the name itself where the cache has it (the hub's legacy ids, ``bert-base-uncased``), else
-    the first of :data:`ST_ORGANIZATIONS` whose ``ORG/NAME`` the cache has; ``ORG/NAME`` ids and
-    names found nowhere are returned as they are (the lookup names what is missing)."""
+def _bare_name_in_cache(model: str, revision: str | None) -> str:
+    """The hub id a bare name (``all-MiniLM-L6-v2``) stands for: ``ORG/NAME`` for the one of
+    :data:`ST_ORGANIZATIONS` whose snapshot the cache holds, as the sentence-transformers class
+    of that organization completes the name; else the name itself (the hub's legacy ids,
+    ``bert-base-uncased``, which sentence-transformers leaves bare). ``ORG/NAME`` ids are
+    returned as they are.
+
+    :raises ModelLoadError: when the cache holds the name under two organizations
+        (sentence-transformers would pick by the class loading it, which a folder does not say).
+    """
     if "/" in model:
         return model
-    cache = hub_cache_dir()
-    for repo_id in (model, *(f"{organization}/{model}" for organization in ST_ORGANIZATIONS)):
-        if (cache / ("models--" + repo_id.replace("/", "--"))).is_dir():
-            return repo_id
-    return model
+    found = [f"{organization}/{model}" for organization in ST_ORGANIZATIONS
+             if _snapshot_cached(f"{organization}/{model}", revision)]
+    if len(found) > 1:
+        raise ModelLoadError(
+            f"model {model!r} is a bare name, and the local cache holds it as {' and '.join(map(repr, found))}: "
+            "sentence-transformers completes a bare name by the class that loads it (SentenceTransformer, "
+            "CrossEncoder, SparseEncoder); pass the full id of the one to load"
+        )
+    return found[0] if found else model
+
+
+def _snapshot_cached(repo_id: str, revision: str | None) -> bool:
+    """Whether the cache holds a snapshot of ``repo_id`` at ``revision`` (an interrupted
+    download's empty folder does not count)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        snapshot_download(repo_id, revision=revision, cache_dir=hub_cache_dir(), local_files_only=True)
+    except (OSError, ValueError):  # not cached; ValueError: HFValidationError, an id the hub refuses
+        return False
+    return True
 
 
 def hub_cache_dir() -> Path:
