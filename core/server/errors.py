@@ -125,6 +125,7 @@ def install_handlers(app: FastAPI) -> None:
                               exc.param or "truncate_prompt_tokens")
 
     app.add_exception_handler(NonFiniteOutputError, _status_handler(422))
+
     @app.exception_handler(QueueFullError)
     async def queue_full(request: Request, exc: QueueFullError) -> JSONResponse:
         answer = error_response(429, public_text(request, str(exc)))
