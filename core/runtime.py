@@ -240,9 +240,8 @@ class Runtime:
                    options: dict[str, Any]) -> np.ndarray | list[Result]:
         # Another embedding task (``sparse_embed``, ``token_embed``) as the default: its outputs;
         # a classifier's or a cross-encoder's: embed's error naming what the model serves.
-        if "embed" not in self.supported_tasks and self.task.endswith("embed"):
-            return self.encode(texts, **self._role_prompt(role, options))
-        return self.embed(texts, **self._role_prompt(role, options))
+        run = self.encode if "embed" not in self.supported_tasks and self.task.endswith("embed") else self.embed
+        return run(texts, **self._role_prompt(role, options))
 
     def _role_prompt(self, role: str, options: dict[str, Any]) -> dict[str, Any]:
         if options.get("prompt") is not None or options.get("prompt_name") is not None:
